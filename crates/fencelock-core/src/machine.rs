@@ -1,0 +1,1358 @@
+//! The lock state machine.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use crate::command::{
+    Acquire, Command, Error, ErrorKind, Event, EventKind, Grant, GrantEnd, Outcome, Reply, WaitEnd,
+};
+use crate::image::{HolderImage, LeaseImage, LockImage, SessionImage, StateImage, WaiterImage};
+use crate::types::{Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId};
+
+/// Bounds and ranges the core enforces. Every queue and table is bounded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Shortest lease (and session) a client may ask for.
+    pub min_ttl_ms: u64,
+    /// Longest lease (and session) a client may ask for.
+    pub max_ttl_ms: u64,
+    /// Longest `wait_ms`.
+    pub max_wait_ms: u64,
+    /// Longest `lock_delay_ms`.
+    pub max_lock_delay_ms: u64,
+    /// Largest semaphore `limit`.
+    pub max_limit: u32,
+    /// Most locks that may exist at once (held, queued for, or in lock-delay).
+    pub max_locks: usize,
+    /// Most queued requests per lock.
+    pub max_waiters_per_lock: usize,
+    /// Most queued requests in total.
+    pub max_waiters: usize,
+    /// Most open sessions.
+    pub max_sessions: usize,
+    /// Most locks held or queued for by one session.
+    pub max_locks_per_session: usize,
+    /// How many ended grants are remembered so renew/release can say *why* they did
+    /// nothing (`expired` vs `not_held`).
+    pub max_recent_ends: usize,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            min_ttl_ms: 10,
+            max_ttl_ms: 24 * 3600 * 1000,
+            max_wait_ms: 3600 * 1000,
+            max_lock_delay_ms: 60 * 1000,
+            max_limit: 1024,
+            max_locks: 4_000_000,
+            max_waiters_per_lock: 10_000,
+            max_waiters: 1_000_000,
+            max_sessions: 1_000_000,
+            max_locks_per_session: 10_000,
+            max_recent_ends: 65_536,
+        }
+    }
+}
+
+/// A lease: either the holder's own, or its session's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lease {
+    Own { ttl_ms: u64, deadline_ms: u64 },
+    Session(SessionId),
+}
+
+#[derive(Debug, Clone)]
+struct Holder {
+    name: LockName,
+    fence: Fence,
+    owner: Owner,
+    request_id: Option<RequestId>,
+    lease: Lease,
+    granted_at_ms: u64,
+    lock_delay_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Waiter {
+    name: LockName,
+    owner: Owner,
+    request_id: Option<RequestId>,
+    ttl_ms: Option<u64>,
+    session: Option<SessionId>,
+    lock_delay_ms: u64,
+    enqueued_at_ms: u64,
+    wait_deadline_ms: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Lock {
+    limit: u32,
+    /// Tokens of the holders, in grant order.
+    holders: Vec<OwnerToken>,
+    /// Tokens of queued requests, FIFO.
+    waiters: VecDeque<OwnerToken>,
+    /// No grants before this service time (lock-delay).
+    blocked_until_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Session {
+    owner: Owner,
+    ttl_ms: u64,
+    deadline_ms: u64,
+    holders: BTreeSet<OwnerToken>,
+    waiters: BTreeSet<OwnerToken>,
+}
+
+/// A deadline the core must act on. Ordered, so same-instant deadlines are processed
+/// in a fixed order and replay is deterministic.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Timer {
+    Session(SessionId),
+    Lease(OwnerToken),
+    Wait(OwnerToken),
+    Unblock(LockName),
+}
+
+/// The read-only view of one holder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HolderView {
+    /// Its fence.
+    pub fence: Fence,
+    /// Its owner text.
+    pub owner: Owner,
+    /// Its session, if session-held.
+    pub session: Option<SessionId>,
+    /// How long it has held the lock.
+    pub held_ms: u64,
+    /// Lease time left (the session's, if session-held).
+    pub ttl_remaining_ms: u64,
+}
+
+/// The read-only view of one lock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockView {
+    /// The lock.
+    pub name: LockName,
+    /// How many holders it admits.
+    pub limit: u32,
+    /// Current holders, in grant order.
+    pub holders: Vec<HolderView>,
+    /// Queued requests.
+    pub waiters: usize,
+    /// Lock-delay time left (0 if none).
+    pub lock_delay_remaining_ms: u64,
+}
+
+/// Counts for gauges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Stats {
+    /// Locks that exist (held, queued for, or in lock-delay).
+    pub locks: usize,
+    /// Grants currently held.
+    pub holders: usize,
+    /// Requests currently queued.
+    pub waiters: usize,
+    /// Open sessions.
+    pub sessions: usize,
+    /// The fence the next grant will get.
+    pub next_fence: u64,
+}
+
+/// The sans-IO lock state machine.
+///
+/// # Driver contract
+/// - Feed commands with a **monotonic service time** `now_ms` that never goes
+///   backwards, also across restarts (the server continues from the last logged time).
+/// - Persist every command (with its `now_ms`) before releasing its reply or any
+///   outcome it produced; replaying the same `(now_ms, command)` sequence on a fresh
+///   core (or on an imported snapshot) yields the same state and the same outputs.
+/// - After every command, drain [`Core::take_outcomes`] and deliver them.
+/// - Propose [`Command::Tick`] once [`Core::next_deadline_ms`] has passed; every
+///   command also processes the deadlines due at its `now_ms` first.
+#[derive(Debug, Clone)]
+pub struct Core {
+    config: Config,
+    now_ms: u64,
+    next_fence: u64,
+    locks: BTreeMap<LockName, Lock>,
+    holders: HashMap<OwnerToken, Holder>,
+    waiters: HashMap<OwnerToken, Waiter>,
+    sessions: HashMap<SessionId, Session>,
+    request_ids: HashMap<(LockName, RequestId), OwnerToken>,
+    timers: BTreeSet<(u64, Timer)>,
+    recent_ends: HashMap<OwnerToken, GrantEnd>,
+    recent_order: VecDeque<OwnerToken>,
+    outcomes: Vec<Outcome>,
+}
+
+fn err(kind: ErrorKind, message: impl Into<String>) -> Error {
+    Error::new(kind, message)
+}
+
+impl Core {
+    /// An empty core. The first fence it issues is 1.
+    pub fn new(config: Config) -> Core {
+        Core {
+            config,
+            now_ms: 0,
+            next_fence: 1,
+            locks: BTreeMap::new(),
+            holders: HashMap::new(),
+            waiters: HashMap::new(),
+            sessions: HashMap::new(),
+            request_ids: HashMap::new(),
+            timers: BTreeSet::new(),
+            recent_ends: HashMap::new(),
+            recent_order: VecDeque::new(),
+            outcomes: Vec::new(),
+        }
+    }
+
+    /// The bounds in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The latest service time the core has seen.
+    pub fn now_ms(&self) -> u64 {
+        self.now_ms
+    }
+
+    /// The earliest deadline (lease, wait, session, lock-delay) still pending.
+    pub fn next_deadline_ms(&self) -> Option<u64> {
+        self.timers.first().map(|(at, _)| *at)
+    }
+
+    /// Takes the outcomes produced since the last call, in order.
+    pub fn take_outcomes(&mut self) -> Vec<Outcome> {
+        std::mem::take(&mut self.outcomes)
+    }
+
+    /// Counts for gauges.
+    pub fn stats(&self) -> Stats {
+        Stats {
+            locks: self.locks.len(),
+            holders: self.holders.len(),
+            waiters: self.waiters.len(),
+            sessions: self.sessions.len(),
+            next_fence: self.next_fence,
+        }
+    }
+
+    /// Applies one command at service time `now_ms`. Deadlines due at `now_ms` are
+    /// processed first. An `Err` changed nothing except those deadlines.
+    pub fn apply(&mut self, now_ms: u64, command: Command) -> Result<Reply, Error> {
+        debug_assert!(now_ms >= self.now_ms, "service time went backwards");
+        self.now_ms = self.now_ms.max(now_ms);
+        self.process_deadlines();
+        let reply = match command {
+            Command::Acquire(acquire) => self.acquire(acquire),
+            Command::Renew {
+                name,
+                token,
+                ttl_ms,
+            } => self.renew(name, token, ttl_ms),
+            Command::Release { name, token } => self.release(name, token),
+            Command::ForceRelease {
+                name,
+                fence,
+                reason,
+            } => self.force_release(name, fence, reason),
+            Command::CancelWait { name, token } => Ok(self.cancel_wait(&name, token)),
+            Command::OpenSession { id, ttl_ms, owner } => self.open_session(id, ttl_ms, owner),
+            Command::KeepAlive { id } => self.keep_alive(id),
+            Command::CloseSession { id } => self.close_session(id),
+            Command::Tick => Ok(Reply::Ticked),
+            Command::Recover => {
+                self.recover();
+                Ok(Reply::Recovered)
+            }
+            Command::RaiseFenceFloor { floor } => {
+                self.next_fence = self.next_fence.max(floor).max(1);
+                Ok(Reply::FenceFloorRaised {
+                    next_fence: self.next_fence,
+                })
+            }
+        };
+        #[cfg(debug_assertions)]
+        if self.holders.len() + self.waiters.len() < 512 {
+            if let Err(broken) = self.check_invariants() {
+                panic!("invariant broken after command: {broken}");
+            }
+        }
+        reply
+    }
+
+    fn check_ttl(&self, what: &str, ttl_ms: u64) -> Result<(), Error> {
+        let (min, max) = (self.config.min_ttl_ms, self.config.max_ttl_ms);
+        if ttl_ms < min || ttl_ms > max {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!("{what} must be between {min} and {max} ms, got {ttl_ms}"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn acquire(&mut self, a: Acquire) -> Result<Reply, Error> {
+        // Arguments.
+        match (a.ttl_ms, a.session) {
+            (Some(_), Some(_)) => {
+                return Err(err(
+                    ErrorKind::InvalidArgument,
+                    "give either ttl_ms or session, not both: a session-held lock lives on the session's lease",
+                ))
+            }
+            (None, None) => {
+                return Err(err(
+                    ErrorKind::InvalidArgument,
+                    "ttl_ms is required when no session is given",
+                ))
+            }
+            (Some(ttl_ms), None) => self.check_ttl("ttl_ms", ttl_ms)?,
+            (None, Some(_)) => {}
+        }
+        if a.limit == 0 || a.limit > self.config.max_limit {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "limit must be between 1 and {}, got {}",
+                    self.config.max_limit, a.limit
+                ),
+            ));
+        }
+        if a.wait_ms > self.config.max_wait_ms {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "wait_ms must be at most {}, got {}",
+                    self.config.max_wait_ms, a.wait_ms
+                ),
+            ));
+        }
+        if a.lock_delay_ms > self.config.max_lock_delay_ms {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "lock_delay_ms must be at most {}, got {}",
+                    self.config.max_lock_delay_ms, a.lock_delay_ms
+                ),
+            ));
+        }
+
+        // Idempotent retry: the same request id on the same lock gets the same answer.
+        if let Some(request_id) = &a.request_id {
+            let key = (a.name.clone(), request_id.clone());
+            if let Some(&token) = self.request_ids.get(&key) {
+                if self.holders.contains_key(&token) {
+                    return Ok(Reply::Granted(self.grant_of(token)));
+                }
+                if self.waiters.contains_key(&token) {
+                    let position = self.locks[&a.name]
+                        .waiters
+                        .iter()
+                        .position(|t| *t == token)
+                        .expect("indexed waiter is queued");
+                    return Ok(Reply::Queued { token, position });
+                }
+                unreachable!("request id index points at a live grant or waiter");
+            }
+        }
+
+        if let Some(id) = a.session {
+            let session = self.sessions.get(&id).ok_or_else(|| {
+                err(
+                    ErrorKind::SessionNotFound,
+                    format!("session {id} does not exist (expired, closed or never opened)"),
+                )
+            })?;
+            if session.holders.len() + session.waiters.len() >= self.config.max_locks_per_session {
+                return Err(err(
+                    ErrorKind::ResourceExhausted,
+                    format!(
+                        "session {id} already holds or waits for {} locks",
+                        self.config.max_locks_per_session
+                    ),
+                ));
+            }
+        }
+        if self.holders.contains_key(&a.token) || self.waiters.contains_key(&a.token) {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                "owner token already in use",
+            ));
+        }
+        if self.next_fence == u64::MAX {
+            return Err(err(ErrorKind::ResourceExhausted, "fence space exhausted"));
+        }
+
+        let now = self.now_ms;
+        let (available, queue_len) = match self.locks.get(&a.name) {
+            Some(lock) => {
+                if lock.limit != a.limit {
+                    return Err(err(
+                        ErrorKind::LimitMismatch,
+                        format!(
+                            "lock {} exists with limit {}, request asked for {}",
+                            a.name, lock.limit, a.limit
+                        ),
+                    ));
+                }
+                let free = (lock.holders.len() as u64) < u64::from(lock.limit);
+                let blocked = lock.blocked_until_ms > now;
+                (
+                    free && !blocked && lock.waiters.is_empty(),
+                    lock.waiters.len(),
+                )
+            }
+            None => {
+                if self.locks.len() >= self.config.max_locks {
+                    return Err(err(
+                        ErrorKind::ResourceExhausted,
+                        format!(
+                            "the server holds its maximum of {} locks",
+                            self.config.max_locks
+                        ),
+                    ));
+                }
+                (true, 0)
+            }
+        };
+
+        if available {
+            self.locks.entry(a.name.clone()).or_insert_with(|| Lock {
+                limit: a.limit,
+                ..Lock::default()
+            });
+            let waiter = Waiter {
+                name: a.name,
+                owner: a.owner,
+                request_id: a.request_id,
+                ttl_ms: a.ttl_ms,
+                session: a.session,
+                lock_delay_ms: a.lock_delay_ms,
+                enqueued_at_ms: now,
+                wait_deadline_ms: now,
+            };
+            let grant = self.grant(a.token, waiter);
+            return Ok(Reply::Granted(grant));
+        }
+
+        if a.wait_ms == 0 {
+            let lock = &self.locks[&a.name];
+            let message = if lock.blocked_until_ms > now {
+                format!(
+                    "lock {} is in lock-delay for {} more ms",
+                    a.name,
+                    lock.blocked_until_ms - now
+                )
+            } else {
+                format!(
+                    "lock {} is held ({} of {} holders, {} queued)",
+                    a.name,
+                    lock.holders.len(),
+                    lock.limit,
+                    lock.waiters.len()
+                )
+            };
+            return Err(err(ErrorKind::Held, message));
+        }
+        if queue_len >= self.config.max_waiters_per_lock
+            || self.waiters.len() >= self.config.max_waiters
+        {
+            return Err(err(
+                ErrorKind::ResourceExhausted,
+                format!("too many queued requests for lock {}", a.name),
+            ));
+        }
+
+        // Queue.
+        let deadline = now.saturating_add(a.wait_ms);
+        if let Some(request_id) = &a.request_id {
+            self.request_ids
+                .insert((a.name.clone(), request_id.clone()), a.token);
+        }
+        if let Some(id) = a.session {
+            self.sessions
+                .get_mut(&id)
+                .expect("checked above")
+                .waiters
+                .insert(a.token);
+        }
+        self.timers.insert((deadline, Timer::Wait(a.token)));
+        let lock = self
+            .locks
+            .get_mut(&a.name)
+            .expect("exists when not available");
+        lock.waiters.push_back(a.token);
+        let position = lock.waiters.len() - 1;
+        self.outcomes.push(Outcome::Event(Event {
+            kind: EventKind::Queued,
+            name: a.name.clone(),
+            fence: None,
+            owner: a.owner.clone(),
+            session: a.session,
+            at_ms: now,
+            duration_ms: 0,
+            reason: None,
+        }));
+        self.waiters.insert(
+            a.token,
+            Waiter {
+                name: a.name,
+                owner: a.owner,
+                request_id: a.request_id,
+                ttl_ms: a.ttl_ms,
+                session: a.session,
+                lock_delay_ms: a.lock_delay_ms,
+                enqueued_at_ms: now,
+                wait_deadline_ms: deadline,
+            },
+        );
+        Ok(Reply::Queued {
+            token: a.token,
+            position,
+        })
+    }
+
+    /// Turns `w` (already removed from any queue) into a holder with a new fence.
+    fn grant(&mut self, token: OwnerToken, w: Waiter) -> Grant {
+        let now = self.now_ms;
+        let fence = Fence::new(self.next_fence).expect("fences start at 1");
+        assert!(self.next_fence < u64::MAX, "fence space exhausted");
+        self.next_fence += 1;
+        let lease = match (w.session, w.ttl_ms) {
+            (Some(id), _) => {
+                self.sessions
+                    .get_mut(&id)
+                    .expect("granted waiter's session is live")
+                    .holders
+                    .insert(token);
+                Lease::Session(id)
+            }
+            (None, Some(ttl_ms)) => {
+                let deadline_ms = now + ttl_ms;
+                self.timers.insert((deadline_ms, Timer::Lease(token)));
+                Lease::Own {
+                    ttl_ms,
+                    deadline_ms,
+                }
+            }
+            (None, None) => unreachable!("validated at acquire"),
+        };
+        if let Some(request_id) = &w.request_id {
+            self.request_ids
+                .insert((w.name.clone(), request_id.clone()), token);
+        }
+        let lock = self
+            .locks
+            .get_mut(&w.name)
+            .expect("lock exists for a grant");
+        lock.holders.push(token);
+        assert!(lock.holders.len() <= lock.limit as usize);
+        self.outcomes.push(Outcome::Event(Event {
+            kind: EventKind::Granted,
+            name: w.name.clone(),
+            fence: Some(fence),
+            owner: w.owner.clone(),
+            session: w.session,
+            at_ms: now,
+            duration_ms: now - w.enqueued_at_ms,
+            reason: None,
+        }));
+        self.holders.insert(
+            token,
+            Holder {
+                name: w.name,
+                fence,
+                owner: w.owner,
+                request_id: w.request_id,
+                lease,
+                granted_at_ms: now,
+                lock_delay_ms: w.lock_delay_ms,
+            },
+        );
+        self.grant_of(token)
+    }
+
+    fn grant_of(&self, token: OwnerToken) -> Grant {
+        let h = &self.holders[&token];
+        let (ttl_ms, session) = match h.lease {
+            Lease::Own { ttl_ms, .. } => (ttl_ms, None),
+            Lease::Session(id) => (self.sessions[&id].ttl_ms, Some(id)),
+        };
+        Grant {
+            name: h.name.clone(),
+            fence: h.fence,
+            token,
+            ttl_ms,
+            session,
+        }
+    }
+
+    /// Grants queued requests while the lock has free slots and is not in lock-delay.
+    /// Removes the lock record once nothing refers to it.
+    fn hand_off(&mut self, name: &LockName) {
+        let now = self.now_ms;
+        loop {
+            let Some(lock) = self.locks.get_mut(name) else {
+                return;
+            };
+            let free = lock.holders.len() < lock.limit as usize;
+            if !free || lock.blocked_until_ms > now {
+                break;
+            }
+            let Some(&token) = lock.waiters.front() else {
+                break;
+            };
+            let w = self.take_waiter(token);
+            // Never grant to a request whose wait or session is over at this instant
+            // (deadlines are exclusive). Same-instant deadlines may not have been
+            // processed yet, so this is a real path, not just a guard.
+            let session_over = w
+                .session
+                .is_some_and(|id| self.sessions.get(&id).is_none_or(|s| s.deadline_ms <= now));
+            if session_over || w.wait_deadline_ms <= now {
+                let reason = if session_over {
+                    WaitEnd::SessionEnded
+                } else {
+                    WaitEnd::TimedOut
+                };
+                self.push_wait_ended(token, w, reason);
+                continue;
+            }
+            let grant = self.grant(token, w);
+            self.outcomes.push(Outcome::Granted(grant));
+        }
+        self.drop_lock_if_unused(name);
+    }
+
+    fn drop_lock_if_unused(&mut self, name: &LockName) {
+        if let Some(lock) = self.locks.get(name) {
+            if lock.holders.is_empty()
+                && lock.waiters.is_empty()
+                && lock.blocked_until_ms <= self.now_ms
+            {
+                self.locks.remove(name);
+            }
+        }
+    }
+
+    /// Ends a grant: removes it everywhere, records why, emits the event, applies
+    /// lock-delay for expiry and forced release. Does not hand off.
+    fn end_grant(&mut self, token: OwnerToken, end: GrantEnd, reason: Option<Reason>) -> Fence {
+        let now = self.now_ms;
+        let h = self.holders.remove(&token).expect("ending a live grant");
+        match h.lease {
+            Lease::Own { deadline_ms, .. } => {
+                self.timers.remove(&(deadline_ms, Timer::Lease(token)));
+            }
+            Lease::Session(id) => {
+                if let Some(s) = self.sessions.get_mut(&id) {
+                    s.holders.remove(&token);
+                }
+            }
+        }
+        if let Some(request_id) = &h.request_id {
+            self.request_ids
+                .remove(&(h.name.clone(), request_id.clone()));
+        }
+        let lock = self.locks.get_mut(&h.name).expect("holder's lock exists");
+        lock.holders.retain(|t| *t != token);
+        if end != GrantEnd::Released && h.lock_delay_ms > 0 {
+            let until = now + h.lock_delay_ms;
+            if until > lock.blocked_until_ms {
+                if lock.blocked_until_ms > now {
+                    self.timers
+                        .remove(&(lock.blocked_until_ms, Timer::Unblock(h.name.clone())));
+                }
+                lock.blocked_until_ms = until;
+                self.timers.insert((until, Timer::Unblock(h.name.clone())));
+            }
+        }
+        self.remember_end(token, end);
+        self.outcomes.push(Outcome::Event(Event {
+            kind: EventKind::Ended(end),
+            name: h.name,
+            fence: Some(h.fence),
+            owner: h.owner,
+            session: match h.lease {
+                Lease::Session(id) => Some(id),
+                Lease::Own { .. } => None,
+            },
+            at_ms: now,
+            duration_ms: now - h.granted_at_ms,
+            reason,
+        }));
+        h.fence
+    }
+
+    fn remember_end(&mut self, token: OwnerToken, end: GrantEnd) {
+        if self.config.max_recent_ends == 0 {
+            return;
+        }
+        if self.recent_ends.insert(token, end).is_none() {
+            self.recent_order.push_back(token);
+        }
+        while self.recent_order.len() > self.config.max_recent_ends {
+            let old = self.recent_order.pop_front().expect("non-empty");
+            self.recent_ends.remove(&old);
+        }
+    }
+
+    /// Removes a queued request from every index, without telling anyone.
+    fn take_waiter(&mut self, token: OwnerToken) -> Waiter {
+        let w = self.waiters.remove(&token).expect("taking a live waiter");
+        self.timers
+            .remove(&(w.wait_deadline_ms, Timer::Wait(token)));
+        if let Some(id) = w.session {
+            if let Some(s) = self.sessions.get_mut(&id) {
+                s.waiters.remove(&token);
+            }
+        }
+        if let Some(request_id) = &w.request_id {
+            self.request_ids
+                .remove(&(w.name.clone(), request_id.clone()));
+        }
+        if let Some(lock) = self.locks.get_mut(&w.name) {
+            if lock.waiters.front() == Some(&token) {
+                lock.waiters.pop_front();
+            } else {
+                lock.waiters.retain(|t| *t != token);
+            }
+        }
+        w
+    }
+
+    fn push_wait_ended(&mut self, token: OwnerToken, w: Waiter, reason: WaitEnd) {
+        self.outcomes.push(Outcome::Event(Event {
+            kind: EventKind::WaitEnded(reason),
+            name: w.name.clone(),
+            fence: None,
+            owner: w.owner,
+            session: w.session,
+            at_ms: self.now_ms,
+            duration_ms: self.now_ms - w.enqueued_at_ms,
+            reason: None,
+        }));
+        self.outcomes.push(Outcome::WaitEnded {
+            token,
+            name: w.name,
+            reason,
+        });
+    }
+
+    /// Removes a queued request and tells its client why. The caller hands off
+    /// afterwards if the request may have been at the head of a lock with free slots.
+    fn end_wait(&mut self, token: OwnerToken, reason: WaitEnd) -> LockName {
+        let w = self.take_waiter(token);
+        let name = w.name.clone();
+        self.push_wait_ended(token, w, reason);
+        name
+    }
+
+    fn not_held_error(&self, name: &LockName, token: OwnerToken) -> Error {
+        match self.recent_ends.get(&token) {
+            Some(GrantEnd::Expired) => err(
+                ErrorKind::Expired,
+                format!("the lease on {name} for this owner token expired"),
+            ),
+            Some(GrantEnd::ForceReleased) => err(
+                ErrorKind::NotHeld,
+                format!("the grant on {name} for this owner token was force-released"),
+            ),
+            Some(GrantEnd::Released) => err(
+                ErrorKind::NotHeld,
+                format!("the grant on {name} for this owner token was released"),
+            ),
+            None => err(
+                ErrorKind::NotHeld,
+                format!("this owner token does not hold {name}"),
+            ),
+        }
+    }
+
+    fn holder_of(&self, name: &LockName, token: OwnerToken) -> Option<&Holder> {
+        self.holders.get(&token).filter(|h| h.name == *name)
+    }
+
+    fn renew(
+        &mut self,
+        name: LockName,
+        token: OwnerToken,
+        ttl_ms: Option<u64>,
+    ) -> Result<Reply, Error> {
+        let Some(h) = self.holder_of(&name, token) else {
+            return Err(self.not_held_error(&name, token));
+        };
+        match h.lease {
+            Lease::Own {
+                ttl_ms: old_ttl,
+                deadline_ms,
+            } => {
+                let ttl_ms = ttl_ms.unwrap_or(old_ttl);
+                self.check_ttl("ttl_ms", ttl_ms)?;
+                let new_deadline = self.now_ms + ttl_ms;
+                self.timers.remove(&(deadline_ms, Timer::Lease(token)));
+                self.timers.insert((new_deadline, Timer::Lease(token)));
+                self.holders.get_mut(&token).expect("checked").lease = Lease::Own {
+                    ttl_ms,
+                    deadline_ms: new_deadline,
+                };
+            }
+            Lease::Session(id) => {
+                if ttl_ms.is_some() {
+                    return Err(err(
+                        ErrorKind::InvalidArgument,
+                        "this lock is held by a session: renewing it keeps the session alive, with the session's ttl; omit ttl_ms",
+                    ));
+                }
+                self.keep_alive(id)?;
+            }
+        }
+        Ok(Reply::Renewed(self.grant_of(token)))
+    }
+
+    fn release(&mut self, name: LockName, token: OwnerToken) -> Result<Reply, Error> {
+        if self.holder_of(&name, token).is_some() {
+            self.end_grant(token, GrantEnd::Released, None);
+            self.hand_off(&name);
+            return Ok(Reply::Released { released: true });
+        }
+        if self.recent_ends.get(&token) == Some(&GrantEnd::Released) {
+            return Ok(Reply::Released { released: false });
+        }
+        Err(self.not_held_error(&name, token))
+    }
+
+    fn force_release(
+        &mut self,
+        name: LockName,
+        fence: Option<Fence>,
+        reason: Reason,
+    ) -> Result<Reply, Error> {
+        let holders: Vec<OwnerToken> = match self.locks.get(&name) {
+            Some(lock) => lock
+                .holders
+                .iter()
+                .copied()
+                .filter(|t| fence.is_none_or(|f| self.holders[t].fence == f))
+                .collect(),
+            None => Vec::new(),
+        };
+        if holders.is_empty() {
+            let what = match fence {
+                Some(f) => format!("no holder of {name} has fence {f}"),
+                None => format!("{name} has no holders"),
+            };
+            return Err(err(ErrorKind::NotHeld, what));
+        }
+        let fences = holders
+            .into_iter()
+            .map(|t| self.end_grant(t, GrantEnd::ForceReleased, Some(reason.clone())))
+            .collect();
+        self.hand_off(&name);
+        Ok(Reply::ForceReleased { fences })
+    }
+
+    fn cancel_wait(&mut self, name: &LockName, token: OwnerToken) -> Reply {
+        let queued = self.waiters.get(&token).is_some_and(|w| w.name == *name);
+        if queued {
+            self.end_wait(token, WaitEnd::Cancelled);
+            self.hand_off(name);
+        }
+        Reply::WaitCancelled { cancelled: queued }
+    }
+
+    fn open_session(&mut self, id: SessionId, ttl_ms: u64, owner: Owner) -> Result<Reply, Error> {
+        self.check_ttl("session ttl_ms", ttl_ms)?;
+        if self.sessions.contains_key(&id) {
+            return Err(err(ErrorKind::InvalidArgument, "session id already in use"));
+        }
+        if self.sessions.len() >= self.config.max_sessions {
+            return Err(err(
+                ErrorKind::ResourceExhausted,
+                format!(
+                    "the server has its maximum of {} sessions",
+                    self.config.max_sessions
+                ),
+            ));
+        }
+        let deadline_ms = self.now_ms + ttl_ms;
+        self.timers.insert((deadline_ms, Timer::Session(id)));
+        self.sessions.insert(
+            id,
+            Session {
+                owner,
+                ttl_ms,
+                deadline_ms,
+                holders: BTreeSet::new(),
+                waiters: BTreeSet::new(),
+            },
+        );
+        Ok(Reply::SessionOpened { id, ttl_ms })
+    }
+
+    fn session_missing(id: SessionId) -> Error {
+        err(
+            ErrorKind::SessionNotFound,
+            format!("session {id} does not exist (expired, closed or never opened)"),
+        )
+    }
+
+    fn keep_alive(&mut self, id: SessionId) -> Result<Reply, Error> {
+        let now = self.now_ms;
+        let s = self
+            .sessions
+            .get_mut(&id)
+            .ok_or_else(|| Self::session_missing(id))?;
+        self.timers.remove(&(s.deadline_ms, Timer::Session(id)));
+        s.deadline_ms = now + s.ttl_ms;
+        self.timers.insert((s.deadline_ms, Timer::Session(id)));
+        Ok(Reply::KeptAlive { ttl_ms: s.ttl_ms })
+    }
+
+    fn close_session(&mut self, id: SessionId) -> Result<Reply, Error> {
+        if !self.sessions.contains_key(&id) {
+            return Err(Self::session_missing(id));
+        }
+        let released = self.end_session(id, GrantEnd::Released);
+        Ok(Reply::SessionClosed { released })
+    }
+
+    /// Ends a session: its queued requests leave, its grants end with `end`.
+    fn end_session(&mut self, id: SessionId, end: GrantEnd) -> usize {
+        let s = self.sessions.get(&id).expect("ending a live session");
+        let waiters: Vec<OwnerToken> = s.waiters.iter().copied().collect();
+        let holders: Vec<OwnerToken> = s.holders.iter().copied().collect();
+        let deadline = s.deadline_ms;
+        // Waiters go first, so no hand-off below can grant to this session.
+        let mut names: Vec<LockName> = waiters
+            .into_iter()
+            .map(|token| self.end_wait(token, WaitEnd::SessionEnded))
+            .collect();
+        self.timers.remove(&(deadline, Timer::Session(id)));
+        names.extend(holders.iter().map(|t| self.holders[t].name.clone()));
+        let count = holders.len();
+        for token in holders {
+            self.end_grant(token, end, None);
+        }
+        self.sessions.remove(&id);
+        for name in names {
+            self.hand_off(&name);
+        }
+        count
+    }
+
+    /// Processes every deadline at or before `now_ms`, earliest first.
+    fn process_deadlines(&mut self) {
+        let now = self.now_ms;
+        while let Some((at, _)) = self.timers.first() {
+            if *at > now {
+                break;
+            }
+            let (_, timer) = self.timers.pop_first().expect("non-empty");
+            match timer {
+                Timer::Session(id) => {
+                    self.end_session(id, GrantEnd::Expired);
+                }
+                Timer::Lease(token) => {
+                    let name = self.holders[&token].name.clone();
+                    self.end_grant(token, GrantEnd::Expired, None);
+                    self.hand_off(&name);
+                }
+                Timer::Wait(token) => {
+                    let name = self.end_wait(token, WaitEnd::TimedOut);
+                    self.hand_off(&name);
+                }
+                Timer::Unblock(name) => {
+                    self.hand_off(&name);
+                }
+            }
+        }
+    }
+
+    /// After a restart: every lease and session restarts with its full TTL (this only
+    /// ever extends leases, which is safe); queued requests are dropped because their
+    /// clients' connections are gone.
+    fn recover(&mut self) {
+        let now = self.now_ms;
+        let queued: Vec<OwnerToken> = self
+            .locks
+            .values()
+            .flat_map(|l| l.waiters.iter().copied())
+            .collect();
+        for token in queued {
+            let name = self.end_wait(token, WaitEnd::ServerRestarted);
+            self.drop_lock_if_unused(&name);
+        }
+        let mut timers = BTreeSet::new();
+        for (token, h) in self.holders.iter_mut() {
+            if let Lease::Own { ttl_ms, .. } = h.lease {
+                let deadline_ms = now + ttl_ms;
+                h.lease = Lease::Own {
+                    ttl_ms,
+                    deadline_ms,
+                };
+                timers.insert((deadline_ms, Timer::Lease(*token)));
+            }
+        }
+        for (id, s) in self.sessions.iter_mut() {
+            s.deadline_ms = now + s.ttl_ms;
+            timers.insert((s.deadline_ms, Timer::Session(*id)));
+        }
+        for (name, lock) in &self.locks {
+            if lock.blocked_until_ms > now {
+                timers.insert((lock.blocked_until_ms, Timer::Unblock(name.clone())));
+            }
+        }
+        self.timers = timers;
+    }
+
+    /// The view of one lock, or `None` if nobody holds, waits for or delays it.
+    pub fn lock(&self, name: &LockName) -> Option<LockView> {
+        self.locks.get(name).map(|lock| self.view(name, lock))
+    }
+
+    /// Locks whose names start with `prefix`, in name order, starting after `after`,
+    /// at most `max` of them.
+    pub fn locks(&self, prefix: &str, after: Option<&LockName>, max: usize) -> Vec<LockView> {
+        use std::ops::Bound;
+        let start = match after {
+            Some(a) => Bound::Excluded(a.clone()),
+            None => match LockName::new(prefix) {
+                Ok(p) => Bound::Included(p),
+                Err(_) => Bound::Unbounded,
+            },
+        };
+        self.locks
+            .range((start, Bound::Unbounded))
+            .skip_while(|(n, _)| !n.as_str().starts_with(prefix) && n.as_str() < prefix)
+            .take_while(|(n, _)| n.as_str().starts_with(prefix))
+            .take(max)
+            .map(|(n, l)| self.view(n, l))
+            .collect()
+    }
+
+    fn view(&self, name: &LockName, lock: &Lock) -> LockView {
+        let now = self.now_ms;
+        let holders = lock
+            .holders
+            .iter()
+            .map(|t| {
+                let h = &self.holders[t];
+                let (deadline, session) = match h.lease {
+                    Lease::Own { deadline_ms, .. } => (deadline_ms, None),
+                    Lease::Session(id) => (self.sessions[&id].deadline_ms, Some(id)),
+                };
+                HolderView {
+                    fence: h.fence,
+                    owner: h.owner.clone(),
+                    session,
+                    held_ms: now - h.granted_at_ms,
+                    ttl_remaining_ms: deadline.saturating_sub(now),
+                }
+            })
+            .collect();
+        LockView {
+            name: name.clone(),
+            limit: lock.limit,
+            holders,
+            waiters: lock.waiters.len(),
+            lock_delay_remaining_ms: lock.blocked_until_ms.saturating_sub(now),
+        }
+    }
+
+    /// Checks every internal invariant; returns the first broken one. O(state).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut fences = BTreeSet::new();
+        let mut counted_holders = 0;
+        let mut counted_waiters = 0;
+        for (name, lock) in &self.locks {
+            if lock.holders.len() > lock.limit as usize {
+                return Err(format!(
+                    "{name}: {} holders > limit {}",
+                    lock.holders.len(),
+                    lock.limit
+                ));
+            }
+            if lock.holders.is_empty()
+                && lock.waiters.is_empty()
+                && lock.blocked_until_ms <= self.now_ms
+            {
+                return Err(format!("{name}: unused lock record kept"));
+            }
+            if !lock.waiters.is_empty()
+                && lock.holders.len() < lock.limit as usize
+                && lock.blocked_until_ms <= self.now_ms
+            {
+                return Err(format!("{name}: free slot while requests are queued"));
+            }
+            for t in &lock.holders {
+                let h = self
+                    .holders
+                    .get(t)
+                    .ok_or(format!("{name}: unknown holder"))?;
+                if h.name != *name {
+                    return Err(format!("{name}: holder filed under another lock"));
+                }
+                if h.fence.get() >= self.next_fence || !fences.insert(h.fence) {
+                    return Err(format!(
+                        "{name}: fence {} reused or ahead of the counter",
+                        h.fence
+                    ));
+                }
+                match h.lease {
+                    Lease::Own { deadline_ms, .. } => {
+                        if deadline_ms <= self.now_ms {
+                            return Err(format!("{name}: holder past its lease"));
+                        }
+                    }
+                    Lease::Session(id) => {
+                        let s = self
+                            .sessions
+                            .get(&id)
+                            .ok_or(format!("{name}: holder of a dead session"))?;
+                        if !s.holders.contains(t) {
+                            return Err(format!("{name}: session does not list its holder"));
+                        }
+                    }
+                }
+                counted_holders += 1;
+            }
+            for t in &lock.waiters {
+                let w = self
+                    .waiters
+                    .get(t)
+                    .ok_or(format!("{name}: unknown waiter"))?;
+                if w.name != *name || w.wait_deadline_ms <= self.now_ms {
+                    return Err(format!("{name}: misfiled or timed-out waiter"));
+                }
+                if let Some(id) = w.session {
+                    let s = self
+                        .sessions
+                        .get(&id)
+                        .ok_or(format!("{name}: waiter of a dead session"))?;
+                    if !s.waiters.contains(t) {
+                        return Err(format!("{name}: session does not list its waiter"));
+                    }
+                }
+                counted_waiters += 1;
+            }
+        }
+        if counted_holders != self.holders.len() || counted_waiters != self.waiters.len() {
+            return Err("holder or waiter table out of step with the locks".into());
+        }
+        for (id, s) in &self.sessions {
+            if s.deadline_ms <= self.now_ms {
+                return Err(format!("session {id} past its lease"));
+            }
+            if !self.timers.contains(&(s.deadline_ms, Timer::Session(*id))) {
+                return Err(format!("session {id} has no timer"));
+            }
+        }
+        if self
+            .request_ids
+            .values()
+            .any(|t| !self.holders.contains_key(t) && !self.waiters.contains_key(t))
+        {
+            return Err("request id points at nothing".into());
+        }
+        Ok(())
+    }
+
+    /// Exports the whole state, for a snapshot. Deterministic: same state, same image.
+    pub fn export(&self) -> StateImage {
+        let locks = self
+            .locks
+            .iter()
+            .map(|(name, lock)| LockImage {
+                name: name.clone(),
+                limit: lock.limit,
+                blocked_until_ms: lock.blocked_until_ms,
+                holders: lock
+                    .holders
+                    .iter()
+                    .map(|t| {
+                        let h = &self.holders[t];
+                        HolderImage {
+                            token: *t,
+                            fence: h.fence,
+                            owner: h.owner.clone(),
+                            request_id: h.request_id.clone(),
+                            lease: match h.lease {
+                                Lease::Own {
+                                    ttl_ms,
+                                    deadline_ms,
+                                } => LeaseImage::Own {
+                                    ttl_ms,
+                                    deadline_ms,
+                                },
+                                Lease::Session(id) => LeaseImage::Session(id),
+                            },
+                            granted_at_ms: h.granted_at_ms,
+                            lock_delay_ms: h.lock_delay_ms,
+                        }
+                    })
+                    .collect(),
+                waiters: lock
+                    .waiters
+                    .iter()
+                    .map(|t| {
+                        let w = &self.waiters[t];
+                        WaiterImage {
+                            token: *t,
+                            owner: w.owner.clone(),
+                            request_id: w.request_id.clone(),
+                            ttl_ms: w.ttl_ms,
+                            session: w.session,
+                            lock_delay_ms: w.lock_delay_ms,
+                            enqueued_at_ms: w.enqueued_at_ms,
+                            wait_deadline_ms: w.wait_deadline_ms,
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        let mut sessions: Vec<SessionImage> = self
+            .sessions
+            .iter()
+            .map(|(id, s)| SessionImage {
+                id: *id,
+                owner: s.owner.clone(),
+                ttl_ms: s.ttl_ms,
+                deadline_ms: s.deadline_ms,
+            })
+            .collect();
+        sessions.sort_by_key(|s| s.id);
+        StateImage {
+            now_ms: self.now_ms,
+            next_fence: self.next_fence,
+            locks,
+            sessions,
+            recent_ends: self
+                .recent_order
+                .iter()
+                .map(|t| (*t, self.recent_ends[t]))
+                .collect(),
+        }
+    }
+
+    /// Rebuilds a core from an image, checking it: an image that breaks an invariant
+    /// is refused, never loaded.
+    pub fn import(config: Config, image: StateImage) -> Result<Core, String> {
+        let mut core = Core::new(config);
+        core.now_ms = image.now_ms;
+        core.next_fence = image.next_fence.max(1);
+        for s in image.sessions {
+            core.timers.insert((s.deadline_ms, Timer::Session(s.id)));
+            let dup = core.sessions.insert(
+                s.id,
+                Session {
+                    owner: s.owner,
+                    ttl_ms: s.ttl_ms,
+                    deadline_ms: s.deadline_ms,
+                    holders: BTreeSet::new(),
+                    waiters: BTreeSet::new(),
+                },
+            );
+            if dup.is_some() {
+                return Err(format!("session {} appears twice", s.id));
+            }
+        }
+        for l in image.locks {
+            let mut lock = Lock {
+                limit: l.limit,
+                blocked_until_ms: l.blocked_until_ms,
+                ..Lock::default()
+            };
+            if l.blocked_until_ms > core.now_ms {
+                core.timers
+                    .insert((l.blocked_until_ms, Timer::Unblock(l.name.clone())));
+            }
+            for h in l.holders {
+                let lease = match h.lease {
+                    LeaseImage::Own {
+                        ttl_ms,
+                        deadline_ms,
+                    } => {
+                        core.timers.insert((deadline_ms, Timer::Lease(h.token)));
+                        Lease::Own {
+                            ttl_ms,
+                            deadline_ms,
+                        }
+                    }
+                    LeaseImage::Session(id) => {
+                        core.sessions
+                            .get_mut(&id)
+                            .ok_or(format!("holder of unknown session {id}"))?
+                            .holders
+                            .insert(h.token);
+                        Lease::Session(id)
+                    }
+                };
+                if let Some(r) = &h.request_id {
+                    core.request_ids
+                        .insert((l.name.clone(), r.clone()), h.token);
+                }
+                lock.holders.push(h.token);
+                let dup = core.holders.insert(
+                    h.token,
+                    Holder {
+                        name: l.name.clone(),
+                        fence: h.fence,
+                        owner: h.owner,
+                        request_id: h.request_id,
+                        lease,
+                        granted_at_ms: h.granted_at_ms,
+                        lock_delay_ms: h.lock_delay_ms,
+                    },
+                );
+                if dup.is_some() {
+                    return Err(format!("owner token {} appears twice", h.token));
+                }
+            }
+            for w in l.waiters {
+                if let Some(id) = w.session {
+                    core.sessions
+                        .get_mut(&id)
+                        .ok_or(format!("waiter of unknown session {id}"))?
+                        .waiters
+                        .insert(w.token);
+                }
+                if let Some(r) = &w.request_id {
+                    core.request_ids
+                        .insert((l.name.clone(), r.clone()), w.token);
+                }
+                core.timers
+                    .insert((w.wait_deadline_ms, Timer::Wait(w.token)));
+                lock.waiters.push_back(w.token);
+                let dup = core.waiters.insert(
+                    w.token,
+                    Waiter {
+                        name: l.name.clone(),
+                        owner: w.owner,
+                        request_id: w.request_id,
+                        ttl_ms: w.ttl_ms,
+                        session: w.session,
+                        lock_delay_ms: w.lock_delay_ms,
+                        enqueued_at_ms: w.enqueued_at_ms,
+                        wait_deadline_ms: w.wait_deadline_ms,
+                    },
+                );
+                if dup.is_some() || core.holders.contains_key(&w.token) {
+                    return Err(format!("owner token {} appears twice", w.token));
+                }
+            }
+            if core.locks.insert(l.name.clone(), lock).is_some() {
+                return Err(format!("lock {} appears twice", l.name));
+            }
+        }
+        for (token, end) in image.recent_ends {
+            core.remember_end(token, end);
+        }
+        core.check_invariants()?;
+        Ok(core)
+    }
+}
