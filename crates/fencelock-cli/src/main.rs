@@ -1,0 +1,222 @@
+//! The `fencelock` command.
+//!
+//! Exit codes: 0 success; 1 runtime failure (cannot bind, storage failed, server
+//! unreachable, corrupt backup); 2 usage error (bad flags or config file).
+
+mod config;
+mod http_get;
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use fencelock_server::{RunState, Server};
+
+use config::{LogFormat, ServeArgs};
+
+/// A distributed lock server with fencing tokens.
+#[derive(Parser)]
+#[command(name = "fencelock", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Commands,
+}
+
+#[derive(Subcommand)]
+enum Commands {
+    /// Run the lock server (HTTP/JSON and gRPC on one port) with embedded storage.
+    Serve(ServeArgs),
+    /// Save a consistent snapshot of a running server to a file.
+    Backup {
+        /// Server base URL.
+        #[arg(long, env = "FENCELOCK_SERVER", default_value = "http://127.0.0.1:7420")]
+        server: String,
+        /// Where to write the backup.
+        #[arg(long, short)]
+        out: PathBuf,
+    },
+    /// Create a data directory from a backup. The first fence issued after a restore
+    /// is larger than any fence issued before it (see ARCHITECTURE.md, "Fences after
+    /// a restore", for the assumption this rests on).
+    Restore {
+        /// The backup file.
+        #[arg(long)]
+        from: PathBuf,
+        /// The data directory to create (must be empty or absent).
+        #[arg(long, env = "FENCELOCK_DATA_DIR", default_value = "./fencelock-data")]
+        data_dir: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Commands::Serve(args) => serve(args),
+        Commands::Backup { server, out } => backup(&server, &out),
+        Commands::Restore { from, data_dir } => restore(&from, &data_dir),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("fencelock: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn init_logging(format: LogFormat, level: &str) -> Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .with_context(|| format!("invalid log level {level:?}"))?;
+    let json = match format {
+        LogFormat::Json => true,
+        LogFormat::Text => false,
+        LogFormat::Auto => !std::io::stderr().is_terminal(),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().flatten_event(true).init();
+    } else {
+        builder.init();
+    }
+    Ok(())
+}
+
+fn serve(args: ServeArgs) -> Result<ExitCode> {
+    let settings = match config::resolve(args) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("fencelock: configuration error: {e:#}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    init_logging(settings.log_format, &settings.log_level)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async move {
+        if settings.server.engine.durability == fencelock_server::Durability::None {
+            tracing::warn!("durability=none: acknowledged grants can be lost and fences can repeat after a crash; for benchmarks only");
+        }
+        let server = Server::start(settings.server.clone())
+            .await
+            .context("cannot start the server")?;
+        let r = server.handle().recovery();
+        tracing::info!(
+            listen = %server.local_addr(),
+            data_dir = %settings.server.engine.data_dir.display(),
+            snapshot_loaded = r.snapshot_loaded,
+            records_replayed = r.records_replayed,
+            truncated_tail_bytes = r.truncated_tail_bytes,
+            locks_held = r.locks_held,
+            next_fence = r.next_fence,
+            recovery_ms = r.duration.as_millis() as u64,
+            "fencelock serving HTTP/JSON and gRPC"
+        );
+        if r.truncated_tail_bytes > 0 {
+            tracing::warn!(
+                bytes = r.truncated_tail_bytes,
+                "discarded a torn record at the end of the log (a write cut short by a crash; it was never acknowledged)"
+            );
+        }
+        let mut state = server.handle().watch_state();
+        let failed = async {
+            loop {
+                if let RunState::Failed(why) = state.borrow_and_update().clone() {
+                    return why;
+                }
+                if state.changed().await.is_err() {
+                    return "engine stopped".to_owned();
+                }
+            }
+        };
+        let signal = shutdown_signal();
+        tokio::select! {
+            why = failed => {
+                tracing::error!(error = %why, "engine failed; exiting");
+                return Ok(ExitCode::from(1));
+            }
+            name = signal => tracing::info!(signal = name, "shutting down: draining waits, finishing requests, flushing"),
+        }
+        server.shutdown().await.context("error while shutting down")?;
+        tracing::info!("stopped cleanly");
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+async fn shutdown_signal() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("can install a SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("can install a SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
+}
+
+fn backup(server: &str, out: &Path) -> Result<ExitCode> {
+    let bytes = http_get::get(server, "/v1/admin/snapshot")
+        .with_context(|| format!("cannot fetch a snapshot from {server}"))?;
+    // Refuse to write something that would not restore.
+    let image = fencelock_server::codec::decode_snapshot(&bytes)
+        .context("the server sent an unreadable snapshot")?;
+    fencelock_log::write_snapshot_file(out, &bytes)
+        .with_context(|| format!("cannot write {}", out.display()))?;
+    let holders: usize = image.locks.iter().map(|l| l.holders.len()).sum();
+    println!(
+        "backup written to {}: {} locks, {} holders, next fence {}",
+        out.display(),
+        image.locks.len(),
+        holders,
+        image.next_fence
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The fence floor after a restore: microseconds since the Unix epoch.
+fn time_fence_floor() -> Result<u64> {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .context("the system clock is before 1970")?;
+    Ok(since.as_micros() as u64)
+}
+
+fn restore(from: &Path, data_dir: &Path) -> Result<ExitCode> {
+    if data_dir.exists()
+        && std::fs::read_dir(data_dir)
+            .with_context(|| format!("cannot read {}", data_dir.display()))?
+            .next()
+            .is_some()
+    {
+        bail!(
+            "{} is not empty; restore only into an empty or new directory (move the old one away first)",
+            data_dir.display()
+        );
+    }
+    let bytes = fencelock_log::read_snapshot_file(from)
+        .with_context(|| format!("cannot read backup {}", from.display()))?;
+    let mut image = fencelock_server::codec::decode_snapshot(&bytes)
+        .with_context(|| format!("{} is not a fencelock backup", from.display()))?;
+    let floor = time_fence_floor()?;
+    let before = image.next_fence;
+    image.next_fence = image.next_fence.max(floor);
+    // Check the image the same way the server will before writing anything.
+    fencelock_core::Core::import(fencelock_core::Config::default(), image.clone())
+        .map_err(|e| anyhow::anyhow!("the backup is inconsistent: {e}"))?;
+    let (mut log, _) = fencelock_log::Log::open(data_dir, fencelock_log::LogOptions::default())
+        .with_context(|| format!("cannot create the log in {}", data_dir.display()))?;
+    log.snapshot(&fencelock_server::codec::encode_snapshot(&image))
+        .context("cannot write the restored snapshot")?;
+    println!(
+        "restored {} into {}: next fence raised from {} to {}",
+        from.display(),
+        data_dir.display(),
+        before,
+        image.next_fence
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,521 @@
+//! The [`Log`]: opening (recovery), appending, group commit, snapshots.
+
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::error::{LogError, LogErrorKind};
+use crate::format::{
+    encode_record_into, encode_segment_header, frame_len, mark_batch_start, MAX_RECORD_BYTES,
+    MAX_SNAPSHOT_BYTES, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES,
+};
+use crate::fsio::{fdatasync, preallocate, try_lock_exclusive, write_zeros};
+use crate::recover::{list_dir, scan_segment, segment_path, snapshot_path};
+use crate::snapshot::{read_snapshot_file, sync_dir, write_snapshot_atomic};
+
+/// Once this many encoded bytes are buffered, [`Log::append`] writes them to the
+/// segment (without fdatasync) so memory stays bounded however long a batch is.
+const WRITE_BEHIND_BYTES: usize = 4 << 20;
+
+/// The smallest accepted [`LogOptions::segment_bytes`]: a header plus one empty record.
+pub const MIN_SEGMENT_BYTES: u64 = SEGMENT_HEADER_BYTES + RECORD_HEADER_BYTES;
+
+/// Configuration for [`Log::open`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogOptions {
+    /// Size each new segment file is preallocated to. Default 64 MiB. A record that
+    /// does not fit in a fresh segment of this size gets a segment just big enough
+    /// for it. Must be at least [`MIN_SEGMENT_BYTES`].
+    pub segment_bytes: u64,
+    /// `true` (the default): [`Log::sync`] and [`Log::snapshot`] call fdatasync/fsync
+    /// as described in the crate docs. `false` is **unsafe**, for benchmarks only:
+    /// no fdatasync or fsync is ever issued, so a machine crash can lose or tear
+    /// anything written since the OS last flushed. A clean process exit loses nothing
+    /// that was passed to `sync()`.
+    pub fsync: bool,
+}
+
+impl Default for LogOptions {
+    fn default() -> Self {
+        LogOptions {
+            segment_bytes: 64 << 20,
+            fsync: true,
+        }
+    }
+}
+
+/// What [`Log::open`] found on disk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovered {
+    /// The newest snapshot's payload, if a snapshot was ever taken.
+    pub snapshot: Option<Vec<u8>>,
+    /// Every record appended after that snapshot (or ever, without one), in append order.
+    pub records: Vec<Vec<u8>>,
+    /// Bytes of a torn write discarded at the end of the newest segment: from the
+    /// first invalid record to the last non-zero byte. They were never acknowledged
+    /// by a completed `sync()` (see the crate docs); `0` after a clean shutdown.
+    pub truncated_tail_bytes: u64,
+}
+
+/// What one [`Log::sync`] did. Counts cover everything since the previous `sync()`,
+/// including segment rolls and write-behind done inside [`Log::append`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SyncStats {
+    /// Records made durable.
+    pub records: usize,
+    /// Framed bytes (record headers + payloads) made durable.
+    pub bytes: u64,
+    /// fdatasync/fsync calls issued (one per sync, plus two per segment roll).
+    pub fsyncs: u32,
+    /// Time spent inside those calls, in microseconds.
+    pub fsync_micros: u64,
+}
+
+/// The segment records are currently written to.
+#[derive(Debug)]
+struct ActiveSegment {
+    seq: u64,
+    file: File,
+    /// The file's (preallocated) length; records never extend past it.
+    capacity_bytes: u64,
+    /// Where the next record goes.
+    write_offset: u64,
+}
+
+/// A durable, group-committed log of opaque records in a data directory.
+///
+/// Single writer: the directory is `flock`ed while the `Log` exists. Dropping a
+/// `Log` discards records appended since the last [`sync`](Log::sync). See the
+/// crate docs for the durability contract and the on-disk format.
+#[derive(Debug)]
+pub struct Log {
+    dir: PathBuf,
+    dir_file: File,
+    opts: LogOptions,
+    active: ActiveSegment,
+    /// Encoded frames not yet written (batch-start flag clear).
+    pending: Vec<u8>,
+    /// True when nothing has been written since the last fdatasync, so the next
+    /// frame written must carry the batch-start flag.
+    at_batch_start: bool,
+    /// Something was written since the last fdatasync.
+    dirty: bool,
+    stats: SyncStats,
+    bytes_since_snapshot: u64,
+    poisoned: bool,
+}
+
+impl Log {
+    /// Opens (creating if missing) the data directory: loads the newest valid
+    /// snapshot and every record appended after it, in order.
+    ///
+    /// Recovery discards a torn tail (reported in [`Recovered::truncated_tail_bytes`];
+    /// the damaged bytes are zeroed and synced so later appends overwrite them) and
+    /// refuses with [`LogErrorKind::Corrupt`] on anything else that fails validation,
+    /// including a corrupt newest snapshot: it never falls back to an older snapshot,
+    /// because the segments that led from it to the newest one were deleted when
+    /// the newest was installed. Leftover `*.tmp` files and segments and snapshots
+    /// made obsolete by the newest snapshot are deleted. Fails with
+    /// [`LogErrorKind::Locked`] if another `Log` has the directory open.
+    pub fn open(dir: &Path, opts: LogOptions) -> Result<(Log, Recovered), LogError> {
+        if opts.segment_bytes < MIN_SEGMENT_BYTES || opts.segment_bytes > i64::MAX as u64 {
+            return Err(LogError::new(
+                LogErrorKind::InvalidOptions,
+                Some(dir),
+                format!(
+                    "segment_bytes = {} is outside {MIN_SEGMENT_BYTES}..={}",
+                    opts.segment_bytes,
+                    i64::MAX
+                ),
+            ));
+        }
+        let existed = dir.exists();
+        fs::create_dir_all(dir).map_err(|e| LogError::io(dir, "create data directory", e))?;
+        if !existed && opts.fsync {
+            if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                sync_dir(parent)?;
+            }
+        }
+        let dir_file = File::open(dir).map_err(|e| LogError::io(dir, "open data directory", e))?;
+        if !try_lock_exclusive(&dir_file)
+            .map_err(|e| LogError::io(dir, "lock data directory", e))?
+        {
+            return Err(LogError::new(
+                LogErrorKind::Locked,
+                Some(dir),
+                "another Log holds this directory",
+            ));
+        }
+
+        let listing = list_dir(dir)?;
+        let snapshot_seq = listing.snapshots.last().copied();
+        let snapshot = match snapshot_seq {
+            Some(seq) => Some(read_snapshot_file(&snapshot_path(dir, seq))?),
+            None => None,
+        };
+        // Segment `first` is the first one not covered by the snapshot.
+        let first = snapshot_seq.unwrap_or(0);
+        let live: Vec<u64> = listing.segments.range(first..).copied().collect();
+        check_sequence(dir, first, snapshot_seq, &live)?;
+
+        let mut records = Vec::new();
+        let mut bytes_since_snapshot = 0;
+        let mut truncated_tail_bytes = 0;
+        let mut last = None;
+        for (i, &seq) in live.iter().enumerate() {
+            let path = segment_path(dir, seq);
+            let is_last = i + 1 == live.len();
+            let file = OpenOptions::new()
+                .read(true)
+                .write(is_last)
+                .open(&path)
+                .map_err(|e| LogError::io(&path, "open segment", e))?;
+            let end = scan_segment(&path, &file, seq, is_last, &mut records)?;
+            bytes_since_snapshot += end.record_bytes;
+            if is_last {
+                last = Some((seq, file, end));
+            }
+        }
+
+        let active = match last {
+            Some((seq, file, end)) => {
+                if end.damaged_end > end.valid_end {
+                    truncated_tail_bytes = end.damaged_end - end.valid_end;
+                    let path = segment_path(dir, seq);
+                    write_zeros(&file, end.valid_end, end.damaged_end)
+                        .and_then(|()| if opts.fsync { fdatasync(&file) } else { Ok(()) })
+                        .map_err(|e| LogError::io(&path, "zero torn tail", e))?;
+                }
+                ActiveSegment {
+                    seq,
+                    file,
+                    capacity_bytes: end.file_len,
+                    write_offset: end.valid_end,
+                }
+            }
+            None => create_segment(dir, &dir_file, first, opts.segment_bytes, opts.fsync)?,
+        };
+
+        let mut obsolete: Vec<PathBuf> = listing.temps;
+        obsolete.extend(
+            listing
+                .segments
+                .range(..first)
+                .map(|&s| segment_path(dir, s)),
+        );
+        if let Some(newest) = snapshot_seq {
+            obsolete.extend(
+                listing
+                    .snapshots
+                    .range(..newest)
+                    .map(|&s| snapshot_path(dir, s)),
+            );
+        }
+        remove_files(&dir_file, dir, &obsolete, opts.fsync)?;
+
+        let log = Log {
+            dir: dir.to_path_buf(),
+            dir_file,
+            opts,
+            active,
+            pending: Vec::new(),
+            at_batch_start: true,
+            dirty: false,
+            stats: SyncStats::default(),
+            bytes_since_snapshot,
+            poisoned: false,
+        };
+        let recovered = Recovered {
+            snapshot,
+            records,
+            truncated_tail_bytes,
+        };
+        Ok((log, recovered))
+    }
+
+    /// Buffers one record (at most [`MAX_RECORD_BYTES`]; larger is a
+    /// [`LogErrorKind::TooLarge`] error and leaves the log usable). Nothing is
+    /// guaranteed durable until [`sync`](Self::sync) returns; long batches may be
+    /// written to the segment early (without fdatasync) to bound memory.
+    pub fn append(&mut self, record: &[u8]) -> Result<(), LogError> {
+        self.check_usable()?;
+        if record.len() > MAX_RECORD_BYTES {
+            return Err(LogError::new(
+                LogErrorKind::TooLarge,
+                None,
+                format!(
+                    "record of {} bytes exceeds MAX_RECORD_BYTES ({MAX_RECORD_BYTES})",
+                    record.len()
+                ),
+            ));
+        }
+        encode_record_into(&mut self.pending, record);
+        let framed = RECORD_HEADER_BYTES + record.len() as u64;
+        self.stats.records += 1;
+        self.stats.bytes += framed;
+        self.bytes_since_snapshot += framed;
+        if self.pending.len() >= WRITE_BEHIND_BYTES {
+            let result = self.write_pending();
+            self.poison_on_error(result)?;
+        }
+        Ok(())
+    }
+
+    /// Writes all buffered records and makes them durable with one fdatasync of the
+    /// active segment. If the segment fills up, its part of the batch is fdatasynced
+    /// first, then a new preallocated segment is created (and the directory fsynced)
+    /// for the rest. Any I/O failure poisons the log ([`LogErrorKind::Poisoned`]
+    /// from then on): after a failed fdatasync nothing can be assumed about the file.
+    pub fn sync(&mut self) -> Result<SyncStats, LogError> {
+        self.check_usable()?;
+        let result = self.write_pending().and_then(|()| self.sync_active());
+        self.poison_on_error(result)?;
+        Ok(std::mem::take(&mut self.stats))
+    }
+
+    /// Durably installs a snapshot that covers every record appended so far.
+    ///
+    /// Steps: [`sync`](Self::sync); write `snap-N.snap.tmp`, fdatasync, rename to
+    /// `snap-N.snap`, fsync the directory (N = active segment + 1, so the snapshot
+    /// is "the state before segment N"); create segment N; delete older segments and
+    /// snapshots. A crash at any step leaves either the old snapshot and segments or
+    /// the new snapshot (with or without segment N), both of which [`open`](Self::open)
+    /// recovers. Fails with [`LogErrorKind::TooLarge`] above [`MAX_SNAPSHOT_BYTES`];
+    /// any I/O failure poisons the log.
+    pub fn snapshot(&mut self, state: &[u8]) -> Result<(), LogError> {
+        self.check_usable()?;
+        if state.len() > MAX_SNAPSHOT_BYTES {
+            return Err(LogError::new(
+                LogErrorKind::TooLarge,
+                None,
+                format!(
+                    "snapshot of {} bytes exceeds MAX_SNAPSHOT_BYTES ({MAX_SNAPSHOT_BYTES})",
+                    state.len()
+                ),
+            ));
+        }
+        self.sync()?;
+        let result = self.install_snapshot(state);
+        self.poison_on_error(result)
+    }
+
+    /// Framed bytes (8-byte headers + payloads) appended since the last snapshot,
+    /// including records not yet synced. The server uses it to decide when to snapshot.
+    pub fn bytes_since_snapshot(&self) -> u64 {
+        self.bytes_since_snapshot
+    }
+
+    /// The data directory this log was opened on.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn install_snapshot(&mut self, state: &[u8]) -> Result<(), LogError> {
+        let seq = self.active.seq + 1;
+        write_snapshot_atomic(&snapshot_path(&self.dir, seq), state, self.opts.fsync)?;
+        let segment = create_segment(
+            &self.dir,
+            &self.dir_file,
+            seq,
+            self.opts.segment_bytes,
+            self.opts.fsync,
+        )?;
+        self.active = segment;
+        self.at_batch_start = true;
+        self.dirty = false;
+        self.bytes_since_snapshot = 0;
+        let listing = list_dir(&self.dir)?;
+        let obsolete: Vec<PathBuf> = listing
+            .segments
+            .range(..seq)
+            .map(|&s| segment_path(&self.dir, s))
+            .chain(
+                listing
+                    .snapshots
+                    .range(..seq)
+                    .map(|&s| snapshot_path(&self.dir, s)),
+            )
+            .collect();
+        remove_files(&self.dir_file, &self.dir, &obsolete, self.opts.fsync)
+    }
+
+    fn check_usable(&self) -> Result<(), LogError> {
+        if self.poisoned {
+            return Err(LogError::new(
+                LogErrorKind::Poisoned,
+                Some(&self.dir),
+                "an earlier write or sync failed; drop this Log and open the directory again",
+            ));
+        }
+        Ok(())
+    }
+
+    fn poison_on_error<T>(&mut self, result: Result<T, LogError>) -> Result<T, LogError> {
+        if result.is_err() {
+            self.poisoned = true;
+        }
+        result
+    }
+
+    /// Writes `pending` to the active segment, rolling to new segments as needed.
+    fn write_pending(&mut self) -> Result<(), LogError> {
+        let mut pos = 0;
+        while pos < self.pending.len() {
+            // Take the longest run of whole frames that fits in the active segment.
+            let room = self.active.capacity_bytes - self.active.write_offset;
+            let mut end = pos;
+            while end < self.pending.len() {
+                let len = frame_len(&self.pending[end..]);
+                if (end - pos + len) as u64 > room {
+                    break;
+                }
+                end += len;
+            }
+            if end == pos {
+                let needed = frame_len(&self.pending[pos..]) as u64;
+                self.roll(needed)?;
+                continue;
+            }
+            if self.at_batch_start {
+                mark_batch_start(&mut self.pending[pos..]);
+                self.at_batch_start = false;
+            }
+            let path = segment_path(&self.dir, self.active.seq);
+            self.active
+                .file
+                .write_all_at(&self.pending[pos..end], self.active.write_offset)
+                .map_err(|e| LogError::io(&path, "write records", e))?;
+            self.dirty = true;
+            self.active.write_offset += (end - pos) as u64;
+            pos = end;
+        }
+        self.pending.clear();
+        Ok(())
+    }
+
+    /// fdatasyncs the active segment if anything was written since the last one.
+    fn sync_active(&mut self) -> Result<(), LogError> {
+        if self.dirty && self.opts.fsync {
+            let started = Instant::now();
+            fdatasync(&self.active.file).map_err(|e| {
+                LogError::io(
+                    &segment_path(&self.dir, self.active.seq),
+                    "fdatasync segment",
+                    e,
+                )
+            })?;
+            self.stats.fsyncs += 1;
+            self.stats.fsync_micros += started.elapsed().as_micros() as u64;
+        }
+        self.dirty = false;
+        self.at_batch_start = true;
+        Ok(())
+    }
+
+    /// Makes the active segment durable, then switches to a new one with room for
+    /// a frame of `needed` bytes. Syncing first keeps the invariant that only the
+    /// newest segment can hold unsynced (possibly torn) data.
+    fn roll(&mut self, needed: u64) -> Result<(), LogError> {
+        self.sync_active()?;
+        let size = self.opts.segment_bytes.max(SEGMENT_HEADER_BYTES + needed);
+        let started = Instant::now();
+        self.active = create_segment(
+            &self.dir,
+            &self.dir_file,
+            self.active.seq + 1,
+            size,
+            self.opts.fsync,
+        )?;
+        if self.opts.fsync {
+            self.stats.fsyncs += 2;
+            self.stats.fsync_micros += started.elapsed().as_micros() as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Checks that the segments not covered by the snapshot form an unbroken run
+/// starting at `first`.
+fn check_sequence(
+    dir: &Path,
+    first: u64,
+    snapshot_seq: Option<u64>,
+    live: &[u64],
+) -> Result<(), LogError> {
+    for (expected, &seq) in (first..).zip(live) {
+        if seq != expected {
+            let covered_by = match snapshot_seq {
+                Some(s) => format!("the newest snapshot is snap-{s:016}.snap"),
+                None => "there is no snapshot".to_string(),
+            };
+            return Err(LogError::corrupt(
+                &segment_path(dir, expected),
+                None,
+                format!("segment is missing from the sequence (found log-{seq:016}.seg after it; {covered_by})"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Creates segment `seq` of `size` bytes: preallocate `log-N.seg.tmp`, write the
+/// header, fdatasync, rename into place, fsync the directory. A segment file under
+/// its final name therefore always has a durable, valid header.
+fn create_segment(
+    dir: &Path,
+    dir_file: &File,
+    seq: u64,
+    size: u64,
+    fsync: bool,
+) -> Result<ActiveSegment, LogError> {
+    assert!(size >= MIN_SEGMENT_BYTES);
+    let path = segment_path(dir, seq);
+    let mut tmp = path.clone().into_os_string();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&tmp)
+        .map_err(|e| LogError::io(&tmp, "create segment", e))?;
+    preallocate(&file, size)
+        .and_then(|()| file.write_all_at(&encode_segment_header(seq), 0))
+        .and_then(|()| if fsync { fdatasync(&file) } else { Ok(()) })
+        .map_err(|e| LogError::io(&tmp, "preallocate segment", e))?;
+    fs::rename(&tmp, &path).map_err(|e| LogError::io(&path, "rename segment into place", e))?;
+    if fsync {
+        dir_file
+            .sync_all()
+            .map_err(|e| LogError::io(dir, "fsync directory", e))?;
+    }
+    Ok(ActiveSegment {
+        seq,
+        file,
+        capacity_bytes: size,
+        write_offset: SEGMENT_HEADER_BYTES,
+    })
+}
+
+fn remove_files(
+    dir_file: &File,
+    dir: &Path,
+    paths: &[PathBuf],
+    fsync: bool,
+) -> Result<(), LogError> {
+    for path in paths {
+        match fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(LogError::io(path, "remove obsolete file", e)),
+        }
+    }
+    if fsync && !paths.is_empty() {
+        dir_file
+            .sync_all()
+            .map_err(|e| LogError::io(dir, "fsync directory", e))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,251 @@
+//! Reading a data directory back: file names, segment scanning, and the
+//! torn-tail-versus-corruption decision.
+
+use std::collections::BTreeSet;
+use std::fs::{self, File};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use crate::error::LogError;
+use crate::format::{
+    decode_segment_header, record_crc, valid_record_at, RecordHeader, MAX_RECORD_BYTES,
+    RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES,
+};
+
+/// Read-ahead window for scanning segments.
+const WINDOW_BYTES: usize = 1 << 20;
+/// Upper bound on bytes hashed while classifying a damaged tail; past it we give
+/// up and report corruption rather than spin.
+const CLASSIFY_CRC_BUDGET_BYTES: u64 = 1 << 30;
+
+pub(crate) fn segment_path(dir: &Path, seq: u64) -> PathBuf {
+    dir.join(format!("log-{seq:016}.seg"))
+}
+
+pub(crate) fn snapshot_path(dir: &Path, seq: u64) -> PathBuf {
+    dir.join(format!("snap-{seq:016}.snap"))
+}
+
+/// The files of a data directory that this crate owns.
+#[derive(Debug, Default)]
+pub(crate) struct Listing {
+    pub(crate) segments: BTreeSet<u64>,
+    pub(crate) snapshots: BTreeSet<u64>,
+    /// Leftover `*.tmp` files from an interrupted segment creation or snapshot.
+    pub(crate) temps: Vec<PathBuf>,
+}
+
+fn parse_seq(name: &str, prefix: &str, suffix: &str) -> Option<u64> {
+    let digits = name.strip_prefix(prefix)?.strip_suffix(suffix)?;
+    if digits.len() != 16 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// Lists `log-N.seg`, `snap-N.snap` and their `.tmp` leftovers; ignores other files.
+pub(crate) fn list_dir(dir: &Path) -> Result<Listing, LogError> {
+    let mut listing = Listing::default();
+    let entries = fs::read_dir(dir).map_err(|e| LogError::io(dir, "list directory", e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| LogError::io(dir, "list directory", e))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if let Some(seq) = parse_seq(name, "log-", ".seg") {
+            listing.segments.insert(seq);
+        } else if let Some(seq) = parse_seq(name, "snap-", ".snap") {
+            listing.snapshots.insert(seq);
+        } else if parse_seq(name, "log-", ".seg.tmp").is_some()
+            || parse_seq(name, "snap-", ".snap.tmp").is_some()
+        {
+            listing.temps.push(entry.path());
+        }
+    }
+    Ok(listing)
+}
+
+/// A buffered positional reader over one file.
+struct WindowReader<'a> {
+    file: &'a File,
+    file_len: u64,
+    start: u64,
+    buf: Vec<u8>,
+}
+
+impl<'a> WindowReader<'a> {
+    fn new(file: &'a File, file_len: u64) -> Self {
+        WindowReader {
+            file,
+            file_len,
+            start: 0,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Returns `[off, off + len)`; the range must lie inside the file.
+    fn get(&mut self, off: u64, len: usize) -> io::Result<&[u8]> {
+        assert!(off + len as u64 <= self.file_len, "read past end of file");
+        let cached_end = self.start + self.buf.len() as u64;
+        if off < self.start || off + len as u64 > cached_end {
+            let want = len.max(WINDOW_BYTES).min((self.file_len - off) as usize);
+            self.buf.resize(want, 0);
+            self.file.read_exact_at(&mut self.buf, off)?;
+            self.start = off;
+        }
+        let i = (off - self.start) as usize;
+        Ok(&self.buf[i..i + len])
+    }
+
+    /// The end of the last non-zero byte in `[from, file_len)`, or `from` if all zero.
+    fn nonzero_end(&mut self, from: u64) -> io::Result<u64> {
+        let mut end = from;
+        let mut off = from;
+        while off < self.file_len {
+            let n = (self.file_len - off).min(WINDOW_BYTES as u64) as usize;
+            if let Some(i) = self.get(off, n)?.iter().rposition(|b| *b != 0) {
+                end = off + i as u64 + 1;
+            }
+            off += n as u64;
+        }
+        Ok(end)
+    }
+}
+
+/// How a segment's written part ended.
+#[derive(Debug)]
+pub(crate) struct SegmentEnd {
+    /// Offset just past the last valid record: where the next record goes.
+    pub(crate) valid_end: u64,
+    /// End of the damaged bytes (the last non-zero byte + 1) when the tail was torn;
+    /// equal to `valid_end` when the segment ended cleanly.
+    pub(crate) damaged_end: u64,
+    /// Framed bytes (headers + payloads) of the valid records.
+    pub(crate) record_bytes: u64,
+    /// The file's length, which is the segment's capacity.
+    pub(crate) file_len: u64,
+}
+
+/// Validates the header of segment `seq` and pushes its records onto `out`.
+///
+/// A record that is not valid ends the scan. If anything but zeros follows it,
+/// the segment is damaged: for the newest segment (`is_last`) [`classify_tail`]
+/// decides between a torn tail (allowed) and corruption; in any older segment,
+/// damage is always corruption, because older segments were fdatasynced in full
+/// before the next one was created.
+pub(crate) fn scan_segment(
+    path: &Path,
+    file: &File,
+    seq: u64,
+    is_last: bool,
+    out: &mut Vec<Vec<u8>>,
+) -> Result<SegmentEnd, LogError> {
+    let io_err = |e| LogError::io(path, "read segment", e);
+    let file_len = file.metadata().map_err(io_err)?.len();
+    if file_len < SEGMENT_HEADER_BYTES {
+        return Err(LogError::corrupt(
+            path,
+            Some(0),
+            format!("segment file is {file_len} bytes, shorter than its {SEGMENT_HEADER_BYTES}-byte header"),
+        ));
+    }
+    let mut reader = WindowReader::new(file, file_len);
+    let header = reader
+        .get(0, SEGMENT_HEADER_BYTES as usize)
+        .map_err(io_err)?;
+    let header_seq =
+        decode_segment_header(header).map_err(|msg| LogError::corrupt(path, Some(0), msg))?;
+    if header_seq != seq {
+        return Err(LogError::corrupt(
+            path,
+            Some(0),
+            format!("segment header says sequence {header_seq}, file name says {seq}"),
+        ));
+    }
+
+    let mut off = SEGMENT_HEADER_BYTES;
+    let mut record_bytes = 0u64;
+    let why_stopped = loop {
+        if off + RECORD_HEADER_BYTES > file_len {
+            break "record header runs past the end of the file";
+        }
+        let header = reader
+            .get(off, RECORD_HEADER_BYTES as usize)
+            .map_err(io_err)?;
+        match RecordHeader::parse(header, file_len - off - RECORD_HEADER_BYTES) {
+            RecordHeader::End => break "zeroed record header",
+            RecordHeader::Invalid(why) => break why,
+            RecordHeader::Frame { word, len, crc } => {
+                let payload = reader.get(off + RECORD_HEADER_BYTES, len).map_err(io_err)?;
+                if record_crc(word, payload) != crc {
+                    break "record checksum mismatch";
+                }
+                out.push(payload.to_vec());
+                let framed = RECORD_HEADER_BYTES + len as u64;
+                off += framed;
+                record_bytes += framed;
+            }
+        }
+    };
+
+    let damaged_end = reader.nonzero_end(off).map_err(io_err)?;
+    let end = SegmentEnd {
+        valid_end: off,
+        damaged_end,
+        record_bytes,
+        file_len,
+    };
+    if damaged_end == off {
+        return Ok(end);
+    }
+    if !is_last {
+        return Err(LogError::corrupt(
+            path,
+            Some(off),
+            format!(
+                "{why_stopped}, followed by {} non-zero bytes, in a segment that is not the newest \
+                 (only the newest segment can have a torn tail)",
+                damaged_end - off
+            ),
+        ));
+    }
+    // Classify using the damaged bytes plus enough room for a valid record that
+    // starts inside them to end in trailing zeros.
+    let tail_end = file_len.min(damaged_end + RECORD_HEADER_BYTES + MAX_RECORD_BYTES as u64);
+    let mut tail = vec![0u8; (tail_end - off) as usize];
+    file.read_exact_at(&mut tail, off).map_err(io_err)?;
+    classify_tail(&tail, off, (damaged_end - off) as usize)
+        .map_err(|msg| LogError::corrupt(path, Some(off), format!("{why_stopped}; {msg}")))?;
+    Ok(end)
+}
+
+/// Decides whether the damaged bytes at the end of the newest segment are a torn
+/// write (Ok) or corruption (Err with an explanation).
+///
+/// `tail` starts at the first invalid record (file offset `base`); its first
+/// `damaged_len` bytes end in the segment's last non-zero byte.
+///
+/// Only data written since the last fdatasync can be torn, and the first record
+/// written after each fdatasync carries the batch-start flag. A valid batch-start
+/// record after the damage therefore proves a later fdatasync happened, so the
+/// damaged record had been durable: corruption. Otherwise the damage lies in the
+/// final batch, where a crash can leave any mix of written and unwritten sectors
+/// (writeback may persist later pages first, so valid records of the same batch
+/// may follow the damage): a torn tail.
+pub(crate) fn classify_tail(tail: &[u8], base: u64, damaged_len: usize) -> Result<(), String> {
+    assert!(damaged_len > 0 && damaged_len <= tail.len());
+    let mut budget = CLASSIFY_CRC_BUDGET_BYTES;
+    for p in 1..damaged_len {
+        if valid_record_at(&tail[p..], &mut budget) == Some(true) {
+            return Err(format!(
+                "a valid record at offset {} starts a later sync batch, so the damaged \
+                 record had been made durable",
+                base + p as u64
+            ));
+        }
+        if budget == 0 {
+            return Err("damaged tail could not be classified within the work budget".to_string());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,598 @@
+//! Binary encoding of log records (`(now_ms, Command)`) and snapshots (`StateImage`).
+//!
+//! Hand-written, little-endian, versioned by a leading byte. Decoding never panics:
+//! bad input is a [`DecodeError`]. The log layer checksums every record and snapshot,
+//! so a decode error here means a bug or a format from the future, never a torn write.
+
+use fencelock_core::{
+    Acquire, Command, Fence, GrantEnd, HolderImage, LeaseImage, LockImage, LockName, Owner,
+    OwnerToken, Reason, RequestId, SessionId, SessionImage, StateImage, WaiterImage,
+};
+
+/// Format version of log records.
+const RECORD_VERSION: u8 = 1;
+/// Format version of snapshots.
+const SNAPSHOT_VERSION: u8 = 1;
+/// A snapshot starts with these bytes (inside the log layer's checksummed envelope).
+const SNAPSHOT_MAGIC: &[u8; 8] = b"FLSNAP01";
+
+/// Why bytes could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeError(pub String);
+
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "cannot decode: {}", self.0)
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+#[derive(Default)]
+struct Enc(Vec<u8>);
+
+impl Enc {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u128(&mut self, v: u128) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn str(&mut self, v: &str) {
+        self.u32(v.len() as u32);
+        self.0.extend_from_slice(v.as_bytes());
+    }
+    fn opt_u64(&mut self, v: Option<u64>) {
+        match v {
+            Some(v) => {
+                self.u8(1);
+                self.u64(v);
+            }
+            None => self.u8(0),
+        }
+    }
+    fn opt_u128(&mut self, v: Option<u128>) {
+        match v {
+            Some(v) => {
+                self.u8(1);
+                self.u128(v);
+            }
+            None => self.u8(0),
+        }
+    }
+    fn opt_str(&mut self, v: Option<&str>) {
+        match v {
+            Some(v) => {
+                self.u8(1);
+                self.str(v);
+            }
+            None => self.u8(0),
+        }
+    }
+}
+
+struct Dec<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+fn bad(what: impl Into<String>) -> DecodeError {
+    DecodeError(what.into())
+}
+
+impl<'a> Dec<'a> {
+    fn new(buf: &'a [u8]) -> Dec<'a> {
+        Dec { buf, pos: 0 }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|e| *e <= self.buf.len())
+            .ok_or_else(|| bad(format!("truncated at byte {}", self.pos)))?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    fn u128(&mut self) -> Result<u128, DecodeError> {
+        Ok(u128::from_le_bytes(self.take(16)?.try_into().expect("16 bytes")))
+    }
+    fn str(&mut self) -> Result<&'a str, DecodeError> {
+        let len = self.u32()? as usize;
+        std::str::from_utf8(self.take(len)?).map_err(|_| bad("invalid UTF-8"))
+    }
+    fn flag(&mut self) -> Result<bool, DecodeError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            b => Err(bad(format!("bad option flag {b}"))),
+        }
+    }
+    fn opt_u64(&mut self) -> Result<Option<u64>, DecodeError> {
+        Ok(if self.flag()? { Some(self.u64()?) } else { None })
+    }
+    fn opt_u128(&mut self) -> Result<Option<u128>, DecodeError> {
+        Ok(if self.flag()? { Some(self.u128()?) } else { None })
+    }
+    fn opt_str(&mut self) -> Result<Option<&'a str>, DecodeError> {
+        Ok(if self.flag()? { Some(self.str()?) } else { None })
+    }
+    fn name(&mut self) -> Result<LockName, DecodeError> {
+        LockName::new(self.str()?).map_err(|e| bad(e.to_string()))
+    }
+    fn owner(&mut self) -> Result<Owner, DecodeError> {
+        Owner::new(self.str()?).map_err(|e| bad(e.to_string()))
+    }
+    fn request_id(&mut self) -> Result<Option<RequestId>, DecodeError> {
+        self.opt_str()?
+            .map(|s| RequestId::new(s).map_err(|e| bad(e.to_string())))
+            .transpose()
+    }
+    fn fence(&mut self) -> Result<Fence, DecodeError> {
+        Fence::new(self.u64()?).ok_or_else(|| bad("zero fence"))
+    }
+    fn count(&mut self) -> Result<usize, DecodeError> {
+        let n = self.u32()? as usize;
+        // Every element takes at least one byte; refuse counts the input cannot hold.
+        if n > self.buf.len() - self.pos {
+            return Err(bad(format!("count {n} exceeds the remaining input")));
+        }
+        Ok(n)
+    }
+    fn finish(self) -> Result<(), DecodeError> {
+        if self.pos != self.buf.len() {
+            return Err(bad(format!(
+                "{} trailing bytes",
+                self.buf.len() - self.pos
+            )));
+        }
+        Ok(())
+    }
+}
+
+mod tag {
+    pub const ACQUIRE: u8 = 1;
+    pub const RENEW: u8 = 2;
+    pub const RELEASE: u8 = 3;
+    pub const FORCE_RELEASE: u8 = 4;
+    pub const CANCEL_WAIT: u8 = 5;
+    pub const OPEN_SESSION: u8 = 6;
+    pub const KEEP_ALIVE: u8 = 7;
+    pub const CLOSE_SESSION: u8 = 8;
+    pub const TICK: u8 = 9;
+    pub const RECOVER: u8 = 10;
+    pub const RAISE_FENCE_FLOOR: u8 = 11;
+}
+
+/// Encodes one log record: the service time and the command applied at it.
+pub fn encode_record(now_ms: u64, command: &Command) -> Vec<u8> {
+    let mut e = Enc::default();
+    e.u8(RECORD_VERSION);
+    e.u64(now_ms);
+    match command {
+        Command::Acquire(a) => {
+            e.u8(tag::ACQUIRE);
+            e.str(a.name.as_str());
+            e.u128(a.token.as_u128());
+            e.opt_u64(a.ttl_ms);
+            e.u64(a.wait_ms);
+            e.str(a.owner.as_str());
+            e.opt_str(a.request_id.as_ref().map(RequestId::as_str));
+            e.u32(a.limit);
+            e.u64(a.lock_delay_ms);
+            e.opt_u128(a.session.map(SessionId::as_u128));
+        }
+        Command::Renew {
+            name,
+            token,
+            ttl_ms,
+        } => {
+            e.u8(tag::RENEW);
+            e.str(name.as_str());
+            e.u128(token.as_u128());
+            e.opt_u64(*ttl_ms);
+        }
+        Command::Release { name, token } => {
+            e.u8(tag::RELEASE);
+            e.str(name.as_str());
+            e.u128(token.as_u128());
+        }
+        Command::ForceRelease {
+            name,
+            fence,
+            reason,
+        } => {
+            e.u8(tag::FORCE_RELEASE);
+            e.str(name.as_str());
+            e.opt_u64(fence.map(Fence::get));
+            e.str(reason.as_str());
+        }
+        Command::CancelWait { name, token } => {
+            e.u8(tag::CANCEL_WAIT);
+            e.str(name.as_str());
+            e.u128(token.as_u128());
+        }
+        Command::OpenSession { id, ttl_ms, owner } => {
+            e.u8(tag::OPEN_SESSION);
+            e.u128(id.as_u128());
+            e.u64(*ttl_ms);
+            e.str(owner.as_str());
+        }
+        Command::KeepAlive { id } => {
+            e.u8(tag::KEEP_ALIVE);
+            e.u128(id.as_u128());
+        }
+        Command::CloseSession { id } => {
+            e.u8(tag::CLOSE_SESSION);
+            e.u128(id.as_u128());
+        }
+        Command::Tick => e.u8(tag::TICK),
+        Command::Recover => e.u8(tag::RECOVER),
+        Command::RaiseFenceFloor { floor } => {
+            e.u8(tag::RAISE_FENCE_FLOOR);
+            e.u64(*floor);
+        }
+    }
+    e.0
+}
+
+/// Decodes one log record.
+pub fn decode_record(bytes: &[u8]) -> Result<(u64, Command), DecodeError> {
+    let mut d = Dec::new(bytes);
+    let version = d.u8()?;
+    if version != RECORD_VERSION {
+        return Err(bad(format!("unknown record version {version}")));
+    }
+    let now_ms = d.u64()?;
+    let command = match d.u8()? {
+        tag::ACQUIRE => Command::Acquire(Acquire {
+            name: d.name()?,
+            token: OwnerToken::from_u128(d.u128()?),
+            ttl_ms: d.opt_u64()?,
+            wait_ms: d.u64()?,
+            owner: d.owner()?,
+            request_id: d.request_id()?,
+            limit: d.u32()?,
+            lock_delay_ms: d.u64()?,
+            session: d.opt_u128()?.map(SessionId::from_u128),
+        }),
+        tag::RENEW => Command::Renew {
+            name: d.name()?,
+            token: OwnerToken::from_u128(d.u128()?),
+            ttl_ms: d.opt_u64()?,
+        },
+        tag::RELEASE => Command::Release {
+            name: d.name()?,
+            token: OwnerToken::from_u128(d.u128()?),
+        },
+        tag::FORCE_RELEASE => Command::ForceRelease {
+            name: d.name()?,
+            fence: match d.opt_u64()? {
+                Some(f) => Some(Fence::new(f).ok_or_else(|| bad("zero fence"))?),
+                None => None,
+            },
+            reason: Reason::new(d.str()?).map_err(|e| bad(e.to_string()))?,
+        },
+        tag::CANCEL_WAIT => Command::CancelWait {
+            name: d.name()?,
+            token: OwnerToken::from_u128(d.u128()?),
+        },
+        tag::OPEN_SESSION => Command::OpenSession {
+            id: SessionId::from_u128(d.u128()?),
+            ttl_ms: d.u64()?,
+            owner: d.owner()?,
+        },
+        tag::KEEP_ALIVE => Command::KeepAlive {
+            id: SessionId::from_u128(d.u128()?),
+        },
+        tag::CLOSE_SESSION => Command::CloseSession {
+            id: SessionId::from_u128(d.u128()?),
+        },
+        tag::TICK => Command::Tick,
+        tag::RECOVER => Command::Recover,
+        tag::RAISE_FENCE_FLOOR => Command::RaiseFenceFloor { floor: d.u64()? },
+        t => return Err(bad(format!("unknown command tag {t}"))),
+    };
+    d.finish()?;
+    Ok((now_ms, command))
+}
+
+fn end_code(end: GrantEnd) -> u8 {
+    match end {
+        GrantEnd::Released => 1,
+        GrantEnd::Expired => 2,
+        GrantEnd::ForceReleased => 3,
+    }
+}
+
+/// Encodes a whole state image.
+pub fn encode_snapshot(image: &StateImage) -> Vec<u8> {
+    let mut e = Enc::default();
+    e.0.extend_from_slice(SNAPSHOT_MAGIC);
+    e.u8(SNAPSHOT_VERSION);
+    e.u64(image.now_ms);
+    e.u64(image.next_fence);
+    e.u32(image.sessions.len() as u32);
+    for s in &image.sessions {
+        e.u128(s.id.as_u128());
+        e.str(s.owner.as_str());
+        e.u64(s.ttl_ms);
+        e.u64(s.deadline_ms);
+    }
+    e.u32(image.locks.len() as u32);
+    for l in &image.locks {
+        e.str(l.name.as_str());
+        e.u32(l.limit);
+        e.u64(l.blocked_until_ms);
+        e.u32(l.holders.len() as u32);
+        for h in &l.holders {
+            e.u128(h.token.as_u128());
+            e.u64(h.fence.get());
+            e.str(h.owner.as_str());
+            e.opt_str(h.request_id.as_ref().map(RequestId::as_str));
+            match h.lease {
+                LeaseImage::Own {
+                    ttl_ms,
+                    deadline_ms,
+                } => {
+                    e.u8(0);
+                    e.u64(ttl_ms);
+                    e.u64(deadline_ms);
+                }
+                LeaseImage::Session(id) => {
+                    e.u8(1);
+                    e.u128(id.as_u128());
+                }
+            }
+            e.u64(h.granted_at_ms);
+            e.u64(h.lock_delay_ms);
+        }
+        e.u32(l.waiters.len() as u32);
+        for w in &l.waiters {
+            e.u128(w.token.as_u128());
+            e.str(w.owner.as_str());
+            e.opt_str(w.request_id.as_ref().map(RequestId::as_str));
+            e.opt_u64(w.ttl_ms);
+            e.opt_u128(w.session.map(SessionId::as_u128));
+            e.u64(w.lock_delay_ms);
+            e.u64(w.enqueued_at_ms);
+            e.u64(w.wait_deadline_ms);
+        }
+    }
+    e.u32(image.recent_ends.len() as u32);
+    for (token, end) in &image.recent_ends {
+        e.u128(token.as_u128());
+        e.u8(end_code(*end));
+    }
+    e.0
+}
+
+/// Decodes a whole state image.
+pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
+    let mut d = Dec::new(bytes);
+    if d.take(SNAPSHOT_MAGIC.len())? != SNAPSHOT_MAGIC {
+        return Err(bad("not a fencelock snapshot (bad magic)"));
+    }
+    let version = d.u8()?;
+    if version != SNAPSHOT_VERSION {
+        return Err(bad(format!("unknown snapshot version {version}")));
+    }
+    let now_ms = d.u64()?;
+    let next_fence = d.u64()?;
+    let mut sessions = Vec::new();
+    for _ in 0..d.count()? {
+        sessions.push(SessionImage {
+            id: SessionId::from_u128(d.u128()?),
+            owner: d.owner()?,
+            ttl_ms: d.u64()?,
+            deadline_ms: d.u64()?,
+        });
+    }
+    let mut locks = Vec::new();
+    for _ in 0..d.count()? {
+        let name = d.name()?;
+        let limit = d.u32()?;
+        let blocked_until_ms = d.u64()?;
+        let mut holders = Vec::new();
+        for _ in 0..d.count()? {
+            holders.push(HolderImage {
+                token: OwnerToken::from_u128(d.u128()?),
+                fence: d.fence()?,
+                owner: d.owner()?,
+                request_id: d.request_id()?,
+                lease: match d.u8()? {
+                    0 => LeaseImage::Own {
+                        ttl_ms: d.u64()?,
+                        deadline_ms: d.u64()?,
+                    },
+                    1 => LeaseImage::Session(SessionId::from_u128(d.u128()?)),
+                    b => return Err(bad(format!("bad lease kind {b}"))),
+                },
+                granted_at_ms: d.u64()?,
+                lock_delay_ms: d.u64()?,
+            });
+        }
+        let mut waiters = Vec::new();
+        for _ in 0..d.count()? {
+            waiters.push(WaiterImage {
+                token: OwnerToken::from_u128(d.u128()?),
+                owner: d.owner()?,
+                request_id: d.request_id()?,
+                ttl_ms: d.opt_u64()?,
+                session: d.opt_u128()?.map(SessionId::from_u128),
+                lock_delay_ms: d.u64()?,
+                enqueued_at_ms: d.u64()?,
+                wait_deadline_ms: d.u64()?,
+            });
+        }
+        locks.push(LockImage {
+            name,
+            limit,
+            blocked_until_ms,
+            holders,
+            waiters,
+        });
+    }
+    let mut recent_ends = Vec::new();
+    for _ in 0..d.count()? {
+        let token = OwnerToken::from_u128(d.u128()?);
+        let end = match d.u8()? {
+            1 => GrantEnd::Released,
+            2 => GrantEnd::Expired,
+            3 => GrantEnd::ForceReleased,
+            b => return Err(bad(format!("bad grant end {b}"))),
+        };
+        recent_ends.push((token, end));
+    }
+    d.finish()?;
+    Ok(StateImage {
+        now_ms,
+        next_fence,
+        locks,
+        sessions,
+        recent_ends,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fencelock_core::{Config, Core};
+
+    fn name(s: &str) -> LockName {
+        LockName::new(s).unwrap()
+    }
+
+    fn sample_commands() -> Vec<Command> {
+        let session = SessionId::from_u128(77);
+        vec![
+            Command::OpenSession {
+                id: session,
+                ttl_ms: 5_000,
+                owner: Owner::new("worker-1").unwrap(),
+            },
+            Command::Acquire(Acquire {
+                name: name("a"),
+                token: OwnerToken::from_u128(1),
+                ttl_ms: Some(1_000),
+                wait_ms: 0,
+                owner: Owner::new("host:1").unwrap(),
+                request_id: Some(RequestId::new("r1").unwrap()),
+                limit: 1,
+                lock_delay_ms: 50,
+                session: None,
+            }),
+            Command::Acquire(Acquire {
+                name: name("a"),
+                token: OwnerToken::from_u128(2),
+                ttl_ms: None,
+                wait_ms: 3_000,
+                owner: Owner::default(),
+                request_id: None,
+                limit: 1,
+                lock_delay_ms: 0,
+                session: Some(session),
+            }),
+            Command::Renew {
+                name: name("a"),
+                token: OwnerToken::from_u128(1),
+                ttl_ms: Some(2_000),
+            },
+            Command::KeepAlive { id: session },
+            Command::Tick,
+            Command::RaiseFenceFloor { floor: 10 },
+            Command::ForceRelease {
+                name: name("a"),
+                fence: Fence::new(1),
+                reason: Reason::new("stuck").unwrap(),
+            },
+            Command::CancelWait {
+                name: name("a"),
+                token: OwnerToken::from_u128(2),
+            },
+            Command::Release {
+                name: name("a"),
+                token: OwnerToken::from_u128(1),
+            },
+            Command::CloseSession { id: session },
+            Command::Recover,
+        ]
+    }
+
+    #[test]
+    fn records_round_trip() {
+        for (i, c) in sample_commands().into_iter().enumerate() {
+            let bytes = encode_record(i as u64 * 7, &c);
+            assert_eq!(decode_record(&bytes).unwrap(), (i as u64 * 7, c));
+        }
+    }
+
+    #[test]
+    fn snapshots_round_trip_a_busy_state() {
+        let mut core = Core::new(Config::default());
+        let session = SessionId::from_u128(9);
+        core.apply(
+            0,
+            Command::OpenSession {
+                id: session,
+                ttl_ms: 10_000,
+                owner: Owner::new("s").unwrap(),
+            },
+        )
+        .unwrap();
+        for (i, c) in sample_commands().into_iter().take(4).enumerate() {
+            let _ = core.apply(i as u64, c);
+        }
+        core.apply(
+            5,
+            Command::Acquire(Acquire {
+                name: name("b"),
+                token: OwnerToken::from_u128(3),
+                ttl_ms: None,
+                wait_ms: 0,
+                owner: Owner::default(),
+                request_id: None,
+                limit: 2,
+                lock_delay_ms: 0,
+                session: Some(session),
+            }),
+        )
+        .unwrap();
+        let image = core.export();
+        let decoded = decode_snapshot(&encode_snapshot(&image)).unwrap();
+        assert_eq!(decoded, image);
+        assert!(!image.locks.is_empty());
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        let good = encode_record(5, &sample_commands()[1]);
+        for cut in 0..good.len() {
+            assert!(decode_record(&good[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut extra = good.clone();
+        extra.push(0);
+        assert!(decode_record(&extra).is_err());
+        assert!(decode_snapshot(b"FLSNAP01\x01\xff\xff\xff\xff").is_err());
+        assert!(decode_snapshot(b"nope").is_err());
+        let image = Core::new(Config::default()).export();
+        let mut snap = encode_snapshot(&image);
+        *snap.last_mut().unwrap() = 0xff; // recent_ends count byte
+        assert!(decode_snapshot(&snap).is_err());
+    }
+}

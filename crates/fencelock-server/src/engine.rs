@@ -1,0 +1,940 @@
+//! The engine: drives the sans-IO core, makes every change durable before anyone
+//! hears of it, and fires timers.
+//!
+//! Two threads of control:
+//! - the **engine task** owns the [`Core`]. It takes requests in batches, stamps each
+//!   with the service clock, applies it, encodes it as a log record, and queues the
+//!   replies (and hand-off grants, and events) as *deliveries* of the current batch;
+//! - the **writer thread** owns the [`Log`]. It takes whole batches, writes them, makes
+//!   them durable with one fdatasync for as many batches as have queued up (group
+//!   commit), and only then runs their deliveries.
+//!
+//! So no reply, no grant and no event leaves the server before the command that
+//! produced it is durable, the engine never waits for the disk (it applies the next
+//! batch while the previous one syncs), and no lock is held across I/O.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fencelock_core::{
+    Acquire, Command, Config as CoreConfig, Core, Error as CoreError, ErrorKind, Event, EventKind,
+    Fence, Grant, GrantEnd, LockName, LockView, Outcome, Owner, OwnerToken, Reason, Reply,
+    RequestId, SessionId, WaitEnd,
+};
+use fencelock_log::{Log, LogOptions};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+
+use crate::codec;
+use crate::error::{ApiError, ApiErrorKind};
+use crate::metrics::Metrics;
+
+/// Whether acknowledged changes survive power loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Every batch is fdatasync'd before its replies go out (the default).
+    Fsync,
+    /// **Unsafe, for benchmarks only**: records are written but never synced, so a
+    /// power loss or kernel crash can lose acknowledged grants and let fences repeat.
+    None,
+}
+
+/// How the engine stores and bounds its state.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Directory for the log segments and snapshots.
+    pub data_dir: PathBuf,
+    /// Whether to fdatasync.
+    pub durability: Durability,
+    /// Bounds enforced by the core.
+    pub core: CoreConfig,
+    /// Size of each preallocated log segment.
+    pub segment_bytes: u64,
+    /// Take a snapshot once this many log bytes were written since the last one.
+    pub snapshot_after_bytes: u64,
+}
+
+impl EngineConfig {
+    /// Defaults for a data directory: fsync on, 64 MiB segments, snapshot every 256 MiB.
+    pub fn new(data_dir: impl Into<PathBuf>) -> EngineConfig {
+        EngineConfig {
+            data_dir: data_dir.into(),
+            durability: Durability::Fsync,
+            core: CoreConfig::default(),
+            segment_bytes: 64 << 20,
+            snapshot_after_bytes: 256 << 20,
+        }
+    }
+}
+
+/// What recovery found at start.
+#[derive(Debug, Clone, Default)]
+pub struct RecoveryReport {
+    /// Whether a snapshot was loaded.
+    pub snapshot_loaded: bool,
+    /// Log records replayed after the snapshot.
+    pub records_replayed: usize,
+    /// Bytes of a torn (never acknowledged) record discarded at the log's tail.
+    pub truncated_tail_bytes: u64,
+    /// Locks held after recovery.
+    pub locks_held: usize,
+    /// The next fence.
+    pub next_fence: u64,
+    /// Time spent recovering.
+    pub duration: Duration,
+}
+
+/// Lifecycle of the engine, observable by the API layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunState {
+    /// Serving.
+    Running,
+    /// Shutting down: waits were cancelled, new waits are refused.
+    Draining,
+    /// Stopped cleanly; everything acknowledged is durable.
+    Stopped,
+    /// Storage failed; the engine stopped (fail-stop) and nothing more is acknowledged.
+    Failed(String),
+}
+
+/// Arguments of an acquire, already validated as types.
+#[derive(Debug, Clone)]
+pub struct AcquireArgs {
+    /// The lock.
+    pub name: LockName,
+    /// Lease; required without a session.
+    pub ttl_ms: Option<u64>,
+    /// How long to wait; 0 = do not wait.
+    pub wait_ms: u64,
+    /// Who is asking.
+    pub owner: Owner,
+    /// Idempotency key.
+    pub request_id: Option<RequestId>,
+    /// Holders admitted (1 = mutex).
+    pub limit: u32,
+    /// Lock-delay after expiry or forced release.
+    pub lock_delay_ms: u64,
+    /// Hold under this session.
+    pub session: Option<SessionId>,
+}
+
+/// A lock event after it became durable, for watchers.
+pub type SharedEvent = Arc<Event>;
+
+type Delivery = Box<dyn FnOnce() + Send>;
+type Read = Box<dyn FnOnce(&Core) -> Delivery + Send>;
+type AcquireReply = oneshot::Sender<Result<Grant, ApiError>>;
+
+enum Msg {
+    Acquire {
+        acquire: Acquire,
+        listener: u128,
+        reply: AcquireReply,
+    },
+    Command {
+        command: Command,
+        reply: oneshot::Sender<Result<Reply, CoreError>>,
+    },
+    /// The client behind `listener` stopped waiting.
+    CancelListener { listener: u128 },
+    /// A grant reached nobody (its client went away): give the lock back.
+    ReleaseOrphan { name: LockName, token: OwnerToken },
+    Read(Read),
+    Drain,
+    Shutdown(oneshot::Sender<()>),
+}
+
+enum WriterMsg {
+    Batch {
+        records: Vec<Vec<u8>>,
+        deliveries: Vec<Delivery>,
+    },
+    Snapshot(Vec<u8>),
+    Stop(oneshot::Sender<()>),
+}
+
+struct Shared {
+    tx: mpsc::UnboundedSender<Msg>,
+    metrics: Arc<Metrics>,
+    events: broadcast::Sender<SharedEvent>,
+    state: watch::Receiver<RunState>,
+    started: Instant,
+    recovery: RecoveryReport,
+}
+
+/// A cheap, cloneable handle to the engine: what the HTTP and gRPC layers call.
+#[derive(Clone)]
+pub struct Handle {
+    shared: Arc<Shared>,
+}
+
+fn random_u128() -> u128 {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).expect("the operating system's random source failed");
+    u128::from_le_bytes(bytes)
+}
+
+/// The monotonic service clock: continues from the last logged time across restarts,
+/// and advances only while the server runs (downtime only ever extends leases).
+#[derive(Clone, Copy)]
+struct ServiceClock {
+    base_ms: u64,
+    start: Instant,
+}
+
+impl ServiceClock {
+    fn now_ms(&self) -> u64 {
+        self.base_ms + self.start.elapsed().as_millis() as u64
+    }
+
+    fn instant_of(&self, service_ms: u64) -> Instant {
+        self.start + Duration::from_millis(service_ms.saturating_sub(self.base_ms))
+    }
+}
+
+/// Loads the state from `dir` (snapshot + log replay) without starting anything.
+/// Used at start and by offline tools.
+pub fn recover(
+    log_opts: LogOptions,
+    dir: &Path,
+    config: &CoreConfig,
+) -> Result<(Log, Core, RecoveryReport), ApiError> {
+    let started = Instant::now();
+    let storage = |e: fencelock_log::LogError| match e.kind() {
+        fencelock_log::LogErrorKind::Locked => ApiError::new(
+            ApiErrorKind::Unavailable,
+            format!("data dir {} is in use by another fencelock server", dir.display()),
+        ),
+        _ => ApiError::new(ApiErrorKind::Internal, format!("cannot open the log: {e}")),
+    };
+    let (log, recovered) = Log::open(dir, log_opts).map_err(storage)?;
+    let corrupt = |what: String| ApiError::new(ApiErrorKind::Internal, what);
+    let mut core = match &recovered.snapshot {
+        Some(bytes) => {
+            let image = codec::decode_snapshot(bytes)
+                .map_err(|e| corrupt(format!("snapshot in {}: {e}", dir.display())))?;
+            Core::import(config.clone(), image)
+                .map_err(|e| corrupt(format!("snapshot in {} is inconsistent: {e}", dir.display())))?
+        }
+        None => Core::new(config.clone()),
+    };
+    for (i, record) in recovered.records.iter().enumerate() {
+        let (now_ms, command) = codec::decode_record(record)
+            .map_err(|e| corrupt(format!("log record {i} in {}: {e}", dir.display())))?;
+        // Replies and outcomes were delivered before the crash; only the state matters.
+        let _ = core.apply(now_ms.max(core.now_ms()), command);
+        core.take_outcomes();
+    }
+    let stats = core.stats();
+    let report = RecoveryReport {
+        snapshot_loaded: recovered.snapshot.is_some(),
+        records_replayed: recovered.records.len(),
+        truncated_tail_bytes: recovered.truncated_tail_bytes,
+        locks_held: stats.holders,
+        next_fence: stats.next_fence,
+        duration: started.elapsed(),
+    };
+    Ok((log, core, report))
+}
+
+/// Opens the data directory, recovers, and starts the engine task and writer thread.
+/// Must be called inside a tokio runtime.
+pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
+    let log_opts = LogOptions {
+        segment_bytes: config.segment_bytes,
+        fsync: config.durability == Durability::Fsync,
+    };
+    let (mut log, mut core, mut report) = recover(log_opts, &config.data_dir, &config.core)?;
+
+    // Every lease restarts with its full TTL; queued requests are gone with their
+    // clients. The restart itself is a logged command, so replay stays exact.
+    let clock = ServiceClock {
+        base_ms: core.now_ms() + 1,
+        start: Instant::now(),
+    };
+    let now = clock.now_ms();
+    let io = |e: fencelock_log::LogError| {
+        ApiError::new(ApiErrorKind::Internal, format!("cannot write the log: {e}"))
+    };
+    log.append(&codec::encode_record(now, &Command::Recover))
+        .map_err(io)?;
+    core.apply(now, Command::Recover)
+        .expect("recover never fails");
+    core.take_outcomes();
+    log.sync().map_err(io)?;
+    report.duration = report.duration.max(Duration::ZERO);
+
+    let metrics = Arc::new(Metrics::default());
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (events, _) = broadcast::channel(4096);
+    let (state_tx, state_rx) = watch::channel(RunState::Running);
+    let (writer_tx, writer_rx) = std::sync::mpsc::channel();
+
+    let writer_metrics = metrics.clone();
+    let writer_state = state_tx.clone();
+    std::thread::Builder::new()
+        .name("fencelock-writer".into())
+        .spawn(move || writer_loop(log, writer_rx, writer_metrics, writer_state))
+        .map_err(|e| ApiError::new(ApiErrorKind::Internal, format!("cannot start the writer: {e}")))?;
+
+    let engine = EngineTask {
+        core,
+        clock,
+        rx,
+        self_tx: tx.clone(),
+        writer: writer_tx,
+        metrics: metrics.clone(),
+        events: events.clone(),
+        state: state_tx,
+        records: Vec::new(),
+        deliveries: Vec::new(),
+        listeners: std::collections::HashMap::new(),
+        listener_index: std::collections::HashMap::new(),
+        bytes_since_snapshot: 0,
+        snapshot_after_bytes: config.snapshot_after_bytes,
+        draining: false,
+    };
+    tokio::spawn(engine.run());
+
+    Ok(Handle {
+        shared: Arc::new(Shared {
+            tx,
+            metrics,
+            events,
+            state: state_rx,
+            started: Instant::now(),
+            recovery: report,
+        }),
+    })
+}
+
+struct EngineTask {
+    core: Core,
+    clock: ServiceClock,
+    rx: mpsc::UnboundedReceiver<Msg>,
+    self_tx: mpsc::UnboundedSender<Msg>,
+    writer: std::sync::mpsc::Sender<WriterMsg>,
+    metrics: Arc<Metrics>,
+    events: broadcast::Sender<SharedEvent>,
+    state: watch::Sender<RunState>,
+    records: Vec<Vec<u8>>,
+    deliveries: Vec<Delivery>,
+    /// Clients waiting on a queued request, by the request's owner token.
+    listeners: std::collections::HashMap<OwnerToken, Vec<(u128, AcquireReply)>>,
+    /// Which queued request each listener waits on.
+    listener_index: std::collections::HashMap<u128, (LockName, OwnerToken)>,
+    bytes_since_snapshot: u64,
+    snapshot_after_bytes: u64,
+    draining: bool,
+}
+
+/// Most requests applied before a batch goes to the writer.
+const MAX_BATCH: usize = 4096;
+
+impl EngineTask {
+    async fn run(mut self) {
+        loop {
+            let deadline = self
+                .core
+                .next_deadline_ms()
+                .map(|d| tokio::time::Instant::from_std(self.clock.instant_of(d)));
+            let first = tokio::select! {
+                msg = self.rx.recv() => msg,
+                _ = sleep_until_opt(deadline) => None,
+            };
+            let mut stop = None;
+            match first {
+                Some(Msg::Shutdown(done)) => stop = Some(done),
+                Some(msg) => self.handle(msg),
+                None => self.execute(Command::Tick, |_| {}),
+            }
+            if stop.is_none() {
+                for _ in 1..MAX_BATCH {
+                    match self.rx.try_recv() {
+                        Ok(Msg::Shutdown(done)) => {
+                            stop = Some(done);
+                            break;
+                        }
+                        Ok(msg) => self.handle(msg),
+                        Err(_) => break,
+                    }
+                }
+            }
+            if !self.flush() {
+                return;
+            }
+            if let Some(done) = stop {
+                let (writer_done_tx, writer_done) = oneshot::channel();
+                let _ = self.writer.send(WriterMsg::Stop(writer_done_tx));
+                let _ = tokio::task::spawn_blocking(move || writer_done.blocking_recv()).await;
+                let _ = self.state.send(RunState::Stopped);
+                let _ = done.send(());
+                return;
+            }
+        }
+    }
+
+    fn handle(&mut self, msg: Msg) {
+        match msg {
+            Msg::Acquire {
+                acquire,
+                listener,
+                reply,
+            } => self.acquire(acquire, listener, reply),
+            Msg::Command { command, reply } => {
+                self.execute(command, move |result| {
+                    let _ = reply.send(result);
+                });
+            }
+            Msg::CancelListener { listener } => self.cancel_listener(listener),
+            Msg::ReleaseOrphan { name, token } => {
+                self.execute(Command::Release { name, token }, |_| {});
+            }
+            Msg::Read(read) => {
+                self.execute(Command::Tick, |_| {});
+                let delivery = read(&self.core);
+                self.deliveries.push(delivery);
+            }
+            Msg::Drain => self.drain(),
+            Msg::Shutdown(_) => unreachable!("handled by run"),
+        }
+    }
+
+    /// Applies one command at the current service time, logs it if it changed state,
+    /// and queues its reply (via `reply`) and its outcomes as deliveries.
+    fn execute(
+        &mut self,
+        command: Command,
+        reply: impl FnOnce(Result<Reply, CoreError>) + Send + 'static,
+    ) {
+        let now = self.clock.now_ms().max(self.core.now_ms());
+        let due = self.core.next_deadline_ms().is_some_and(|d| d <= now);
+        let is_tick = matches!(command, Command::Tick);
+        let record = codec::encode_record(now, &command);
+        let result = self.core.apply(now, command);
+        // An error changed nothing but the deadlines it processed; a tick with
+        // nothing due changed nothing at all. Neither needs replaying.
+        if due || (result.is_ok() && !is_tick) {
+            self.bytes_since_snapshot += record.len() as u64;
+            self.records.push(record);
+        }
+        if matches!(&result, Err(e) if e.kind() == ErrorKind::Held) {
+            self.metrics.acquire_conflicts.fetch_add(1, Ordering::Relaxed);
+        }
+        self.deliveries.push(Box::new(move || reply(result)));
+        self.route_outcomes();
+    }
+
+    fn acquire(&mut self, acquire: Acquire, listener: u128, reply: AcquireReply) {
+        if self.draining && acquire.wait_ms > 0 {
+            let err = ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
+            self.deliveries.push(Box::new(move || {
+                let _ = reply.send(Err(err));
+            }));
+            return;
+        }
+        let name = acquire.name.clone();
+        let now = self.clock.now_ms().max(self.core.now_ms());
+        let due = self.core.next_deadline_ms().is_some_and(|d| d <= now);
+        let command = Command::Acquire(acquire);
+        let record = codec::encode_record(now, &command);
+        let result = self.core.apply(now, command);
+        if due || result.is_ok() {
+            self.bytes_since_snapshot += record.len() as u64;
+            self.records.push(record);
+        }
+        match result {
+            Ok(Reply::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
+            Ok(Reply::Queued { token, .. }) => {
+                self.listeners.entry(token).or_default().push((listener, reply));
+                self.listener_index.insert(listener, (name, token));
+            }
+            Ok(other) => unreachable!("acquire replied {other:?}"),
+            Err(e) => {
+                if e.kind() == ErrorKind::Held {
+                    self.metrics.acquire_conflicts.fetch_add(1, Ordering::Relaxed);
+                }
+                let err = ApiError::from(e);
+                self.deliveries.push(Box::new(move || {
+                    let _ = reply.send(Err(err));
+                }));
+            }
+        }
+        self.route_outcomes();
+    }
+
+    /// Sends a grant to its listeners once durable; if none of them is still there,
+    /// releases it (a lock granted to a departed client must not sit until expiry).
+    fn deliver_grant(&mut self, grant: Grant, listeners: Vec<(u128, AcquireReply)>) {
+        let orphans = self.self_tx.clone();
+        self.deliveries.push(Box::new(move || {
+            let mut delivered = false;
+            for (_, reply) in listeners {
+                delivered |= reply.send(Ok(grant.clone())).is_ok();
+            }
+            if !delivered {
+                let _ = orphans.send(Msg::ReleaseOrphan {
+                    name: grant.name,
+                    token: grant.token,
+                });
+            }
+        }));
+    }
+
+    fn route_outcomes(&mut self) {
+        let mut events = Vec::new();
+        for outcome in self.core.take_outcomes() {
+            match outcome {
+                Outcome::Granted(grant) => {
+                    let listeners = self.take_listeners(grant.token);
+                    self.deliver_grant(grant, listeners);
+                }
+                Outcome::WaitEnded {
+                    token,
+                    name,
+                    reason,
+                } => {
+                    let listeners = self.take_listeners(token);
+                    let err = wait_end_error(&name, reason);
+                    self.deliveries.push(Box::new(move || {
+                        for (_, reply) in listeners {
+                            let _ = reply.send(Err(err.clone()));
+                        }
+                    }));
+                }
+                Outcome::Event(event) => events.push(Arc::new(event)),
+            }
+        }
+        if !events.is_empty() {
+            let metrics = self.metrics.clone();
+            let sender = self.events.clone();
+            self.deliveries.push(Box::new(move || {
+                for event in events {
+                    count_event(&metrics, &event);
+                    // No watcher is not an error.
+                    let _ = sender.send(event);
+                }
+            }));
+        }
+    }
+
+    fn take_listeners(&mut self, token: OwnerToken) -> Vec<(u128, AcquireReply)> {
+        let listeners = self.listeners.remove(&token).unwrap_or_default();
+        for (id, _) in &listeners {
+            self.listener_index.remove(id);
+        }
+        listeners
+    }
+
+    fn cancel_listener(&mut self, listener: u128) {
+        let Some((name, token)) = self.listener_index.remove(&listener) else {
+            return; // already answered
+        };
+        let remaining = self.listeners.get_mut(&token).map(|ls| {
+            ls.retain(|(id, _)| *id != listener);
+            ls.len()
+        });
+        if remaining == Some(0) {
+            self.listeners.remove(&token);
+            self.execute(Command::CancelWait { name, token }, |_| {});
+        }
+    }
+
+    /// Ends every wait (clients get `unavailable` and retry elsewhere or later) and
+    /// refuses new ones, so that graceful shutdown is not held up by long polls.
+    fn drain(&mut self) {
+        self.draining = true;
+        let _ = self.state.send(RunState::Draining);
+        let waiting: Vec<(LockName, OwnerToken)> = self.listener_index.values().cloned().collect();
+        for (name, token) in waiting {
+            let listeners = self.take_listeners(token);
+            self.execute(Command::CancelWait { name, token }, |_| {});
+            let err = ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
+            self.deliveries.push(Box::new(move || {
+                for (_, reply) in listeners {
+                    let _ = reply.send(Err(err.clone()));
+                }
+            }));
+        }
+    }
+
+    /// Hands the batch to the writer. Returns false if the writer is gone (storage
+    /// failed), in which case the engine stops.
+    fn flush(&mut self) -> bool {
+        let stats = self.core.stats();
+        let m = &self.metrics;
+        m.held.store(stats.holders as u64, Ordering::Relaxed);
+        m.waiters.store(stats.waiters as u64, Ordering::Relaxed);
+        m.sessions.store(stats.sessions as u64, Ordering::Relaxed);
+        m.locks.store(stats.locks as u64, Ordering::Relaxed);
+        m.next_fence.store(stats.next_fence, Ordering::Relaxed);
+        if self.records.is_empty() && self.deliveries.is_empty() {
+            return true;
+        }
+        let batch = WriterMsg::Batch {
+            records: std::mem::take(&mut self.records),
+            deliveries: std::mem::take(&mut self.deliveries),
+        };
+        if self.writer.send(batch).is_err() {
+            return false;
+        }
+        if self.bytes_since_snapshot >= self.snapshot_after_bytes {
+            self.bytes_since_snapshot = 0;
+            let bytes = codec::encode_snapshot(&self.core.export());
+            if self.writer.send(WriterMsg::Snapshot(bytes)).is_err() {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn wait_end_error(name: &LockName, reason: WaitEnd) -> ApiError {
+    match reason {
+        WaitEnd::TimedOut => ApiError::new(
+            ApiErrorKind::Timeout,
+            format!("lock {name} was not acquired within wait_ms"),
+        ),
+        WaitEnd::SessionEnded => ApiError::new(
+            ApiErrorKind::SessionNotFound,
+            format!("the session ended while waiting for {name}"),
+        ),
+        WaitEnd::Cancelled => ApiError::new(ApiErrorKind::Cancelled, "the wait was cancelled"),
+        WaitEnd::ServerRestarted => ApiError::new(
+            ApiErrorKind::Unavailable,
+            "the server restarted while waiting; retry",
+        ),
+    }
+}
+
+fn count_event(m: &Metrics, event: &Event) {
+    match event.kind {
+        EventKind::Granted => {
+            m.grants.fetch_add(1, Ordering::Relaxed);
+            m.acquire_wait.observe(event.duration_ms);
+        }
+        EventKind::Ended(end) => {
+            let counter = match end {
+                GrantEnd::Released => &m.releases,
+                GrantEnd::Expired => &m.expiries,
+                GrantEnd::ForceReleased => &m.forced_releases,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            m.hold_time.observe(event.duration_ms);
+        }
+        EventKind::WaitEnded(WaitEnd::TimedOut) => {
+            m.wait_timeouts.fetch_add(1, Ordering::Relaxed);
+        }
+        EventKind::Queued | EventKind::WaitEnded(_) => {}
+    }
+}
+
+fn writer_loop(
+    mut log: Log,
+    rx: std::sync::mpsc::Receiver<WriterMsg>,
+    metrics: Arc<Metrics>,
+    state: watch::Sender<RunState>,
+) {
+    let fail = |what: String| {
+        tracing::error!(error = %what, "storage failed; stopping (fail-stop): nothing more will be acknowledged");
+        let _ = state.send(RunState::Failed(what));
+    };
+    while let Ok(first) = rx.recv() {
+        let gather = matches!(first, WriterMsg::Batch { .. });
+        let mut pending = vec![first];
+        // Group commit: every batch that queued up while the last sync ran, up to
+        // (and including) the next snapshot or stop, which must see them durable.
+        while gather {
+            let Ok(more) = rx.try_recv() else { break };
+            let is_batch = matches!(more, WriterMsg::Batch { .. });
+            pending.push(more);
+            if !is_batch {
+                break;
+            }
+        }
+        let mut deliveries = Vec::new();
+        let mut after = None;
+        let mut records = 0u64;
+        for msg in pending {
+            match msg {
+                WriterMsg::Batch {
+                    records: batch,
+                    deliveries: d,
+                } => {
+                    for record in &batch {
+                        if let Err(e) = log.append(record) {
+                            return fail(format!("append: {e}"));
+                        }
+                    }
+                    records += batch.len() as u64;
+                    deliveries.extend(d);
+                }
+                other => after = Some(other),
+            }
+        }
+        if records > 0 {
+            let started = Instant::now();
+            if let Err(e) = log.sync() {
+                return fail(format!("sync: {e}"));
+            }
+            metrics.fsync.observe(started.elapsed().as_micros() as u64);
+            metrics.batch_size.observe(records);
+        }
+        for delivery in deliveries {
+            delivery();
+        }
+        match after {
+            Some(WriterMsg::Snapshot(bytes)) => {
+                if let Err(e) = log.snapshot(&bytes) {
+                    return fail(format!("snapshot: {e}"));
+                }
+            }
+            Some(WriterMsg::Stop(done)) => {
+                let _ = done.send(());
+                return;
+            }
+            Some(WriterMsg::Batch { .. }) | None => {}
+        }
+    }
+}
+
+/// Cancels a wait if the acquiring future is dropped before it finished; releases the
+/// grant if it arrived but was never read.
+struct AcquireGuard {
+    shared: Arc<Shared>,
+    listener: u128,
+    rx: Option<oneshot::Receiver<Result<Grant, ApiError>>>,
+}
+
+impl Drop for AcquireGuard {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else {
+            return;
+        };
+        match rx.try_recv() {
+            Ok(Ok(grant)) => {
+                let _ = self.shared.tx.send(Msg::ReleaseOrphan {
+                    name: grant.name,
+                    token: grant.token,
+                });
+            }
+            Ok(Err(_)) | Err(oneshot::error::TryRecvError::Closed) => {}
+            Err(oneshot::error::TryRecvError::Empty) => {
+                let _ = self.shared.tx.send(Msg::CancelListener {
+                    listener: self.listener,
+                });
+            }
+        }
+    }
+}
+
+fn unavailable() -> ApiError {
+    ApiError::new(
+        ApiErrorKind::Unavailable,
+        "the lock engine is not running (shutting down or storage failed)",
+    )
+}
+
+impl Handle {
+    fn send(&self, msg: Msg) -> Result<(), ApiError> {
+        self.shared.tx.send(msg).map_err(|_| unavailable())
+    }
+
+    async fn command(&self, command: Command) -> Result<Reply, ApiError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Msg::Command { command, reply: tx })?;
+        match rx.await {
+            Ok(result) => result.map_err(ApiError::from),
+            Err(_) => Err(unavailable()),
+        }
+    }
+
+    /// Reads the core's state after everything before it is durable.
+    pub async fn read<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Core) -> T + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Msg::Read(Box::new(move |core| {
+            let value = f(core);
+            Box::new(move || {
+                let _ = tx.send(value);
+            })
+        })))?;
+        rx.await.map_err(|_| unavailable())
+    }
+
+    /// Acquires a lock, waiting up to `args.wait_ms`. Dropping the future cancels the
+    /// wait; a grant that arrives for a dropped future is released.
+    pub async fn acquire(&self, args: AcquireArgs) -> Result<Grant, ApiError> {
+        let listener = random_u128();
+        let (tx, rx) = oneshot::channel();
+        self.send(Msg::Acquire {
+            acquire: Acquire {
+                name: args.name,
+                token: OwnerToken::from_u128(random_u128()),
+                ttl_ms: args.ttl_ms,
+                wait_ms: args.wait_ms,
+                owner: args.owner,
+                request_id: args.request_id,
+                limit: args.limit,
+                lock_delay_ms: args.lock_delay_ms,
+                session: args.session,
+            },
+            listener,
+            reply: tx,
+        })?;
+        let mut guard = AcquireGuard {
+            shared: self.shared.clone(),
+            listener,
+            rx: Some(rx),
+        };
+        let result = guard.rx.as_mut().expect("set above").await;
+        guard.rx = None;
+        result.unwrap_or_else(|_| Err(unavailable()))
+    }
+
+    /// Extends a lease (or the holding session).
+    pub async fn renew(
+        &self,
+        name: LockName,
+        token: OwnerToken,
+        ttl_ms: Option<u64>,
+    ) -> Result<Grant, ApiError> {
+        match self.command(Command::Renew { name, token, ttl_ms }).await? {
+            Reply::Renewed(grant) => Ok(grant),
+            other => unreachable!("renew replied {other:?}"),
+        }
+    }
+
+    /// Releases a grant. `Ok(false)`: this token had already released it.
+    pub async fn release(&self, name: LockName, token: OwnerToken) -> Result<bool, ApiError> {
+        match self.command(Command::Release { name, token }).await? {
+            Reply::Released { released } => Ok(released),
+            other => unreachable!("release replied {other:?}"),
+        }
+    }
+
+    /// Operator action: takes a lock from its holder(s). Returns the fences taken.
+    pub async fn force_release(
+        &self,
+        name: LockName,
+        fence: Option<Fence>,
+        reason: Reason,
+    ) -> Result<Vec<Fence>, ApiError> {
+        tracing::warn!(lock = %name, ?fence, reason = reason.as_str(), "forced release requested");
+        match self
+            .command(Command::ForceRelease {
+                name,
+                fence,
+                reason,
+            })
+            .await?
+        {
+            Reply::ForceReleased { fences } => Ok(fences),
+            other => unreachable!("force release replied {other:?}"),
+        }
+    }
+
+    /// Opens a session; returns its id.
+    pub async fn open_session(&self, ttl_ms: u64, owner: Owner) -> Result<(SessionId, u64), ApiError> {
+        let id = SessionId::from_u128(random_u128());
+        match self
+            .command(Command::OpenSession { id, ttl_ms, owner })
+            .await?
+        {
+            Reply::SessionOpened { id, ttl_ms } => Ok((id, ttl_ms)),
+            other => unreachable!("open session replied {other:?}"),
+        }
+    }
+
+    /// Renews a session; returns its ttl.
+    pub async fn keep_alive(&self, id: SessionId) -> Result<u64, ApiError> {
+        match self.command(Command::KeepAlive { id }).await? {
+            Reply::KeptAlive { ttl_ms } => Ok(ttl_ms),
+            other => unreachable!("keepalive replied {other:?}"),
+        }
+    }
+
+    /// Closes a session; returns how many locks it released.
+    pub async fn close_session(&self, id: SessionId) -> Result<usize, ApiError> {
+        match self.command(Command::CloseSession { id }).await? {
+            Reply::SessionClosed { released } => Ok(released),
+            other => unreachable!("close session replied {other:?}"),
+        }
+    }
+
+    /// The view of one lock, if it exists.
+    pub async fn lock(&self, name: LockName) -> Result<Option<LockView>, ApiError> {
+        self.read(move |core| core.lock(&name)).await
+    }
+
+    /// Locks by prefix, paginated by name.
+    pub async fn locks(
+        &self,
+        prefix: String,
+        after: Option<LockName>,
+        max: usize,
+    ) -> Result<Vec<LockView>, ApiError> {
+        self.read(move |core| core.locks(&prefix, after.as_ref(), max))
+            .await
+    }
+
+    /// A consistent snapshot of the whole state (for `fencelock backup`).
+    pub async fn snapshot(&self) -> Result<Vec<u8>, ApiError> {
+        self.read(|core| codec::encode_snapshot(&core.export())).await
+    }
+
+    /// Durable lock events from now on. A slow watcher that falls behind by more
+    /// than the channel's capacity is told how many events it missed.
+    pub fn subscribe(&self) -> broadcast::Receiver<SharedEvent> {
+        self.shared.events.subscribe()
+    }
+
+    /// The server's metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// What recovery found at start.
+    pub fn recovery(&self) -> &RecoveryReport {
+        &self.shared.recovery
+    }
+
+    /// Time since the engine started.
+    pub fn uptime(&self) -> Duration {
+        self.shared.started.elapsed()
+    }
+
+    /// The current run state.
+    pub fn state(&self) -> RunState {
+        self.shared.state.borrow().clone()
+    }
+
+    /// A receiver that sees every run-state change (for shutdown and fail-stop).
+    pub fn watch_state(&self) -> watch::Receiver<RunState> {
+        self.shared.state.clone()
+    }
+
+    /// Starts shutting down: every wait ends with `unavailable`, new waits are
+    /// refused, everything else is still served.
+    pub fn drain(&self) {
+        let _ = self.send(Msg::Drain);
+    }
+
+    /// Stops the engine after making everything applied so far durable.
+    pub async fn shutdown(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.send(Msg::Shutdown(tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+}

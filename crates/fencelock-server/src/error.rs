@@ -1,0 +1,134 @@
+//! The API's error type, shared by HTTP and gRPC, with stable codes.
+
+use std::fmt;
+
+use fencelock_core::{Error as CoreError, ErrorKind};
+
+/// An error answered to a client. `kind().code()` is stable and documented.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    kind: ApiErrorKind,
+    message: String,
+}
+
+/// Stable classification of an [`ApiError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ApiErrorKind {
+    /// The body is not valid JSON of the expected shape (400).
+    InvalidJson,
+    /// An argument is out of range or inconsistent (400).
+    InvalidArgument,
+    /// The body is larger than the limit (413).
+    PayloadTooLarge,
+    /// No such lock or route (404).
+    NotFound,
+    /// Wrong HTTP method for the route (405).
+    MethodNotAllowed,
+    /// The lock is held and the request did not wait (409).
+    Held,
+    /// The lock was not acquired within `wait_ms` (409).
+    Timeout,
+    /// The owner token does not hold the lock (409).
+    NotHeld,
+    /// The owner token's lease expired (409).
+    Expired,
+    /// The lock exists with another `limit` (409).
+    LimitMismatch,
+    /// The session does not exist or ended (404).
+    SessionNotFound,
+    /// A server bound was reached (429).
+    ResourceExhausted,
+    /// The wait was cancelled (499-like; only seen by in-process callers).
+    Cancelled,
+    /// The server is shutting down or its storage failed (503).
+    Unavailable,
+    /// A bug or an I/O failure on the server (500). Never caused by client input.
+    Internal,
+}
+
+impl ApiErrorKind {
+    /// The stable snake_case code.
+    pub fn code(self) -> &'static str {
+        match self {
+            ApiErrorKind::InvalidJson => "invalid_json",
+            ApiErrorKind::InvalidArgument => "invalid_argument",
+            ApiErrorKind::PayloadTooLarge => "payload_too_large",
+            ApiErrorKind::NotFound => "not_found",
+            ApiErrorKind::MethodNotAllowed => "method_not_allowed",
+            ApiErrorKind::Held => "held",
+            ApiErrorKind::Timeout => "timeout",
+            ApiErrorKind::NotHeld => "not_held",
+            ApiErrorKind::Expired => "expired",
+            ApiErrorKind::LimitMismatch => "limit_mismatch",
+            ApiErrorKind::SessionNotFound => "session_not_found",
+            ApiErrorKind::ResourceExhausted => "resource_exhausted",
+            ApiErrorKind::Cancelled => "cancelled",
+            ApiErrorKind::Unavailable => "unavailable",
+            ApiErrorKind::Internal => "internal",
+        }
+    }
+
+    /// The HTTP status for this kind.
+    pub fn http_status(self) -> u16 {
+        match self {
+            ApiErrorKind::InvalidJson | ApiErrorKind::InvalidArgument => 400,
+            ApiErrorKind::PayloadTooLarge => 413,
+            ApiErrorKind::NotFound | ApiErrorKind::SessionNotFound => 404,
+            ApiErrorKind::MethodNotAllowed => 405,
+            ApiErrorKind::Held
+            | ApiErrorKind::Timeout
+            | ApiErrorKind::NotHeld
+            | ApiErrorKind::Expired
+            | ApiErrorKind::LimitMismatch => 409,
+            ApiErrorKind::ResourceExhausted => 429,
+            ApiErrorKind::Cancelled => 499,
+            ApiErrorKind::Unavailable => 503,
+            ApiErrorKind::Internal => 500,
+        }
+    }
+}
+
+impl ApiError {
+    /// Builds an error.
+    pub fn new(kind: ApiErrorKind, message: impl Into<String>) -> ApiError {
+        ApiError {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// The classification.
+    pub fn kind(&self) -> ApiErrorKind {
+        self.kind
+    }
+
+    /// The explanation.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl From<CoreError> for ApiError {
+    fn from(e: CoreError) -> ApiError {
+        let kind = match e.kind() {
+            ErrorKind::InvalidArgument => ApiErrorKind::InvalidArgument,
+            ErrorKind::Held => ApiErrorKind::Held,
+            ErrorKind::NotHeld => ApiErrorKind::NotHeld,
+            ErrorKind::Expired => ApiErrorKind::Expired,
+            ErrorKind::LimitMismatch => ApiErrorKind::LimitMismatch,
+            ErrorKind::SessionNotFound => ApiErrorKind::SessionNotFound,
+            ErrorKind::ResourceExhausted => ApiErrorKind::ResourceExhausted,
+            _ => ApiErrorKind::Internal,
+        };
+        ApiError::new(kind, e.message())
+    }
+}
+
+impl fmt::Display for ApiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind.code(), self.message)
+    }
+}
+
+impl std::error::Error for ApiError {}

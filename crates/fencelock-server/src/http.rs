@@ -1,0 +1,379 @@
+//! HTTP/JSON v1: the contract curl, other languages and the dashboard rely on.
+//!
+//! Every request body is read with a size limit and parsed as JSON whatever its
+//! content type (so `curl -d` works); any client mistake is a 4xx with a stable
+//! `{"error":{"code","message"}}`, never a 500.
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{FromRequest, Path, Query, Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use fencelock_core::{
+    Fence, Grant, LockName, LockView, Owner, OwnerToken, Reason, RequestId, SessionId, TextError,
+};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::engine::{AcquireArgs, Handle, RunState};
+use crate::error::{ApiError, ApiErrorKind};
+
+/// Largest request body accepted, in bytes.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// Largest page of `GET /v1/locks`.
+pub const MAX_PAGE: usize = 1000;
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.kind().http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let body = json!({"error": {"code": self.kind().code(), "message": self.message()}});
+        (status, Json(body)).into_response()
+    }
+}
+
+fn invalid(field: &str, e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ApiErrorKind::InvalidArgument, format!("{field}: {e}"))
+}
+
+/// A JSON body, read with [`MAX_BODY_BYTES`] as the limit, any content type.
+pub struct JsonBody<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, _state: &S) -> Result<Self, ApiError> {
+        let bytes = axum::body::to_bytes(req.into_body(), MAX_BODY_BYTES)
+            .await
+            .map_err(|_| {
+                ApiError::new(
+                    ApiErrorKind::PayloadTooLarge,
+                    format!("request body is larger than {MAX_BODY_BYTES} bytes"),
+                )
+            })?;
+        if bytes.is_empty() {
+            return Err(ApiError::new(
+                ApiErrorKind::InvalidJson,
+                "request body is empty; expected a JSON object",
+            ));
+        }
+        serde_json::from_slice(&bytes)
+            .map(JsonBody)
+            .map_err(|e| ApiError::new(ApiErrorKind::InvalidJson, format!("invalid JSON body: {e}")))
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AcquireBody {
+    name: String,
+    ttl_ms: Option<u64>,
+    wait_ms: Option<u64>,
+    owner: Option<String>,
+    request_id: Option<String>,
+    limit: Option<u32>,
+    lock_delay_ms: Option<u64>,
+    session: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RenewBody {
+    name: String,
+    owner_token: String,
+    ttl_ms: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReleaseBody {
+    name: String,
+    owner_token: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ForceReleaseBody {
+    name: String,
+    fence: Option<u64>,
+    reason: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OpenSessionBody {
+    ttl_ms: u64,
+    owner: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListParams {
+    #[serde(default)]
+    prefix: String,
+    after: Option<String>,
+    limit: Option<usize>,
+}
+
+#[derive(Serialize)]
+struct GrantJson {
+    name: String,
+    fence: u64,
+    owner_token: String,
+    ttl_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    session: Option<String>,
+}
+
+impl From<Grant> for GrantJson {
+    fn from(g: Grant) -> GrantJson {
+        GrantJson {
+            name: g.name.to_string(),
+            fence: g.fence.get(),
+            owner_token: g.token.to_string(),
+            ttl_ms: g.ttl_ms,
+            session: g.session.map(|s| s.to_string()),
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct HolderJson {
+    fence: u64,
+    owner: String,
+    held_ms: u64,
+    ttl_remaining_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    session: Option<String>,
+}
+
+#[derive(Serialize)]
+struct LockJson {
+    name: String,
+    limit: u32,
+    holders: Vec<HolderJson>,
+    waiters: usize,
+    lock_delay_remaining_ms: u64,
+}
+
+impl From<LockView> for LockJson {
+    fn from(v: LockView) -> LockJson {
+        LockJson {
+            name: v.name.to_string(),
+            limit: v.limit,
+            holders: v
+                .holders
+                .into_iter()
+                .map(|h| HolderJson {
+                    fence: h.fence.get(),
+                    owner: h.owner.as_str().to_owned(),
+                    held_ms: h.held_ms,
+                    ttl_remaining_ms: h.ttl_remaining_ms,
+                    session: h.session.map(|s| s.to_string()),
+                })
+                .collect(),
+            waiters: v.waiters,
+            lock_delay_remaining_ms: v.lock_delay_remaining_ms,
+        }
+    }
+}
+
+fn name(s: &str) -> Result<LockName, ApiError> {
+    LockName::new(s).map_err(|e: TextError| invalid("name", e))
+}
+
+fn token(s: &str) -> Result<OwnerToken, ApiError> {
+    s.parse().map_err(|e| invalid("owner_token", e))
+}
+
+fn session(s: &str) -> Result<SessionId, ApiError> {
+    s.parse().map_err(|e| invalid("session", e))
+}
+
+async fn acquire(
+    State(h): State<Handle>,
+    JsonBody(b): JsonBody<AcquireBody>,
+) -> Result<Json<GrantJson>, ApiError> {
+    let args = AcquireArgs {
+        name: name(&b.name)?,
+        ttl_ms: b.ttl_ms,
+        wait_ms: b.wait_ms.unwrap_or(0),
+        owner: Owner::new(b.owner.as_deref().unwrap_or("")).map_err(|e| invalid("owner", e))?,
+        request_id: b
+            .request_id
+            .as_deref()
+            .map(RequestId::new)
+            .transpose()
+            .map_err(|e| invalid("request_id", e))?,
+        limit: b.limit.unwrap_or(1),
+        lock_delay_ms: b.lock_delay_ms.unwrap_or(0),
+        session: b.session.as_deref().map(session).transpose()?,
+    };
+    Ok(Json(h.acquire(args).await?.into()))
+}
+
+async fn renew(
+    State(h): State<Handle>,
+    JsonBody(b): JsonBody<RenewBody>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let g = h.renew(name(&b.name)?, token(&b.owner_token)?, b.ttl_ms).await?;
+    Ok(Json(json!({"name": g.name.as_str(), "fence": g.fence.get(), "ttl_ms": g.ttl_ms})))
+}
+
+async fn release(
+    State(h): State<Handle>,
+    JsonBody(b): JsonBody<ReleaseBody>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let released = h.release(name(&b.name)?, token(&b.owner_token)?).await?;
+    Ok(Json(if released {
+        json!({"released": true})
+    } else {
+        json!({"released": false, "reason": "already_released"})
+    }))
+}
+
+async fn force_release(
+    State(h): State<Handle>,
+    JsonBody(b): JsonBody<ForceReleaseBody>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let fence = match b.fence {
+        Some(f) => Some(Fence::new(f).ok_or_else(|| invalid("fence", "must be at least 1"))?),
+        None => None,
+    };
+    let reason = Reason::new(&b.reason).map_err(|e| invalid("reason", e))?;
+    let fences = h.force_release(name(&b.name)?, fence, reason).await?;
+    let fences: Vec<u64> = fences.into_iter().map(Fence::get).collect();
+    Ok(Json(json!({ "fences": fences })))
+}
+
+fn path_error(e: PathRejection) -> ApiError {
+    ApiError::new(ApiErrorKind::InvalidArgument, format!("bad path: {e}"))
+}
+
+async fn show_lock(
+    State(h): State<Handle>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Json<LockJson>, ApiError> {
+    let Path(raw) = path.map_err(path_error)?;
+    let name = name(&raw)?;
+    match h.lock(name.clone()).await? {
+        Some(view) => Ok(Json(view.into())),
+        None => Err(ApiError::new(
+            ApiErrorKind::NotFound,
+            format!("lock {name} is not held, queued for or in lock-delay"),
+        )),
+    }
+}
+
+async fn list_locks(
+    State(h): State<Handle>,
+    query: Result<Query<ListParams>, QueryRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let Query(p) = query.map_err(|e| invalid("query", e.body_text()))?;
+    if p.prefix.len() > fencelock_core::MAX_NAME_BYTES {
+        return Err(invalid("prefix", "longer than a lock name can be"));
+    }
+    let max = p.limit.unwrap_or(100);
+    if max == 0 || max > MAX_PAGE {
+        return Err(invalid("limit", format!("must be between 1 and {MAX_PAGE}")));
+    }
+    let after = p.after.as_deref().map(name).transpose()?;
+    let views = h.locks(p.prefix, after, max).await?;
+    let next_after = (views.len() == max)
+        .then(|| views.last().map(|v| v.name.to_string()))
+        .flatten();
+    let locks: Vec<LockJson> = views.into_iter().map(LockJson::from).collect();
+    Ok(Json(json!({"locks": locks, "next_after": next_after})))
+}
+
+async fn open_session(
+    State(h): State<Handle>,
+    JsonBody(b): JsonBody<OpenSessionBody>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let owner = Owner::new(b.owner.as_deref().unwrap_or("")).map_err(|e| invalid("owner", e))?;
+    let (id, ttl_ms) = h.open_session(b.ttl_ms, owner).await?;
+    Ok(Json(json!({"session": id.to_string(), "ttl_ms": ttl_ms})))
+}
+
+async fn keep_alive(
+    State(h): State<Handle>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let Path(raw) = path.map_err(path_error)?;
+    let id = session(&raw)?;
+    let ttl_ms = h.keep_alive(id).await?;
+    Ok(Json(json!({"session": id.to_string(), "ttl_ms": ttl_ms})))
+}
+
+async fn close_session(
+    State(h): State<Handle>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let Path(raw) = path.map_err(path_error)?;
+    let released = h.close_session(session(&raw)?).await?;
+    Ok(Json(json!({"closed": true, "released": released})))
+}
+
+async fn snapshot(State(h): State<Handle>) -> Result<Response, ApiError> {
+    let bytes = h.snapshot().await?;
+    Ok((
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        Body::from(Bytes::from(bytes)),
+    )
+        .into_response())
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(h): State<Handle>) -> Response {
+    match h.state() {
+        RunState::Running => (StatusCode::OK, "ready\n").into_response(),
+        other => ApiError::new(ApiErrorKind::Unavailable, format!("not ready: {other:?}"))
+            .into_response(),
+    }
+}
+
+async fn metrics(State(h): State<Handle>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        h.metrics().render(),
+    )
+        .into_response()
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(ApiErrorKind::NotFound, "no such route")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        ApiErrorKind::MethodNotAllowed,
+        "this route does not accept that method",
+    )
+}
+
+/// The HTTP routes, bound to an engine handle.
+pub fn router(handle: Handle) -> Router {
+    Router::new()
+        .route("/v1/acquire", post(acquire))
+        .route("/v1/renew", post(renew))
+        .route("/v1/release", post(release))
+        .route("/v1/locks", get(list_locks))
+        .route("/v1/locks/{*name}", get(show_lock))
+        .route("/v1/sessions", post(open_session))
+        .route("/v1/sessions/{id}", delete(close_session))
+        .route("/v1/sessions/{id}/keepalive", post(keep_alive))
+        .route("/v1/admin/force-release", post(force_release))
+        .route("/v1/admin/snapshot", get(snapshot))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(handle)
+}

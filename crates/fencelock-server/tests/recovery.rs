@@ -1,0 +1,130 @@
+//! Recovery through snapshots and log replay, in process: many commands with a tiny
+//! snapshot threshold, then a restart on the same directory.
+
+use std::time::{Duration, Instant};
+
+use fencelock_core::{LockName, Owner, RequestId};
+use fencelock_server::{AcquireArgs, ApiErrorKind, EngineConfig, Server, ServerConfig};
+
+fn config(dir: &std::path::Path) -> ServerConfig {
+    let mut engine = EngineConfig::new(dir);
+    engine.segment_bytes = 1 << 20;
+    engine.snapshot_after_bytes = 4 << 10;
+    ServerConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        engine,
+    }
+}
+
+fn args(name: &str, ttl_ms: u64) -> AcquireArgs {
+    AcquireArgs {
+        name: LockName::new(name).unwrap(),
+        ttl_ms: Some(ttl_ms),
+        wait_ms: 0,
+        owner: Owner::new("test").unwrap(),
+        request_id: None,
+        limit: 1,
+        lock_delay_ms: 0,
+        session: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_and_replay_restore_the_same_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(config(dir.path())).await.unwrap();
+    let h = server.handle().clone();
+    let mut max_fence = 0;
+    let mut kept = Vec::new();
+    // Enough churn to cross the snapshot threshold many times.
+    for i in 0..400 {
+        let name = if i % 50 == 0 { format!("kept:{i}") } else { format!("churn:{}", i % 7) };
+        let grant = h.acquire(args(&name, 60_000)).await.unwrap();
+        max_fence = max_fence.max(grant.fence.get());
+        if i % 50 == 0 {
+            kept.push(grant);
+        } else {
+            assert!(h.release(grant.name, grant.token).await.unwrap());
+        }
+    }
+    let session_ttl = 60_000;
+    let (session, _) = h.open_session(session_ttl, Owner::new("s").unwrap()).await.unwrap();
+    let mut by_session = args("session:lock", 1);
+    by_session.ttl_ms = None;
+    by_session.session = Some(session);
+    by_session.request_id = Some(RequestId::new("req-1").unwrap());
+    let session_grant = h.acquire(by_session.clone()).await.unwrap();
+    server.shutdown().await.unwrap();
+
+    let snapshots = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().contains("snap"))
+        .count();
+    assert!(snapshots >= 1, "no snapshot was written");
+
+    let server = Server::start(config(dir.path())).await.unwrap();
+    let h = server.handle().clone();
+    let report = h.recovery().clone();
+    assert!(report.snapshot_loaded, "{report:?}");
+    assert!(report.records_replayed < 400, "snapshot did not bound replay: {report:?}");
+    for grant in &kept {
+        let view = h.lock(grant.name.clone()).await.unwrap().expect("lock survived");
+        assert_eq!(view.holders[0].fence, grant.fence);
+        // Still renewable with the token issued before the restart.
+        h.renew(grant.name.clone(), grant.token, None).await.unwrap();
+    }
+    // The session survived with its lock, and the idempotent retry still answers with
+    // the same grant.
+    assert_eq!(h.keep_alive(session).await.unwrap(), session_ttl);
+    let again = h.acquire(by_session).await.unwrap();
+    assert_eq!((again.fence, again.token), (session_grant.fence, session_grant.token));
+    let next = h.acquire(args("fresh", 60_000)).await.unwrap();
+    assert!(next.fence.get() > max_fence.max(session_grant.fence.get()));
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_restart_full_and_expire_on_the_service_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(config(dir.path())).await.unwrap();
+    let grant = server.handle().acquire(args("short", 300)).await.unwrap();
+    server.shutdown().await.unwrap();
+
+    let server = Server::start(config(dir.path())).await.unwrap();
+    let h = server.handle().clone();
+    let view = h.lock(grant.name.clone()).await.unwrap().expect("held after restart");
+    assert!(view.holders[0].ttl_remaining_ms > 200, "{view:?}");
+    // Nobody renews: the timer (not a client) expires it, and the old token says so.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while h.lock(grant.name.clone()).await.unwrap().is_some() {
+        assert!(Instant::now() < deadline, "lease never expired");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let err = h.renew(grant.name.clone(), grant.token, None).await.unwrap_err();
+    assert_eq!(err.kind(), ApiErrorKind::Expired);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_snapshot_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(config(dir.path())).await.unwrap();
+    for i in 0..200 {
+        server.handle().acquire(args(&format!("k{i}"), 60_000)).await.unwrap();
+    }
+    server.shutdown().await.unwrap();
+    let snap = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains("snap"))
+        .expect("a snapshot exists");
+    let mut bytes = std::fs::read(&snap).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x55;
+    std::fs::write(&snap, bytes).unwrap();
+    let err = match Server::start(config(dir.path())).await {
+        Ok(_) => panic!("started on a corrupt snapshot"),
+        Err(e) => e,
+    };
+    assert!(err.to_string().contains("snap"), "{err}");
+}
