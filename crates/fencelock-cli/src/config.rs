@@ -167,7 +167,10 @@ pub fn resolve(args: ServeArgs) -> Result<Settings> {
     }
     Ok(Settings {
         server: ServerConfig { listen, engine },
-        log_format: args.log_format.or(file.log_format).unwrap_or(LogFormat::Auto),
+        log_format: args
+            .log_format
+            .or(file.log_format)
+            .unwrap_or(LogFormat::Auto),
         log_level: args
             .log_level
             .or(file.log_level)

@@ -33,10 +33,15 @@ pub fn get(base: &str, path: &str) -> Result<Vec<u8>> {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .context("malformed HTTP status line")?;
-    let chunked = head
-        .lines()
-        .any(|l| l.to_ascii_lowercase().starts_with("transfer-encoding: chunked"));
-    let body = if chunked { dechunk(body)? } else { body.to_vec() };
+    let chunked = head.lines().any(|l| {
+        l.to_ascii_lowercase()
+            .starts_with("transfer-encoding: chunked")
+    });
+    let body = if chunked {
+        dechunk(body)?
+    } else {
+        body.to_vec()
+    };
     if status != 200 {
         bail!(
             "server answered {status}: {}",

@@ -31,7 +31,11 @@ enum Commands {
     /// Save a consistent snapshot of a running server to a file.
     Backup {
         /// Server base URL.
-        #[arg(long, env = "FENCELOCK_SERVER", default_value = "http://127.0.0.1:7420")]
+        #[arg(
+            long,
+            env = "FENCELOCK_SERVER",
+            default_value = "http://127.0.0.1:7420"
+        )]
         server: String,
         /// Where to write the backup.
         #[arg(long, short)]

@@ -68,13 +68,23 @@ impl Proc {
 
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
         let (status, bytes) = http(self.addr, method, path, body.map(|b| b.to_string()));
-        (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        )
     }
 
     fn acquire(&self, name: &str, ttl_ms: u64) -> (u64, String) {
-        let (status, v) = self.call("POST", "/v1/acquire", Some(json!({"name": name, "ttl_ms": ttl_ms})));
+        let (status, v) = self.call(
+            "POST",
+            "/v1/acquire",
+            Some(json!({"name": name, "ttl_ms": ttl_ms})),
+        );
         assert_eq!(status, 200, "acquire {name}: {v}");
-        (v["fence"].as_u64().unwrap(), v["owner_token"].as_str().unwrap().to_owned())
+        (
+            v["fence"].as_u64().unwrap(),
+            v["owner_token"].as_str().unwrap().to_owned(),
+        )
     }
 }
 
@@ -97,7 +107,10 @@ fn http(addr: SocketAddr, method: &str, path: &str, body: Option<String>) -> (u1
     .unwrap();
     let mut out = Vec::new();
     s.read_to_end(&mut out).unwrap();
-    let split = out.windows(4).position(|w| w == b"\r\n\r\n").expect("headers");
+    let split = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("headers");
     let head = String::from_utf8_lossy(&out[..split]).to_string();
     let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
     (status, out[split + 4..].to_vec())
@@ -120,13 +133,24 @@ fn kill_9_keeps_every_acknowledged_lock_and_fences_only_grow() {
             assert_eq!(status, 200, "round {round}: {name} lost after kill -9: {v}");
             assert_eq!(v["holders"][0]["fence"].as_u64(), Some(*fence));
             let remaining = v["holders"][0]["ttl_remaining_ms"].as_u64().unwrap();
-            assert!(remaining > 50_000, "lease not refreshed: {remaining} ms left");
+            assert!(
+                remaining > 50_000,
+                "lease not refreshed: {remaining} ms left"
+            );
         }
         // Tokens issued before the crash still renew and release.
         if let Some((name, fence, token)) = held.pop() {
-            let (status, v) = server.call("POST", "/v1/renew", Some(json!({"name": name, "owner_token": token})));
+            let (status, v) = server.call(
+                "POST",
+                "/v1/renew",
+                Some(json!({"name": name, "owner_token": token})),
+            );
             assert_eq!((status, v["fence"].as_u64()), (200, Some(fence)), "{v}");
-            let (status, _) = server.call("POST", "/v1/release", Some(json!({"name": name, "owner_token": token})));
+            let (status, _) = server.call(
+                "POST",
+                "/v1/release",
+                Some(json!({"name": name, "owner_token": token})),
+            );
             assert_eq!(status, 200);
         }
         // New grants: every fence larger than any fence seen before.
@@ -142,7 +166,11 @@ fn kill_9_keeps_every_acknowledged_lock_and_fences_only_grow() {
             let (fence, token) = server.acquire(&format!("churn:{i}"), 60_000);
             assert!(fence > max_fence);
             max_fence = fence;
-            let (status, _) = server.call("POST", "/v1/release", Some(json!({"name": format!("churn:{i}"), "owner_token": token})));
+            let (status, _) = server.call(
+                "POST",
+                "/v1/release",
+                Some(json!({"name": format!("churn:{i}"), "owner_token": token})),
+            );
             assert_eq!(status, 200);
         }
         server.kill9();
@@ -158,7 +186,10 @@ fn sigterm_exits_zero_and_keeps_state() {
     assert!(status.success(), "graceful shutdown exit status {status:?}");
     let server = start(dir.path());
     let (status, v) = server.call("GET", "/v1/locks/report.csv", None);
-    assert_eq!((status, v["holders"][0]["fence"].as_u64()), (200, Some(fence)));
+    assert_eq!(
+        (status, v["holders"][0]["fence"].as_u64()),
+        (200, Some(fence))
+    );
 }
 
 #[test]
@@ -168,7 +199,12 @@ fn sigterm_ends_long_waits_instead_of_hanging() {
     server.acquire("busy", 60_000);
     let addr = server.addr;
     let waiter = std::thread::spawn(move || {
-        http(addr, "POST", "/v1/acquire", Some(json!({"name": "busy", "ttl_ms": 1000, "wait_ms": 600_000}).to_string()))
+        http(
+            addr,
+            "POST",
+            "/v1/acquire",
+            Some(json!({"name": "busy", "ttl_ms": 1000, "wait_ms": 600_000}).to_string()),
+        )
     });
     let deadline = Instant::now() + Duration::from_secs(10);
     while server.call("GET", "/v1/locks/busy", None).1["waiters"] != 1 {
@@ -179,7 +215,10 @@ fn sigterm_ends_long_waits_instead_of_hanging() {
     assert!(status.success());
     let (code, body) = waiter.join().unwrap();
     let v: Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!((code, v["error"]["code"].as_str()), (503, Some("unavailable")));
+    assert_eq!(
+        (code, v["error"]["code"].as_str()),
+        (503, Some("unavailable"))
+    );
 }
 
 #[test]
@@ -194,7 +233,10 @@ fn a_second_server_on_the_same_data_dir_is_refused() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("in use by another fencelock server"), "{stderr}");
+    assert!(
+        stderr.contains("in use by another fencelock server"),
+        "{stderr}"
+    );
 }
 
 fn run(args: &[&str], paths: &[&Path]) -> (bool, String) {
@@ -206,7 +248,11 @@ fn run(args: &[&str], paths: &[&Path]) -> (bool, String) {
     let out = cmd.output().unwrap();
     (
         out.status.success(),
-        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
     )
 }
 
@@ -225,24 +271,40 @@ fn restore_from_backup_never_reissues_a_fence() {
     for i in 0..50 {
         let (fence, token) = server.acquire(&format!("after:{i}"), 60_000);
         max_fence = max_fence.max(fence);
-        server.call("POST", "/v1/release", Some(json!({"name": format!("after:{i}"), "owner_token": token})));
+        server.call(
+            "POST",
+            "/v1/release",
+            Some(json!({"name": format!("after:{i}"), "owner_token": token})),
+        );
     }
     server.kill9();
 
     // Restoring over a non-empty directory is refused.
-    let (ok, out) = run(&["restore", "--from"], &[&backup, Path::new("--data-dir"), &live]);
+    let (ok, out) = run(
+        &["restore", "--from"],
+        &[&backup, Path::new("--data-dir"), &live],
+    );
     assert!(!ok && out.contains("not empty"), "{out}");
 
     let restored = dir.path().join("restored");
-    let (ok, out) = run(&["restore", "--from"], &[&backup, Path::new("--data-dir"), &restored]);
+    let (ok, out) = run(
+        &["restore", "--from"],
+        &[&backup, Path::new("--data-dir"), &restored],
+    );
     assert!(ok, "restore failed: {out}");
     let server = start(&restored);
     let (status, v) = server.call("GET", "/v1/locks/kept", None);
-    assert_eq!((status, v["holders"][0]["fence"].as_u64()), (200, Some(kept)));
+    assert_eq!(
+        (status, v["holders"][0]["fence"].as_u64()),
+        (200, Some(kept))
+    );
     let (status, _) = server.call("GET", "/v1/locks/after:0", None);
     assert_eq!(status, 404, "state after the backup must not be in it");
     let (fence, _) = server.acquire("new", 60_000);
-    assert!(fence > max_fence, "fence {fence} after restore, but {max_fence} was issued before");
+    assert!(
+        fence > max_fence,
+        "fence {fence} after restore, but {max_fence} was issued before"
+    );
 
     // A damaged backup is refused, not loaded.
     let mut bytes = std::fs::read(&backup).unwrap();
@@ -250,7 +312,10 @@ fn restore_from_backup_never_reissues_a_fence() {
     bytes[mid] ^= 0xff;
     let broken = dir.path().join("broken.flsnap");
     std::fs::write(&broken, bytes).unwrap();
-    let (ok, out) = run(&["restore", "--from"], &[&broken, Path::new("--data-dir"), &dir.path().join("x")]);
+    let (ok, out) = run(
+        &["restore", "--from"],
+        &[&broken, Path::new("--data-dir"), &dir.path().join("x")],
+    );
     assert!(!ok, "a corrupt backup was restored: {out}");
 }
 

@@ -15,8 +15,8 @@ pub struct StateImage {
     pub locks: Vec<LockImage>,
     /// Every open session, in id order.
     pub sessions: Vec<SessionImage>,
-    /// Recently ended grants, oldest first.
-    pub recent_ends: Vec<(OwnerToken, GrantEnd)>,
+    /// Recently ended grants (token, lock, how), oldest first.
+    pub recent_ends: Vec<(OwnerToken, LockName, GrantEnd)>,
 }
 
 /// One lock record.

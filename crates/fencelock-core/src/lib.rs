@@ -28,7 +28,7 @@ pub use command::{
     Acquire, Command, Error, ErrorKind, Event, EventKind, Grant, GrantEnd, Outcome, Reply, WaitEnd,
 };
 pub use image::{HolderImage, LeaseImage, LockImage, SessionImage, StateImage, WaiterImage};
-pub use machine::{Config, Core, HolderView, LockView, Stats};
+pub use machine::{Config, Core, HolderView, LockView, Stats, MAX_FENCE_FLOOR};
 pub use types::{
     Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId, TextError, TextProblem,
     TokenParseError, MAX_NAME_BYTES, MAX_OWNER_BYTES, MAX_REASON_BYTES, MAX_REQUEST_ID_BYTES,

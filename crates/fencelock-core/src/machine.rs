@@ -8,6 +8,10 @@ use crate::command::{
 use crate::image::{HolderImage, LeaseImage, LockImage, SessionImage, StateImage, WaiterImage};
 use crate::types::{Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId};
 
+/// The highest fence floor [`Command::RaiseFenceFloor`] accepts: 2^63, which leaves
+/// 2^63 fences (centuries at any rate) before the counter could run out.
+pub const MAX_FENCE_FLOOR: u64 = 1 << 63;
+
 /// Bounds and ranges the core enforces. Every queue and table is bounded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -181,7 +185,7 @@ pub struct Core {
     sessions: HashMap<SessionId, Session>,
     request_ids: HashMap<(LockName, RequestId), OwnerToken>,
     timers: BTreeSet<(u64, Timer)>,
-    recent_ends: HashMap<OwnerToken, GrantEnd>,
+    recent_ends: HashMap<OwnerToken, (LockName, GrantEnd)>,
     recent_order: VecDeque<OwnerToken>,
     outcomes: Vec<Outcome>,
 }
@@ -269,6 +273,12 @@ impl Core {
                 Ok(Reply::Recovered)
             }
             Command::RaiseFenceFloor { floor } => {
+                if floor > MAX_FENCE_FLOOR {
+                    return Err(err(
+                        ErrorKind::InvalidArgument,
+                        format!("fence floor must be at most {MAX_FENCE_FLOOR}, got {floor}"),
+                    ));
+                }
                 self.next_fence = self.next_fence.max(floor).max(1);
                 Ok(Reply::FenceFloorRaised {
                     next_fence: self.next_fence,
@@ -671,7 +681,7 @@ impl Core {
                 self.timers.insert((until, Timer::Unblock(h.name.clone())));
             }
         }
-        self.remember_end(token, end);
+        self.remember_end(token, h.name.clone(), end);
         self.outcomes.push(Outcome::Event(Event {
             kind: EventKind::Ended(end),
             name: h.name,
@@ -688,11 +698,11 @@ impl Core {
         h.fence
     }
 
-    fn remember_end(&mut self, token: OwnerToken, end: GrantEnd) {
+    fn remember_end(&mut self, token: OwnerToken, name: LockName, end: GrantEnd) {
         if self.config.max_recent_ends == 0 {
             return;
         }
-        if self.recent_ends.insert(token, end).is_none() {
+        if self.recent_ends.insert(token, (name, end)).is_none() {
             self.recent_order.push_back(token);
         }
         while self.recent_order.len() > self.config.max_recent_ends {
@@ -752,8 +762,16 @@ impl Core {
         name
     }
 
+    /// How `token`'s grant on `name` ended, if it did so recently.
+    fn recent_end(&self, name: &LockName, token: OwnerToken) -> Option<GrantEnd> {
+        self.recent_ends
+            .get(&token)
+            .filter(|(n, _)| n == name)
+            .map(|(_, end)| *end)
+    }
+
     fn not_held_error(&self, name: &LockName, token: OwnerToken) -> Error {
-        match self.recent_ends.get(&token) {
+        match self.recent_end(name, token) {
             Some(GrantEnd::Expired) => err(
                 ErrorKind::Expired,
                 format!("the lease on {name} for this owner token expired"),
@@ -820,7 +838,7 @@ impl Core {
             self.hand_off(&name);
             return Ok(Reply::Released { released: true });
         }
-        if self.recent_ends.get(&token) == Some(&GrantEnd::Released) {
+        if self.recent_end(&name, token) == Some(GrantEnd::Released) {
             return Ok(Reply::Released { released: false });
         }
         Err(self.not_held_error(&name, token))
@@ -1234,7 +1252,10 @@ impl Core {
             recent_ends: self
                 .recent_order
                 .iter()
-                .map(|t| (*t, self.recent_ends[t]))
+                .map(|t| {
+                    let (name, end) = &self.recent_ends[t];
+                    (*t, name.clone(), *end)
+                })
                 .collect(),
         }
     }
@@ -1262,6 +1283,9 @@ impl Core {
             }
         }
         for l in image.locks {
+            if l.limit == 0 {
+                return Err(format!("lock {} has limit 0", l.name));
+            }
             let mut lock = Lock {
                 limit: l.limit,
                 blocked_until_ms: l.blocked_until_ms,
@@ -1272,6 +1296,9 @@ impl Core {
                     .insert((l.blocked_until_ms, Timer::Unblock(l.name.clone())));
             }
             for h in l.holders {
+                if h.granted_at_ms > core.now_ms {
+                    return Err(format!("holder {} was granted in the future", h.token));
+                }
                 let lease = match h.lease {
                     LeaseImage::Own {
                         ttl_ms,
@@ -1293,8 +1320,17 @@ impl Core {
                     }
                 };
                 if let Some(r) = &h.request_id {
-                    core.request_ids
-                        .insert((l.name.clone(), r.clone()), h.token);
+                    if core
+                        .request_ids
+                        .insert((l.name.clone(), r.clone()), h.token)
+                        .is_some()
+                    {
+                        return Err(format!(
+                            "request id {} appears twice on {}",
+                            r.as_str(),
+                            l.name
+                        ));
+                    }
                 }
                 lock.holders.push(h.token);
                 let dup = core.holders.insert(
@@ -1309,11 +1345,20 @@ impl Core {
                         lock_delay_ms: h.lock_delay_ms,
                     },
                 );
-                if dup.is_some() {
+                if dup.is_some() || core.waiters.contains_key(&h.token) {
                     return Err(format!("owner token {} appears twice", h.token));
                 }
             }
             for w in l.waiters {
+                if w.ttl_ms.is_some() == w.session.is_some() {
+                    return Err(format!(
+                        "waiter {} needs exactly one of ttl_ms and session",
+                        w.token
+                    ));
+                }
+                if w.enqueued_at_ms > core.now_ms {
+                    return Err(format!("waiter {} was queued in the future", w.token));
+                }
                 if let Some(id) = w.session {
                     core.sessions
                         .get_mut(&id)
@@ -1322,8 +1367,17 @@ impl Core {
                         .insert(w.token);
                 }
                 if let Some(r) = &w.request_id {
-                    core.request_ids
-                        .insert((l.name.clone(), r.clone()), w.token);
+                    if core
+                        .request_ids
+                        .insert((l.name.clone(), r.clone()), w.token)
+                        .is_some()
+                    {
+                        return Err(format!(
+                            "request id {} appears twice on {}",
+                            r.as_str(),
+                            l.name
+                        ));
+                    }
                 }
                 core.timers
                     .insert((w.wait_deadline_ms, Timer::Wait(w.token)));
@@ -1349,8 +1403,8 @@ impl Core {
                 return Err(format!("lock {} appears twice", l.name));
             }
         }
-        for (token, end) in image.recent_ends {
-            core.remember_end(token, end);
+        for (token, name, end) in image.recent_ends {
+            core.remember_end(token, name, end);
         }
         core.check_invariants()?;
         Ok(core)

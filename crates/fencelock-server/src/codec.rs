@@ -104,13 +104,19 @@ impl<'a> Dec<'a> {
         Ok(self.take(1)?[0])
     }
     fn u32(&mut self) -> Result<u32, DecodeError> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self) -> Result<u64, DecodeError> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
     fn u128(&mut self) -> Result<u128, DecodeError> {
-        Ok(u128::from_le_bytes(self.take(16)?.try_into().expect("16 bytes")))
+        Ok(u128::from_le_bytes(
+            self.take(16)?.try_into().expect("16 bytes"),
+        ))
     }
     fn str(&mut self) -> Result<&'a str, DecodeError> {
         let len = self.u32()? as usize;
@@ -124,13 +130,25 @@ impl<'a> Dec<'a> {
         }
     }
     fn opt_u64(&mut self) -> Result<Option<u64>, DecodeError> {
-        Ok(if self.flag()? { Some(self.u64()?) } else { None })
+        Ok(if self.flag()? {
+            Some(self.u64()?)
+        } else {
+            None
+        })
     }
     fn opt_u128(&mut self) -> Result<Option<u128>, DecodeError> {
-        Ok(if self.flag()? { Some(self.u128()?) } else { None })
+        Ok(if self.flag()? {
+            Some(self.u128()?)
+        } else {
+            None
+        })
     }
     fn opt_str(&mut self) -> Result<Option<&'a str>, DecodeError> {
-        Ok(if self.flag()? { Some(self.str()?) } else { None })
+        Ok(if self.flag()? {
+            Some(self.str()?)
+        } else {
+            None
+        })
     }
     fn name(&mut self) -> Result<LockName, DecodeError> {
         LockName::new(self.str()?).map_err(|e| bad(e.to_string()))
@@ -156,10 +174,7 @@ impl<'a> Dec<'a> {
     }
     fn finish(self) -> Result<(), DecodeError> {
         if self.pos != self.buf.len() {
-            return Err(bad(format!(
-                "{} trailing bytes",
-                self.buf.len() - self.pos
-            )));
+            return Err(bad(format!("{} trailing bytes", self.buf.len() - self.pos)));
         }
         Ok(())
     }
@@ -375,8 +390,9 @@ pub fn encode_snapshot(image: &StateImage) -> Vec<u8> {
         }
     }
     e.u32(image.recent_ends.len() as u32);
-    for (token, end) in &image.recent_ends {
+    for (token, name, end) in &image.recent_ends {
         e.u128(token.as_u128());
+        e.str(name.as_str());
         e.u8(end_code(*end));
     }
     e.0
@@ -451,13 +467,14 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
     let mut recent_ends = Vec::new();
     for _ in 0..d.count()? {
         let token = OwnerToken::from_u128(d.u128()?);
+        let name = d.name()?;
         let end = match d.u8()? {
             1 => GrantEnd::Released,
             2 => GrantEnd::Expired,
             3 => GrantEnd::ForceReleased,
             b => return Err(bad(format!("bad grant end {b}"))),
         };
-        recent_ends.push((token, end));
+        recent_ends.push((token, name, end));
     }
     d.finish()?;
     Ok(StateImage {
@@ -592,7 +609,7 @@ mod tests {
         assert!(decode_snapshot(b"nope").is_err());
         let image = Core::new(Config::default()).export();
         let mut snap = encode_snapshot(&image);
-        *snap.last_mut().unwrap() = 0xff; // recent_ends count byte
+        *snap.last_mut().unwrap() = 0xff; // the high byte of the recent_ends count
         assert!(decode_snapshot(&snap).is_err());
     }
 }

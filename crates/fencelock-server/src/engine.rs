@@ -119,6 +119,9 @@ pub struct AcquireArgs {
     pub session: Option<SessionId>,
 }
 
+/// Events a watcher may fall behind by before it is told it missed some.
+pub const EVENT_BUFFER: usize = 4096;
+
 /// A lock event after it became durable, for watchers.
 pub type SharedEvent = Arc<Event>;
 
@@ -137,9 +140,14 @@ enum Msg {
         reply: oneshot::Sender<Result<Reply, CoreError>>,
     },
     /// The client behind `listener` stopped waiting.
-    CancelListener { listener: u128 },
+    CancelListener {
+        listener: u128,
+    },
     /// A grant reached nobody (its client went away): give the lock back.
-    ReleaseOrphan { name: LockName, token: OwnerToken },
+    ReleaseOrphan {
+        name: LockName,
+        token: OwnerToken,
+    },
     Read(Read),
     Drain,
     Shutdown(oneshot::Sender<()>),
@@ -204,7 +212,10 @@ pub fn recover(
     let storage = |e: fencelock_log::LogError| match e.kind() {
         fencelock_log::LogErrorKind::Locked => ApiError::new(
             ApiErrorKind::Unavailable,
-            format!("data dir {} is in use by another fencelock server", dir.display()),
+            format!(
+                "data dir {} is in use by another fencelock server",
+                dir.display()
+            ),
         ),
         _ => ApiError::new(ApiErrorKind::Internal, format!("cannot open the log: {e}")),
     };
@@ -214,8 +225,12 @@ pub fn recover(
         Some(bytes) => {
             let image = codec::decode_snapshot(bytes)
                 .map_err(|e| corrupt(format!("snapshot in {}: {e}", dir.display())))?;
-            Core::import(config.clone(), image)
-                .map_err(|e| corrupt(format!("snapshot in {} is inconsistent: {e}", dir.display())))?
+            Core::import(config.clone(), image).map_err(|e| {
+                corrupt(format!(
+                    "snapshot in {} is inconsistent: {e}",
+                    dir.display()
+                ))
+            })?
         }
         None => Core::new(config.clone()),
     };
@@ -267,7 +282,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
 
     let metrics = Arc::new(Metrics::default());
     let (tx, rx) = mpsc::unbounded_channel();
-    let (events, _) = broadcast::channel(4096);
+    let (events, _) = broadcast::channel(EVENT_BUFFER);
     let (state_tx, state_rx) = watch::channel(RunState::Running);
     let (writer_tx, writer_rx) = std::sync::mpsc::channel();
 
@@ -276,7 +291,12 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     std::thread::Builder::new()
         .name("fencelock-writer".into())
         .spawn(move || writer_loop(log, writer_rx, writer_metrics, writer_state))
-        .map_err(|e| ApiError::new(ApiErrorKind::Internal, format!("cannot start the writer: {e}")))?;
+        .map_err(|e| {
+            ApiError::new(
+                ApiErrorKind::Internal,
+                format!("cannot start the writer: {e}"),
+            )
+        })?;
 
     let engine = EngineTask {
         core,
@@ -420,7 +440,9 @@ impl EngineTask {
             self.records.push(record);
         }
         if matches!(&result, Err(e) if e.kind() == ErrorKind::Held) {
-            self.metrics.acquire_conflicts.fetch_add(1, Ordering::Relaxed);
+            self.metrics
+                .acquire_conflicts
+                .fetch_add(1, Ordering::Relaxed);
         }
         self.deliveries.push(Box::new(move || reply(result)));
         self.route_outcomes();
@@ -447,13 +469,18 @@ impl EngineTask {
         match result {
             Ok(Reply::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
             Ok(Reply::Queued { token, .. }) => {
-                self.listeners.entry(token).or_default().push((listener, reply));
+                self.listeners
+                    .entry(token)
+                    .or_default()
+                    .push((listener, reply));
                 self.listener_index.insert(listener, (name, token));
             }
             Ok(other) => unreachable!("acquire replied {other:?}"),
             Err(e) => {
                 if e.kind() == ErrorKind::Held {
-                    self.metrics.acquire_conflicts.fetch_add(1, Ordering::Relaxed);
+                    self.metrics
+                        .acquire_conflicts
+                        .fetch_add(1, Ordering::Relaxed);
                 }
                 let err = ApiError::from(e);
                 self.deliveries.push(Box::new(move || {
@@ -546,7 +573,8 @@ impl EngineTask {
     fn drain(&mut self) {
         self.draining = true;
         let _ = self.state.send(RunState::Draining);
-        let waiting: Vec<(LockName, OwnerToken)> = self.listener_index.values().cloned().collect();
+        let waiting: std::collections::BTreeSet<(LockName, OwnerToken)> =
+            self.listener_index.values().cloned().collect();
         for (name, token) in waiting {
             let listeners = self.take_listeners(token);
             self.execute(Command::CancelWait { name, token }, |_| {});
@@ -648,16 +676,13 @@ fn writer_loop(
         let _ = state.send(RunState::Failed(what));
     };
     while let Ok(first) = rx.recv() {
-        let gather = matches!(first, WriterMsg::Batch { .. });
-        let mut pending = vec![first];
         // Group commit: every batch that queued up while the last sync ran, up to
         // (and including) the next snapshot or stop, which must see them durable.
-        while gather {
-            let Ok(more) = rx.try_recv() else { break };
-            let is_batch = matches!(more, WriterMsg::Batch { .. });
-            pending.push(more);
-            if !is_batch {
-                break;
+        let mut pending = vec![first];
+        while matches!(pending.last(), Some(WriterMsg::Batch { .. })) {
+            match rx.try_recv() {
+                Ok(more) => pending.push(more),
+                Err(_) => break,
             }
         }
         let mut deliveries = Vec::new();
@@ -809,7 +834,14 @@ impl Handle {
         token: OwnerToken,
         ttl_ms: Option<u64>,
     ) -> Result<Grant, ApiError> {
-        match self.command(Command::Renew { name, token, ttl_ms }).await? {
+        match self
+            .command(Command::Renew {
+                name,
+                token,
+                ttl_ms,
+            })
+            .await?
+        {
             Reply::Renewed(grant) => Ok(grant),
             other => unreachable!("renew replied {other:?}"),
         }
@@ -845,7 +877,11 @@ impl Handle {
     }
 
     /// Opens a session; returns its id.
-    pub async fn open_session(&self, ttl_ms: u64, owner: Owner) -> Result<(SessionId, u64), ApiError> {
+    pub async fn open_session(
+        &self,
+        ttl_ms: u64,
+        owner: Owner,
+    ) -> Result<(SessionId, u64), ApiError> {
         let id = SessionId::from_u128(random_u128());
         match self
             .command(Command::OpenSession { id, ttl_ms, owner })
@@ -890,7 +926,8 @@ impl Handle {
 
     /// A consistent snapshot of the whole state (for `fencelock backup`).
     pub async fn snapshot(&self) -> Result<Vec<u8>, ApiError> {
-        self.read(|core| codec::encode_snapshot(&core.export())).await
+        self.read(|core| codec::encode_snapshot(&core.export()))
+            .await
     }
 
     /// Durable lock events from now on. A slow watcher that falls behind by more

@@ -1,8 +1,651 @@
-//! gRPC API (placeholder until the proto lands).
+//! gRPC API (`fencelock.v1.Locks`, from `proto/fencelock/v1/locks.proto`): the same
+//! operations as [`crate::http`], through the same [`Handle`], with the same errors.
+//!
+//! It shares the HTTP port: [`add_routes`] mounts the tonic service under
+//! `/fencelock.v1.Locks/` on the axum router, and `axum::serve` speaks HTTP/1 (JSON)
+//! and HTTP/2 with prior knowledge (gRPC) on one listener.
+//!
+//! Errors: every [`ApiError`] becomes a [`Status`] in one place (the `From` impl
+//! below), which also puts the stable code ([`ApiErrorKind::code`]) into the
+//! [`ERROR_CODE_METADATA`] entry, so clients can tell `held` from `not_held` without
+//! parsing messages. A request that is not valid protobuf, or that tonic cannot read
+//! at all, is INVALID_ARGUMENT rather than tonic's INTERNAL: no client input may look
+//! like a server fault. (A message over the 64 KiB limit is tonic's OUT_OF_RANGE.)
+//!
+//! Streams never hold up a graceful shutdown: `KeepAlive` and `Watch` end with
+//! UNAVAILABLE once the engine leaves [`RunState::Running`].
 
-use crate::engine::Handle;
+use std::marker::PhantomData;
+use std::pin::Pin;
+
+use fencelock_core::{
+    EventKind, Fence, Grant, GrantEnd, LockName, LockView, Owner, OwnerToken, Reason, RequestId,
+    SessionId, WaitEnd, MAX_NAME_BYTES,
+};
+use futures_util::Stream;
+use prost::Message;
+use tokio::sync::{broadcast, watch};
+use tonic::codec::{Codec, DecodeBuf, Decoder};
+use tonic::metadata::MetadataValue;
+use tonic::{Code, Request, Response, Status, Streaming};
+
+use crate::engine::{AcquireArgs, Handle, RunState, SharedEvent};
+use crate::error::{ApiError, ApiErrorKind};
+use crate::http::{MAX_BODY_BYTES, MAX_PAGE};
+
+#[allow(missing_docs)]
+pub mod pb {
+    //! Messages, server and client generated from `fencelock/v1/locks.proto`.
+    tonic::include_proto!("fencelock.v1");
+}
+
+use pb::locks_server::{Locks, LocksServer};
+
+/// Metadata entry of every error status that holds the stable error code
+/// (`held`, `not_held`, `timeout`, …; see [`ApiErrorKind::code`]).
+pub const ERROR_CODE_METADATA: &str = "fencelock-error-code";
+/// Metadata entry of a `Watch` that ended with DATA_LOSS: how many events it missed.
+pub const MISSED_EVENTS_METADATA: &str = "fencelock-missed-events";
+/// Default page size of `ListLocks` (when `limit` is 0).
+pub const DEFAULT_PAGE: usize = 100;
 
 /// Adds the gRPC service's routes to `router`.
-pub fn add_routes(router: axum::Router, _handle: Handle) -> axum::Router {
-    router
+pub fn add_routes(router: axum::Router, handle: Handle) -> axum::Router {
+    let service =
+        LocksServer::new(LocksService { handle }).max_decoding_message_size(MAX_BODY_BYTES);
+    let grpc = axum::Router::new()
+        .route_service("/fencelock.v1.Locks/{*method}", service)
+        .layer(axum::middleware::map_response(rejected_request_is_invalid));
+    router.merge(grpc)
+}
+
+/// tonic answers a request it cannot even read (no message, a bad frame or
+/// compression flag) with INTERNAL before any handler runs. That is the client's
+/// mistake: say INVALID_ARGUMENT. Such answers are trailers-only responses without
+/// [`ERROR_CODE_METADATA`]; every status a handler returns has that entry (and any
+/// other INTERNAL would come in trailers), so nothing else is touched.
+async fn rejected_request_is_invalid(
+    mut response: axum::response::Response,
+) -> axum::response::Response {
+    let headers = response.headers_mut();
+    let internal = headers
+        .get("grpc-status")
+        .is_some_and(|code| code.as_bytes() == b"13");
+    if internal && !headers.contains_key(ERROR_CODE_METADATA) {
+        headers.insert("grpc-status", axum::http::HeaderValue::from_static("3"));
+        headers.insert(
+            ERROR_CODE_METADATA,
+            axum::http::HeaderValue::from_static(ApiErrorKind::InvalidArgument.code()),
+        );
+    }
+    response
+}
+
+/// The same rule for a request stream read by a handler: a stream that tonic cannot
+/// read is the client's mistake.
+fn request_stream_error(status: Status) -> Status {
+    if status.code() == Code::Internal && status.metadata().get(ERROR_CODE_METADATA).is_none() {
+        return ApiError::new(
+            ApiErrorKind::InvalidArgument,
+            format!("malformed request stream: {}", status.message()),
+        )
+        .into();
+    }
+    status
+}
+
+impl From<ApiError> for Status {
+    fn from(error: ApiError) -> Status {
+        let kind = error.kind();
+        let code = match kind {
+            ApiErrorKind::InvalidJson | ApiErrorKind::InvalidArgument => Code::InvalidArgument,
+            ApiErrorKind::Held
+            | ApiErrorKind::NotHeld
+            | ApiErrorKind::Expired
+            | ApiErrorKind::LimitMismatch => Code::FailedPrecondition,
+            ApiErrorKind::Timeout => Code::DeadlineExceeded,
+            ApiErrorKind::NotFound | ApiErrorKind::SessionNotFound => Code::NotFound,
+            ApiErrorKind::ResourceExhausted | ApiErrorKind::PayloadTooLarge => {
+                Code::ResourceExhausted
+            }
+            ApiErrorKind::Unavailable => Code::Unavailable,
+            ApiErrorKind::Cancelled => Code::Cancelled,
+            ApiErrorKind::Internal => Code::Internal,
+            ApiErrorKind::MethodNotAllowed => Code::Unimplemented,
+        };
+        let mut status = Status::new(code, error.message());
+        status
+            .metadata_mut()
+            .insert(ERROR_CODE_METADATA, MetadataValue::from_static(kind.code()));
+        status
+    }
+}
+
+/// Prost's encoding, but a message that does not decode is the sender's mistake
+/// (INVALID_ARGUMENT), not prost's INTERNAL. The generated code uses it (see
+/// `build.rs`).
+#[derive(Debug, Clone)]
+pub(crate) struct ProtoCodec<T, U>(PhantomData<(T, U)>);
+
+impl<T, U> Default for ProtoCodec<T, U> {
+    fn default() -> Self {
+        ProtoCodec(PhantomData)
+    }
+}
+
+impl<T, U> Codec for ProtoCodec<T, U>
+where
+    T: Message + Send + 'static,
+    U: Message + Default + Send + 'static,
+{
+    type Encode = T;
+    type Decode = U;
+    type Encoder = tonic_prost::ProstEncoder<T>;
+    type Decoder = ProtoDecoder<U>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        tonic_prost::ProstEncoder::default()
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        ProtoDecoder(PhantomData)
+    }
+}
+
+/// The decoder of [`ProtoCodec`].
+#[derive(Debug)]
+pub(crate) struct ProtoDecoder<U>(PhantomData<U>);
+
+impl<U: Message + Default> Decoder for ProtoDecoder<U> {
+    type Item = U;
+    type Error = Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
+        U::decode(src).map(Some).map_err(|e| {
+            ApiError::new(
+                ApiErrorKind::InvalidArgument,
+                format!("malformed protobuf message: {e}"),
+            )
+            .into()
+        })
+    }
+}
+
+fn invalid(field: &str, e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ApiErrorKind::InvalidArgument, format!("{field}: {e}"))
+}
+
+fn lock_name(field: &str, s: &str) -> Result<LockName, ApiError> {
+    LockName::new(s).map_err(|e| invalid(field, e))
+}
+
+fn owner_token(s: &str) -> Result<OwnerToken, ApiError> {
+    s.parse().map_err(|e| invalid("owner_token", e))
+}
+
+fn session_id(s: &str) -> Result<SessionId, ApiError> {
+    s.parse().map_err(|e| invalid("session", e))
+}
+
+fn owner(s: &str) -> Result<Owner, ApiError> {
+    Owner::new(s).map_err(|e| invalid("owner", e))
+}
+
+fn prefix(s: String) -> Result<String, ApiError> {
+    if s.len() > MAX_NAME_BYTES {
+        return Err(invalid("prefix", "longer than a lock name can be"));
+    }
+    Ok(s)
+}
+
+fn acquire_args(r: pb::AcquireRequest) -> Result<AcquireArgs, ApiError> {
+    Ok(AcquireArgs {
+        name: lock_name("name", &r.name)?,
+        ttl_ms: r.ttl_ms,
+        wait_ms: r.wait_ms,
+        owner: owner(&r.owner)?,
+        request_id: r
+            .request_id
+            .as_deref()
+            .map(RequestId::new)
+            .transpose()
+            .map_err(|e| invalid("request_id", e))?,
+        limit: r.limit.max(1),
+        lock_delay_ms: r.lock_delay_ms,
+        session: r.session.as_deref().map(session_id).transpose()?,
+    })
+}
+
+fn grant_pb(g: Grant) -> pb::Grant {
+    pb::Grant {
+        name: g.name.to_string(),
+        fence: g.fence.get(),
+        owner_token: g.token.to_string(),
+        ttl_ms: g.ttl_ms,
+        session: g.session.map(|s| s.to_string()),
+    }
+}
+
+fn lock_info(v: LockView) -> pb::LockInfo {
+    pb::LockInfo {
+        name: v.name.to_string(),
+        limit: v.limit,
+        holders: v
+            .holders
+            .into_iter()
+            .map(|h| pb::Holder {
+                fence: h.fence.get(),
+                owner: h.owner.as_str().to_owned(),
+                held_ms: h.held_ms,
+                ttl_remaining_ms: h.ttl_remaining_ms,
+                session: h.session.map(|s| s.to_string()),
+            })
+            .collect(),
+        waiters: v.waiters as u64,
+        lock_delay_remaining_ms: v.lock_delay_remaining_ms,
+    }
+}
+
+fn event_pb(e: &fencelock_core::Event) -> pb::LockEvent {
+    let (kind, wait_end) = match e.kind {
+        EventKind::Granted => (pb::EventKind::Granted, pb::WaitEnd::Unspecified),
+        EventKind::Ended(GrantEnd::Released) => (pb::EventKind::Released, pb::WaitEnd::Unspecified),
+        EventKind::Ended(GrantEnd::Expired) => (pb::EventKind::Expired, pb::WaitEnd::Unspecified),
+        EventKind::Ended(GrantEnd::ForceReleased) => {
+            (pb::EventKind::ForceReleased, pb::WaitEnd::Unspecified)
+        }
+        EventKind::Queued => (pb::EventKind::Queued, pb::WaitEnd::Unspecified),
+        EventKind::WaitEnded(end) => (
+            pb::EventKind::WaitEnded,
+            match end {
+                WaitEnd::TimedOut => pb::WaitEnd::TimedOut,
+                WaitEnd::SessionEnded => pb::WaitEnd::SessionEnded,
+                WaitEnd::Cancelled => pb::WaitEnd::Cancelled,
+                WaitEnd::ServerRestarted => pb::WaitEnd::ServerRestarted,
+            },
+        ),
+    };
+    pb::LockEvent {
+        kind: kind.into(),
+        name: e.name.to_string(),
+        fence: e.fence.map(Fence::get),
+        owner: e.owner.as_str().to_owned(),
+        session: e.session.map(|s| s.to_string()),
+        at_ms: e.at_ms,
+        duration_ms: e.duration_ms,
+        reason: e.reason.as_ref().map(|r| r.as_str().to_owned()),
+        wait_end: wait_end.into(),
+    }
+}
+
+/// Resolves once the engine stops serving (draining, stopped or failed), with the
+/// status a stream ends on.
+async fn stopping(run: &mut watch::Receiver<RunState>) -> Status {
+    let state = match run.wait_for(|s| *s != RunState::Running).await {
+        Ok(state) => state.clone(),
+        Err(_) => RunState::Stopped,
+    };
+    let message = match state {
+        RunState::Failed(why) => format!("the server stopped: {why}"),
+        _ => "the server is shutting down".to_owned(),
+    };
+    ApiError::new(ApiErrorKind::Unavailable, message).into()
+}
+
+type GrpcStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+/// The state of one `KeepAlive` call.
+struct KeepAliveCall {
+    handle: Handle,
+    requests: Streaming<pb::KeepAliveRequest>,
+    run: watch::Receiver<RunState>,
+}
+
+impl KeepAliveCall {
+    /// The answer to the next request; `None` when the client finished sending.
+    async fn next(&mut self) -> Option<Result<pb::KeepAliveResponse, Status>> {
+        let request = tokio::select! {
+            request = self.requests.message() => request,
+            status = stopping(&mut self.run) => return Some(Err(status)),
+        };
+        let request = match request {
+            Ok(Some(request)) => request,
+            Ok(None) => return None,
+            Err(status) => return Some(Err(request_stream_error(status))),
+        };
+        let renewed = async {
+            let id = session_id(&request.session)?;
+            let ttl_ms = self.handle.keep_alive(id).await?;
+            Ok::<_, ApiError>(pb::KeepAliveResponse {
+                session: id.to_string(),
+                ttl_ms,
+            })
+        };
+        Some(renewed.await.map_err(Status::from))
+    }
+
+    fn into_stream(self) -> GrpcStream<pb::KeepAliveResponse> {
+        // The first error ends the stream (it becomes the call's status).
+        Box::pin(futures_util::stream::unfold(
+            Some(self),
+            |call| async move {
+                let mut call = call?;
+                let item = call.next().await?;
+                let more = item.is_ok();
+                Some((item, more.then_some(call)))
+            },
+        ))
+    }
+}
+
+/// The state of one `Watch` call.
+struct WatchCall {
+    events: broadcast::Receiver<SharedEvent>,
+    prefix: String,
+    run: watch::Receiver<RunState>,
+    /// Set once the engine stops serving: how many events were already queued for
+    /// this watcher then (they are still sent), and the status to end with.
+    closing: Option<(usize, Status)>,
+}
+
+impl WatchCall {
+    /// The next event whose name has the prefix, or the status to end with.
+    async fn next(&mut self) -> Option<Result<pb::LockEvent, Status>> {
+        loop {
+            let received = match &mut self.closing {
+                Some((0, _)) => {
+                    let (_, status) = self.closing.take()?;
+                    return Some(Err(status));
+                }
+                Some((left, _)) => {
+                    *left -= 1;
+                    match self.events.try_recv() {
+                        Ok(event) => Ok(event),
+                        Err(broadcast::error::TryRecvError::Lagged(missed)) => {
+                            Err(broadcast::error::RecvError::Lagged(missed))
+                        }
+                        Err(_) => {
+                            *left = 0;
+                            continue;
+                        }
+                    }
+                }
+                None => tokio::select! {
+                    received = self.events.recv() => received,
+                    status = stopping(&mut self.run) => {
+                        self.closing = Some((self.events.len(), status));
+                        continue;
+                    }
+                },
+            };
+            match received {
+                Ok(event) if event.name.as_str().starts_with(&self.prefix) => {
+                    return Some(Ok(event_pb(&event)));
+                }
+                Ok(_) => {}
+                Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    let mut status = Status::data_loss(format!(
+                        "this watcher fell behind and missed {missed} events; \
+                         re-read the locks and watch again"
+                    ));
+                    status
+                        .metadata_mut()
+                        .insert(MISSED_EVENTS_METADATA, MetadataValue::from(missed));
+                    return Some(Err(status));
+                }
+                Err(broadcast::error::RecvError::Closed) => {
+                    return Some(Err(ApiError::new(
+                        ApiErrorKind::Unavailable,
+                        "the lock engine stopped",
+                    )
+                    .into()));
+                }
+            }
+        }
+    }
+
+    fn into_stream(self) -> GrpcStream<pb::LockEvent> {
+        // The first error ends the stream (it becomes the call's status).
+        Box::pin(futures_util::stream::unfold(
+            Some(self),
+            |call| async move {
+                let mut call = call?;
+                let item = call.next().await?;
+                let more = item.is_ok();
+                Some((item, more.then_some(call)))
+            },
+        ))
+    }
+}
+
+/// The `fencelock.v1.Locks` service over an engine handle.
+struct LocksService {
+    handle: Handle,
+}
+
+#[tonic::async_trait]
+impl Locks for LocksService {
+    async fn acquire(
+        &self,
+        request: Request<pb::AcquireRequest>,
+    ) -> Result<Response<pb::Grant>, Status> {
+        let args = acquire_args(request.into_inner())?;
+        // Awaited here, not spawned: if the client cancels the call, this future is
+        // dropped, and dropping it takes the request out of the queue.
+        let grant = self.handle.acquire(args).await?;
+        Ok(Response::new(grant_pb(grant)))
+    }
+
+    async fn renew(
+        &self,
+        request: Request<pb::RenewRequest>,
+    ) -> Result<Response<pb::RenewResponse>, Status> {
+        let r = request.into_inner();
+        let name = lock_name("name", &r.name)?;
+        let g = self
+            .handle
+            .renew(name, owner_token(&r.owner_token)?, r.ttl_ms)
+            .await?;
+        Ok(Response::new(pb::RenewResponse {
+            name: g.name.to_string(),
+            fence: g.fence.get(),
+            ttl_ms: g.ttl_ms,
+        }))
+    }
+
+    async fn release(
+        &self,
+        request: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let r = request.into_inner();
+        let name = lock_name("name", &r.name)?;
+        let released = self
+            .handle
+            .release(name, owner_token(&r.owner_token)?)
+            .await?;
+        let reason = if released { "" } else { "already_released" };
+        Ok(Response::new(pb::ReleaseResponse {
+            released,
+            reason: reason.to_owned(),
+        }))
+    }
+
+    async fn force_release(
+        &self,
+        request: Request<pb::ForceReleaseRequest>,
+    ) -> Result<Response<pb::ForceReleaseResponse>, Status> {
+        let r = request.into_inner();
+        let name = lock_name("name", &r.name)?;
+        let fence = match r.fence {
+            Some(f) => Some(Fence::new(f).ok_or_else(|| invalid("fence", "must be at least 1"))?),
+            None => None,
+        };
+        let reason = Reason::new(&r.reason).map_err(|e| invalid("reason", e))?;
+        let fences = self.handle.force_release(name, fence, reason).await?;
+        Ok(Response::new(pb::ForceReleaseResponse {
+            fences: fences.into_iter().map(Fence::get).collect(),
+        }))
+    }
+
+    async fn get_lock(
+        &self,
+        request: Request<pb::GetLockRequest>,
+    ) -> Result<Response<pb::LockInfo>, Status> {
+        let name = lock_name("name", &request.into_inner().name)?;
+        match self.handle.lock(name.clone()).await? {
+            Some(view) => Ok(Response::new(lock_info(view))),
+            None => Err(ApiError::new(
+                ApiErrorKind::NotFound,
+                format!("lock {name} is not held, queued for or in lock-delay"),
+            )
+            .into()),
+        }
+    }
+
+    async fn list_locks(
+        &self,
+        request: Request<pb::ListLocksRequest>,
+    ) -> Result<Response<pb::ListLocksResponse>, Status> {
+        let r = request.into_inner();
+        let prefix = prefix(r.prefix)?;
+        let max = match r.limit as usize {
+            0 => DEFAULT_PAGE,
+            n if n <= MAX_PAGE => n,
+            _ => return Err(invalid("limit", format!("must be between 1 and {MAX_PAGE}")).into()),
+        };
+        let after = r
+            .after
+            .as_deref()
+            .map(|a| lock_name("after", a))
+            .transpose()?;
+        let views = self.handle.locks(prefix, after, max).await?;
+        let next_after = (views.len() == max)
+            .then(|| views.last().map(|v| v.name.to_string()))
+            .flatten();
+        Ok(Response::new(pb::ListLocksResponse {
+            locks: views.into_iter().map(lock_info).collect(),
+            next_after,
+        }))
+    }
+
+    async fn open_session(
+        &self,
+        request: Request<pb::OpenSessionRequest>,
+    ) -> Result<Response<pb::OpenSessionResponse>, Status> {
+        let r = request.into_inner();
+        let (id, ttl_ms) = self.handle.open_session(r.ttl_ms, owner(&r.owner)?).await?;
+        Ok(Response::new(pb::OpenSessionResponse {
+            session: id.to_string(),
+            ttl_ms,
+        }))
+    }
+
+    async fn close_session(
+        &self,
+        request: Request<pb::CloseSessionRequest>,
+    ) -> Result<Response<pb::CloseSessionResponse>, Status> {
+        let id = session_id(&request.into_inner().session)?;
+        let released = self.handle.close_session(id).await?;
+        Ok(Response::new(pb::CloseSessionResponse {
+            released: released as u64,
+        }))
+    }
+
+    type KeepAliveStream = GrpcStream<pb::KeepAliveResponse>;
+
+    async fn keep_alive(
+        &self,
+        request: Request<Streaming<pb::KeepAliveRequest>>,
+    ) -> Result<Response<Self::KeepAliveStream>, Status> {
+        let call = KeepAliveCall {
+            handle: self.handle.clone(),
+            requests: request.into_inner(),
+            run: self.handle.watch_state(),
+        };
+        Ok(Response::new(call.into_stream()))
+    }
+
+    type WatchStream = GrpcStream<pb::LockEvent>;
+
+    async fn watch(
+        &self,
+        request: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let prefix = prefix(request.into_inner().prefix)?;
+        let call = WatchCall {
+            // Subscribed before the response goes out: every event made durable after
+            // the client sees the stream open is delivered.
+            events: self.handle.subscribe(),
+            prefix,
+            run: self.handle.watch_state(),
+            closing: None,
+        };
+        Ok(Response::new(call.into_stream()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures_util::StreamExt;
+
+    use super::*;
+    use crate::engine::{Durability, EngineConfig};
+
+    /// A watcher that falls behind the event channel is told how many events it
+    /// missed (DATA_LOSS), never silently skipped ahead.
+    #[tokio::test]
+    async fn lagging_watcher_ends_with_data_loss() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = EngineConfig::new(dir.path());
+        config.durability = Durability::None;
+        let handle = crate::engine::start(config).unwrap();
+        let mut stream = WatchCall {
+            events: handle.subscribe(),
+            prefix: String::new(),
+            run: handle.watch_state(),
+            closing: None,
+        }
+        .into_stream();
+
+        // Each round makes two events (granted, released); the channel holds EVENT_BUFFER.
+        let rounds = 2100;
+        for _ in 0..rounds {
+            let grant = handle
+                .acquire(AcquireArgs {
+                    name: LockName::new("lag").unwrap(),
+                    ttl_ms: Some(10_000),
+                    wait_ms: 0,
+                    owner: Owner::default(),
+                    request_id: None,
+                    limit: 1,
+                    lock_delay_ms: 0,
+                    session: None,
+                })
+                .await
+                .unwrap();
+            assert!(handle.release(grant.name, grant.token).await.unwrap());
+        }
+
+        let status = stream.next().await.unwrap().unwrap_err();
+        assert_eq!(status.code(), Code::DataLoss, "{status:?}");
+        let missed: u64 = status
+            .metadata()
+            .get(MISSED_EVENTS_METADATA)
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(
+            missed,
+            2 * rounds - crate::engine::EVENT_BUFFER as u64,
+            "{status:?}"
+        );
+        assert!(status.message().contains(&missed.to_string()), "{status:?}");
+        assert!(
+            stream.next().await.is_none(),
+            "the stream ends after the status"
+        );
+        handle.shutdown().await;
+    }
 }

@@ -23,6 +23,8 @@ use crate::error::{ApiError, ApiErrorKind};
 
 /// Largest request body accepted, in bytes.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// How long a client may take to send a request body.
+pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Largest page of `GET /v1/locks`.
 pub const MAX_PAGE: usize = 1000;
 
@@ -46,23 +48,49 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, ApiError> {
-        let bytes = axum::body::to_bytes(req.into_body(), MAX_BODY_BYTES)
-            .await
-            .map_err(|_| {
+        use futures_util::StreamExt;
+        let mut body = req.into_body().into_data_stream();
+        let mut bytes = Vec::new();
+        // A client that announces a body and then stalls must not hold a task forever.
+        let deadline = tokio::time::Instant::now() + BODY_READ_TIMEOUT;
+        loop {
+            let next = tokio::time::timeout_at(deadline, body.next())
+                .await
+                .map_err(|_| {
+                    ApiError::new(
+                        ApiErrorKind::InvalidJson,
+                        format!(
+                            "the request body did not arrive within {} s",
+                            BODY_READ_TIMEOUT.as_secs()
+                        ),
+                    )
+                })?;
+            let Some(chunk) = next else { break };
+            // A body that cannot be read (cut short, broken chunked framing) is a
+            // client mistake, but not a too-large body.
+            let chunk = chunk.map_err(|e| {
                 ApiError::new(
-                    ApiErrorKind::PayloadTooLarge,
-                    format!("request body is larger than {MAX_BODY_BYTES} bytes"),
+                    ApiErrorKind::InvalidJson,
+                    format!("cannot read the request body: {e}"),
                 )
             })?;
+            if bytes.len() + chunk.len() > MAX_BODY_BYTES {
+                return Err(ApiError::new(
+                    ApiErrorKind::PayloadTooLarge,
+                    format!("request body is larger than {MAX_BODY_BYTES} bytes"),
+                ));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
         if bytes.is_empty() {
             return Err(ApiError::new(
                 ApiErrorKind::InvalidJson,
                 "request body is empty; expected a JSON object",
             ));
         }
-        serde_json::from_slice(&bytes)
-            .map(JsonBody)
-            .map_err(|e| ApiError::new(ApiErrorKind::InvalidJson, format!("invalid JSON body: {e}")))
+        serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| {
+            ApiError::new(ApiErrorKind::InvalidJson, format!("invalid JSON body: {e}"))
+        })
     }
 }
 
@@ -219,8 +247,12 @@ async fn renew(
     State(h): State<Handle>,
     JsonBody(b): JsonBody<RenewBody>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let g = h.renew(name(&b.name)?, token(&b.owner_token)?, b.ttl_ms).await?;
-    Ok(Json(json!({"name": g.name.as_str(), "fence": g.fence.get(), "ttl_ms": g.ttl_ms})))
+    let g = h
+        .renew(name(&b.name)?, token(&b.owner_token)?, b.ttl_ms)
+        .await?;
+    Ok(Json(
+        json!({"name": g.name.as_str(), "fence": g.fence.get(), "ttl_ms": g.ttl_ms}),
+    ))
 }
 
 async fn release(
@@ -273,12 +305,16 @@ async fn list_locks(
     query: Result<Query<ListParams>, QueryRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let Query(p) = query.map_err(|e| invalid("query", e.body_text()))?;
-    if p.prefix.len() > fencelock_core::MAX_NAME_BYTES {
-        return Err(invalid("prefix", "longer than a lock name can be"));
+    // A prefix is empty or itself a valid name, so listing is a range scan.
+    if !p.prefix.is_empty() {
+        name(&p.prefix).map_err(|e| invalid("prefix", e.message()))?;
     }
     let max = p.limit.unwrap_or(100);
     if max == 0 || max > MAX_PAGE {
-        return Err(invalid("limit", format!("must be between 1 and {MAX_PAGE}")));
+        return Err(invalid(
+            "limit",
+            format!("must be between 1 and {MAX_PAGE}"),
+        ));
     }
     let after = p.after.as_deref().map(name).transpose()?;
     let views = h.locks(p.prefix, after, max).await?;

@@ -52,9 +52,9 @@ impl Server {
                     format!("cannot listen on {}: {e}", config.listen),
                 )
             })?;
-        let addr = listener.local_addr().map_err(|e| {
-            ApiError::new(ApiErrorKind::Internal, format!("no local address: {e}"))
-        })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| ApiError::new(ApiErrorKind::Internal, format!("no local address: {e}")))?;
         let handle = engine::start(config.engine)?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let router = app(handle.clone());

@@ -146,34 +146,83 @@ impl Metrics {
         let mut out = String::with_capacity(4096);
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let counters = [
-            (METRIC_NAMES[0], "Grants made, direct or by hand-off.", &self.grants),
-            (METRIC_NAMES[1], "Grants released by their holders.", &self.releases),
-            (METRIC_NAMES[2], "Grants whose lease expired.", &self.expiries),
-            (METRIC_NAMES[3], "Grants taken away by an operator.", &self.forced_releases),
-            (METRIC_NAMES[4], "Queued acquires that timed out.", &self.wait_timeouts),
-            (METRIC_NAMES[5], "Acquires refused because the lock was held.", &self.acquire_conflicts),
+            (
+                METRIC_NAMES[0],
+                "Grants made, direct or by hand-off.",
+                &self.grants,
+            ),
+            (
+                METRIC_NAMES[1],
+                "Grants released by their holders.",
+                &self.releases,
+            ),
+            (
+                METRIC_NAMES[2],
+                "Grants whose lease expired.",
+                &self.expiries,
+            ),
+            (
+                METRIC_NAMES[3],
+                "Grants taken away by an operator.",
+                &self.forced_releases,
+            ),
+            (
+                METRIC_NAMES[4],
+                "Queued acquires that timed out.",
+                &self.wait_timeouts,
+            ),
+            (
+                METRIC_NAMES[5],
+                "Acquires refused because the lock was held.",
+                &self.acquire_conflicts,
+            ),
         ];
         for (name, help, value) in counters {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", load(value));
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                load(value)
+            );
         }
         let gauges = [
             (METRIC_NAMES[6], "Grants held now.", &self.held),
             (METRIC_NAMES[7], "Acquires queued now.", &self.waiters),
             (METRIC_NAMES[8], "Open sessions.", &self.sessions),
-            (METRIC_NAMES[9], "Locks held, queued for or in lock-delay.", &self.locks),
-            (METRIC_NAMES[10], "The fence the next grant gets.", &self.next_fence),
+            (
+                METRIC_NAMES[9],
+                "Locks held, queued for or in lock-delay.",
+                &self.locks,
+            ),
+            (
+                METRIC_NAMES[10],
+                "The fence the next grant gets.",
+                &self.next_fence,
+            ),
         ];
         for (name, help, value) in gauges {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {}", load(value));
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {}",
+                load(value)
+            );
         }
         self.acquire_wait
             .render(&mut out, METRIC_NAMES[11], "Time from queueing to grant.");
-        self.hold_time
-            .render(&mut out, METRIC_NAMES[12], "Time a grant was held before it ended.");
-        self.fsync
-            .render(&mut out, METRIC_NAMES[13], "Duration of a log sync (write and fdatasync).");
-        self.batch_size
-            .render(&mut out, METRIC_NAMES[14], "Commands made durable per log sync.");
+        self.hold_time.render(
+            &mut out,
+            METRIC_NAMES[12],
+            "Time a grant was held before it ended.",
+        );
+        self.fsync.render(
+            &mut out,
+            METRIC_NAMES[13],
+            "Duration of a log sync (write and fdatasync).",
+        );
+        self.batch_size.render(
+            &mut out,
+            METRIC_NAMES[14],
+            "Commands made durable per log sync.",
+        );
         out
     }
 }

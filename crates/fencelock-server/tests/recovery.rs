@@ -38,7 +38,11 @@ async fn snapshots_and_replay_restore_the_same_state() {
     let mut kept = Vec::new();
     // Enough churn to cross the snapshot threshold many times.
     for i in 0..400 {
-        let name = if i % 50 == 0 { format!("kept:{i}") } else { format!("churn:{}", i % 7) };
+        let name = if i % 50 == 0 {
+            format!("kept:{i}")
+        } else {
+            format!("churn:{}", i % 7)
+        };
         let grant = h.acquire(args(&name, 60_000)).await.unwrap();
         max_fence = max_fence.max(grant.fence.get());
         if i % 50 == 0 {
@@ -48,7 +52,10 @@ async fn snapshots_and_replay_restore_the_same_state() {
         }
     }
     let session_ttl = 60_000;
-    let (session, _) = h.open_session(session_ttl, Owner::new("s").unwrap()).await.unwrap();
+    let (session, _) = h
+        .open_session(session_ttl, Owner::new("s").unwrap())
+        .await
+        .unwrap();
     let mut by_session = args("session:lock", 1);
     by_session.ttl_ms = None;
     by_session.session = Some(session);
@@ -58,7 +65,13 @@ async fn snapshots_and_replay_restore_the_same_state() {
 
     let snapshots = std::fs::read_dir(dir.path())
         .unwrap()
-        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().contains("snap"))
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .contains("snap")
+        })
         .count();
     assert!(snapshots >= 1, "no snapshot was written");
 
@@ -66,18 +79,30 @@ async fn snapshots_and_replay_restore_the_same_state() {
     let h = server.handle().clone();
     let report = h.recovery().clone();
     assert!(report.snapshot_loaded, "{report:?}");
-    assert!(report.records_replayed < 400, "snapshot did not bound replay: {report:?}");
+    assert!(
+        report.records_replayed < 400,
+        "snapshot did not bound replay: {report:?}"
+    );
     for grant in &kept {
-        let view = h.lock(grant.name.clone()).await.unwrap().expect("lock survived");
+        let view = h
+            .lock(grant.name.clone())
+            .await
+            .unwrap()
+            .expect("lock survived");
         assert_eq!(view.holders[0].fence, grant.fence);
         // Still renewable with the token issued before the restart.
-        h.renew(grant.name.clone(), grant.token, None).await.unwrap();
+        h.renew(grant.name.clone(), grant.token, None)
+            .await
+            .unwrap();
     }
     // The session survived with its lock, and the idempotent retry still answers with
     // the same grant.
     assert_eq!(h.keep_alive(session).await.unwrap(), session_ttl);
     let again = h.acquire(by_session).await.unwrap();
-    assert_eq!((again.fence, again.token), (session_grant.fence, session_grant.token));
+    assert_eq!(
+        (again.fence, again.token),
+        (session_grant.fence, session_grant.token)
+    );
     let next = h.acquire(args("fresh", 60_000)).await.unwrap();
     assert!(next.fence.get() > max_fence.max(session_grant.fence.get()));
     server.shutdown().await.unwrap();
@@ -92,7 +117,11 @@ async fn leases_restart_full_and_expire_on_the_service_clock() {
 
     let server = Server::start(config(dir.path())).await.unwrap();
     let h = server.handle().clone();
-    let view = h.lock(grant.name.clone()).await.unwrap().expect("held after restart");
+    let view = h
+        .lock(grant.name.clone())
+        .await
+        .unwrap()
+        .expect("held after restart");
     assert!(view.holders[0].ttl_remaining_ms > 200, "{view:?}");
     // Nobody renews: the timer (not a client) expires it, and the old token says so.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -100,7 +129,10 @@ async fn leases_restart_full_and_expire_on_the_service_clock() {
         assert!(Instant::now() < deadline, "lease never expired");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let err = h.renew(grant.name.clone(), grant.token, None).await.unwrap_err();
+    let err = h
+        .renew(grant.name.clone(), grant.token, None)
+        .await
+        .unwrap_err();
     assert_eq!(err.kind(), ApiErrorKind::Expired);
     server.shutdown().await.unwrap();
 }
@@ -110,7 +142,11 @@ async fn a_corrupt_snapshot_refuses_to_start() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(config(dir.path())).await.unwrap();
     for i in 0..200 {
-        server.handle().acquire(args(&format!("k{i}"), 60_000)).await.unwrap();
+        server
+            .handle()
+            .acquire(args(&format!("k{i}"), 60_000))
+            .await
+            .unwrap();
     }
     server.shutdown().await.unwrap();
     let snap = std::fs::read_dir(dir.path())

@@ -1,0 +1,246 @@
+//! Shared by the property tests (`model.rs`, `replay.rs`): a small universe of lock
+//! names, sessions and tokens, a random command generator over it, and a compact
+//! rendering of commands so a shrunk failure reads as a script.
+#![allow(dead_code)] // each test binary uses its own part of this module
+
+use std::fmt;
+
+use fencelock_core::{
+    Acquire, Command, Config, Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId,
+};
+use proptest::prelude::*;
+
+/// Lock names in the universe. `a` is usually a mutex, `b` a 2-slot and `c` a 3-slot
+/// semaphore, so most acquires agree on the limit and contend.
+pub const NAMES: [&str; 3] = ["a", "b", "c"];
+/// Owner tokens are 1..=TOKENS: few, so they get reused after their grant ends.
+pub const TOKENS: u128 = 8;
+/// Session ids are 1..=SESSIONS.
+pub const SESSIONS: u128 = 2;
+
+pub fn name(s: &str) -> LockName {
+    LockName::new(s).expect("valid test name")
+}
+
+pub fn tok(t: u128) -> OwnerToken {
+    OwnerToken::from_u128(t)
+}
+
+pub fn sid(s: u128) -> SessionId {
+    SessionId::from_u128(s)
+}
+
+/// Every request carries `t<token>` as its owner text, so events (which carry the
+/// owner, not the token) can be matched to requests.
+pub fn owner_of(token: OwnerToken) -> Owner {
+    Owner::new(&format!("t{}", token.as_u128())).expect("valid owner")
+}
+
+/// Bounds small enough that the generator runs into every one of them.
+pub fn config_strategy() -> impl Strategy<Value = Config> {
+    (
+        2usize..=4,
+        2usize..=5,
+        3usize..=8,
+        1usize..=2,
+        1usize..=3,
+        0usize..=6,
+    )
+        .prop_map(
+            |(max_locks, max_waiters_per_lock, max_waiters, max_sessions, per_session, recent)| {
+                Config {
+                    min_ttl_ms: 5,
+                    max_ttl_ms: 60,
+                    max_wait_ms: 50,
+                    max_lock_delay_ms: 25,
+                    max_limit: 3,
+                    max_locks,
+                    max_waiters_per_lock,
+                    max_waiters,
+                    max_sessions,
+                    max_locks_per_session: per_session,
+                    max_recent_ends: recent,
+                }
+            },
+        )
+}
+
+/// One step of a run: advance service time by `dt_ms`, then apply `command`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Step {
+    pub dt_ms: u64,
+    pub command: Command,
+}
+
+fn name_strategy() -> impl Strategy<Value = usize> {
+    0..NAMES.len()
+}
+
+fn token_strategy() -> impl Strategy<Value = OwnerToken> {
+    (1..=TOKENS).prop_map(tok)
+}
+
+/// The lock a token usually works on: t1..t4 contend for the mutex `a`, t5..t7
+/// for the 2-slot `b`, t8 uses `c`. So releases, renews and cancels mostly hit
+/// something, and acquires mostly contend.
+pub fn home_lock(t: u128) -> usize {
+    match t {
+        1..=4 => 0,
+        5..=7 => 1,
+        _ => 2,
+    }
+}
+
+/// A lock and a token: usually the token's home lock, sometimes any lock.
+fn name_token_strategy() -> impl Strategy<Value = (usize, OwnerToken)> {
+    prop_oneof![
+        4 => (1..=TOKENS).prop_map(|t| (home_lock(t), tok(t))),
+        1 => (name_strategy(), token_strategy()),
+    ]
+}
+
+fn session_strategy() -> impl Strategy<Value = SessionId> {
+    (1..=SESSIONS).prop_map(sid)
+}
+
+fn acquire_strategy() -> impl Strategy<Value = Command> {
+    let lease = prop_oneof![
+        13 => prop_oneof![1 => 5u64..=19, 4 => 20u64..=60].prop_map(|t| (Some(t), None)),
+        5 => session_strategy().prop_map(|s| (None, Some(s))),
+        // Out of range, or neither / both: InvalidArgument.
+        1 => prop_oneof![
+            (0u64..=4).prop_map(|t| (Some(t), None)),
+            (61u64..=100).prop_map(|t| (Some(t), None)),
+            Just((None, None)),
+            session_strategy().prop_map(|s| (Some(10), Some(s))),
+        ],
+    ];
+    let wait = prop_oneof![12 => Just(0u64), 37 => 1u64..=50, 1 => 51u64..=60];
+    let request_id = prop_oneof![
+        8 => Just(None),
+        1 => Just(Some("r0")),
+        1 => Just(Some("r1")),
+    ];
+    // Usually the lock's own limit (a=1, b=2, c=3); sometimes another one (mismatch)
+    // or an invalid one (0, 4).
+    let limit = prop_oneof![
+        30 => Just(None),
+        2 => (1u32..=3).prop_map(Some),
+        1 => prop_oneof![Just(0u32), Just(4)].prop_map(Some),
+    ];
+    let delay = prop_oneof![16 => Just(0u64), 15 => 1u64..=25, 1 => 26u64..=30];
+    (name_token_strategy(), lease, wait, request_id, limit, delay).prop_map(
+        |((n, token), (ttl_ms, session), wait_ms, request_id, limit, lock_delay_ms)| {
+            Command::Acquire(Acquire {
+                name: name(NAMES[n]),
+                token,
+                ttl_ms,
+                wait_ms,
+                owner: owner_of(token),
+                request_id: request_id.map(|r| RequestId::new(r).expect("valid")),
+                limit: limit.unwrap_or(n as u32 + 1),
+                lock_delay_ms,
+                session,
+            })
+        },
+    )
+}
+
+fn command_strategy() -> impl Strategy<Value = Command> {
+    let renew_ttl = prop_oneof![
+        3 => Just(None),
+        2 => (5u64..=60).prop_map(Some),
+        1 => (0u64..=100).prop_map(Some),
+    ];
+    let session_ttl = prop_oneof![5 => 10u64..=60, 1 => 0u64..=100];
+    let fence = prop_oneof![Just(None), (1u64..=25).prop_map(Fence::new)];
+    prop_oneof![
+        14 => acquire_strategy(),
+        4 => (name_token_strategy(), renew_ttl).prop_map(|((n, token), ttl_ms)| {
+            Command::Renew { name: name(NAMES[n]), token, ttl_ms }
+        }),
+        5 => name_token_strategy()
+            .prop_map(|(n, token)| Command::Release { name: name(NAMES[n]), token }),
+        1 => (name_strategy(), fence).prop_map(|(n, fence)| Command::ForceRelease {
+            name: name(NAMES[n]),
+            fence,
+            reason: Reason::new("test").expect("valid"),
+        }),
+        3 => name_token_strategy()
+            .prop_map(|(n, token)| Command::CancelWait { name: name(NAMES[n]), token }),
+        3 => (session_strategy(), session_ttl).prop_map(|(id, ttl_ms)| Command::OpenSession {
+            id,
+            ttl_ms,
+            owner: Owner::new(&format!("s{}", id.as_u128())).expect("valid"),
+        }),
+        3 => session_strategy().prop_map(|id| Command::KeepAlive { id }),
+        1 => session_strategy().prop_map(|id| Command::CloseSession { id }),
+        2 => Just(Command::Tick),
+        1 => Just(Command::Recover),
+        1 => (0u64..=40).prop_map(|floor| Command::RaiseFenceFloor { floor }),
+    ]
+}
+
+/// Mostly small time steps, sometimes a jump past many deadlines at once.
+fn dt_strategy() -> impl Strategy<Value = u64> {
+    prop_oneof![6 => Just(0u64), 4 => 1u64..=5, 1 => 6u64..=50]
+}
+
+pub fn steps_strategy(max_len: usize) -> impl Strategy<Value = Vec<Step>> {
+    prop::collection::vec(
+        (dt_strategy(), command_strategy()).prop_map(|(dt_ms, command)| Step { dt_ms, command }),
+        1..=max_len,
+    )
+}
+
+/// Renders a command as one short line, e.g. `acquire a t3 ttl=20 wait=10 limit=1`.
+pub fn render_command(c: &Command) -> String {
+    let t = |t: &OwnerToken| format!("t{}", t.as_u128());
+    match c {
+        Command::Acquire(a) => {
+            let mut s = format!("acquire {} {}", a.name, t(&a.token));
+            if let Some(ttl) = a.ttl_ms {
+                s += &format!(" ttl={ttl}");
+            }
+            if let Some(id) = a.session {
+                s += &format!(" session=s{}", id.as_u128());
+            }
+            s += &format!(" wait={} limit={}", a.wait_ms, a.limit);
+            if a.lock_delay_ms > 0 {
+                s += &format!(" delay={}", a.lock_delay_ms);
+            }
+            if let Some(r) = &a.request_id {
+                s += &format!(" rid={}", r.as_str());
+            }
+            s
+        }
+        Command::Renew {
+            name,
+            token,
+            ttl_ms,
+        } => match ttl_ms {
+            Some(ttl) => format!("renew {name} {} ttl={ttl}", t(token)),
+            None => format!("renew {name} {}", t(token)),
+        },
+        Command::Release { name, token } => format!("release {name} {}", t(token)),
+        Command::ForceRelease { name, fence, .. } => match fence {
+            Some(f) => format!("force-release {name} fence={f}"),
+            None => format!("force-release {name}"),
+        },
+        Command::CancelWait { name, token } => format!("cancel-wait {name} {}", t(token)),
+        Command::OpenSession { id, ttl_ms, .. } => {
+            format!("open-session s{} ttl={ttl_ms}", id.as_u128())
+        }
+        Command::KeepAlive { id } => format!("keepalive s{}", id.as_u128()),
+        Command::CloseSession { id } => format!("close-session s{}", id.as_u128()),
+        Command::Tick => "tick".into(),
+        Command::Recover => "recover".into(),
+        Command::RaiseFenceFloor { floor } => format!("raise-fence-floor {floor}"),
+    }
+}
+
+impl fmt::Debug for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "+{}ms {}", self.dt_ms, render_command(&self.command))
+    }
+}

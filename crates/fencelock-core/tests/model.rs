@@ -1,0 +1,1268 @@
+//! Model-based property test: the core against a naive reference model.
+//!
+//! The model follows DESIGN.md §2 and the public rustdoc with the plainest data
+//! structures: a `Vec` of locks, each with a `Vec` of holders (absolute deadlines)
+//! and a `Vec` FIFO queue, linear scans everywhere. Time is simulated by repeatedly
+//! taking the earliest due deadline and acting on it, all at the command's `now`.
+//!
+//! Where the design leaves a choice open, the model makes the core's choice, so that
+//! whole states can be compared: same-instant deadlines in the order sessions,
+//! leases, waits, lock-delay ends (then by id); a session's grants end in token
+//! order; when several errors apply, the same one wins; a head waiter whose wait and
+//! session are both over leaves as `SessionEnded`; lock-delay counts from when the
+//! expiry is processed; endings are remembered per (owner token, lock). Hand-off fences are not predicted across locks: both number a command's
+//! grants consecutively, and the model adopts the core's numbering afterwards.
+//!
+//! Every step compares the reply, the hand-off grants (per lock, in order), the wait
+//! ends, the events and the whole exported state, and checks the invariants on the
+//! core alone: at most `limit` holders, fences strictly increasing over the run,
+//! FIFO hand-off, no grant to a waiter whose wait or session is over (deadlines are
+//! exclusive), lock-delay honoured, `check_invariants()` clean.
+//!
+//! More cases: `PROPTEST_CASES=50000 cargo test -p fencelock-core --test model`.
+//! A failure prints the failing step, the script up to it (one `+dt command` per
+//! line), and proptest's shrunk input.
+
+mod common;
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+
+use common::{config_strategy, owner_of, render_command, steps_strategy, Step};
+use fencelock_core::{
+    Acquire, Command, Config, Core, ErrorKind, Event, EventKind, Fence, Grant, GrantEnd,
+    HolderImage, LeaseImage, LockImage, LockName, Outcome, Owner, OwnerToken, Reason, Reply,
+    RequestId, SessionId, SessionImage, StateImage, WaitEnd, WaiterImage,
+};
+use proptest::prelude::*;
+use proptest::test_runner::{TestCaseError, TestRunner};
+
+// ---------------------------------------------------------------------------------
+// The reference model.
+// ---------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MLease {
+    Own { ttl: u64, deadline: u64 },
+    Session(SessionId),
+}
+
+#[derive(Debug, Clone)]
+struct MHolder {
+    token: OwnerToken,
+    fence: u64,
+    owner: Owner,
+    request_id: Option<RequestId>,
+    lease: MLease,
+    granted_at: u64,
+    lock_delay: u64,
+}
+
+#[derive(Debug, Clone)]
+struct MWaiter {
+    token: OwnerToken,
+    owner: Owner,
+    request_id: Option<RequestId>,
+    ttl: Option<u64>,
+    session: Option<SessionId>,
+    lock_delay: u64,
+    enqueued_at: u64,
+    wait_deadline: u64,
+}
+
+#[derive(Debug, Clone)]
+struct MLock {
+    name: LockName,
+    limit: u32,
+    blocked_until: u64,
+    /// The lock-delay end still has to be acted on (hand-off when it passes).
+    unblock_pending: bool,
+    holders: Vec<MHolder>,
+    queue: Vec<MWaiter>,
+}
+
+#[derive(Debug, Clone)]
+struct MSession {
+    id: SessionId,
+    owner: Owner,
+    ttl: u64,
+    deadline: u64,
+}
+
+/// What one command produced, besides its reply.
+#[derive(Debug, Default)]
+struct MOut {
+    /// Hand-offs, in the model's order (fences as the model numbered them).
+    grants: Vec<Grant>,
+    wait_ends: Vec<(OwnerToken, LockName, WaitEnd)>,
+    events: Vec<Event>,
+}
+
+#[derive(Debug, Clone)]
+struct Model {
+    cfg: Config,
+    now: u64,
+    next_fence: u64,
+    locks: Vec<MLock>,
+    sessions: Vec<MSession>,
+    /// Why recent grants ended, oldest first, at most `cfg.max_recent_ends`.
+    recent: Vec<(OwnerToken, LockName, GrantEnd)>,
+}
+
+/// Which deadline is due. Same-instant deadlines are taken in this order (then by
+/// id), the core's fixed order that keeps replay deterministic.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Due {
+    Session(SessionId),
+    Lease(OwnerToken),
+    Wait(OwnerToken),
+    Unblock(LockName),
+}
+
+type MReply = Result<Reply, ErrorKind>;
+
+impl Model {
+    fn new(cfg: Config) -> Model {
+        Model {
+            cfg,
+            now: 0,
+            next_fence: 1,
+            locks: Vec::new(),
+            sessions: Vec::new(),
+            recent: Vec::new(),
+        }
+    }
+
+    fn lock_index(&self, name: &LockName) -> Option<usize> {
+        self.locks.iter().position(|l| l.name == *name)
+    }
+
+    fn session(&self, id: SessionId) -> Option<&MSession> {
+        self.sessions.iter().find(|s| s.id == id)
+    }
+
+    fn grant_value(&self, name: &LockName, h: &MHolder) -> Grant {
+        let (ttl_ms, session) = match h.lease {
+            MLease::Own { ttl, .. } => (ttl, None),
+            MLease::Session(id) => (self.session(id).expect("live session").ttl, Some(id)),
+        };
+        Grant {
+            name: name.clone(),
+            fence: Fence::new(h.fence).expect("fence > 0"),
+            token: h.token,
+            ttl_ms,
+            session,
+        }
+    }
+
+    /// Makes `w` a holder of lock `li` with the next fence.
+    fn grant(&mut self, li: usize, w: MWaiter, out: &mut MOut) -> Grant {
+        let fence = self.next_fence;
+        self.next_fence += 1;
+        let lease = match w.session {
+            Some(id) => MLease::Session(id),
+            None => {
+                let ttl = w.ttl.expect("own lease has a ttl");
+                MLease::Own {
+                    ttl,
+                    deadline: self.now + ttl,
+                }
+            }
+        };
+        let h = MHolder {
+            token: w.token,
+            fence,
+            owner: w.owner.clone(),
+            request_id: w.request_id,
+            lease,
+            granted_at: self.now,
+            lock_delay: w.lock_delay,
+        };
+        let name = self.locks[li].name.clone();
+        out.events.push(Event {
+            kind: EventKind::Granted,
+            name: name.clone(),
+            fence: Fence::new(fence),
+            owner: w.owner.clone(),
+            session: w.session,
+            at_ms: self.now,
+            duration_ms: self.now - w.enqueued_at,
+            reason: None,
+        });
+        let grant = self.grant_value(&name, &h);
+        self.locks[li].holders.push(h);
+        grant
+    }
+
+    fn remember_end(&mut self, token: OwnerToken, name: LockName, end: GrantEnd) {
+        if self.cfg.max_recent_ends == 0 {
+            return;
+        }
+        match self.recent.iter_mut().find(|(t, _, _)| *t == token) {
+            Some(entry) => *entry = (token, name, end),
+            None => self.recent.push((token, name, end)),
+        }
+        while self.recent.len() > self.cfg.max_recent_ends {
+            self.recent.remove(0);
+        }
+    }
+
+    fn recent_end(&self, name: &LockName, token: OwnerToken) -> Option<GrantEnd> {
+        self.recent
+            .iter()
+            .find(|(t, n, _)| *t == token && n == name)
+            .map(|(_, _, e)| *e)
+    }
+
+    /// Ends holder `token` of lock `li`. Lock-delay applies unless it was a clean
+    /// release. No hand-off here.
+    fn end_grant(
+        &mut self,
+        li: usize,
+        token: OwnerToken,
+        end: GrantEnd,
+        reason: Option<Reason>,
+        out: &mut MOut,
+    ) -> u64 {
+        let pos = self.locks[li]
+            .holders
+            .iter()
+            .position(|h| h.token == token)
+            .expect("ending a holder");
+        let h = self.locks[li].holders.remove(pos);
+        if end != GrantEnd::Released && h.lock_delay > 0 {
+            let until = self.now + h.lock_delay;
+            let lock = &mut self.locks[li];
+            if until > lock.blocked_until {
+                lock.blocked_until = until;
+                lock.unblock_pending = true;
+            }
+        }
+        let lock_name = self.locks[li].name.clone();
+        self.remember_end(token, lock_name, end);
+        let session = match h.lease {
+            MLease::Session(id) => Some(id),
+            MLease::Own { .. } => None,
+        };
+        let name = self.locks[li].name.clone();
+        out.events.push(Event {
+            kind: EventKind::Ended(end),
+            name: name.clone(),
+            fence: Fence::new(h.fence),
+            owner: h.owner.clone(),
+            session,
+            at_ms: self.now,
+            duration_ms: self.now - h.granted_at,
+            reason,
+        });
+        h.fence
+    }
+
+    fn end_wait(&mut self, li: usize, pos: usize, why: WaitEnd, out: &mut MOut) {
+        let w = self.locks[li].queue.remove(pos);
+        self.push_wait_end(li, w, why, out);
+    }
+
+    fn push_wait_end(&mut self, li: usize, w: MWaiter, why: WaitEnd, out: &mut MOut) {
+        let name = self.locks[li].name.clone();
+        out.events.push(Event {
+            kind: EventKind::WaitEnded(why),
+            name: name.clone(),
+            fence: None,
+            owner: w.owner.clone(),
+            session: w.session,
+            at_ms: self.now,
+            duration_ms: self.now - w.enqueued_at,
+            reason: None,
+        });
+        out.wait_ends.push((w.token, name, why));
+    }
+
+    /// Grants from the head of the queue while there is a free slot and no
+    /// lock-delay. A head whose wait or session is over at `now` leaves instead.
+    fn hand_off(&mut self, li: usize, out: &mut MOut) {
+        loop {
+            let lock = &self.locks[li];
+            if lock.holders.len() >= lock.limit as usize
+                || lock.blocked_until > self.now
+                || lock.queue.is_empty()
+            {
+                return;
+            }
+            let w = self.locks[li].queue.remove(0);
+            let session_over = w
+                .session
+                .is_some_and(|id| self.session(id).is_none_or(|s| s.deadline <= self.now));
+            if session_over {
+                self.push_wait_end(li, w, WaitEnd::SessionEnded, out);
+            } else if w.wait_deadline <= self.now {
+                self.push_wait_end(li, w, WaitEnd::TimedOut, out);
+            } else {
+                let g = self.grant(li, w, out);
+                out.grants.push(g);
+            }
+        }
+    }
+
+    /// Forgets lock records nobody holds, waits for or is delayed on.
+    fn gc(&mut self) {
+        let now = self.now;
+        self.locks
+            .retain(|l| !l.holders.is_empty() || !l.queue.is_empty() || l.blocked_until > now);
+    }
+
+    /// Ends session `id`: its queued requests leave first (so no hand-off can grant
+    /// to it), then its grants end with `end`, then the touched locks hand off.
+    fn end_session(&mut self, id: SessionId, end: GrantEnd, out: &mut MOut) -> usize {
+        let mut touched = Vec::new();
+        for li in 0..self.locks.len() {
+            while let Some(pos) = self.locks[li]
+                .queue
+                .iter()
+                .position(|w| w.session == Some(id))
+            {
+                self.end_wait(li, pos, WaitEnd::SessionEnded, out);
+                touched.push(li);
+            }
+        }
+        // Same-instant endings are taken in token order (it decides which endings
+        // `max_recent_ends` still remembers).
+        let mut mine: Vec<(OwnerToken, usize)> = Vec::new();
+        for (li, l) in self.locks.iter().enumerate() {
+            for h in &l.holders {
+                if h.lease == MLease::Session(id) {
+                    mine.push((h.token, li));
+                }
+            }
+        }
+        mine.sort();
+        let released = mine.len();
+        for (token, li) in mine {
+            self.end_grant(li, token, end, None, out);
+            touched.push(li);
+        }
+        self.sessions.retain(|s| s.id != id);
+        for li in touched {
+            self.hand_off(li, out);
+        }
+        released
+    }
+
+    /// The earliest deadline at or before `now`, if any (linear scan).
+    fn earliest_due(&self) -> Option<(u64, Due)> {
+        let now = self.now;
+        let mut due: Vec<(u64, Due)> = Vec::new();
+        for s in &self.sessions {
+            if s.deadline <= now {
+                due.push((s.deadline, Due::Session(s.id)));
+            }
+        }
+        for l in &self.locks {
+            for h in &l.holders {
+                if let MLease::Own { deadline, .. } = h.lease {
+                    if deadline <= now {
+                        due.push((deadline, Due::Lease(h.token)));
+                    }
+                }
+            }
+            for w in &l.queue {
+                if w.wait_deadline <= now {
+                    due.push((w.wait_deadline, Due::Wait(w.token)));
+                }
+            }
+            if l.unblock_pending && l.blocked_until <= now {
+                due.push((l.blocked_until, Due::Unblock(l.name.clone())));
+            }
+        }
+        due.into_iter().min()
+    }
+
+    fn process_deadlines(&mut self, out: &mut MOut) {
+        // Bounded: each iteration removes a deadline and adds only future ones.
+        for _ in 0..10_000 {
+            let Some((_, due)) = self.earliest_due() else {
+                self.gc();
+                return;
+            };
+            match due {
+                Due::Session(id) => {
+                    self.end_session(id, GrantEnd::Expired, out);
+                }
+                Due::Lease(token) => {
+                    let li = self
+                        .locks
+                        .iter()
+                        .position(|l| l.holders.iter().any(|h| h.token == token))
+                        .expect("due lease is held");
+                    self.end_grant(li, token, GrantEnd::Expired, None, out);
+                    self.hand_off(li, out);
+                }
+                Due::Wait(token) => {
+                    let (li, pos) = self.find_waiter(token).expect("due wait is queued");
+                    self.end_wait(li, pos, WaitEnd::TimedOut, out);
+                    self.hand_off(li, out);
+                }
+                Due::Unblock(name) => {
+                    let li = self.lock_index(&name).expect("delayed lock exists");
+                    self.locks[li].unblock_pending = false;
+                    self.hand_off(li, out);
+                }
+            }
+        }
+        panic!("model: deadline processing did not terminate");
+    }
+
+    fn find_waiter(&self, token: OwnerToken) -> Option<(usize, usize)> {
+        self.locks.iter().enumerate().find_map(|(li, l)| {
+            l.queue
+                .iter()
+                .position(|w| w.token == token)
+                .map(|pos| (li, pos))
+        })
+    }
+
+    fn find_holder(&self, name: &LockName, token: OwnerToken) -> Option<(usize, usize)> {
+        let li = self.lock_index(name)?;
+        let hi = self.locks[li]
+            .holders
+            .iter()
+            .position(|h| h.token == token)?;
+        Some((li, hi))
+    }
+
+    fn token_in_use(&self, token: OwnerToken) -> bool {
+        self.locks.iter().any(|l| {
+            l.holders.iter().any(|h| h.token == token) || l.queue.iter().any(|w| w.token == token)
+        })
+    }
+
+    fn ttl_ok(&self, ttl: u64) -> bool {
+        (self.cfg.min_ttl_ms..=self.cfg.max_ttl_ms).contains(&ttl)
+    }
+
+    /// Why renew/release did nothing: how this token's grant on this lock ended.
+    fn not_held(&self, name: &LockName, token: OwnerToken) -> ErrorKind {
+        match self.recent_end(name, token) {
+            Some(GrantEnd::Expired) => ErrorKind::Expired,
+            _ => ErrorKind::NotHeld,
+        }
+    }
+
+    fn apply(&mut self, now: u64, command: &Command) -> (MReply, MOut) {
+        let mut out = MOut::default();
+        self.now = self.now.max(now);
+        self.process_deadlines(&mut out);
+        let reply = match command {
+            Command::Acquire(a) => self.acquire(a, &mut out),
+            Command::Renew {
+                name,
+                token,
+                ttl_ms,
+            } => self.renew(name, *token, *ttl_ms),
+            Command::Release { name, token } => match self.find_holder(name, *token) {
+                Some((li, _)) => {
+                    self.end_grant(li, *token, GrantEnd::Released, None, &mut out);
+                    self.hand_off(li, &mut out);
+                    Ok(Reply::Released { released: true })
+                }
+                None if self.recent_end(name, *token) == Some(GrantEnd::Released) => {
+                    Ok(Reply::Released { released: false })
+                }
+                None => Err(self.not_held(name, *token)),
+            },
+            Command::ForceRelease {
+                name,
+                fence,
+                reason,
+            } => {
+                let victims: Vec<OwnerToken> = match self.lock_index(name) {
+                    Some(li) => self.locks[li]
+                        .holders
+                        .iter()
+                        .filter(|h| fence.is_none_or(|f| f.get() == h.fence))
+                        .map(|h| h.token)
+                        .collect(),
+                    None => Vec::new(),
+                };
+                if victims.is_empty() {
+                    Err(ErrorKind::NotHeld)
+                } else {
+                    let li = self.lock_index(name).expect("has holders");
+                    let fences = victims
+                        .into_iter()
+                        .map(|t| {
+                            let f = self.end_grant(
+                                li,
+                                t,
+                                GrantEnd::ForceReleased,
+                                Some(reason.clone()),
+                                &mut out,
+                            );
+                            Fence::new(f).expect("fence > 0")
+                        })
+                        .collect();
+                    self.hand_off(li, &mut out);
+                    Ok(Reply::ForceReleased { fences })
+                }
+            }
+            Command::CancelWait { name, token } => {
+                let found = self.lock_index(name).and_then(|li| {
+                    self.locks[li]
+                        .queue
+                        .iter()
+                        .position(|w| w.token == *token)
+                        .map(|pos| (li, pos))
+                });
+                if let Some((li, pos)) = found {
+                    self.end_wait(li, pos, WaitEnd::Cancelled, &mut out);
+                    self.hand_off(li, &mut out);
+                }
+                Ok(Reply::WaitCancelled {
+                    cancelled: found.is_some(),
+                })
+            }
+            Command::OpenSession { id, ttl_ms, owner } => {
+                if !self.ttl_ok(*ttl_ms) || self.session(*id).is_some() {
+                    Err(ErrorKind::InvalidArgument)
+                } else if self.sessions.len() >= self.cfg.max_sessions {
+                    Err(ErrorKind::ResourceExhausted)
+                } else {
+                    self.sessions.push(MSession {
+                        id: *id,
+                        owner: owner.clone(),
+                        ttl: *ttl_ms,
+                        deadline: self.now + ttl_ms,
+                    });
+                    Ok(Reply::SessionOpened {
+                        id: *id,
+                        ttl_ms: *ttl_ms,
+                    })
+                }
+            }
+            Command::KeepAlive { id } => self.keep_alive(*id),
+            Command::CloseSession { id } => {
+                if self.session(*id).is_none() {
+                    Err(ErrorKind::SessionNotFound)
+                } else {
+                    let released = self.end_session(*id, GrantEnd::Released, &mut out);
+                    Ok(Reply::SessionClosed { released })
+                }
+            }
+            Command::Tick => Ok(Reply::Ticked),
+            Command::Recover => {
+                let now = self.now;
+                for li in 0..self.locks.len() {
+                    while !self.locks[li].queue.is_empty() {
+                        self.end_wait(li, 0, WaitEnd::ServerRestarted, &mut out);
+                    }
+                    for h in &mut self.locks[li].holders {
+                        if let MLease::Own { ttl, .. } = h.lease {
+                            h.lease = MLease::Own {
+                                ttl,
+                                deadline: now + ttl,
+                            };
+                        }
+                    }
+                }
+                for s in &mut self.sessions {
+                    s.deadline = now + s.ttl;
+                }
+                Ok(Reply::Recovered)
+            }
+            Command::RaiseFenceFloor { floor } => {
+                self.next_fence = self.next_fence.max(*floor).max(1);
+                Ok(Reply::FenceFloorRaised {
+                    next_fence: self.next_fence,
+                })
+            }
+        };
+        self.gc();
+        (reply, out)
+    }
+
+    fn keep_alive(&mut self, id: SessionId) -> MReply {
+        let now = self.now;
+        let s = self
+            .sessions
+            .iter_mut()
+            .find(|s| s.id == id)
+            .ok_or(ErrorKind::SessionNotFound)?;
+        s.deadline = now + s.ttl;
+        Ok(Reply::KeptAlive { ttl_ms: s.ttl })
+    }
+
+    fn renew(&mut self, name: &LockName, token: OwnerToken, ttl_ms: Option<u64>) -> MReply {
+        let Some((li, hi)) = self.find_holder(name, token) else {
+            return Err(self.not_held(name, token));
+        };
+        match self.locks[li].holders[hi].lease {
+            MLease::Own { ttl, .. } => {
+                let ttl = ttl_ms.unwrap_or(ttl);
+                if !self.ttl_ok(ttl) {
+                    return Err(ErrorKind::InvalidArgument);
+                }
+                self.locks[li].holders[hi].lease = MLease::Own {
+                    ttl,
+                    deadline: self.now + ttl,
+                };
+            }
+            MLease::Session(id) => {
+                if ttl_ms.is_some() {
+                    return Err(ErrorKind::InvalidArgument);
+                }
+                self.keep_alive(id)?;
+            }
+        }
+        let h = &self.locks[li].holders[hi];
+        Ok(Reply::Renewed(self.grant_value(name, h)))
+    }
+
+    fn acquire(&mut self, a: &Acquire, out: &mut MOut) -> MReply {
+        use ErrorKind::*;
+        // Arguments.
+        match (a.ttl_ms, a.session) {
+            (Some(_), Some(_)) | (None, None) => return Err(InvalidArgument),
+            (Some(ttl), None) if !self.ttl_ok(ttl) => return Err(InvalidArgument),
+            _ => {}
+        }
+        if a.limit == 0
+            || a.limit > self.cfg.max_limit
+            || a.wait_ms > self.cfg.max_wait_ms
+            || a.lock_delay_ms > self.cfg.max_lock_delay_ms
+        {
+            return Err(InvalidArgument);
+        }
+        // A retry with the same request id on the same lock gets the same answer.
+        if let (Some(rid), Some(li)) = (&a.request_id, self.lock_index(&a.name)) {
+            let lock = &self.locks[li];
+            if let Some(h) = lock
+                .holders
+                .iter()
+                .find(|h| h.request_id.as_ref() == Some(rid))
+            {
+                return Ok(Reply::Granted(self.grant_value(&a.name, h)));
+            }
+            if let Some(pos) = lock
+                .queue
+                .iter()
+                .position(|w| w.request_id.as_ref() == Some(rid))
+            {
+                return Ok(Reply::Queued {
+                    token: lock.queue[pos].token,
+                    position: pos,
+                });
+            }
+        }
+        if let Some(id) = a.session {
+            if self.session(id).is_none() {
+                return Err(SessionNotFound);
+            }
+            let used = self
+                .locks
+                .iter()
+                .map(|l| {
+                    l.holders
+                        .iter()
+                        .filter(|h| h.lease == MLease::Session(id))
+                        .count()
+                        + l.queue.iter().filter(|w| w.session == Some(id)).count()
+                })
+                .sum::<usize>();
+            if used >= self.cfg.max_locks_per_session {
+                return Err(ResourceExhausted);
+            }
+        }
+        if self.token_in_use(a.token) {
+            return Err(InvalidArgument);
+        }
+        let li = match self.lock_index(&a.name) {
+            Some(li) => {
+                if self.locks[li].limit != a.limit {
+                    return Err(LimitMismatch);
+                }
+                li
+            }
+            None => {
+                if self.locks.len() >= self.cfg.max_locks {
+                    return Err(ResourceExhausted);
+                }
+                self.locks.push(MLock {
+                    name: a.name.clone(),
+                    limit: a.limit,
+                    blocked_until: 0,
+                    unblock_pending: false,
+                    holders: Vec::new(),
+                    queue: Vec::new(),
+                });
+                self.locks.len() - 1
+            }
+        };
+        let w = MWaiter {
+            token: a.token,
+            owner: a.owner.clone(),
+            request_id: a.request_id.clone(),
+            ttl: a.ttl_ms,
+            session: a.session,
+            lock_delay: a.lock_delay_ms,
+            enqueued_at: self.now,
+            wait_deadline: self.now + a.wait_ms,
+        };
+        let lock = &self.locks[li];
+        let available = lock.holders.len() < lock.limit as usize
+            && lock.blocked_until <= self.now
+            && lock.queue.is_empty();
+        if available {
+            return Ok(Reply::Granted(self.grant(li, w, out)));
+        }
+        if a.wait_ms == 0 {
+            return Err(Held);
+        }
+        let total_waiting: usize = self.locks.iter().map(|l| l.queue.len()).sum();
+        if lock.queue.len() >= self.cfg.max_waiters_per_lock
+            || total_waiting >= self.cfg.max_waiters
+        {
+            return Err(ResourceExhausted);
+        }
+        out.events.push(Event {
+            kind: EventKind::Queued,
+            name: a.name.clone(),
+            fence: None,
+            owner: a.owner.clone(),
+            session: a.session,
+            at_ms: self.now,
+            duration_ms: 0,
+            reason: None,
+        });
+        let lock = &mut self.locks[li];
+        lock.queue.push(w);
+        Ok(Reply::Queued {
+            token: a.token,
+            position: lock.queue.len() - 1,
+        })
+    }
+
+    /// After comparing, adopt the core's fence numbering for hand-offs: both number
+    /// the grants of one command consecutively, but may interleave locks differently
+    /// (e.g. when a session ending frees several locks).
+    fn adopt_fences(&mut self, fences: &BTreeMap<OwnerToken, u64>) {
+        for l in &mut self.locks {
+            for h in &mut l.holders {
+                if let Some(f) = fences.get(&h.token) {
+                    h.fence = *f;
+                }
+            }
+        }
+    }
+
+    /// The model's state in the core's image format (for a whole-state comparison).
+    fn image(&self) -> StateImage {
+        let mut locks: Vec<LockImage> = self
+            .locks
+            .iter()
+            .map(|l| LockImage {
+                name: l.name.clone(),
+                limit: l.limit,
+                blocked_until_ms: l.blocked_until,
+                holders: l
+                    .holders
+                    .iter()
+                    .map(|h| HolderImage {
+                        token: h.token,
+                        fence: Fence::new(h.fence).expect("fence > 0"),
+                        owner: h.owner.clone(),
+                        request_id: h.request_id.clone(),
+                        lease: match h.lease {
+                            MLease::Own { ttl, deadline } => LeaseImage::Own {
+                                ttl_ms: ttl,
+                                deadline_ms: deadline,
+                            },
+                            MLease::Session(id) => LeaseImage::Session(id),
+                        },
+                        granted_at_ms: h.granted_at,
+                        lock_delay_ms: h.lock_delay,
+                    })
+                    .collect(),
+                waiters: l
+                    .queue
+                    .iter()
+                    .map(|w| WaiterImage {
+                        token: w.token,
+                        owner: w.owner.clone(),
+                        request_id: w.request_id.clone(),
+                        ttl_ms: w.ttl,
+                        session: w.session,
+                        lock_delay_ms: w.lock_delay,
+                        enqueued_at_ms: w.enqueued_at,
+                        wait_deadline_ms: w.wait_deadline,
+                    })
+                    .collect(),
+            })
+            .collect();
+        locks.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut sessions: Vec<SessionImage> = self
+            .sessions
+            .iter()
+            .map(|s| SessionImage {
+                id: s.id,
+                owner: s.owner.clone(),
+                ttl_ms: s.ttl,
+                deadline_ms: s.deadline,
+            })
+            .collect();
+        sessions.sort_by_key(|s| s.id);
+        StateImage {
+            now_ms: self.now,
+            next_fence: self.next_fence,
+            locks,
+            sessions,
+            recent_ends: self.recent.clone(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// The comparison.
+// ---------------------------------------------------------------------------------
+
+fn fail(msg: String) -> TestCaseError {
+    TestCaseError::fail(msg)
+}
+
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)*) => {
+        if !$cond {
+            return Err(fail(format!($($fmt)*)));
+        }
+    };
+}
+
+fn reply_kind(r: &Result<Reply, fencelock_core::Error>) -> Result<&Reply, ErrorKind> {
+    r.as_ref().map_err(|e| e.kind())
+}
+
+fn sort_events(mut events: Vec<Event>) -> Vec<Event> {
+    events.sort_by_key(|e| format!("{e:?}"));
+    events
+}
+
+/// Hand-off grants grouped per lock, each group in grant order.
+fn per_lock(grants: &[Grant]) -> BTreeMap<LockName, Vec<(OwnerToken, u64, Option<SessionId>)>> {
+    let mut m: BTreeMap<_, Vec<_>> = BTreeMap::new();
+    for g in grants {
+        m.entry(g.name.clone())
+            .or_default()
+            .push((g.token, g.ttl_ms, g.session));
+    }
+    m
+}
+
+/// Checks on the core alone, from its state before and after one command.
+struct RunChecks {
+    /// The largest fence the core ever issued in this run.
+    max_fence: u64,
+}
+
+impl RunChecks {
+    fn check_step(
+        &mut self,
+        now: u64,
+        before: &StateImage,
+        after: &StateImage,
+        reply: &Result<Reply, fencelock_core::Error>,
+        handoffs: &[Grant],
+        wait_ends: &[(OwnerToken, LockName, WaitEnd)],
+    ) -> Result<(), TestCaseError> {
+        let lock_before = |name: &LockName| before.locks.iter().find(|l| l.name == *name);
+        let held_before = |token: OwnerToken| {
+            before
+                .locks
+                .iter()
+                .any(|l| l.holders.iter().any(|h| h.token == token))
+        };
+
+        // Fences: every new grant, in the order made, is larger than any before.
+        let mut new_grants: Vec<&Grant> = handoffs.iter().collect();
+        if let Ok(Reply::Granted(g)) = reply {
+            // An idempotent retry returns an earlier grant, possibly one handed off
+            // earlier in this same command.
+            if !held_before(g.token) && !handoffs.iter().any(|h| h.token == g.token) {
+                new_grants.push(g);
+            }
+        }
+        for g in &new_grants {
+            ensure!(
+                g.fence.get() > self.max_fence,
+                "fence {} issued after fence {} (not strictly increasing)",
+                g.fence,
+                self.max_fence
+            );
+            self.max_fence = g.fence.get();
+        }
+
+        // Lock-delay: no grant on a lock that was delayed past `now`.
+        for g in &new_grants {
+            if let Some(l) = lock_before(&g.name) {
+                ensure!(
+                    l.blocked_until_ms <= now,
+                    "grant on {} at {now} during lock-delay (until {})",
+                    g.name,
+                    l.blocked_until_ms
+                );
+            }
+        }
+
+        // Hand-offs go to live waiters, in queue order, skipping nobody who stays.
+        for g in handoffs {
+            let l = lock_before(&g.name).expect("hand-off on a lock that existed");
+            let w = l
+                .waiters
+                .iter()
+                .find(|w| w.token == g.token)
+                .ok_or_else(|| fail(format!("hand-off to {:?}, who was not queued", g.token)))?;
+            ensure!(
+                w.wait_deadline_ms > now,
+                "hand-off at {now} to a waiter whose wait ended at {}",
+                w.wait_deadline_ms
+            );
+            if let Some(id) = w.session {
+                let s = before.sessions.iter().find(|s| s.id == id);
+                ensure!(
+                    s.is_some_and(|s| s.deadline_ms > now),
+                    "hand-off at {now} to a waiter of an expired session"
+                );
+            }
+        }
+        for (name, granted) in per_lock(handoffs) {
+            let l = lock_before(&name).expect("checked above");
+            let remaining: Vec<OwnerToken> = l
+                .waiters
+                .iter()
+                .map(|w| w.token)
+                .filter(|t| !wait_ends.iter().any(|(e, n, _)| e == t && *n == name))
+                .collect();
+            let granted: Vec<OwnerToken> = granted.iter().map(|g| g.0).collect();
+            ensure!(
+                remaining.starts_with(&granted),
+                "{name}: hand-offs {granted:?} are not the head of the queue {remaining:?}"
+            );
+        }
+
+        // At most `limit` holders.
+        for l in &after.locks {
+            ensure!(
+                l.holders.len() <= l.limit as usize,
+                "{}: {} holders > limit {}",
+                l.name,
+                l.holders.len(),
+                l.limit
+            );
+        }
+        Ok(())
+    }
+}
+
+fn run(config: Config, steps: &[Step], coverage: &mut Coverage) -> Result<(), TestCaseError> {
+    let mut core = Core::new(config.clone());
+    let mut model = Model::new(config);
+    let mut checks = RunChecks { max_fence: 0 };
+    let mut now = 0;
+    for (i, step) in steps.iter().enumerate() {
+        now += step.dt_ms;
+        // Names the failing step and repeats the script up to it (proptest's
+        // shrinking may leave harmless steps after the failing one).
+        let at = || {
+            let script: Vec<String> = steps[..=i].iter().map(|s| format!("{s:?}")).collect();
+            format!(
+                "step {i} (+{}ms, now={now}) {}\nscript up to here:\n    {}\n",
+                step.dt_ms,
+                render_command(&step.command),
+                script.join("\n    ")
+            )
+        };
+        let before = core.export();
+        let fence_start = model.next_fence;
+
+        let got = core.apply(now, step.command.clone());
+        let outcomes = core.take_outcomes();
+        coverage.count(&got, &outcomes);
+        let (want, mout) = model.apply(now, &step.command);
+
+        let mut handoffs = Vec::new();
+        let mut wait_ends = Vec::new();
+        let mut events = Vec::new();
+        for o in outcomes {
+            match o {
+                Outcome::Granted(g) => handoffs.push(g),
+                Outcome::WaitEnded {
+                    token,
+                    name,
+                    reason,
+                } => wait_ends.push((token, name, reason)),
+                Outcome::Event(e) => events.push(e),
+            }
+        }
+
+        // Hand-offs: the same per lock, in the same order; fences consecutive from
+        // where the command started, in the order the core emitted them.
+        ensure!(
+            per_lock(&handoffs) == per_lock(&mout.grants),
+            "{}: hand-offs differ\n core:  {handoffs:?}\n model: {:?}",
+            at(),
+            mout.grants
+        );
+        for (k, g) in handoffs.iter().enumerate() {
+            ensure!(
+                g.fence.get() == fence_start + k as u64,
+                "{}: hand-off fences not consecutive: {handoffs:?}",
+                at()
+            );
+        }
+        let fences: BTreeMap<OwnerToken, u64> =
+            handoffs.iter().map(|g| (g.token, g.fence.get())).collect();
+        model.adopt_fences(&fences);
+
+        // Reply.
+        let mut want_reply = want.clone();
+        if let Ok(Reply::Granted(g)) | Ok(Reply::Renewed(g)) = &mut want_reply {
+            if let Some(f) = fences.get(&g.token) {
+                g.fence = Fence::new(*f).expect("fence > 0");
+            }
+        }
+        ensure!(
+            reply_kind(&got) == want_reply.as_ref().map_err(|k| *k),
+            "{}: replies differ\n core:  {got:?}\n model: {want_reply:?}",
+            at()
+        );
+
+        // Wait ends (each token leaves a queue at most once per command).
+        let mut core_ends = wait_ends.clone();
+        let mut model_ends = mout.wait_ends.clone();
+        core_ends.sort_by_key(|e| e.0);
+        model_ends.sort_by_key(|e| e.0);
+        ensure!(
+            core_ends == model_ends,
+            "{}: wait ends differ\n core:  {core_ends:?}\n model: {model_ends:?}",
+            at()
+        );
+
+        // Events (order within a command is not part of the contract).
+        let model_events: Vec<Event> = mout
+            .events
+            .into_iter()
+            .map(|mut e| {
+                if e.kind == EventKind::Granted {
+                    let token: u128 = e.owner.as_str()[1..].parse().expect("owner is t<token>");
+                    if let Some(f) = fences.get(&OwnerToken::from_u128(token)) {
+                        e.fence = Fence::new(*f);
+                    }
+                }
+                e
+            })
+            .collect();
+        let (core_events, model_events) = (sort_events(events), sort_events(model_events));
+        ensure!(
+            core_events == model_events,
+            "{}: events differ\n core:  {core_events:#?}\n model: {model_events:#?}",
+            at()
+        );
+
+        // The whole state.
+        let after = core.export();
+        let model_image = model.image();
+        ensure!(
+            after == model_image,
+            "{}: states differ\n core:  {after:#?}\n model: {model_image:#?}",
+            at()
+        );
+
+        // Invariants on the core alone.
+        checks
+            .check_step(now, &before, &after, &got, &handoffs, &wait_ends)
+            .map_err(|e| fail(format!("{}: {e}", at())))?;
+        if let Ok(Reply::Granted(g)) = &got {
+            let held_before = before
+                .locks
+                .iter()
+                .any(|l| l.holders.iter().any(|h| h.token == g.token));
+            if held_before || handoffs.iter().any(|h| h.token == g.token) {
+                coverage.retried_grants += 1;
+            }
+        }
+        if let Err(broken) = core.check_invariants() {
+            return Err(fail(format!("{}: check_invariants: {broken}", at())));
+        }
+    }
+    Ok(())
+}
+
+/// What the generated runs exercised. A comparison that never sees a hand-off or a
+/// lock-delay proves nothing about them, so the property test asserts these.
+#[derive(Debug, Default)]
+struct Coverage {
+    handoffs: usize,
+    session_handoffs: usize,
+    queued: usize,
+    lock_delay_refusals: usize,
+    retried_grants: usize,
+    expired_errors: usize,
+    forced: usize,
+    wait_ends: BTreeMap<String, usize>,
+}
+
+impl Coverage {
+    fn count(&mut self, reply: &Result<Reply, fencelock_core::Error>, outcomes: &[Outcome]) {
+        match reply {
+            Ok(Reply::Queued { .. }) => self.queued += 1,
+            Ok(Reply::ForceReleased { .. }) => self.forced += 1,
+            Err(e) if e.kind() == ErrorKind::Held && e.message().contains("lock-delay") => {
+                self.lock_delay_refusals += 1
+            }
+            Err(e) if e.kind() == ErrorKind::Expired => self.expired_errors += 1,
+            _ => {}
+        }
+        for o in outcomes {
+            match o {
+                Outcome::Granted(g) => {
+                    self.handoffs += 1;
+                    self.session_handoffs += usize::from(g.session.is_some());
+                }
+                Outcome::WaitEnded { reason, .. } => {
+                    *self.wait_ends.entry(format!("{reason:?}")).or_default() += 1
+                }
+                Outcome::Event(_) => {}
+            }
+        }
+    }
+}
+
+/// 4000 cases by default (a few seconds in debug); `PROPTEST_CASES` overrides.
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4000)
+}
+
+/// The core and the reference model agree on every reply, hand-off, wait end, event
+/// and on the whole state, and the invariants hold, after every command of random
+/// scripts. A failure prints the shrunk script.
+#[test]
+fn core_matches_reference_model() {
+    let cases = cases();
+    let mut runner = TestRunner::new(ProptestConfig {
+        cases,
+        max_shrink_iters: 20_000,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    });
+    let coverage = RefCell::new(Coverage::default());
+    let result = runner.run(
+        &(config_strategy(), steps_strategy(80)),
+        |(config, steps)| run(config, &steps, &mut coverage.borrow_mut()),
+    );
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    // Coverage of the generator (only meaningful with enough cases).
+    let c = coverage.into_inner();
+    eprintln!("{cases} cases; coverage: {c:?}");
+    if cases >= 1000 {
+        for (what, n) in [
+            ("hand-offs", c.handoffs),
+            ("hand-offs to session waiters", c.session_handoffs),
+            ("queued acquires", c.queued),
+            ("refusals during lock-delay", c.lock_delay_refusals),
+            ("idempotent retries answered with a grant", c.retried_grants),
+            ("`expired` answers", c.expired_errors),
+            ("forced releases", c.forced),
+        ] {
+            assert!(n >= 10, "the generator made only {n} {what}: {c:?}");
+        }
+        for reason in ["TimedOut", "SessionEnded", "Cancelled", "ServerRestarted"] {
+            let n = c.wait_ends.get(reason).copied().unwrap_or(0);
+            assert!(
+                n >= 10,
+                "the generator made only {n} {reason} wait ends: {c:?}"
+            );
+        }
+    }
+}
+
+/// A fixed script through every command kind, so the comparison is known to run
+/// on a busy state even if the random generator changes.
+#[test]
+fn model_agrees_on_a_fixed_busy_script() {
+    use common::{name, sid, tok};
+    let acquire =
+        |n: &str, t: u128, ttl: Option<u64>, s: Option<u128>, wait_ms: u64, delay: u64| {
+            Command::Acquire(Acquire {
+                name: name(n),
+                token: tok(t),
+                ttl_ms: ttl,
+                wait_ms,
+                owner: owner_of(tok(t)),
+                request_id: None,
+                limit: if n == "b" { 2 } else { 1 },
+                lock_delay_ms: delay,
+                session: s.map(sid),
+            })
+        };
+    let step = |dt_ms, command| Step { dt_ms, command };
+    let script = vec![
+        step(
+            0,
+            Command::OpenSession {
+                id: sid(1),
+                ttl_ms: 20,
+                owner: Owner::default(),
+            },
+        ),
+        step(0, acquire("a", 1, Some(10), None, 0, 5)),
+        step(1, acquire("a", 2, None, Some(1), 30, 0)),
+        step(1, acquire("a", 3, Some(10), None, 30, 0)),
+        step(0, acquire("b", 4, Some(30), None, 0, 0)),
+        step(0, acquire("b", 5, None, Some(1), 0, 0)),
+        step(0, acquire("b", 6, Some(30), None, 20, 0)),
+        // t1's lease ends at 10 with lock-delay 5: nobody gets `a` before 15.
+        step(10, Command::Tick),
+        step(4, Command::Tick),
+        step(1, Command::Tick),
+        // Session 1 expires at 20 (not kept alive): b's slot goes to t6.
+        step(5, Command::Tick),
+        step(0, Command::RaiseFenceFloor { floor: 20 }),
+        step(0, Command::Recover),
+        step(
+            3,
+            Command::Release {
+                name: name("b"),
+                token: tok(4),
+            },
+        ),
+        step(
+            0,
+            Command::Release {
+                name: name("b"),
+                token: tok(4),
+            },
+        ),
+        step(
+            50,
+            Command::Renew {
+                name: name("a"),
+                token: tok(3),
+                ttl_ms: None,
+            },
+        ),
+    ];
+    let config = Config {
+        min_ttl_ms: 5,
+        max_ttl_ms: 60,
+        max_wait_ms: 50,
+        max_lock_delay_ms: 25,
+        max_limit: 3,
+        ..Config::default()
+    };
+    if let Err(e) = run(config, &script, &mut Coverage::default()) {
+        panic!("{e}");
+    }
+}
