@@ -332,3 +332,41 @@ fn bad_config_is_a_usage_error() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("lisen"));
 }
+
+#[test]
+fn environment_configures_serve_and_flags_override_it() {
+    let dir = temp();
+    let from_env = dir.path().join("from-env");
+    let from_flag = dir.path().join("from-flag");
+    let config = dir.path().join("fencelock.toml");
+    std::fs::write(&config, "listen = \"127.0.0.1:1\"\nlog_format = \"json\"\n").unwrap();
+    // The file says port 1; the environment overrides it; the data dir comes from
+    // the environment unless a flag names one.
+    for (flag, expected) in [(None, &from_env), (Some(&from_flag), &from_flag)] {
+        let mut cmd = Command::new(BIN);
+        cmd.arg("serve")
+            .env("FENCELOCK_CONFIG", &config)
+            .env("FENCELOCK_LISTEN", "127.0.0.1:0")
+            .env("FENCELOCK_DATA_DIR", &from_env)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if let Some(f) = flag {
+            cmd.arg("--data-dir").arg(f);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let line = BufReader::new(stderr)
+            .lines()
+            .map(|l| l.unwrap())
+            .find(|l| l.contains("\"listen\""))
+            .expect("serving line");
+        let v: Value = serde_json::from_str(&line).expect("JSON log line (format from the file)");
+        assert_ne!(v["listen"].as_str(), Some("127.0.0.1:1"));
+        assert_eq!(v["data_dir"].as_str(), Some(expected.to_str().unwrap()));
+        assert!(
+            expected.join("LOCK").exists() || std::fs::read_dir(expected).unwrap().next().is_some()
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}

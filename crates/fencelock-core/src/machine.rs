@@ -194,6 +194,16 @@ fn err(kind: ErrorKind, message: impl Into<String>) -> Error {
     Error::new(kind, message)
 }
 
+fn check_range(what: &str, value: u64, min: u64, max: u64) -> Result<(), Error> {
+    if value < min || value > max {
+        return Err(err(
+            ErrorKind::InvalidArgument,
+            format!("{what} must be between {min} and {max}, got {value}"),
+        ));
+    }
+    Ok(())
+}
+
 impl Core {
     /// An empty core. The first fence it issues is 1.
     pub fn new(config: Config) -> Core {
@@ -295,14 +305,7 @@ impl Core {
     }
 
     fn check_ttl(&self, what: &str, ttl_ms: u64) -> Result<(), Error> {
-        let (min, max) = (self.config.min_ttl_ms, self.config.max_ttl_ms);
-        if ttl_ms < min || ttl_ms > max {
-            return Err(err(
-                ErrorKind::InvalidArgument,
-                format!("{what} must be between {min} and {max} ms, got {ttl_ms}"),
-            ));
-        }
-        Ok(())
+        check_range(what, ttl_ms, self.config.min_ttl_ms, self.config.max_ttl_ms)
     }
 
     fn acquire(&mut self, a: Acquire) -> Result<Reply, Error> {
@@ -323,33 +326,10 @@ impl Core {
             (Some(ttl_ms), None) => self.check_ttl("ttl_ms", ttl_ms)?,
             (None, Some(_)) => {}
         }
-        if a.limit == 0 || a.limit > self.config.max_limit {
-            return Err(err(
-                ErrorKind::InvalidArgument,
-                format!(
-                    "limit must be between 1 and {}, got {}",
-                    self.config.max_limit, a.limit
-                ),
-            ));
-        }
-        if a.wait_ms > self.config.max_wait_ms {
-            return Err(err(
-                ErrorKind::InvalidArgument,
-                format!(
-                    "wait_ms must be at most {}, got {}",
-                    self.config.max_wait_ms, a.wait_ms
-                ),
-            ));
-        }
-        if a.lock_delay_ms > self.config.max_lock_delay_ms {
-            return Err(err(
-                ErrorKind::InvalidArgument,
-                format!(
-                    "lock_delay_ms must be at most {}, got {}",
-                    self.config.max_lock_delay_ms, a.lock_delay_ms
-                ),
-            ));
-        }
+        let c = &self.config;
+        check_range("limit", u64::from(a.limit), 1, u64::from(c.max_limit))?;
+        check_range("wait_ms", a.wait_ms, 0, c.max_wait_ms)?;
+        check_range("lock_delay_ms", a.lock_delay_ms, 0, c.max_lock_delay_ms)?;
 
         // Idempotent retry: the same request id on the same lock gets the same answer.
         if let Some(request_id) = &a.request_id {
