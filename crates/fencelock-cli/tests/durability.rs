@@ -370,3 +370,73 @@ fn environment_configures_serve_and_flags_override_it() {
         child.wait().unwrap();
     }
 }
+
+/// Storage failure is fail-stop: when the disk fills up (a tmpfs of 1.5 MiB in a
+/// private mount namespace, so nothing outside the test is touched), the server
+/// acknowledges nothing more and exits with status 1 saying why.
+#[test]
+fn a_full_disk_stops_the_server_without_acknowledging_more() {
+    let dir = temp();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let config = dir.path().join("small.toml");
+    std::fs::write(&config, "[storage]\nsegment_bytes = 1048576\n").unwrap();
+    let script = format!(
+        "mount -t tmpfs -o size=1536k tmpfs '{}' && exec '{}' serve --config '{}' --data-dir '{}' --listen 127.0.0.1:0 --log-format json",
+        data.display(),
+        BIN,
+        config.display(),
+        data.display()
+    );
+    let mut child = Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("unshare (util-linux) runs");
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(stderr).lines();
+    let addr: SocketAddr = loop {
+        let line = lines
+            .next()
+            .expect("server exited before serving (needs root for the tmpfs mount)")
+            .unwrap();
+        let v: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+        if let Some(listen) = v.get("listen").and_then(Value::as_str) {
+            break listen.parse().unwrap();
+        }
+    };
+    let log = std::thread::spawn(move || lines.map(|l| l.unwrap()).collect::<Vec<_>>());
+
+    // Each grant logs about 1 KiB; the first segment (1 MiB) fills after ~1,000 and
+    // the next one cannot be allocated.
+    let owner = "o".repeat(1000);
+    let mut acknowledged = 0;
+    let mut refused = None;
+    for i in 0..5_000 {
+        let body = json!({"name": format!("fill:{i}"), "ttl_ms": 60_000, "owner": owner}).to_string();
+        let result = std::panic::catch_unwind(|| http(addr, "POST", "/v1/acquire", Some(body)));
+        match result {
+            Ok((200, _)) => acknowledged += 1,
+            Ok((status, body)) => {
+                refused = Some(format!("{status} {}", String::from_utf8_lossy(&body)));
+                break;
+            }
+            Err(_) => {
+                refused = Some("connection failed".to_owned());
+                break;
+            }
+        }
+    }
+    let refused = refused.expect("the disk never filled up");
+    assert!(acknowledged > 500, "only {acknowledged} grants before the disk was full");
+    assert!(
+        refused.starts_with("503") || refused == "connection failed",
+        "after the storage failure: {refused}"
+    );
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(1), "exit status after a storage failure");
+    let log = log.join().unwrap().join("\n");
+    assert!(log.contains("fail-stop"), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+}
