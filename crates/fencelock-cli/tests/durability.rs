@@ -414,7 +414,8 @@ fn a_full_disk_stops_the_server_without_acknowledging_more() {
     let mut acknowledged = 0;
     let mut refused = None;
     for i in 0..5_000 {
-        let body = json!({"name": format!("fill:{i}"), "ttl_ms": 60_000, "owner": owner}).to_string();
+        let body =
+            json!({"name": format!("fill:{i}"), "ttl_ms": 60_000, "owner": owner}).to_string();
         let result = std::panic::catch_unwind(|| http(addr, "POST", "/v1/acquire", Some(body)));
         match result {
             Ok((200, _)) => acknowledged += 1,
@@ -429,13 +430,20 @@ fn a_full_disk_stops_the_server_without_acknowledging_more() {
         }
     }
     let refused = refused.expect("the disk never filled up");
-    assert!(acknowledged > 500, "only {acknowledged} grants before the disk was full");
+    assert!(
+        acknowledged > 500,
+        "only {acknowledged} grants before the disk was full"
+    );
     assert!(
         refused.starts_with("503") || refused == "connection failed",
         "after the storage failure: {refused}"
     );
     let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(1), "exit status after a storage failure");
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "exit status after a storage failure"
+    );
     let log = log.join().unwrap().join("\n");
     assert!(log.contains("fail-stop"), "{log}");
     assert!(!log.contains("panicked"), "{log}");

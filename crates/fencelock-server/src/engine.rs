@@ -288,6 +288,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
 
     let writer_metrics = metrics.clone();
     let writer_state = state_tx.clone();
+    let supervisor_state = state_tx.clone();
     std::thread::Builder::new()
         .name("fencelock-writer".into())
         .spawn(move || writer_loop(log, writer_rx, writer_metrics, writer_state))
@@ -315,7 +316,17 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         snapshot_after_bytes: config.snapshot_after_bytes,
         draining: false,
     };
-    tokio::spawn(engine.run());
+    let engine_task = tokio::spawn(engine.run());
+    // A panic in the engine is a broken invariant: stop serving (fail-stop) and say so.
+    tokio::spawn(async move {
+        if let Err(e) = engine_task.await {
+            if e.is_panic() {
+                let what = "the lock engine panicked (a broken invariant); stopped".to_owned();
+                tracing::error!(error = %what, "fail-stop");
+                let _ = supervisor_state.send(RunState::Failed(what));
+            }
+        }
+    });
 
     Ok(Handle {
         shared: Arc::new(Shared {
@@ -421,13 +432,9 @@ impl EngineTask {
         }
     }
 
-    /// Applies one command at the current service time, logs it if it changed state,
-    /// and queues its reply (via `reply`) and its outcomes as deliveries.
-    fn execute(
-        &mut self,
-        command: Command,
-        reply: impl FnOnce(Result<Reply, CoreError>) + Send + 'static,
-    ) {
+    /// Applies one command at the current service time and logs it if it changed
+    /// state. Outcomes stay in the core until [`Self::route_outcomes`].
+    fn apply_logged(&mut self, command: Command) -> Result<Reply, CoreError> {
         let now = self.clock.now_ms().max(self.core.now_ms());
         let due = self.core.next_deadline_ms().is_some_and(|d| d <= now);
         let is_tick = matches!(command, Command::Tick);
@@ -444,6 +451,17 @@ impl EngineTask {
                 .acquire_conflicts
                 .fetch_add(1, Ordering::Relaxed);
         }
+        result
+    }
+
+    /// Applies and logs one command, and queues its reply (via `reply`) and its
+    /// outcomes as deliveries of the current batch.
+    fn execute(
+        &mut self,
+        command: Command,
+        reply: impl FnOnce(Result<Reply, CoreError>) + Send + 'static,
+    ) {
+        let result = self.apply_logged(command);
         self.deliveries.push(Box::new(move || reply(result)));
         self.route_outcomes();
     }
@@ -457,15 +475,7 @@ impl EngineTask {
             return;
         }
         let name = acquire.name.clone();
-        let now = self.clock.now_ms().max(self.core.now_ms());
-        let due = self.core.next_deadline_ms().is_some_and(|d| d <= now);
-        let command = Command::Acquire(acquire);
-        let record = codec::encode_record(now, &command);
-        let result = self.core.apply(now, command);
-        if due || result.is_ok() {
-            self.bytes_since_snapshot += record.len() as u64;
-            self.records.push(record);
-        }
+        let result = self.apply_logged(Command::Acquire(acquire));
         match result {
             Ok(Reply::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
             Ok(Reply::Queued { token, .. }) => {
@@ -477,11 +487,6 @@ impl EngineTask {
             }
             Ok(other) => unreachable!("acquire replied {other:?}"),
             Err(e) => {
-                if e.kind() == ErrorKind::Held {
-                    self.metrics
-                        .acquire_conflicts
-                        .fetch_add(1, Ordering::Relaxed);
-                }
                 let err = ApiError::from(e);
                 self.deliveries.push(Box::new(move || {
                     let _ = reply.send(Err(err));
