@@ -108,4 +108,4 @@ mod snapshot;
 pub use crate::error::{LogError, LogErrorKind};
 pub use crate::format::{MAX_RECORD_BYTES, MAX_SNAPSHOT_BYTES};
 pub use crate::log::{Log, LogOptions, Recovered, SyncStats, MIN_SEGMENT_BYTES};
-pub use crate::snapshot::{read_snapshot_file, write_snapshot_file};
+pub use crate::snapshot::{read_snapshot_file, write_snapshot_at, write_snapshot_file};

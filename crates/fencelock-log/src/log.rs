@@ -300,6 +300,66 @@ impl Log {
         self.poison_on_error(result)
     }
 
+    /// Makes everything appended so far durable and starts a new segment; returns
+    /// its sequence number `seq`. The records appended before this call are exactly
+    /// "the state before segment `seq`": a snapshot of that state, written with
+    /// [`write_snapshot_at`] (possibly on another thread, while this log goes on
+    /// appending), lets [`forget_before`](Self::forget_before) drop them.
+    ///
+    /// This is how a server snapshots without stopping: it keeps a replica of its
+    /// state that lags behind the log, cuts the log here, and snapshots the replica
+    /// when the replica reaches the cut.
+    pub fn start_segment(&mut self) -> Result<u64, LogError> {
+        self.check_usable()?;
+        let result = self
+            .write_pending()
+            .and_then(|()| self.roll(0))
+            .map(|()| self.active.seq);
+        let seq = self.poison_on_error(result)?;
+        self.at_batch_start = true;
+        Ok(seq)
+    }
+
+    /// Deletes the segments before `seq` and the snapshots older than `seq`, once
+    /// `snap-seq` is durable in the directory (written by [`write_snapshot_at`]).
+    /// Refuses (with [`LogErrorKind::InvalidOptions`]) a `seq` that is not a segment
+    /// boundary this log made or has no snapshot, so it can never drop records that
+    /// no snapshot covers.
+    pub fn forget_before(&mut self, seq: u64) -> Result<(), LogError> {
+        self.check_usable()?;
+        if seq > self.active.seq {
+            return Err(LogError::new(
+                LogErrorKind::InvalidOptions,
+                Some(&self.dir),
+                format!(
+                    "cannot forget before segment {seq}: the active segment is {}",
+                    self.active.seq
+                ),
+            ));
+        }
+        let listing = list_dir(&self.dir)?;
+        if !listing.snapshots.contains(&seq) {
+            return Err(LogError::new(
+                LogErrorKind::InvalidOptions,
+                Some(&self.dir),
+                format!("cannot forget before segment {seq}: no snapshot for it"),
+            ));
+        }
+        let obsolete: Vec<PathBuf> = listing
+            .segments
+            .range(..seq)
+            .map(|&s| segment_path(&self.dir, s))
+            .chain(
+                listing
+                    .snapshots
+                    .range(..seq)
+                    .map(|&s| snapshot_path(&self.dir, s)),
+            )
+            .collect();
+        let result = remove_files(&self.dir_file, &self.dir, &obsolete, self.opts.fsync);
+        self.poison_on_error(result)
+    }
+
     /// Framed bytes (8-byte headers + payloads) appended since the last snapshot,
     /// including records not yet synced. The server uses it to decide when to snapshot.
     pub fn bytes_since_snapshot(&self) -> u64 {

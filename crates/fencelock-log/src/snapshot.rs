@@ -22,6 +22,15 @@ pub fn write_snapshot_file(path: &Path, state: &[u8]) -> Result<(), LogError> {
     write_snapshot_atomic(path, state, true)
 }
 
+/// Durably writes `state` as the snapshot of everything before segment `seq` of the
+/// log in `dir` (`seq` as returned by [`crate::Log::start_segment`]): temp file,
+/// fdatasync, rename, directory fsync (the syncs only if `fsync`). Safe to call from
+/// another thread while the [`crate::Log`] keeps appending: it touches only its own
+/// file. A crash part-way leaves a `*.tmp` file that the next open deletes.
+pub fn write_snapshot_at(dir: &Path, seq: u64, state: &[u8], fsync: bool) -> Result<(), LogError> {
+    write_snapshot_atomic(&crate::recover::snapshot_path(dir, seq), state, fsync)
+}
+
 /// Reads a snapshot file written by [`write_snapshot_file`] (or a `snap-*.snap`
 /// file from a log directory) and returns its payload after checking magic,
 /// version, length and checksum. Any mismatch is [`LogErrorKind::Corrupt`].

@@ -8,8 +8,8 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use fencelock_log::{
-    read_snapshot_file, write_snapshot_file, Log, LogErrorKind, LogOptions, Recovered,
-    MAX_RECORD_BYTES,
+    read_snapshot_file, write_snapshot_at, write_snapshot_file, Log, LogErrorKind, LogOptions,
+    Recovered, MAX_RECORD_BYTES,
 };
 
 const SEGMENT_HEADER: u64 = 32;
@@ -745,4 +745,72 @@ fn recovery_after_simulated_crashes_keeps_synced_records() {
     for seed in 0..300 {
         check_crash(seed);
     }
+}
+
+fn names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// The background-snapshot protocol: cut the log, keep appending, write the snapshot
+/// of the state at the cut from elsewhere, then forget what it covers.
+#[test]
+fn snapshot_at_a_cut_while_appending_continues() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut log, _) = open(dir.path(), opts(4096));
+    let before: Vec<Vec<u8>> = (0..50).map(rec).collect();
+    write_batch(&mut log, &before);
+    let cut = log.start_segment().unwrap();
+    let after: Vec<Vec<u8>> = (50..60).map(rec).collect();
+    write_batch(&mut log, &after[..5]);
+    // Forgetting before the snapshot exists is refused: it would lose records.
+    assert_eq!(
+        log.forget_before(cut).unwrap_err().kind(),
+        LogErrorKind::InvalidOptions
+    );
+    write_snapshot_at(dir.path(), cut, b"state-at-cut", true).unwrap();
+    write_batch(&mut log, &after[5..]);
+    // A crash here (snapshot written, old segments still there) recovers too.
+    drop(log);
+    let (mut log, recovered) = open(dir.path(), opts(4096));
+    assert_eq!(recovered.snapshot.as_deref(), Some(&b"state-at-cut"[..]));
+    assert_eq!(recovered.records, after);
+    assert!(
+        names(dir.path())
+            .iter()
+            .all(|n| !n.starts_with("log-") || n >= &format!("log-{cut:016}.seg")),
+        "open removes segments the snapshot covers: {:?}",
+        names(dir.path())
+    );
+    // The normal path: forget_before removes them while running.
+    let cut2 = log.start_segment().unwrap();
+    write_batch(&mut log, &[rec(99)]);
+    write_snapshot_at(dir.path(), cut2, b"state-2", true).unwrap();
+    log.forget_before(cut2).unwrap();
+    let files = names(dir.path());
+    assert_eq!(
+        files.iter().filter(|n| n.starts_with("snap-")).count(),
+        1,
+        "{files:?}"
+    );
+    assert!(
+        files
+            .iter()
+            .filter(|n| n.starts_with("log-"))
+            .all(|n| n >= &format!("log-{cut2:016}.seg")),
+        "{files:?}"
+    );
+    // A cut that does not exist yet is refused.
+    assert_eq!(
+        log.forget_before(cut2 + 5).unwrap_err().kind(),
+        LogErrorKind::InvalidOptions
+    );
+    drop(log);
+    let (_, recovered) = open(dir.path(), opts(4096));
+    assert_eq!(recovered.snapshot.as_deref(), Some(&b"state-2"[..]));
+    assert_eq!(recovered.records, vec![rec(99)]);
 }

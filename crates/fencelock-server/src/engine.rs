@@ -23,7 +23,7 @@ use fencelock_core::{
     Fence, Grant, GrantEnd, LockName, LockView, Outcome, Owner, OwnerToken, Reason, Reply,
     RequestId, SessionId, WaitEnd,
 };
-use fencelock_log::{Log, LogOptions};
+use fencelock_log::{Log, LogOptions, Recovered};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
 use crate::codec;
@@ -158,12 +158,14 @@ enum WriterMsg {
         records: Vec<Vec<u8>>,
         deliveries: Vec<Delivery>,
     },
-    Snapshot(Vec<u8>),
+    /// The snapshot of the state before segment `seq` is durable: drop what it covers.
+    Forget(u64),
     Stop(oneshot::Sender<()>),
 }
 
 struct Shared {
     tx: mpsc::UnboundedSender<Msg>,
+    replica: std::sync::mpsc::Sender<ReplicaMsg>,
     metrics: Arc<Metrics>,
     events: broadcast::Sender<SharedEvent>,
     state: watch::Receiver<RunState>,
@@ -207,7 +209,7 @@ pub fn recover(
     log_opts: LogOptions,
     dir: &Path,
     config: &CoreConfig,
-) -> Result<(Log, Core, RecoveryReport), ApiError> {
+) -> Result<(Log, Core, RecoveryReport, Recovered), ApiError> {
     let started = Instant::now();
     let storage = |e: fencelock_log::LogError| match e.kind() {
         fencelock_log::LogErrorKind::Locked => ApiError::new(
@@ -220,8 +222,33 @@ pub fn recover(
         _ => ApiError::new(ApiErrorKind::Internal, format!("cannot open the log: {e}")),
     };
     let (log, recovered) = Log::open(dir, log_opts).map_err(storage)?;
+    let core = replay(
+        config,
+        recovered.snapshot.as_deref(),
+        &recovered.records,
+        dir,
+    )?;
+    let stats = core.stats();
+    let report = RecoveryReport {
+        snapshot_loaded: recovered.snapshot.is_some(),
+        records_replayed: recovered.records.len(),
+        truncated_tail_bytes: recovered.truncated_tail_bytes,
+        locks_held: stats.holders,
+        next_fence: stats.next_fence,
+        duration: started.elapsed(),
+    };
+    Ok((log, core, report, recovered))
+}
+
+/// Rebuilds a core from a snapshot and the log records after it.
+pub(crate) fn replay(
+    config: &CoreConfig,
+    snapshot: Option<&[u8]>,
+    records: &[Vec<u8>],
+    dir: &Path,
+) -> Result<Core, ApiError> {
     let corrupt = |what: String| ApiError::new(ApiErrorKind::Internal, what);
-    let mut core = match &recovered.snapshot {
+    let mut core = match snapshot {
         Some(bytes) => {
             let image = codec::decode_snapshot(bytes)
                 .map_err(|e| corrupt(format!("snapshot in {}: {e}", dir.display())))?;
@@ -234,23 +261,14 @@ pub fn recover(
         }
         None => Core::new(config.clone()),
     };
-    for (i, record) in recovered.records.iter().enumerate() {
+    for (i, record) in records.iter().enumerate() {
         let (now_ms, command) = codec::decode_record(record)
             .map_err(|e| corrupt(format!("log record {i} in {}: {e}", dir.display())))?;
         // Replies and outcomes were delivered before the crash; only the state matters.
         let _ = core.apply(now_ms.max(core.now_ms()), command);
         core.take_outcomes();
     }
-    let stats = core.stats();
-    let report = RecoveryReport {
-        snapshot_loaded: recovered.snapshot.is_some(),
-        records_replayed: recovered.records.len(),
-        truncated_tail_bytes: recovered.truncated_tail_bytes,
-        locks_held: stats.holders,
-        next_fence: stats.next_fence,
-        duration: started.elapsed(),
-    };
-    Ok((log, core, report))
+    Ok(core)
 }
 
 /// Opens the data directory, recovers, and starts the engine task and writer thread.
@@ -260,7 +278,8 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         segment_bytes: config.segment_bytes,
         fsync: config.durability == Durability::Fsync,
     };
-    let (mut log, mut core, mut report) = recover(log_opts, &config.data_dir, &config.core)?;
+    let (mut log, mut core, report, mut recovered) =
+        recover(log_opts.clone(), &config.data_dir, &config.core)?;
 
     // Every lease restarts with its full TTL; queued requests are gone with their
     // clients. The restart itself is a logged command, so replay stays exact.
@@ -272,13 +291,13 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     let io = |e: fencelock_log::LogError| {
         ApiError::new(ApiErrorKind::Internal, format!("cannot write the log: {e}"))
     };
-    log.append(&codec::encode_record(now, &Command::Recover))
-        .map_err(io)?;
+    let recover_record = codec::encode_record(now, &Command::Recover);
+    log.append(&recover_record).map_err(io)?;
+    recovered.records.push(recover_record);
     core.apply(now, Command::Recover)
         .expect("recover never fails");
     core.take_outcomes();
     log.sync().map_err(io)?;
-    report.duration = report.duration.max(Duration::ZERO);
 
     let metrics = Arc::new(Metrics::default());
     let (tx, rx) = mpsc::unbounded_channel();
@@ -286,18 +305,38 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     let (state_tx, state_rx) = watch::channel(RunState::Running);
     let (writer_tx, writer_rx) = std::sync::mpsc::channel();
 
-    let writer_metrics = metrics.clone();
-    let writer_state = state_tx.clone();
+    let (snap_tx, snap_rx) = std::sync::mpsc::channel();
     let supervisor_state = state_tx.clone();
+    let thread_error = |e: std::io::Error| {
+        ApiError::new(
+            ApiErrorKind::Internal,
+            format!("cannot start a thread: {e}"),
+        )
+    };
+    let snapshotter = Snapshotter {
+        config: config.core.clone(),
+        dir: config.data_dir.clone(),
+        fsync: log_opts.fsync,
+        writer: writer_tx.clone(),
+        state: state_tx.clone(),
+    };
+    std::thread::Builder::new()
+        .name("fencelock-snapshot".into())
+        .spawn(move || snapshotter.run(recovered, snap_rx))
+        .map_err(thread_error)?;
+    let writer = Writer {
+        log,
+        metrics: metrics.clone(),
+        state: state_tx.clone(),
+        replica: snap_tx.clone(),
+        snapshot_after_bytes: config.snapshot_after_bytes,
+        bytes_since_cut: 0,
+        cut_in_flight: false,
+    };
     std::thread::Builder::new()
         .name("fencelock-writer".into())
-        .spawn(move || writer_loop(log, writer_rx, writer_metrics, writer_state))
-        .map_err(|e| {
-            ApiError::new(
-                ApiErrorKind::Internal,
-                format!("cannot start the writer: {e}"),
-            )
-        })?;
+        .spawn(move || writer.run(writer_rx))
+        .map_err(thread_error)?;
 
     let engine = EngineTask {
         core,
@@ -312,8 +351,6 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         deliveries: Vec::new(),
         listeners: std::collections::HashMap::new(),
         listener_index: std::collections::HashMap::new(),
-        bytes_since_snapshot: 0,
-        snapshot_after_bytes: config.snapshot_after_bytes,
         draining: false,
     };
     let engine_task = tokio::spawn(engine.run());
@@ -331,6 +368,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     Ok(Handle {
         shared: Arc::new(Shared {
             tx,
+            replica: snap_tx,
             metrics,
             events,
             state: state_rx,
@@ -355,8 +393,6 @@ struct EngineTask {
     listeners: std::collections::HashMap<OwnerToken, Vec<(u128, AcquireReply)>>,
     /// Which queued request each listener waits on.
     listener_index: std::collections::HashMap<u128, (LockName, OwnerToken)>,
-    bytes_since_snapshot: u64,
-    snapshot_after_bytes: u64,
     draining: bool,
 }
 
@@ -443,7 +479,6 @@ impl EngineTask {
         // An error changed nothing but the deadlines it processed; a tick with
         // nothing due changed nothing at all. Neither needs replaying.
         if due || (result.is_ok() && !is_tick) {
-            self.bytes_since_snapshot += record.len() as u64;
             self.records.push(record);
         }
         if matches!(&result, Err(e) if e.kind() == ErrorKind::Held) {
@@ -612,13 +647,6 @@ impl EngineTask {
         if self.writer.send(batch).is_err() {
             return false;
         }
-        if self.bytes_since_snapshot >= self.snapshot_after_bytes {
-            self.bytes_since_snapshot = 0;
-            let bytes = codec::encode_snapshot(&self.core.export());
-            if self.writer.send(WriterMsg::Snapshot(bytes)).is_err() {
-                return false;
-            }
-        }
         true
     }
 }
@@ -670,68 +698,176 @@ fn count_event(m: &Metrics, event: &Event) {
     }
 }
 
-fn writer_loop(
-    mut log: Log,
-    rx: std::sync::mpsc::Receiver<WriterMsg>,
+/// The writer thread: appends batches, syncs once per group, feeds the replica,
+/// runs deliveries, and cuts the log for snapshots.
+struct Writer {
+    log: Log,
     metrics: Arc<Metrics>,
     state: watch::Sender<RunState>,
-) {
-    let fail = |what: String| {
+    replica: std::sync::mpsc::Sender<ReplicaMsg>,
+    snapshot_after_bytes: u64,
+    bytes_since_cut: u64,
+    cut_in_flight: bool,
+}
+
+impl Writer {
+    fn fail(&self, what: String) {
         tracing::error!(error = %what, "storage failed; stopping (fail-stop): nothing more will be acknowledged");
-        let _ = state.send(RunState::Failed(what));
-    };
-    while let Ok(first) = rx.recv() {
-        // Group commit: every batch that queued up while the last sync ran, up to
-        // (and including) the next snapshot or stop, which must see them durable.
-        let mut pending = vec![first];
-        while matches!(pending.last(), Some(WriterMsg::Batch { .. })) {
-            match rx.try_recv() {
-                Ok(more) => pending.push(more),
-                Err(_) => break,
+        let _ = self.state.send(RunState::Failed(what));
+    }
+
+    fn run(mut self, rx: std::sync::mpsc::Receiver<WriterMsg>) {
+        while let Ok(first) = rx.recv() {
+            // Group commit: every batch that queued up while the last sync ran, up
+            // to (and including) the next control message, which must see them
+            // durable.
+            let mut pending = vec![first];
+            while matches!(pending.last(), Some(WriterMsg::Batch { .. })) {
+                match rx.try_recv() {
+                    Ok(more) => pending.push(more),
+                    Err(_) => break,
+                }
+            }
+            let mut deliveries = Vec::new();
+            let mut durable = Vec::new();
+            let mut after = None;
+            for msg in pending {
+                match msg {
+                    WriterMsg::Batch {
+                        records,
+                        deliveries: d,
+                    } => {
+                        for record in &records {
+                            if let Err(e) = self.log.append(record) {
+                                return self.fail(format!("append: {e}"));
+                            }
+                            self.bytes_since_cut += record.len() as u64;
+                        }
+                        durable.extend(records);
+                        deliveries.extend(d);
+                    }
+                    other => after = Some(other),
+                }
+            }
+            if !durable.is_empty() {
+                let started = Instant::now();
+                if let Err(e) = self.log.sync() {
+                    return self.fail(format!("sync: {e}"));
+                }
+                self.metrics
+                    .fsync
+                    .observe(started.elapsed().as_micros() as u64);
+                self.metrics.batch_size.observe(durable.len() as u64);
+                // The replica sees every durable change before any client hears of
+                // it, so a backup asked for after a reply includes that change.
+                let _ = self.replica.send(ReplicaMsg::Records(durable));
+            }
+            for delivery in deliveries {
+                delivery();
+            }
+            if self.bytes_since_cut >= self.snapshot_after_bytes && !self.cut_in_flight {
+                match self.log.start_segment() {
+                    Ok(seq) => {
+                        self.bytes_since_cut = 0;
+                        self.cut_in_flight = true;
+                        let _ = self.replica.send(ReplicaMsg::Cut(seq));
+                    }
+                    Err(e) => return self.fail(format!("start a segment: {e}")),
+                }
+            }
+            match after {
+                Some(WriterMsg::Forget(seq)) => {
+                    self.cut_in_flight = false;
+                    if let Err(e) = self.log.forget_before(seq) {
+                        return self.fail(format!("drop log covered by snapshot {seq}: {e}"));
+                    }
+                }
+                Some(WriterMsg::Stop(done)) => {
+                    let _ = done.send(());
+                    return;
+                }
+                Some(WriterMsg::Batch { .. }) | None => {}
             }
         }
-        let mut deliveries = Vec::new();
-        let mut after = None;
-        let mut records = 0u64;
-        for msg in pending {
+    }
+}
+
+/// What the replica thread is told.
+enum ReplicaMsg {
+    /// Durable records, in log order.
+    Records(Vec<Vec<u8>>),
+    /// The log was cut before segment `seq`: snapshot the state here.
+    Cut(u64),
+    /// Encode the current state for a backup.
+    Backup(oneshot::Sender<Vec<u8>>),
+}
+
+/// The replica thread: a second core that replays durable records, so snapshots
+/// (and backups) are taken without pausing the engine. It costs a second copy of
+/// the state in memory and about one more `apply` per command of CPU.
+struct Snapshotter {
+    config: CoreConfig,
+    dir: PathBuf,
+    fsync: bool,
+    writer: std::sync::mpsc::Sender<WriterMsg>,
+    state: watch::Sender<RunState>,
+}
+
+impl Snapshotter {
+    fn fail(&self, what: String) {
+        tracing::error!(error = %what, "snapshot failed; stopping (fail-stop)");
+        let _ = self.state.send(RunState::Failed(what));
+    }
+
+    fn run(self, recovered: Recovered, rx: std::sync::mpsc::Receiver<ReplicaMsg>) {
+        // Built here, off the start-up path: the engine already serves.
+        let mut replica = match replay(
+            &self.config,
+            recovered.snapshot.as_deref(),
+            &recovered.records,
+            &self.dir,
+        ) {
+            Ok(core) => core,
+            Err(e) => return self.fail(format!("replica: {e}")),
+        };
+        drop(recovered);
+        while let Ok(msg) = rx.recv() {
             match msg {
-                WriterMsg::Batch {
-                    records: batch,
-                    deliveries: d,
-                } => {
-                    for record in &batch {
-                        if let Err(e) = log.append(record) {
-                            return fail(format!("append: {e}"));
+                ReplicaMsg::Records(records) => {
+                    for record in records {
+                        match codec::decode_record(&record) {
+                            Ok((now_ms, command)) => {
+                                let _ = replica.apply(now_ms.max(replica.now_ms()), command);
+                                replica.take_outcomes();
+                            }
+                            Err(e) => {
+                                return self.fail(format!("replica cannot decode a record: {e}"))
+                            }
                         }
                     }
-                    records += batch.len() as u64;
-                    deliveries.extend(d);
                 }
-                other => after = Some(other),
-            }
-        }
-        if records > 0 {
-            let started = Instant::now();
-            if let Err(e) = log.sync() {
-                return fail(format!("sync: {e}"));
-            }
-            metrics.fsync.observe(started.elapsed().as_micros() as u64);
-            metrics.batch_size.observe(records);
-        }
-        for delivery in deliveries {
-            delivery();
-        }
-        match after {
-            Some(WriterMsg::Snapshot(bytes)) => {
-                if let Err(e) = log.snapshot(&bytes) {
-                    return fail(format!("snapshot: {e}"));
+                ReplicaMsg::Cut(seq) => {
+                    let started = Instant::now();
+                    let bytes = codec::encode_snapshot(&replica.export());
+                    if let Err(e) =
+                        fencelock_log::write_snapshot_at(&self.dir, seq, &bytes, self.fsync)
+                    {
+                        return self.fail(format!("write snapshot {seq}: {e}"));
+                    }
+                    tracing::info!(
+                        segment = seq,
+                        bytes = bytes.len(),
+                        took_ms = started.elapsed().as_millis() as u64,
+                        "snapshot written"
+                    );
+                    if self.writer.send(WriterMsg::Forget(seq)).is_err() {
+                        return; // the writer stopped; the next start recovers from the snapshot
+                    }
+                }
+                ReplicaMsg::Backup(reply) => {
+                    let _ = reply.send(codec::encode_snapshot(&replica.export()));
                 }
             }
-            Some(WriterMsg::Stop(done)) => {
-                let _ = done.send(());
-                return;
-            }
-            Some(WriterMsg::Batch { .. }) | None => {}
         }
     }
 }
@@ -929,10 +1065,16 @@ impl Handle {
             .await
     }
 
-    /// A consistent snapshot of the whole state (for `fencelock backup`).
+    /// A consistent snapshot of the whole durable state (for `fencelock backup`). It
+    /// includes every change acknowledged before the call, and is taken from the
+    /// replica, so the engine does not pause for it.
     pub async fn snapshot(&self) -> Result<Vec<u8>, ApiError> {
-        self.read(|core| codec::encode_snapshot(&core.export()))
-            .await
+        let (tx, rx) = oneshot::channel();
+        self.shared
+            .replica
+            .send(ReplicaMsg::Backup(tx))
+            .map_err(|_| unavailable())?;
+        rx.await.map_err(|_| unavailable())
     }
 
     /// Durable lock events from now on. A slow watcher that falls behind by more
