@@ -497,8 +497,10 @@ impl EngineTask {
         reply: impl FnOnce(Result<Reply, CoreError>) + Send + 'static,
     ) {
         let result = self.apply_logged(command);
-        self.deliveries.push(Box::new(move || reply(result)));
+        // Events (and hand-offs) first: a watcher sees a change no later than the
+        // client whose request made it hears back.
         self.route_outcomes();
+        self.deliveries.push(Box::new(move || reply(result)));
     }
 
     fn acquire(&mut self, acquire: Acquire, listener: u128, reply: AcquireReply) {
@@ -511,6 +513,7 @@ impl EngineTask {
         }
         let name = acquire.name.clone();
         let result = self.apply_logged(Command::Acquire(acquire));
+        self.route_outcomes();
         match result {
             Ok(Reply::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
             Ok(Reply::Queued { token, .. }) => {
@@ -528,7 +531,6 @@ impl EngineTask {
                 }));
             }
         }
-        self.route_outcomes();
     }
 
     /// Sends a grant to its listeners once durable; if none of them is still there,
@@ -550,8 +552,27 @@ impl EngineTask {
     }
 
     fn route_outcomes(&mut self) {
-        let mut events = Vec::new();
+        // Events first, so watchers see a change no later than the clients it answers.
+        let mut events: Vec<SharedEvent> = Vec::new();
+        let mut outcomes = Vec::new();
         for outcome in self.core.take_outcomes() {
+            match outcome {
+                Outcome::Event(event) => events.push(Arc::new(event)),
+                other => outcomes.push(other),
+            }
+        }
+        if !events.is_empty() {
+            let metrics = self.metrics.clone();
+            let sender = self.events.clone();
+            self.deliveries.push(Box::new(move || {
+                for event in events {
+                    count_event(&metrics, &event);
+                    // No watcher is not an error.
+                    let _ = sender.send(event);
+                }
+            }));
+        }
+        for outcome in outcomes {
             match outcome {
                 Outcome::Granted(grant) => {
                     let listeners = self.take_listeners(grant.token);
@@ -570,19 +591,8 @@ impl EngineTask {
                         }
                     }));
                 }
-                Outcome::Event(event) => events.push(Arc::new(event)),
+                Outcome::Event(_) => {}
             }
-        }
-        if !events.is_empty() {
-            let metrics = self.metrics.clone();
-            let sender = self.events.clone();
-            self.deliveries.push(Box::new(move || {
-                for event in events {
-                    count_event(&metrics, &event);
-                    // No watcher is not an error.
-                    let _ = sender.send(event);
-                }
-            }));
         }
     }
 
