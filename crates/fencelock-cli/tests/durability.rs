@@ -372,7 +372,8 @@ fn environment_configures_serve_and_flags_override_it() {
 }
 
 /// Storage failure is fail-stop: when the disk fills up (a tmpfs of 1.5 MiB in a
-/// private mount namespace, so nothing outside the test is touched), the server
+/// private user and mount namespace, so nothing outside the test is touched and no
+/// root is needed), the server
 /// acknowledges nothing more and exits with status 1 saying why.
 #[test]
 fn a_full_disk_stops_the_server_without_acknowledging_more() {
@@ -389,7 +390,7 @@ fn a_full_disk_stops_the_server_without_acknowledging_more() {
         data.display()
     );
     let mut child = Command::new("unshare")
-        .args(["-m", "sh", "-c", &script])
+        .args(["--user", "--map-root-user", "--mount", "sh", "-c", &script])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -399,7 +400,7 @@ fn a_full_disk_stops_the_server_without_acknowledging_more() {
     let addr: SocketAddr = loop {
         let line = lines
             .next()
-            .expect("server exited before serving (needs root for the tmpfs mount)")
+            .expect("server exited before serving (the tmpfs mount needs user namespaces)")
             .unwrap();
         let v: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
         if let Some(listen) = v.get("listen").and_then(Value::as_str) {
