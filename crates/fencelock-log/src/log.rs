@@ -303,7 +303,7 @@ impl Log {
     /// Makes everything appended so far durable and starts a new segment; returns
     /// its sequence number `seq`. The records appended before this call are exactly
     /// "the state before segment `seq`": a snapshot of that state, written with
-    /// [`write_snapshot_at`] (possibly on another thread, while this log goes on
+    /// [`write_snapshot_at`](crate::write_snapshot_at) (possibly on another thread, while this log goes on
     /// appending), lets [`forget_before`](Self::forget_before) drop them.
     ///
     /// This is how a server snapshots without stopping: it keeps a replica of its
@@ -321,7 +321,7 @@ impl Log {
     }
 
     /// Deletes the segments before `seq` and the snapshots older than `seq`, once
-    /// `snap-seq` is durable in the directory (written by [`write_snapshot_at`]).
+    /// `snap-seq` is durable in the directory (written by [`write_snapshot_at`](crate::write_snapshot_at)).
     /// Refuses (with [`LogErrorKind::InvalidOptions`]) a `seq` that is not a segment
     /// boundary this log made or has no snapshot, so it can never drop records that
     /// no snapshot covers.
