@@ -1709,3 +1709,74 @@ async fn health_readiness_and_metrics_reflect_state() {
     assert_eq!(metric(&text, "fencelock_hold_seconds_count"), Some(1.0));
     s.stop().await;
 }
+
+// ---------------------------------------------------------------------------------
+// Server bounds.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_bounds_answer_429_resource_exhausted_and_change_nothing() {
+    let s = TestServer::start_with(|e| {
+        e.core.max_locks = 2;
+        e.core.max_waiters_per_lock = 1;
+        e.core.max_sessions = 1;
+        e.core.max_locks_per_session = 1;
+    })
+    .await;
+    let c = &s.client;
+    grant(c, json!({"name": "a", "ttl_ms": 60_000})).await;
+    let b = grant(c, json!({"name": "b", "ttl_ms": 60_000})).await;
+    let msg = c
+        .post("/v1/acquire", &json!({"name": "c", "ttl_ms": 60_000}))
+        .await
+        .expect_error(429, "resource_exhausted");
+    assert!(msg.contains("maximum"), "{msg}");
+
+    // One waiter per lock: the second is refused at once instead of queueing.
+    let first = c
+        .send_json(
+            "/v1/acquire",
+            &json!({"name": "a", "ttl_ms": 1000, "wait_ms": 60_000}),
+        )
+        .await;
+    poll_lock(c, "a", "one waiter queued", |r| r.json()["waiters"] == 1).await;
+    c.post(
+        "/v1/acquire",
+        &json!({"name": "a", "ttl_ms": 1000, "wait_ms": 60_000}),
+    )
+    .await
+    .expect_error(429, "resource_exhausted");
+    first.close();
+
+    // One session, holding at most one lock.
+    let session = c
+        .post("/v1/sessions", &json!({"ttl_ms": 60_000}))
+        .await
+        .expect_json(200)["session"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    c.post("/v1/sessions", &json!({"ttl_ms": 60_000}))
+        .await
+        .expect_error(429, "resource_exhausted");
+    release(c, &b).await.expect_json(200);
+    grant(c, json!({"name": "b", "session": session})).await;
+    let msg = c
+        .post(
+            "/v1/acquire",
+            &json!({"name": "a", "session": session, "wait_ms": 1000}),
+        )
+        .await
+        .expect_error(429, "resource_exhausted");
+    assert!(msg.contains("session"), "{msg}");
+    // Nothing changed: b is the session's, a has its one holder and no waiter.
+    let show_b = show(c, "b").await.expect_json(200);
+    assert_eq!(
+        show_b["holders"][0]["session"].as_str(),
+        Some(session.as_str())
+    );
+    poll_lock(c, "a", "the closed waiter left", |r| {
+        r.json()["waiters"] == 0
+    })
+    .await;
+    s.stop().await;
+}

@@ -29,10 +29,17 @@ pub struct TestServer {
 impl TestServer {
     /// Starts a server on `127.0.0.1:0` with a fresh temporary data directory.
     pub async fn start() -> TestServer {
+        TestServer::start_with(|_| {}).await
+    }
+
+    /// Like [`TestServer::start`], with the engine configuration adjusted by `adjust`.
+    pub async fn start_with(adjust: impl FnOnce(&mut EngineConfig)) -> TestServer {
         let dir = tempfile::tempdir().expect("create a temporary data directory");
+        let mut engine = EngineConfig::new(dir.path());
+        adjust(&mut engine);
         let server = Server::start(ServerConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
-            engine: EngineConfig::new(dir.path()),
+            engine,
         })
         .await
         .expect("server starts");
