@@ -166,7 +166,7 @@ pub fn resolve(args: ServeArgs) -> Result<Settings> {
         engine.snapshot_after_bytes = v.max(1);
     }
     Ok(Settings {
-        server: ServerConfig { listen, engine },
+        server: ServerConfig::new(listen, engine),
         log_format: args
             .log_format
             .or(file.log_format)

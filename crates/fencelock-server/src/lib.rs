@@ -14,9 +14,17 @@ pub mod http;
 pub mod metrics;
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 pub use engine::{AcquireArgs, Durability, EngineConfig, Handle, RecoveryReport, RunState};
 pub use error::{ApiError, ApiErrorKind};
+
+/// Default time a client has to send a request's headers (also the longest an idle
+/// HTTP/1.1 keep-alive connection is kept waiting for its next request).
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often an HTTP/2 (gRPC) connection is pinged, and how long an answer may take
+/// before the connection is closed as dead.
+pub const HTTP2_KEEPALIVE: Duration = Duration::from_secs(20);
 
 /// Everything a server needs to start.
 #[derive(Debug, Clone)]
@@ -25,6 +33,20 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Storage and bounds.
     pub engine: EngineConfig,
+    /// Time a client has to send a request's headers before its connection is closed,
+    /// so stalled or idle connections cannot pile up.
+    pub header_read_timeout: Duration,
+}
+
+impl ServerConfig {
+    /// A configuration with the default timeouts.
+    pub fn new(listen: SocketAddr, engine: EngineConfig) -> ServerConfig {
+        ServerConfig {
+            listen,
+            engine,
+            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+        }
+    }
 }
 
 /// A running server.
@@ -58,13 +80,7 @@ impl Server {
         let handle = engine::start(config.engine)?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let router = app(handle.clone());
-        let serving = tokio::spawn(async move {
-            axum::serve(listener, router)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.await;
-                })
-                .await
-        });
+        let serving = tokio::spawn(serve(listener, router, config.header_read_timeout, stopped));
         Ok(Server {
             handle,
             addr,
@@ -95,4 +111,58 @@ impl Server {
         self.handle.shutdown().await;
         served
     }
+}
+
+/// The accept loop: HTTP/1.1 and HTTP/2 (prior knowledge, for gRPC) on one listener,
+/// with a header read timeout and HTTP/2 keepalive pings so that stalled, idle or dead
+/// connections are closed, and a graceful stop (in-flight requests finish).
+async fn serve(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    header_read_timeout: Duration,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::server::conn::auto::Builder;
+    use hyper_util::service::TowerToHyperService;
+
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(HTTP2_KEEPALIVE)
+        .keep_alive_timeout(HTTP2_KEEPALIVE);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off, keep serving.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut stop => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(router.clone());
+        let connection = builder
+            .serve_connection_with_upgrades(TokioIo::new(stream), service)
+            .into_owned();
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            // A connection that ends in an I/O or protocol error concerns only its
+            // client.
+            let _ = connection.await;
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
 }

@@ -30,10 +30,10 @@ struct TestServer {
 impl TestServer {
     async fn start() -> TestServer {
         let dir = tempfile::tempdir().expect("a temporary data directory");
-        let server = Server::start(ServerConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            engine: EngineConfig::new(dir.path()),
-        })
+        let server = Server::start(ServerConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            EngineConfig::new(dir.path()),
+        ))
         .await
         .expect("the server starts");
         let client = LocksClient::connect(format!("http://{}", server.local_addr()))

@@ -1780,3 +1780,59 @@ async fn server_bounds_answer_429_resource_exhausted_and_change_nothing() {
     .await;
     s.stop().await;
 }
+
+/// Reads until the server closes the connection; returns what it sent, or `None` if
+/// it was still open after `within`.
+async fn read_until_closed(
+    stream: &mut tokio::net::TcpStream,
+    within: Duration,
+) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut seen = Vec::new();
+    let read_all = async {
+        let mut buf = [0u8; 1024];
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => seen.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(within, read_all)
+        .await
+        .ok()
+        .map(|()| seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_and_idle_connections_are_closed() {
+    use tokio::io::AsyncWriteExt;
+    let s =
+        TestServer::start_configured(|c| c.header_read_timeout = Duration::from_millis(300)).await;
+
+    // Headers that never finish (slowloris).
+    let mut stalled = tokio::net::TcpStream::connect(s.addr()).await.unwrap();
+    stalled
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let sent = read_until_closed(&mut stalled, Duration::from_secs(10)).await;
+    assert!(
+        sent.is_some(),
+        "a connection with unfinished headers was kept open"
+    );
+
+    // A keep-alive connection that goes quiet after one request.
+    let mut idle = tokio::net::TcpStream::connect(s.addr()).await.unwrap();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let sent = read_until_closed(&mut idle, Duration::from_secs(10)).await;
+    let sent = String::from_utf8_lossy(&sent.expect("an idle keep-alive connection was kept open"))
+        .into_owned();
+    assert!(sent.starts_with("HTTP/1.1 200"), "{sent}");
+
+    // The server still serves.
+    assert_eq!(s.client.get("/healthz").await.status, 200);
+    s.stop().await;
+}

@@ -10,10 +10,7 @@ fn config(dir: &std::path::Path) -> ServerConfig {
     let mut engine = EngineConfig::new(dir);
     engine.segment_bytes = 1 << 20;
     engine.snapshot_after_bytes = 4 << 10;
-    ServerConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        engine,
-    }
+    ServerConfig::new("127.0.0.1:0".parse().unwrap(), engine)
 }
 
 fn args(name: &str, ttl_ms: u64) -> AcquireArgs {

@@ -34,15 +34,18 @@ impl TestServer {
 
     /// Like [`TestServer::start`], with the engine configuration adjusted by `adjust`.
     pub async fn start_with(adjust: impl FnOnce(&mut EngineConfig)) -> TestServer {
+        TestServer::start_configured(|c| adjust(&mut c.engine)).await
+    }
+
+    /// Like [`TestServer::start`], with the whole server configuration adjusted.
+    pub async fn start_configured(adjust: impl FnOnce(&mut ServerConfig)) -> TestServer {
         let dir = tempfile::tempdir().expect("create a temporary data directory");
-        let mut engine = EngineConfig::new(dir.path());
-        adjust(&mut engine);
-        let server = Server::start(ServerConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            engine,
-        })
-        .await
-        .expect("server starts");
+        let mut config = ServerConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            EngineConfig::new(dir.path()),
+        );
+        adjust(&mut config);
+        let server = Server::start(config).await.expect("server starts");
         let client = Client::new(server.local_addr());
         TestServer {
             server,
