@@ -1064,7 +1064,7 @@ impl Core {
 
     /// Checks every internal invariant; returns the first broken one. O(state).
     pub fn check_invariants(&self) -> Result<(), String> {
-        let mut fences = BTreeSet::new();
+        let mut fences = Vec::with_capacity(self.holders.len());
         let mut counted_holders = 0;
         let mut counted_waiters = 0;
         for (name, lock) in &self.locks {
@@ -1095,12 +1095,10 @@ impl Core {
                 if h.name != *name {
                     return Err(format!("{name}: holder filed under another lock"));
                 }
-                if h.fence.get() >= self.next_fence || !fences.insert(h.fence) {
-                    return Err(format!(
-                        "{name}: fence {} reused or ahead of the counter",
-                        h.fence
-                    ));
+                if h.fence.get() >= self.next_fence {
+                    return Err(format!("{name}: fence {} is ahead of the counter", h.fence));
                 }
+                fences.push(h.fence);
                 match h.lease {
                     Lease::Own { deadline_ms, .. } => {
                         if deadline_ms <= self.now_ms {
@@ -1138,6 +1136,10 @@ impl Core {
                 }
                 counted_waiters += 1;
             }
+        }
+        fences.sort_unstable();
+        if let Some(w) = fences.windows(2).find(|w| w[0] == w[1]) {
+            return Err(format!("fence {} is held twice", w[0]));
         }
         if counted_holders != self.holders.len() || counted_waiters != self.waiters.len() {
             return Err("holder or waiter table out of step with the locks".into());
