@@ -18,10 +18,7 @@
 use std::marker::PhantomData;
 use std::pin::Pin;
 
-use fencelock_core::{
-    EventKind, Fence, Grant, GrantEnd, LockName, LockView, Owner, OwnerToken, Reason, RequestId,
-    SessionId, WaitEnd, MAX_NAME_BYTES,
-};
+use fencelock_core::{EventKind, Fence, Grant, GrantEnd, LockView, Reason, WaitEnd};
 use futures_util::Stream;
 use prost::Message;
 use tokio::sync::{broadcast, watch};
@@ -32,6 +29,7 @@ use tonic::{Code, Request, Response, Status, Streaming};
 use crate::engine::{AcquireArgs, Handle, RunState, SharedEvent};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::http::{MAX_BODY_BYTES, MAX_PAGE};
+use crate::input::{invalid, lock_name, owner, owner_token, prefix, request_id, session_id};
 
 #[allow(missing_docs)]
 pub mod pb {
@@ -171,45 +169,13 @@ impl<U: Message + Default> Decoder for ProtoDecoder<U> {
     }
 }
 
-fn invalid(field: &str, e: impl std::fmt::Display) -> ApiError {
-    ApiError::new(ApiErrorKind::InvalidArgument, format!("{field}: {e}"))
-}
-
-fn lock_name(field: &str, s: &str) -> Result<LockName, ApiError> {
-    LockName::new(s).map_err(|e| invalid(field, e))
-}
-
-fn owner_token(s: &str) -> Result<OwnerToken, ApiError> {
-    s.parse().map_err(|e| invalid("owner_token", e))
-}
-
-fn session_id(s: &str) -> Result<SessionId, ApiError> {
-    s.parse().map_err(|e| invalid("session", e))
-}
-
-fn owner(s: &str) -> Result<Owner, ApiError> {
-    Owner::new(s).map_err(|e| invalid("owner", e))
-}
-
-fn prefix(s: String) -> Result<String, ApiError> {
-    if s.len() > MAX_NAME_BYTES {
-        return Err(invalid("prefix", "longer than a lock name can be"));
-    }
-    Ok(s)
-}
-
 fn acquire_args(r: pb::AcquireRequest) -> Result<AcquireArgs, ApiError> {
     Ok(AcquireArgs {
         name: lock_name("name", &r.name)?,
         ttl_ms: r.ttl_ms,
         wait_ms: r.wait_ms,
         owner: owner(&r.owner)?,
-        request_id: r
-            .request_id
-            .as_deref()
-            .map(RequestId::new)
-            .transpose()
-            .map_err(|e| invalid("request_id", e))?,
+        request_id: request_id(r.request_id.as_deref())?,
         limit: r.limit.max(1),
         lock_delay_ms: r.lock_delay_ms,
         session: r.session.as_deref().map(session_id).transpose()?,
@@ -590,6 +556,7 @@ mod tests {
 
     use super::*;
     use crate::engine::{Durability, EngineConfig};
+    use fencelock_core::{LockName, Owner};
 
     /// A watcher that falls behind the event channel is told how many events it
     /// missed (DATA_LOSS), never silently skipped ahead.

@@ -11,15 +11,14 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
-use fencelock_core::{
-    Fence, Grant, LockName, LockView, Owner, OwnerToken, Reason, RequestId, SessionId, TextError,
-};
+use fencelock_core::{Fence, Grant, LockName, LockView, Reason};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::engine::{AcquireArgs, Handle, RunState};
 use crate::error::{ApiError, ApiErrorKind};
+use crate::input::{self, invalid};
 
 /// Largest request body accepted, in bytes.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -35,10 +34,6 @@ impl IntoResponse for ApiError {
         let body = json!({"error": {"code": self.kind().code(), "message": self.message()}});
         (status, Json(body)).into_response()
     }
-}
-
-fn invalid(field: &str, e: impl std::fmt::Display) -> ApiError {
-    ApiError::new(ApiErrorKind::InvalidArgument, format!("{field}: {e}"))
 }
 
 /// A JSON body, read with [`MAX_BODY_BYTES`] as the limit, any content type.
@@ -210,15 +205,7 @@ impl From<LockView> for LockJson {
 }
 
 fn name(s: &str) -> Result<LockName, ApiError> {
-    LockName::new(s).map_err(|e: TextError| invalid("name", e))
-}
-
-fn token(s: &str) -> Result<OwnerToken, ApiError> {
-    s.parse().map_err(|e| invalid("owner_token", e))
-}
-
-fn session(s: &str) -> Result<SessionId, ApiError> {
-    s.parse().map_err(|e| invalid("session", e))
+    input::lock_name("name", s)
 }
 
 async fn acquire(
@@ -229,16 +216,11 @@ async fn acquire(
         name: name(&b.name)?,
         ttl_ms: b.ttl_ms,
         wait_ms: b.wait_ms.unwrap_or(0),
-        owner: Owner::new(b.owner.as_deref().unwrap_or("")).map_err(|e| invalid("owner", e))?,
-        request_id: b
-            .request_id
-            .as_deref()
-            .map(RequestId::new)
-            .transpose()
-            .map_err(|e| invalid("request_id", e))?,
+        owner: input::owner(b.owner.as_deref().unwrap_or(""))?,
+        request_id: input::request_id(b.request_id.as_deref())?,
         limit: b.limit.unwrap_or(1),
         lock_delay_ms: b.lock_delay_ms.unwrap_or(0),
-        session: b.session.as_deref().map(session).transpose()?,
+        session: b.session.as_deref().map(input::session_id).transpose()?,
     };
     Ok(Json(h.acquire(args).await?.into()))
 }
@@ -248,7 +230,11 @@ async fn renew(
     JsonBody(b): JsonBody<RenewBody>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let g = h
-        .renew(name(&b.name)?, token(&b.owner_token)?, b.ttl_ms)
+        .renew(
+            name(&b.name)?,
+            input::owner_token(&b.owner_token)?,
+            b.ttl_ms,
+        )
         .await?;
     Ok(Json(
         json!({"name": g.name.as_str(), "fence": g.fence.get(), "ttl_ms": g.ttl_ms}),
@@ -259,7 +245,9 @@ async fn release(
     State(h): State<Handle>,
     JsonBody(b): JsonBody<ReleaseBody>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let released = h.release(name(&b.name)?, token(&b.owner_token)?).await?;
+    let released = h
+        .release(name(&b.name)?, input::owner_token(&b.owner_token)?)
+        .await?;
     Ok(Json(if released {
         json!({"released": true})
     } else {
@@ -305,10 +293,7 @@ async fn list_locks(
     query: Result<Query<ListParams>, QueryRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let Query(p) = query.map_err(|e| invalid("query", e.body_text()))?;
-    // A prefix is empty or itself a valid name, so listing is a range scan.
-    if !p.prefix.is_empty() {
-        name(&p.prefix).map_err(|e| invalid("prefix", e.message()))?;
-    }
+    let prefix = input::prefix(p.prefix)?;
     let max = p.limit.unwrap_or(100);
     if max == 0 || max > MAX_PAGE {
         return Err(invalid(
@@ -317,7 +302,7 @@ async fn list_locks(
         ));
     }
     let after = p.after.as_deref().map(name).transpose()?;
-    let views = h.locks(p.prefix, after, max).await?;
+    let views = h.locks(prefix, after, max).await?;
     let next_after = (views.len() == max)
         .then(|| views.last().map(|v| v.name.to_string()))
         .flatten();
@@ -329,7 +314,7 @@ async fn open_session(
     State(h): State<Handle>,
     JsonBody(b): JsonBody<OpenSessionBody>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let owner = Owner::new(b.owner.as_deref().unwrap_or("")).map_err(|e| invalid("owner", e))?;
+    let owner = input::owner(b.owner.as_deref().unwrap_or(""))?;
     let (id, ttl_ms) = h.open_session(b.ttl_ms, owner).await?;
     Ok(Json(json!({"session": id.to_string(), "ttl_ms": ttl_ms})))
 }
@@ -339,7 +324,7 @@ async fn keep_alive(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let Path(raw) = path.map_err(path_error)?;
-    let id = session(&raw)?;
+    let id = input::session_id(&raw)?;
     let ttl_ms = h.keep_alive(id).await?;
     Ok(Json(json!({"session": id.to_string(), "ttl_ms": ttl_ms})))
 }
@@ -349,7 +334,7 @@ async fn close_session(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let Path(raw) = path.map_err(path_error)?;
-    let released = h.close_session(session(&raw)?).await?;
+    let released = h.close_session(input::session_id(&raw)?).await?;
     Ok(Json(json!({"closed": true, "released": released})))
 }
 

@@ -11,6 +11,7 @@ pub mod engine;
 pub mod error;
 pub mod grpc;
 pub mod http;
+mod input;
 pub mod metrics;
 
 use std::net::SocketAddr;
