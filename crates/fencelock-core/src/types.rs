@@ -72,7 +72,7 @@ fn check_text(what: &'static str, s: &str, allow_empty: bool, max: usize) -> Res
 ///
 /// Hierarchy is by convention (`tenant:kind:id`); listing is by prefix.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct LockName(Box<str>);
+pub struct LockName(std::sync::Arc<str>);
 
 impl LockName {
     /// Validates `name` and wraps it.
@@ -95,7 +95,7 @@ impl fmt::Display for LockName {
 
 /// Free-form text describing who holds a lock (host, pid, job), at most 1 KiB.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Hash)]
-pub struct Owner(Box<str>);
+pub struct Owner(std::sync::Arc<str>);
 
 impl Owner {
     /// Validates `owner` (may be empty) and wraps it.
