@@ -221,6 +221,10 @@ fn import_refuses_corrupted_images() {
                 i.locks[0].waiters[0].token = tok(5);
             },
         ),
+        // The lock table is bulk-loaded from the image, which must be in name order.
+        ("locks out of name order", |i| {
+            i.locks.swap(0, 1);
+        }),
         ("more holders than the limit", |i| {
             i.locks[1].limit = 1;
         }),
