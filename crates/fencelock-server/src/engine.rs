@@ -51,19 +51,22 @@ pub struct EngineConfig {
     pub core: CoreConfig,
     /// Size of each preallocated log segment.
     pub segment_bytes: u64,
-    /// Take a snapshot once this many log bytes were written since the last one.
+    /// Take a snapshot once this many log bytes were written since the last one (or
+    /// as many as the last snapshot's size, if that is larger). Bounds how much log a
+    /// restart replays.
     pub snapshot_after_bytes: u64,
 }
 
 impl EngineConfig {
-    /// Defaults for a data directory: fsync on, 64 MiB segments, snapshot every 256 MiB.
+    /// Defaults for a data directory: fsync on, 64 MiB segments, snapshot every 64 MiB
+    /// of log (or every snapshot-size of log, if the state is larger).
     pub fn new(data_dir: impl Into<PathBuf>) -> EngineConfig {
         EngineConfig {
             data_dir: data_dir.into(),
             durability: Durability::Fsync,
             core: CoreConfig::default(),
             segment_bytes: 64 << 20,
-            snapshot_after_bytes: 256 << 20,
+            snapshot_after_bytes: 64 << 20,
         }
     }
 }
@@ -158,8 +161,12 @@ enum WriterMsg {
         records: Vec<Vec<u8>>,
         deliveries: Vec<Delivery>,
     },
-    /// The snapshot of the state before segment `seq` is durable: drop what it covers.
-    Forget(u64),
+    /// The snapshot of the state before segment `seq` is durable (and this many bytes
+    /// long): drop what it covers.
+    Forget {
+        seq: u64,
+        snapshot_bytes: u64,
+    },
     Stop(oneshot::Sender<()>),
 }
 
@@ -305,6 +312,10 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     let (state_tx, state_rx) = watch::channel(RunState::Running);
     let (writer_tx, writer_rx) = std::sync::mpsc::channel();
 
+    // What recovery found counts towards the next snapshot, so the log to replay
+    // stays bounded across restarts.
+    let last_snapshot_bytes = recovered.snapshot.as_ref().map_or(0, |s| s.len() as u64);
+    let bytes_since_cut = recovered.records.iter().map(|r| r.len() as u64).sum();
     let (snap_tx, snap_rx) = std::sync::mpsc::channel();
     let supervisor_state = state_tx.clone();
     let thread_error = |e: std::io::Error| {
@@ -330,7 +341,8 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         state: state_tx.clone(),
         replica: snap_tx.clone(),
         snapshot_after_bytes: config.snapshot_after_bytes,
-        bytes_since_cut: 0,
+        last_snapshot_bytes,
+        bytes_since_cut,
         cut_in_flight: false,
     };
     std::thread::Builder::new()
@@ -716,6 +728,7 @@ struct Writer {
     state: watch::Sender<RunState>,
     replica: std::sync::mpsc::Sender<ReplicaMsg>,
     snapshot_after_bytes: u64,
+    last_snapshot_bytes: u64,
     bytes_since_cut: u64,
     cut_in_flight: bool,
 }
@@ -775,7 +788,12 @@ impl Writer {
             for delivery in deliveries {
                 delivery();
             }
-            if self.bytes_since_cut >= self.snapshot_after_bytes && !self.cut_in_flight {
+            // Snapshot once the log since the last one is as large as the configured
+            // threshold or as the last snapshot, whichever is larger: recovery then
+            // replays at most that much log, and snapshots never write more than the
+            // log did.
+            let threshold = self.snapshot_after_bytes.max(self.last_snapshot_bytes);
+            if self.bytes_since_cut >= threshold && !self.cut_in_flight {
                 match self.log.start_segment() {
                     Ok(seq) => {
                         self.bytes_since_cut = 0;
@@ -786,8 +804,12 @@ impl Writer {
                 }
             }
             match after {
-                Some(WriterMsg::Forget(seq)) => {
+                Some(WriterMsg::Forget {
+                    seq,
+                    snapshot_bytes,
+                }) => {
                     self.cut_in_flight = false;
+                    self.last_snapshot_bytes = snapshot_bytes;
                     if let Err(e) = self.log.forget_before(seq) {
                         return self.fail(format!("drop log covered by snapshot {seq}: {e}"));
                     }
@@ -870,7 +892,11 @@ impl Snapshotter {
                         took_ms = started.elapsed().as_millis() as u64,
                         "snapshot written"
                     );
-                    if self.writer.send(WriterMsg::Forget(seq)).is_err() {
+                    let forget = WriterMsg::Forget {
+                        seq,
+                        snapshot_bytes: bytes.len() as u64,
+                    };
+                    if self.writer.send(forget).is_err() {
                         return; // the writer stopped; the next start recovers from the snapshot
                     }
                 }

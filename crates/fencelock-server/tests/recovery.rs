@@ -208,3 +208,52 @@ async fn the_replica_matches_the_engine_and_backups_include_acknowledged_changes
     assert_eq!(engine, replica);
     server.shutdown().await.unwrap();
 }
+
+fn snapshots_in(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter(|e| {
+            let name = e.as_ref().unwrap().file_name();
+            let name = name.to_string_lossy();
+            name.starts_with("snap-") && name.ends_with(".snap")
+        })
+        .count()
+}
+
+/// Regression: log written before a restart did not count towards the next
+/// snapshot, so the log to replay could grow across restarts without bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_from_before_a_restart_counts_towards_the_next_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.engine.snapshot_after_bytes = 8 << 10;
+    let owner = "o".repeat(500);
+    let acquire_some = |h: fencelock_server::Handle, from: usize, count: usize| {
+        let owner = owner.clone();
+        async move {
+            for i in from..from + count {
+                let mut a = args(&format!("big:{i}"), 60_000);
+                a.owner = Owner::new(&owner).unwrap();
+                h.acquire(a).await.unwrap();
+            }
+        }
+    };
+    // About 6 KiB of log: below the threshold.
+    let server = Server::start(cfg.clone()).await.unwrap();
+    acquire_some(server.handle().clone(), 0, 11).await;
+    server.shutdown().await.unwrap();
+    assert_eq!(snapshots_in(dir.path()), 0);
+
+    // About 3.5 KiB more after the restart: together over the threshold.
+    let server = Server::start(cfg).await.unwrap();
+    acquire_some(server.handle().clone(), 11, 6).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while snapshots_in(dir.path()) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no snapshot after 9.5 KiB of log"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    server.shutdown().await.unwrap();
+}
