@@ -11,7 +11,7 @@ use crate::format::{
     MAX_SNAPSHOT_BYTES, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES,
 };
 use crate::fsio::{fdatasync, preallocate, try_lock_exclusive, write_zeros};
-use crate::recover::{list_dir, scan_segment, segment_path, snapshot_path};
+use crate::recover::{list_dir, scan_segment, segment_path, snapshot_path, Listing};
 use crate::snapshot::{read_snapshot_file, sync_dir, write_snapshot_atomic};
 
 /// Once this many encoded bytes are buffered, [`Log::append`] writes them to the
@@ -345,17 +345,7 @@ impl Log {
                 format!("cannot forget before segment {seq}: no snapshot for it"),
             ));
         }
-        let obsolete: Vec<PathBuf> = listing
-            .segments
-            .range(..seq)
-            .map(|&s| segment_path(&self.dir, s))
-            .chain(
-                listing
-                    .snapshots
-                    .range(..seq)
-                    .map(|&s| snapshot_path(&self.dir, s)),
-            )
-            .collect();
+        let obsolete = covered_by_snapshot(&self.dir, &listing, seq);
         let result = remove_files(&self.dir_file, &self.dir, &obsolete, self.opts.fsync);
         self.poison_on_error(result)
     }
@@ -386,17 +376,7 @@ impl Log {
         self.dirty = false;
         self.bytes_since_snapshot = 0;
         let listing = list_dir(&self.dir)?;
-        let obsolete: Vec<PathBuf> = listing
-            .segments
-            .range(..seq)
-            .map(|&s| segment_path(&self.dir, s))
-            .chain(
-                listing
-                    .snapshots
-                    .range(..seq)
-                    .map(|&s| snapshot_path(&self.dir, s)),
-            )
-            .collect();
+        let obsolete = covered_by_snapshot(&self.dir, &listing, seq);
         remove_files(&self.dir_file, &self.dir, &obsolete, self.opts.fsync)
     }
 
@@ -557,6 +537,21 @@ fn create_segment(
         capacity_bytes: size,
         write_offset: SEGMENT_HEADER_BYTES,
     })
+}
+
+/// The segments and older snapshots that snapshot `seq` makes obsolete.
+fn covered_by_snapshot(dir: &Path, listing: &Listing, seq: u64) -> Vec<PathBuf> {
+    listing
+        .segments
+        .range(..seq)
+        .map(|&s| segment_path(dir, s))
+        .chain(
+            listing
+                .snapshots
+                .range(..seq)
+                .map(|&s| snapshot_path(dir, s)),
+        )
+        .collect()
 }
 
 fn remove_files(
