@@ -15,14 +15,11 @@
 //! Streams never hold up a graceful shutdown: `KeepAlive` and `Watch` end with
 //! UNAVAILABLE once the engine leaves [`RunState::Running`].
 
-use std::marker::PhantomData;
 use std::pin::Pin;
 
 use fencelock_core::{EventKind, Fence, Grant, GrantEnd, LockView, Reason, WaitEnd};
 use futures_util::Stream;
-use prost::Message;
 use tokio::sync::{broadcast, watch};
-use tonic::codec::{Codec, DecodeBuf, Decoder};
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status, Streaming};
 
@@ -31,19 +28,13 @@ use crate::error::{ApiError, ApiErrorKind};
 use crate::http::{MAX_BODY_BYTES, MAX_PAGE};
 use crate::input::{invalid, lock_name, owner, owner_token, prefix, request_id, session_id};
 
-#[allow(missing_docs)]
-pub mod pb {
-    //! Messages, server and client generated from `fencelock/v1/locks.proto`.
-    tonic::include_proto!("fencelock.v1");
-}
+/// Messages, server and client generated from `fencelock/v1/locks.proto` (the
+/// `fencelock-proto` crate).
+pub use fencelock_proto as pb;
 
 use pb::locks_server::{Locks, LocksServer};
 
-/// Metadata entry of every error status that holds the stable error code
-/// (`held`, `not_held`, `timeout`, …; see [`ApiErrorKind::code`]).
-pub const ERROR_CODE_METADATA: &str = "fencelock-error-code";
-/// Metadata entry of a `Watch` that ended with DATA_LOSS: how many events it missed.
-pub const MISSED_EVENTS_METADATA: &str = "fencelock-missed-events";
+pub use fencelock_proto::{ERROR_CODE_METADATA, MISSED_EVENTS_METADATA};
 /// Default page size of `ListLocks` (when `limit` is 0).
 pub const DEFAULT_PAGE: usize = 100;
 
@@ -116,56 +107,6 @@ impl From<ApiError> for Status {
             .metadata_mut()
             .insert(ERROR_CODE_METADATA, MetadataValue::from_static(kind.code()));
         status
-    }
-}
-
-/// Prost's encoding, but a message that does not decode is the sender's mistake
-/// (INVALID_ARGUMENT), not prost's INTERNAL. The generated code uses it (see
-/// `build.rs`).
-#[derive(Debug, Clone)]
-pub(crate) struct ProtoCodec<T, U>(PhantomData<(T, U)>);
-
-impl<T, U> Default for ProtoCodec<T, U> {
-    fn default() -> Self {
-        ProtoCodec(PhantomData)
-    }
-}
-
-impl<T, U> Codec for ProtoCodec<T, U>
-where
-    T: Message + Send + 'static,
-    U: Message + Default + Send + 'static,
-{
-    type Encode = T;
-    type Decode = U;
-    type Encoder = tonic_prost::ProstEncoder<T>;
-    type Decoder = ProtoDecoder<U>;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        tonic_prost::ProstEncoder::default()
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        ProtoDecoder(PhantomData)
-    }
-}
-
-/// The decoder of [`ProtoCodec`].
-#[derive(Debug)]
-pub(crate) struct ProtoDecoder<U>(PhantomData<U>);
-
-impl<U: Message + Default> Decoder for ProtoDecoder<U> {
-    type Item = U;
-    type Error = Status;
-
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
-        U::decode(src).map(Some).map_err(|e| {
-            ApiError::new(
-                ApiErrorKind::InvalidArgument,
-                format!("malformed protobuf message: {e}"),
-            )
-            .into()
-        })
     }
 }
 

@@ -13,7 +13,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         // Prost's own codec answers a malformed message with INTERNAL; ours says
         // INVALID_ARGUMENT (no client input may look like a server fault).
-        .codec_path("crate::grpc::ProtoCodec")
+        .codec_path("crate::ProtoCodec")
         .compile_fds(files)?;
     Ok(())
 }
