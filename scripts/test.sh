@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v cc >/dev/null || need_apt+=(gcc)
 command -v curl >/dev/null || need_apt+=(curl)
+# Tests start their own throwaway PostgreSQL and Redis servers (fencelock-testkit).
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
+command -v redis-server >/dev/null || need_apt+=(redis-server)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"

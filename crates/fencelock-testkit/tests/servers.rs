@@ -1,0 +1,58 @@
+//! Each server starts on its own port, serves, and is gone (process and directory)
+//! after drop.
+
+use std::net::{Ipv4Addr, TcpStream};
+use std::path::Path;
+
+use fencelock_testkit::{probe, Postgres, Redis};
+
+fn process_alive(pid: u32) -> bool {
+    // A reaped child's /proc entry is gone.
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+fn port_open(port: u16) -> bool {
+    TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok()
+}
+
+#[test]
+fn redis_serves_then_stops_on_drop() {
+    let redis = Redis::start().expect("redis starts");
+    let port = redis.port();
+    assert_ne!(port, 6379, "never the machine's own redis port");
+    let reply = probe(port, b"SET k v\r\nGET k\r\n", 64).expect("redis answers");
+    assert!(reply.starts_with(b"+OK"), "{:?}", String::from_utf8_lossy(&reply));
+    let dir = redis.dir().to_owned();
+    assert!(dir.is_dir());
+    drop(redis);
+    assert!(!port_open(port), "port {port} still open after drop");
+    assert!(!dir.exists(), "{} still exists after drop", dir.display());
+}
+
+#[test]
+fn two_postgres_servers_are_independent_and_stop_on_drop() {
+    let a = Postgres::start().expect("postgres starts");
+    let b = Postgres::start().expect("a second postgres starts");
+    assert_ne!(a.port(), b.port());
+    assert_ne!(a.port(), 5432, "never the machine's own postgres port");
+    assert!(a.connection_string().contains(&format!("port={}", a.port())));
+    assert_eq!(
+        a.url(),
+        format!("postgresql://postgres@127.0.0.1:{}/postgres", a.port())
+    );
+    let pid_file = a.dir().join("data/postmaster.pid");
+    let pid: u32 = std::fs::read_to_string(&pid_file)
+        .expect("postmaster.pid")
+        .lines()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(process_alive(pid));
+    let (port, dir) = (a.port(), a.dir().to_owned());
+    drop(a);
+    assert!(!process_alive(pid), "postmaster {pid} survived drop");
+    assert!(!port_open(port), "port {port} still open after drop");
+    assert!(!dir.exists(), "{} still exists after drop", dir.display());
+    assert!(port_open(b.port()), "dropping one server must not stop the other");
+}
