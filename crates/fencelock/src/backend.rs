@@ -1,0 +1,149 @@
+//! The seam between the lock API and a lock store: [`LockBackend`].
+//!
+//! The guard logic (renewal, the lost-lock signal, retries, release on drop) lives in
+//! [`Client`](crate::Client) and works the same over every backend. A backend only
+//! knows how to acquire, renew and release one grant on its store, and says what the
+//! store can guarantee in [`Capabilities`]. The fencelock server
+//! ([`FencelockBackend`](crate::FencelockBackend)) is the first implementation; other
+//! stores implement the same trait.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use crate::Error;
+
+/// A boxed future, as the object-safe [`LockBackend`] methods return.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What a backend is asked to acquire. Built by [`LockRequest`](crate::LockRequest).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AcquireSpec {
+    /// The lock name.
+    pub name: String,
+    /// Lease length.
+    pub ttl: Duration,
+    /// How long this one attempt may wait for the lock; zero = answer at once.
+    pub wait: Duration,
+    /// Who is asking (free text for operators).
+    pub owner: String,
+    /// Holders the lock admits (1 = a mutex).
+    pub limit: u32,
+    /// Lock-delay after an expiry or forced release of this grant; zero = none.
+    pub lock_delay: Duration,
+    /// Idempotency key: every retry of one acquire carries the same key, so a grant
+    /// whose answer was lost is returned again instead of being granted twice.
+    pub request_id: String,
+}
+
+impl AcquireSpec {
+    /// A request for `name` with lease `ttl`, no wait, limit 1, no lock-delay, an
+    /// empty owner and a fresh random request id.
+    pub fn new(name: impl Into<String>, ttl: Duration) -> AcquireSpec {
+        AcquireSpec {
+            name: name.into(),
+            ttl,
+            wait: Duration::ZERO,
+            owner: String::new(),
+            limit: 1,
+            lock_delay: Duration::ZERO,
+            request_id: crate::backoff::request_id(),
+        }
+    }
+}
+
+/// A grant as the backend reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Lease {
+    /// The lock name.
+    pub name: String,
+    /// The fencing token: larger than every fence issued before for this lock (see
+    /// [`Capabilities::fences`] for how strong that promise is on this backend).
+    pub fence: u64,
+    /// Identifies this grant; renew and release need it.
+    pub owner_token: String,
+    /// The lease length the store granted.
+    pub ttl: Duration,
+}
+
+impl Lease {
+    /// A lease (for backends outside this crate).
+    pub fn new(name: String, fence: u64, owner_token: String, ttl: Duration) -> Lease {
+        Lease {
+            name,
+            fence,
+            owner_token,
+            ttl,
+        }
+    }
+}
+
+/// How strong a backend's fencing tokens are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FenceGuarantee {
+    /// Strictly increasing and never reused, across crashes and restarts (the counter
+    /// is durable before a grant is acknowledged).
+    Durable,
+    /// Increasing while the store keeps its data; a crash or failover can reuse
+    /// or lower fences (e.g. Redis without `appendfsync always`).
+    BestEffort,
+    /// No fencing tokens; the fence is always 0. Protect only resources that can
+    /// tolerate overlap, or use lock-delay.
+    None,
+}
+
+/// What a backend guarantees. Read it before relying on a property.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// The backend's name (`fencelock`, `redis`, …).
+    pub backend: &'static str,
+    /// How strong fencing tokens are.
+    pub fences: FenceGuarantee,
+    /// Waiters are granted in arrival order.
+    pub fifo: bool,
+    /// Waiters are woken by the store when the lock frees (no polling).
+    pub push_wakeups: bool,
+    /// Lock-delay after an expiry is supported.
+    pub lock_delay: bool,
+    /// Sessions (one lease holding many locks) are supported.
+    pub sessions: bool,
+    /// Semaphores (`limit` > 1) are supported.
+    pub semaphores: bool,
+    /// Leases are decided on the store's own monotonic clock (never a client's clock
+    /// or a wall clock that can jump).
+    pub monotonic_leases: bool,
+}
+
+/// A lock store. Implementations must be cheap to share (`Arc`) and safe to call
+/// concurrently.
+///
+/// Contract:
+/// - `acquire` waits at most `spec.wait` on the store and returns the grant, or an
+///   [`Error`] whose kind is `Held` (wait was zero), `Timeout` (wait passed),
+///   a transient kind (`Unavailable`, `ResourceExhausted`) or a permanent one. A retry
+///   with the same `request_id` must not create a second grant.
+/// - `renew` extends the lease to `ttl` from the moment the store processes it and
+///   returns the lease length granted; `NotHeld` when the grant is gone.
+/// - `release` returns `true` if it released the grant, `false` if it was already
+///   gone (released or expired); it never touches another holder's grant.
+pub trait LockBackend: Send + Sync + 'static {
+    /// What this backend guarantees.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Acquires a lock (see the trait docs for the contract).
+    fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>>;
+
+    /// Renews a held lease for `ttl`; returns the lease length granted.
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Duration, Error>>;
+
+    /// Releases a held lease.
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>>;
+}

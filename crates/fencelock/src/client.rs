@@ -1,0 +1,370 @@
+//! [`Client`]: locks over any [`LockBackend`], with retries, renewal and the
+//! lost-lock signal.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::backend::{AcquireSpec, Capabilities, LockBackend};
+use crate::backoff::{request_id, Backoff};
+use crate::guard::{LockGuard, Timing};
+use crate::server::{FencelockBackend, ServerConfig};
+use crate::{Error, ErrorKind};
+
+/// Options of one lock acquisition. Start from [`LockOptions::default`] and adjust.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockOptions {
+    /// Lease length; the guard renews it in the background. Default 30 s.
+    pub ttl: Duration,
+    /// How long to wait for the lock (transient errors are retried within this budget
+    /// too). Default 60 s; zero means answer at once.
+    pub wait: Duration,
+    /// Who holds the lock, for operators. Default: `hostname:pid`-like text.
+    pub owner: String,
+    /// Holders the lock admits: 1 = mutex, N = semaphore. Default 1.
+    pub limit: u32,
+    /// After an expiry or forced release of this grant, the lock stays unavailable this
+    /// long (for resources that cannot check fences). Default zero.
+    pub lock_delay: Duration,
+    /// How long before the lease could possibly expire on the server the guard
+    /// reports the lock lost. Default: a tenth of the TTL (at least 1 ms).
+    pub safety_margin: Option<Duration>,
+    /// Retry delays for transient errors.
+    pub backoff: Backoff,
+}
+
+impl Default for LockOptions {
+    fn default() -> LockOptions {
+        LockOptions {
+            ttl: Duration::from_secs(30),
+            wait: Duration::from_secs(60),
+            owner: default_owner(),
+            limit: 1,
+            lock_delay: Duration::ZERO,
+            safety_margin: None,
+            backoff: Backoff::default(),
+        }
+    }
+}
+
+impl LockOptions {
+    /// Sets [`ttl`](LockOptions::ttl).
+    pub fn ttl(mut self, ttl: Duration) -> LockOptions {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Sets [`wait`](LockOptions::wait).
+    pub fn wait(mut self, wait: Duration) -> LockOptions {
+        self.wait = wait;
+        self
+    }
+
+    /// Sets [`owner`](LockOptions::owner).
+    pub fn owner(mut self, owner: impl Into<String>) -> LockOptions {
+        self.owner = owner.into();
+        self
+    }
+
+    /// Sets [`limit`](LockOptions::limit) (a semaphore of `limit` holders).
+    pub fn limit(mut self, limit: u32) -> LockOptions {
+        self.limit = limit;
+        self
+    }
+
+    /// Sets [`lock_delay`](LockOptions::lock_delay).
+    pub fn lock_delay(mut self, lock_delay: Duration) -> LockOptions {
+        self.lock_delay = lock_delay;
+        self
+    }
+
+    /// Sets [`safety_margin`](LockOptions::safety_margin).
+    pub fn safety_margin(mut self, margin: Duration) -> LockOptions {
+        self.safety_margin = Some(margin);
+        self
+    }
+
+    /// Sets [`backoff`](LockOptions::backoff).
+    pub fn backoff(mut self, backoff: Backoff) -> LockOptions {
+        self.backoff = backoff;
+        self
+    }
+
+    fn validate(&self) -> Result<Timing, Error> {
+        if self.ttl.is_zero() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "ttl must be positive",
+            ));
+        }
+        if self.limit == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "limit must be at least 1",
+            ));
+        }
+        let margin = self
+            .safety_margin
+            .unwrap_or((self.ttl / 10).max(Duration::from_millis(1)));
+        if margin >= self.ttl {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "safety margin {margin:?} must be shorter than the ttl {:?}",
+                    self.ttl
+                ),
+            ));
+        }
+        Ok(Timing {
+            ttl: self.ttl,
+            margin,
+            backoff: self.backoff,
+        })
+    }
+}
+
+fn default_owner() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_owned())
+        })
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown-host".to_owned());
+    format!("{host}:{}", std::process::id())
+}
+
+/// Takes locks on a lock store, renews them in the background and says when they are
+/// lost. Cheap to clone; clones share the connection.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), fencelock::Error> {
+/// use std::time::Duration;
+/// let client = fencelock::Client::connect("http://127.0.0.1:7420").await?;
+/// let guard = client
+///     .lock("inventory:item:1234")
+///     .ttl(Duration::from_secs(30))
+///     .wait(Duration::from_secs(10))
+///     .acquire()
+///     .await?;
+/// // Pass guard.fence() with every write to the protected resource.
+/// println!("holding with fence {}", guard.fence());
+/// guard.release().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Client {
+    backend: Arc<dyn LockBackend>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("backend", &self.backend.capabilities().backend)
+            .finish()
+    }
+}
+
+impl Client {
+    /// Connects to a fencelock server (gRPC) at `url`, e.g. `http://127.0.0.1:7420`,
+    /// with the default timeouts. Fails with [`ErrorKind::Unavailable`] if the server
+    /// cannot be reached; later connection failures are retried per request.
+    pub async fn connect(url: &str) -> Result<Client, Error> {
+        Client::connect_with(ServerConfig::new(url)).await
+    }
+
+    /// Connects to a fencelock server with explicit settings (timeouts, token).
+    pub async fn connect_with(config: ServerConfig) -> Result<Client, Error> {
+        Ok(Client::new(FencelockBackend::connect(config).await?))
+    }
+
+    /// A client over any lock store.
+    pub fn new(backend: impl LockBackend) -> Client {
+        Client {
+            backend: Arc::new(backend),
+        }
+    }
+
+    /// A client over a shared lock store.
+    pub fn from_backend(backend: Arc<dyn LockBackend>) -> Client {
+        Client { backend }
+    }
+
+    /// What the lock store behind this client guarantees.
+    pub fn capabilities(&self) -> Capabilities {
+        self.backend.capabilities()
+    }
+
+    /// Starts building an acquisition of `name` with default [`LockOptions`].
+    pub fn lock(&self, name: impl Into<String>) -> LockRequest {
+        LockRequest {
+            client: self.clone(),
+            name: name.into(),
+            options: LockOptions::default(),
+        }
+    }
+
+    /// Acquires `name`, runs `work(fence)` while holding it, and releases it.
+    ///
+    /// If the lock is lost while `work` runs, `work` is cancelled (dropped at its next
+    /// `.await`) and the result is an error of kind [`ErrorKind::LockLost`]. `work`
+    /// must pass the fence to every write of the protected resource: cancellation
+    /// stops this task, not a write already on the wire.
+    pub async fn with_lock<F, Fut, T>(
+        &self,
+        name: impl Into<String>,
+        options: LockOptions,
+        work: F,
+    ) -> Result<T, Error>
+    where
+        F: FnOnce(u64) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        let guard = self.lock(name).options(options).acquire().await?;
+        let lost = guard.lost();
+        let work = work(guard.fence());
+        tokio::select! {
+            biased;
+            reason = lost => Err(reason.into_error(guard.name())),
+            output = work => {
+                // The work is done; a failed release only leaves the lease to expire.
+                let _ = guard.release().await;
+                Ok(output)
+            }
+        }
+    }
+
+    async fn acquire(&self, name: String, options: LockOptions) -> Result<LockGuard, Error> {
+        let timing = options.validate()?;
+        let budget_end = Instant::now() + options.wait;
+        let mut attempt = 0u32;
+        let mut spec = AcquireSpec {
+            name,
+            ttl: options.ttl,
+            wait: options.wait,
+            owner: options.owner,
+            limit: options.limit,
+            lock_delay: options.lock_delay,
+            request_id: request_id(),
+        };
+        // The first send of this request id: a retry can return a grant made for an
+        // earlier attempt, whose lease started no earlier than this.
+        let mut first_sent: Option<Instant> = None;
+        loop {
+            let sent = Instant::now();
+            let lease_base = *first_sent.get_or_insert(sent);
+            spec.wait = budget_end.saturating_duration_since(sent);
+            match self.backend.acquire(&spec).await {
+                Ok(lease) => {
+                    let guard = LockGuard::start(self.backend.clone(), lease, lease_base, timing);
+                    // A long wait leaves little of the lease that can be proved from
+                    // the send instant; a renewal sent now proves a fresh one.
+                    if Instant::now().saturating_duration_since(lease_base) > options.ttl / 4 {
+                        match guard.confirm().await {
+                            Ok(()) => return Ok(guard),
+                            Err(e) if e.kind() == ErrorKind::NotHeld => {
+                                // Expired before we could use it: a fresh attempt.
+                                spec.request_id = request_id();
+                                first_sent = None;
+                                if Instant::now() >= budget_end {
+                                    return Err(Error::new(
+                                        ErrorKind::Timeout,
+                                        format!(
+                                            "{:?} not acquired within {:?}",
+                                            spec.name, options.wait
+                                        ),
+                                    ));
+                                }
+                                continue;
+                            }
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    return Ok(guard);
+                }
+                Err(e) if e.is_transient() => {
+                    let delay = options.backoff.delay(attempt);
+                    attempt = attempt.saturating_add(1);
+                    if Instant::now() + delay >= budget_end {
+                        return Err(e);
+                    }
+                    tokio::time::sleep(delay).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// An acquisition being built: set options, then [`acquire`](LockRequest::acquire) or
+/// [`try_acquire`](LockRequest::try_acquire).
+#[derive(Debug)]
+#[must_use = "a lock request does nothing until acquired"]
+pub struct LockRequest {
+    client: Client,
+    name: String,
+    options: LockOptions,
+}
+
+impl LockRequest {
+    /// Replaces all options.
+    pub fn options(mut self, options: LockOptions) -> LockRequest {
+        self.options = options;
+        self
+    }
+
+    /// Lease length (renewed in the background).
+    pub fn ttl(mut self, ttl: Duration) -> LockRequest {
+        self.options.ttl = ttl;
+        self
+    }
+
+    /// How long to wait for the lock.
+    pub fn wait(mut self, wait: Duration) -> LockRequest {
+        self.options.wait = wait;
+        self
+    }
+
+    /// Who holds the lock, for operators.
+    pub fn owner(mut self, owner: impl Into<String>) -> LockRequest {
+        self.options.owner = owner.into();
+        self
+    }
+
+    /// A semaphore admitting `limit` holders.
+    pub fn limit(mut self, limit: u32) -> LockRequest {
+        self.options.limit = limit;
+        self
+    }
+
+    /// Lock-delay after an expiry or forced release of this grant.
+    pub fn lock_delay(mut self, lock_delay: Duration) -> LockRequest {
+        self.options.lock_delay = lock_delay;
+        self
+    }
+
+    /// How long before the server could expire the lease the guard reports it lost.
+    pub fn safety_margin(mut self, margin: Duration) -> LockRequest {
+        self.options.safety_margin = Some(margin);
+        self
+    }
+
+    /// Acquires the lock, waiting up to the wait budget. Errors: [`ErrorKind::Timeout`]
+    /// if not granted in time (or [`ErrorKind::Held`] with a zero wait), a transient
+    /// kind if the store stayed unreachable for the whole budget, or a permanent one.
+    pub async fn acquire(self) -> Result<LockGuard, Error> {
+        self.client.acquire(self.name, self.options).await
+    }
+
+    /// Acquires the lock only if it is free now: [`ErrorKind::Held`] otherwise.
+    pub async fn try_acquire(mut self) -> Result<LockGuard, Error> {
+        self.options.wait = Duration::ZERO;
+        self.acquire().await
+    }
+}

@@ -1,0 +1,111 @@
+//! The one error type of the client library.
+
+use std::fmt;
+
+/// What went wrong, in a form a program can match on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The request was refused as malformed (bad lock name, ttl out of range, …).
+    /// Retrying the same request cannot help.
+    InvalidArgument,
+    /// The lock is held and the caller did not want to wait (`try_acquire`).
+    Held,
+    /// The lock was not granted within the caller's wait budget.
+    Timeout,
+    /// The grant is no longer held (released, expired or taken by an operator).
+    NotHeld,
+    /// The lock is, or may be, lost: renewal failed or could not be confirmed before
+    /// the client's conservative deadline. Stop touching the protected resource.
+    LockLost,
+    /// The lock exists with a different `limit` than the one requested.
+    LimitMismatch,
+    /// The session named in the request does not exist (any more).
+    SessionNotFound,
+    /// The thing asked about does not exist (e.g. a lock nobody holds).
+    NotFound,
+    /// The server could not be reached, or it is shutting down. Transient.
+    Unavailable,
+    /// A server bound was hit (too many waiters, locks, …). Transient.
+    ResourceExhausted,
+    /// The caller is not authenticated, or not allowed to do this.
+    PermissionDenied,
+    /// The server answered something this client does not understand.
+    Protocol,
+    /// The server reported an internal failure.
+    Internal,
+}
+
+impl ErrorKind {
+    /// A stable lower-case name (`held`, `timeout`, `lock_lost`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::InvalidArgument => "invalid_argument",
+            ErrorKind::Held => "held",
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::NotHeld => "not_held",
+            ErrorKind::LockLost => "lock_lost",
+            ErrorKind::LimitMismatch => "limit_mismatch",
+            ErrorKind::SessionNotFound => "session_not_found",
+            ErrorKind::NotFound => "not_found",
+            ErrorKind::Unavailable => "unavailable",
+            ErrorKind::ResourceExhausted => "resource_exhausted",
+            ErrorKind::PermissionDenied => "permission_denied",
+            ErrorKind::Protocol => "protocol",
+            ErrorKind::Internal => "internal",
+        }
+    }
+
+    /// Whether the same request may succeed if retried later (the client retries
+    /// these itself, within the caller's wait budget).
+    pub fn is_transient(self) -> bool {
+        matches!(self, ErrorKind::Unavailable | ErrorKind::ResourceExhausted)
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An error of the client library: a [`kind`](Error::kind) to match on, and a message
+/// for people.
+#[derive(Debug, Clone)]
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+}
+
+impl Error {
+    /// An error of `kind` with a message.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
+        Error {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// What went wrong.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The human-readable message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// Whether retrying the same request later may succeed.
+    pub fn is_transient(&self) -> bool {
+        self.kind.is_transient()
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind, self.message)
+    }
+}
+
+impl std::error::Error for Error {}

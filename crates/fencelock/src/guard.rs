@@ -1,0 +1,368 @@
+//! [`LockGuard`]: a held lock, its background renewal and its lost-lock signal.
+//!
+//! **Invariant:** the guard's deadline is never later than the earliest instant the
+//! store can expire the lease: it is `send instant of the last confirmed acquire or
+//! renewal + granted ttl − safety margin`, and the store starts a lease no earlier than
+//! it receives the request. [`LockGuard::lost`] resolves at that deadline at the latest
+//! (within the timer's 1 ms resolution), whatever the renewal task is doing.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+
+use crate::backend::{Lease, LockBackend};
+use crate::backoff::Backoff;
+use crate::{Error, ErrorKind};
+
+/// Renewal settings of one guard, validated by the client.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
+    pub ttl: Duration,
+    pub margin: Duration,
+    pub backoff: Backoff,
+}
+
+/// Why a lock is (or may be) lost.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum LostReason {
+    /// No renewal was confirmed before the guard's conservative deadline; the store may
+    /// expire the lease at any moment after it.
+    DeadlineReached,
+    /// The store says the grant is gone (expired, or taken by an operator), or refused
+    /// to renew it.
+    Revoked(Error),
+    /// This guard released the lock.
+    Released,
+}
+
+impl LostReason {
+    /// This reason as an [`ErrorKind::LockLost`] error about lock `name`.
+    pub fn into_error(self, name: &str) -> Error {
+        let why = match self {
+            LostReason::DeadlineReached => {
+                "renewal was not confirmed before the lease's safe deadline".to_owned()
+            }
+            LostReason::Revoked(e) => format!("the store refused to renew it ({e})"),
+            LostReason::Released => "it was released".to_owned(),
+        };
+        Error::new(ErrorKind::LockLost, format!("lock {name:?} lost: {why}"))
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    deadline: Instant,
+    lost: Option<LostReason>,
+}
+
+enum Control {
+    /// Renew now and say whether it worked.
+    Confirm(oneshot::Sender<Result<(), Error>>),
+    /// Stop renewing, release, and say what release answered.
+    Release(oneshot::Sender<Result<bool, Error>>),
+}
+
+/// A held lock. Pass [`fence`](LockGuard::fence) with every write to the protected
+/// resource, and stop writing when [`lost`](LockGuard::lost) resolves.
+///
+/// The lease is renewed in the background (every third of the TTL) until the guard is
+/// released or dropped. Dropping the guard releases the lock in the background; it
+/// never blocks and never panics, even outside a runtime (then the lease simply
+/// expires on the store).
+#[derive(Debug)]
+pub struct LockGuard {
+    lease: Lease,
+    state: Arc<watch::Sender<State>>,
+    control: mpsc::UnboundedSender<Control>,
+    backend: Arc<dyn LockBackend>,
+}
+
+impl std::fmt::Debug for dyn LockBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.capabilities().backend)
+    }
+}
+
+impl LockGuard {
+    /// Starts the renewal task for a fresh grant whose request was first sent at
+    /// `sent`. Must be called within a tokio runtime.
+    pub(crate) fn start(
+        backend: Arc<dyn LockBackend>,
+        lease: Lease,
+        sent: Instant,
+        timing: Timing,
+    ) -> LockGuard {
+        let deadline = (sent + lease.ttl)
+            .checked_sub(timing.margin)
+            .unwrap_or(sent);
+        let state = Arc::new(watch::Sender::new(State {
+            deadline,
+            lost: None,
+        }));
+        let (control, inbox) = mpsc::unbounded_channel();
+        let renewer = Renewer {
+            backend: backend.clone(),
+            lease: lease.clone(),
+            state: state.clone(),
+            timing,
+            last_sent: sent,
+        };
+        tokio::spawn(renewer.run(inbox));
+        LockGuard {
+            lease,
+            state,
+            control,
+            backend,
+        }
+    }
+
+    /// The lock name.
+    pub fn name(&self) -> &str {
+        &self.lease.name
+    }
+
+    /// The fencing token of this grant: send it with every write to the protected
+    /// resource, which must refuse writes with a fence older than one it has seen.
+    pub fn fence(&self) -> u64 {
+        self.lease.fence
+    }
+
+    /// The owner token that identifies this grant on the store.
+    pub fn owner_token(&self) -> &str {
+        &self.lease.owner_token
+    }
+
+    /// The grant as the store reported it.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// How long the lock is still certainly held (until the conservative local
+    /// deadline); `None` once it is or may be lost.
+    pub fn valid_for(&self) -> Option<Duration> {
+        let state = self.state.borrow();
+        if state.lost.is_some() {
+            return None;
+        }
+        let left = state.deadline.saturating_duration_since(Instant::now());
+        (!left.is_zero()).then_some(left)
+    }
+
+    /// Whether the lock is, or may be, lost.
+    pub fn is_lost(&self) -> bool {
+        self.valid_for().is_none()
+    }
+
+    /// Resolves when the lock is or may be lost: when the store refuses a renewal, or
+    /// at the conservative local deadline if no renewal was confirmed before it —
+    /// which is before the store can have expired the lease. Can be called many times;
+    /// each future resolves with the same reason.
+    pub fn lost(&self) -> impl Future<Output = LostReason> + Send + 'static {
+        let state = self.state.clone();
+        let mut changes = state.subscribe();
+        async move {
+            loop {
+                let deadline = {
+                    let current = changes.borrow_and_update();
+                    if let Some(reason) = &current.lost {
+                        return reason.clone();
+                    }
+                    current.deadline
+                };
+                tokio::select! {
+                    _ = changes.changed() => {}
+                    _ = tokio::time::sleep_until(deadline) => {
+                        // Sticky: once reported lost, renewals no longer extend it.
+                        state.send_if_modified(|s| {
+                            if s.lost.is_none() && Instant::now() >= s.deadline {
+                                s.lost = Some(LostReason::DeadlineReached);
+                                true
+                            } else {
+                                false
+                            }
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Renews now and waits for the answer (used after a long wait in the queue).
+    pub(crate) async fn confirm(&self) -> Result<(), Error> {
+        let (reply, answer) = oneshot::channel();
+        if self.control.send(Control::Confirm(reply)).is_err() {
+            return Err(self.lost_error());
+        }
+        answer.await.unwrap_or_else(|_| Err(self.lost_error()))
+    }
+
+    fn lost_error(&self) -> Error {
+        let reason = self
+            .state
+            .borrow()
+            .lost
+            .clone()
+            .unwrap_or(LostReason::DeadlineReached);
+        reason.into_error(self.name())
+    }
+
+    /// Stops renewal and releases the lock. `Ok(true)` if this call released it,
+    /// `Ok(false)` if it was already gone (expired or taken). No renewal is sent after
+    /// this returns.
+    pub async fn release(self) -> Result<bool, Error> {
+        let (reply, answer) = oneshot::channel();
+        if self.control.send(Control::Release(reply)).is_ok() {
+            if let Ok(result) = answer.await {
+                return result;
+            }
+        }
+        // The renewal task has ended (the lock was lost): release directly in case the
+        // store still has the grant.
+        self.backend.release(&self.lease).await
+    }
+}
+
+/// The background task of one guard.
+struct Renewer {
+    backend: Arc<dyn LockBackend>,
+    lease: Lease,
+    state: Arc<watch::Sender<State>>,
+    timing: Timing,
+    last_sent: Instant,
+}
+
+impl Renewer {
+    async fn run(mut self, mut inbox: mpsc::UnboundedReceiver<Control>) {
+        loop {
+            let next = self.last_sent + self.timing.ttl / 3;
+            let control = tokio::select! {
+                control = inbox.recv() => control,
+                _ = tokio::time::sleep_until(next) => {
+                    tokio::select! {
+                        control = inbox.recv() => control,
+                        renewed = self.renew() => match renewed {
+                            Ok(()) => continue,
+                            Err(reason) => return self.mark_lost(reason),
+                        },
+                    }
+                }
+            };
+            match control {
+                Some(Control::Confirm(reply)) => match self.renew().await {
+                    Ok(()) => {
+                        let _ = reply.send(Ok(()));
+                    }
+                    Err(reason) => {
+                        let error = match &reason {
+                            LostReason::Revoked(e) if e.kind() == ErrorKind::NotHeld => e.clone(),
+                            other => other.clone().into_error(&self.lease.name),
+                        };
+                        self.mark_lost(reason);
+                        let _ = reply.send(Err(error));
+                        return;
+                    }
+                },
+                Some(Control::Release(reply)) => {
+                    let result = self.release().await;
+                    let _ = reply.send(result);
+                    return;
+                }
+                // The guard was dropped without release.
+                None => {
+                    let _ = self.release().await;
+                    return;
+                }
+            }
+        }
+    }
+
+    fn mark_lost(&self, reason: LostReason) {
+        self.state.send_if_modified(|s| {
+            if s.lost.is_none() {
+                s.lost = Some(reason);
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    fn deadline(&self) -> Instant {
+        self.state.borrow().deadline
+    }
+
+    /// Renews until confirmed, retrying transient errors, but never past the deadline.
+    async fn renew(&mut self) -> Result<(), LostReason> {
+        let mut attempt = 0u32;
+        loop {
+            if self.state.borrow().lost.is_some() {
+                return Err(LostReason::DeadlineReached);
+            }
+            let deadline = self.deadline();
+            let sent = Instant::now();
+            if sent >= deadline {
+                return Err(LostReason::DeadlineReached);
+            }
+            let answer =
+                tokio::time::timeout_at(deadline, self.backend.renew(&self.lease, self.timing.ttl))
+                    .await;
+            match answer {
+                Err(_elapsed) => return Err(LostReason::DeadlineReached),
+                Ok(Ok(granted)) => {
+                    let new_deadline = (sent + granted)
+                        .checked_sub(self.timing.margin)
+                        .unwrap_or(sent);
+                    let mut still_held = false;
+                    self.state.send_if_modified(|s| {
+                        if s.lost.is_some() {
+                            return false;
+                        }
+                        still_held = true;
+                        if new_deadline > s.deadline {
+                            s.deadline = new_deadline;
+                            true
+                        } else {
+                            false
+                        }
+                    });
+                    if !still_held {
+                        return Err(LostReason::DeadlineReached);
+                    }
+                    self.last_sent = sent;
+                    return Ok(());
+                }
+                Ok(Err(e)) if e.is_transient() => {
+                    let delay = self.timing.backoff.delay(attempt);
+                    attempt = attempt.saturating_add(1);
+                    tokio::time::sleep_until((Instant::now() + delay).min(deadline)).await;
+                }
+                Ok(Err(e)) => return Err(LostReason::Revoked(e)),
+            }
+        }
+    }
+
+    /// Releases, retrying transient errors until the lease would have expired anyway.
+    async fn release(&mut self) -> Result<bool, Error> {
+        let give_up = self.deadline() + self.timing.margin;
+        let mut attempt = 0u32;
+        let result = loop {
+            match self.backend.release(&self.lease).await {
+                Err(e) if e.is_transient() => {
+                    let delay = self.timing.backoff.delay(attempt);
+                    attempt = attempt.saturating_add(1);
+                    if Instant::now() + delay >= give_up {
+                        break Err(e);
+                    }
+                    tokio::time::sleep(delay).await;
+                }
+                other => break other,
+            }
+        };
+        self.mark_lost(LostReason::Released);
+        result
+    }
+}

@@ -1,0 +1,57 @@
+//! # fencelock: distributed locks with fencing tokens
+//!
+//! A lock alone cannot guarantee "one at a time": a holder can pause (GC, SIGSTOP, a
+//! slow network) past its lease and wake up still writing. So every grant carries a
+//! **fencing token** ([`LockGuard::fence`]) that only grows, and the protected resource
+//! refuses writes with a fence older than one it has already seen (see the
+//! `fencelock-fence` crate for ready-made checks).
+//!
+//! This crate takes locks, renews them in the background, and tells you — *before* the
+//! store can have expired the lease — when a lock is or may be lost
+//! ([`LockGuard::lost`]).
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use fencelock::{Client, LockOptions};
+//!
+//! # async fn demo() -> Result<(), fencelock::Error> {
+//! let client = Client::connect("http://127.0.0.1:7420").await?;
+//!
+//! // A guard: renewed until released or dropped.
+//! let guard = client.lock("job:daily-settlement").ttl(Duration::from_secs(30)).acquire().await?;
+//! println!("fence {}", guard.fence());
+//! guard.release().await?;
+//!
+//! // Or a closure that is cancelled the moment the lock is lost.
+//! let total = client
+//!     .with_lock("inventory:item:1234", LockOptions::default(), |fence| async move {
+//!         // write to the resource with `fence` ...
+//!         fence
+//!     })
+//!     .await?;
+//! # let _ = total;
+//! # Ok(()) }
+//! ```
+//!
+//! The store is a [`LockBackend`]; the fencelock server ([`FencelockBackend`]) is the
+//! first one, and [`Client::capabilities`] says what a store guarantees.
+
+#![deny(missing_docs)]
+
+mod backend;
+mod backoff;
+mod client;
+mod error;
+mod guard;
+mod server;
+
+pub use backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+pub use backoff::Backoff;
+pub use client::{Client, LockOptions, LockRequest};
+pub use error::{Error, ErrorKind};
+pub use guard::{LockGuard, LostReason};
+pub use server::{EventStream, FencelockBackend, ServerConfig};
+
+/// The gRPC messages of the fencelock server (lock views and events returned by
+/// [`FencelockBackend`]'s read and admin calls).
+pub use fencelock_proto as proto;

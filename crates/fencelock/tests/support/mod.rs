@@ -1,0 +1,194 @@
+//! Test helpers: a real fencelock server per test, a TCP proxy that can cut the
+//! client off (a partition), and a backend wrapper that counts the calls that reach
+//! the real server.
+#![allow(dead_code)] // Each test binary uses a different part of this module.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use fencelock::proto::{self, locks_client::LocksClient};
+use fencelock::{
+    AcquireSpec, BoxFuture, Capabilities, Error, FencelockBackend, Lease, LockBackend, ServerConfig,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// Longest any awaited step may take before a test fails instead of hanging.
+pub const STEP: Duration = Duration::from_secs(20);
+
+/// A fencelock server on `127.0.0.1:0` with its own data directory.
+pub struct TestServer {
+    pub server: fencelock_server::Server,
+    pub dir: tempfile::TempDir,
+}
+
+impl TestServer {
+    pub async fn start() -> TestServer {
+        let dir = tempfile::tempdir().unwrap();
+        let config = fencelock_server::ServerConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            fencelock_server::EngineConfig::new(dir.path()),
+        );
+        let server = fencelock_server::Server::start(config)
+            .await
+            .expect("server starts");
+        TestServer { server, dir }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.server.local_addr())
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.server.local_addr()
+    }
+
+    /// A raw gRPC client straight to the server (for watching and inspecting).
+    pub async fn raw(&self) -> LocksClient<tonic::transport::Channel> {
+        LocksClient::connect(self.url()).await.unwrap()
+    }
+
+    pub async fn backend(&self) -> FencelockBackend {
+        FencelockBackend::connect(ServerConfig::new(self.url()))
+            .await
+            .unwrap()
+    }
+}
+
+/// Watches every lock event of the server, from now on.
+pub async fn watch_all(server: &TestServer) -> tonic::Streaming<proto::LockEvent> {
+    server
+        .raw()
+        .await
+        .watch(proto::WatchRequest {
+            prefix: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// The next event of `kind` on the stream (skipping others), bounded by [`STEP`].
+pub async fn next_event(
+    events: &mut tonic::Streaming<proto::LockEvent>,
+    kind: proto::EventKind,
+) -> proto::LockEvent {
+    tokio::time::timeout(STEP, async {
+        loop {
+            let event = events.message().await.unwrap().expect("stream open");
+            if event.kind == kind as i32 {
+                return event;
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no {kind:?} event within {STEP:?}"))
+}
+
+/// A TCP proxy in front of the server. While paused, it forwards nothing in either
+/// direction (bytes wait in the kernel buffers): the client is cut off from the server,
+/// as in a partition or a stalled network.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    paused: watch::Sender<bool>,
+}
+
+impl Proxy {
+    pub async fn start(target: SocketAddr) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (paused, _) = watch::channel(false);
+        let gate = paused.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(target).await else {
+                    continue;
+                };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::spawn(pump(cr, sw, gate.subscribe()));
+                tokio::spawn(pump(sr, cw, gate.subscribe()));
+            }
+        });
+        Proxy { addr, paused }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn pause(&self) {
+        self.paused.send_replace(true);
+    }
+
+    pub fn resume(&self) {
+        self.paused.send_replace(false);
+    }
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut paused: watch::Receiver<bool>,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        if paused.wait_for(|p| !*p).await.is_err() {
+            return;
+        }
+        let n = tokio::select! {
+            n = from.read(&mut buf) => match n { Ok(0) | Err(_) => return, Ok(n) => n },
+            // Paused while waiting to read: stop before forwarding anything.
+            _ = paused.wait_for(|p| *p) => continue,
+        };
+        if paused.wait_for(|p| !*p).await.is_err() {
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// A real backend that counts the calls made through it.
+pub struct Counting {
+    pub inner: FencelockBackend,
+    pub renews: Arc<AtomicU64>,
+    pub releases: Arc<AtomicU64>,
+}
+
+impl Counting {
+    pub fn new(inner: FencelockBackend) -> Counting {
+        Counting {
+            inner,
+            renews: Arc::default(),
+            releases: Arc::default(),
+        }
+    }
+}
+
+impl LockBackend for Counting {
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
+        self.inner.acquire(spec)
+    }
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Duration, Error>> {
+        self.renews.fetch_add(1, Ordering::SeqCst);
+        self.inner.renew(lease, ttl)
+    }
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
+        self.releases.fetch_add(1, Ordering::SeqCst);
+        self.inner.release(lease)
+    }
+}
