@@ -1,10 +1,16 @@
 //! The `fencelock` command.
 //!
-//! Exit codes: 0 success; 1 runtime failure (cannot bind, storage failed, server
-//! unreachable, corrupt backup); 2 usage error (bad flags or config file).
+//! Exit codes (see `exit.rs`): 0 success; 1 runtime failure (cannot bind, storage
+//! failed, corrupt backup); 2 usage error (bad flags or config file); 69 server
+//! unreachable; 75 lock lost while `run`'s command ran; 124 lock not acquired within
+//! `--wait`; 126/127 `run`'s command could not be executed / was not found; otherwise
+//! `run` exits with its command's code.
 
 mod config;
+mod exit;
 mod http_get;
+mod remote;
+mod run;
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -41,6 +47,29 @@ enum Commands {
         #[arg(long, short)]
         out: PathBuf,
     },
+    /// Run a command while holding a lock (renewed while it runs; the command is
+    /// stopped if the lock is lost).
+    ///
+    /// The command gets FENCELOCK_LOCK and FENCELOCK_FENCE in its environment. Exit
+    /// codes: the command's own (128+N if killed by signal N); 124 the lock was not
+    /// acquired within --wait; 69 the server is unreachable; 75 the lock was lost and
+    /// the command was stopped (SIGTERM, then SIGKILL after --grace); 126/127 the
+    /// command could not be executed / was not found.
+    Run(run::RunArgs),
+    /// Take a lock once (no renewal) and print the grant with its owner token.
+    Acquire(remote::AcquireArgs),
+    /// Extend a lease taken with `acquire`.
+    Renew(remote::RenewArgs),
+    /// Give a lock back.
+    Release(remote::ReleaseArgs),
+    /// List locks (held, waited for, or in lock-delay).
+    Ls(remote::LsArgs),
+    /// Show one lock: holders, fences, waiters.
+    Show(remote::ShowArgs),
+    /// Print lock events as they happen.
+    Watch(remote::WatchArgs),
+    /// Operator action: take a lock from its holder(s), with a reason.
+    ForceRelease(remote::ForceReleaseArgs),
     /// Create a data directory from a backup. The first fence issued after a restore
     /// is larger than any fence issued before it (see ARCHITECTURE.md, "Fences after
     /// a restore", for the assumption this rests on).
@@ -60,6 +89,14 @@ fn main() -> ExitCode {
         Commands::Serve(args) => serve(args),
         Commands::Backup { server, out } => backup(&server, &out),
         Commands::Restore { from, data_dir } => restore(&from, &data_dir),
+        Commands::Run(args) => return client_runtime(run::run(args)),
+        Commands::Acquire(args) => return client_command(remote::acquire(args)),
+        Commands::Renew(args) => return client_command(remote::renew(args)),
+        Commands::Release(args) => return client_command(remote::release(args)),
+        Commands::Ls(args) => return client_command(remote::ls(args)),
+        Commands::Show(args) => return client_command(remote::show(args)),
+        Commands::Watch(args) => return client_command(remote::watch(args)),
+        Commands::ForceRelease(args) => return client_command(remote::force_release(args)),
     };
     match result {
         Ok(code) => code,
@@ -68,6 +105,26 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// Runs a client command on a small runtime.
+fn client_runtime(command: impl std::future::Future<Output = ExitCode>) -> ExitCode {
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(command),
+        Err(e) => {
+            eprintln!("fencelock: cannot start the async runtime: {e}");
+            ExitCode::from(exit::FAILURE)
+        }
+    }
+}
+
+fn client_command(
+    command: impl std::future::Future<Output = Result<(), remote::Failure>>,
+) -> ExitCode {
+    client_runtime(async move { remote::finish(command.await) })
 }
 
 fn init_logging(format: LogFormat, level: &str) -> Result<()> {

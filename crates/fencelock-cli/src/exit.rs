@@ -1,0 +1,30 @@
+//! The exit codes of the `fencelock` command (documented in the README and `--help`).
+
+use fencelock::ErrorKind;
+
+/// Something failed that has no more specific code.
+pub const FAILURE: u8 = 1;
+/// Bad flags or configuration.
+pub const USAGE: u8 = 2;
+/// The server could not be reached (sysexits' `EX_UNAVAILABLE`).
+pub const UNAVAILABLE: u8 = 69;
+/// `run`: the lock was lost while the command ran, so it was stopped
+/// (sysexits' `EX_TEMPFAIL`: try again).
+pub const LOCK_LOST: u8 = 75;
+/// The lock was not acquired within `--wait` (as `timeout(1)` reports a timeout).
+pub const NOT_ACQUIRED: u8 = 124;
+/// `run`: the command exists but could not be executed (as shells report it).
+pub const CANNOT_EXECUTE: u8 = 126;
+/// `run`: the command was not found (as shells report it).
+pub const COMMAND_NOT_FOUND: u8 = 127;
+
+/// The exit code for a client library error.
+pub fn for_error(kind: ErrorKind) -> u8 {
+    match kind {
+        ErrorKind::Held | ErrorKind::Timeout => NOT_ACQUIRED,
+        ErrorKind::Unavailable => UNAVAILABLE,
+        ErrorKind::LockLost => LOCK_LOST,
+        ErrorKind::InvalidArgument => USAGE,
+        _ => FAILURE,
+    }
+}

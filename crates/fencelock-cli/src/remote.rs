@@ -1,0 +1,571 @@
+//! The client subcommands: `acquire`, `renew`, `release`, `ls`, `show`, `watch`,
+//! `force-release`. They speak gRPC through the `fencelock` client library. Output is
+//! for people by default and one JSON document (or one JSON line per event) with
+//! `--json`.
+
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Args;
+use fencelock::proto::{self, EventKind, LockInfo};
+use fencelock::{AcquireSpec, ErrorKind, FencelockBackend, Lease, LockBackend, ServerConfig};
+use serde_json::{json, Value};
+
+use crate::exit;
+
+/// How to reach the server (shared by every client subcommand).
+#[derive(Args, Debug, Clone)]
+pub struct Connection {
+    /// Server URL.
+    #[arg(
+        long,
+        env = "FENCELOCK_SERVER",
+        default_value = "http://127.0.0.1:7420"
+    )]
+    pub server: String,
+    /// Bearer token, if the server requires one.
+    #[arg(long, env = "FENCELOCK_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl Connection {
+    /// Connects, or explains why not (exit code [`exit::UNAVAILABLE`]).
+    pub async fn connect(&self) -> Result<FencelockBackend, Failure> {
+        let mut config = ServerConfig::new(self.server.clone());
+        config.token = self.token.clone();
+        FencelockBackend::connect(config)
+            .await
+            .map_err(Failure::from)
+    }
+}
+
+/// A failed client command: what to print and which exit code to return.
+#[derive(Debug)]
+pub struct Failure {
+    /// The message for stderr.
+    pub message: String,
+    /// The process exit code.
+    pub code: u8,
+}
+
+impl From<fencelock::Error> for Failure {
+    fn from(e: fencelock::Error) -> Failure {
+        Failure {
+            code: exit::for_error(e.kind()),
+            message: e.to_string(),
+        }
+    }
+}
+
+/// The outcome of a client subcommand, as the process exit code.
+pub fn finish(result: Result<(), Failure>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            eprintln!("fencelock: {}", f.message);
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+/// Parses durations like `500ms`, `30s`, `1m`, `2h`, or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration (examples: 500ms, 30s, 1m, 2h)"))?;
+    let seconds = match unit.trim() {
+        "ms" => value / 1000.0,
+        "" | "s" => value,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {text:?} (use ms, s, m or h)"
+            ))
+        }
+    };
+    if !seconds.is_finite() || !(0.0..=1e9).contains(&seconds) {
+        return Err(format!("{text:?} is out of range"));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// `fencelock acquire`.
+#[derive(Args, Debug)]
+pub struct AcquireArgs {
+    /// The lock name.
+    pub name: String,
+    /// Lease length (not renewed: renew it with `fencelock renew`).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub ttl: Duration,
+    /// How long to wait if the lock is held.
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    pub wait: Duration,
+    /// Who holds the lock (shown to operators).
+    #[arg(long)]
+    pub owner: Option<String>,
+    /// Holders the lock admits (a semaphore).
+    #[arg(long, default_value_t = 1)]
+    pub limit: u32,
+    /// Lock-delay after an expiry or forced release.
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    pub lock_delay: Duration,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+/// Takes a lock once, without renewal, and prints the grant.
+pub async fn acquire(args: AcquireArgs) -> Result<(), Failure> {
+    let backend = args.connection.connect().await?;
+    let mut spec = AcquireSpec::new(args.name, args.ttl);
+    spec.wait = args.wait;
+    spec.owner = args.owner.unwrap_or_else(default_owner);
+    spec.limit = args.limit;
+    spec.lock_delay = args.lock_delay;
+    let spinner = Spinner::start(&spec.name, !args.wait.is_zero());
+    let result = backend.acquire(&spec).await;
+    spinner.stop();
+    let lease = result?;
+    if args.connection.json {
+        print_json(&json!({
+            "name": lease.name,
+            "fence": lease.fence,
+            "owner_token": lease.owner_token,
+            "ttl_ms": lease.ttl.as_millis() as u64,
+        }));
+    } else {
+        println!(
+            "acquired {:?}: fence {}, ttl {}\nowner token: {}",
+            lease.name,
+            lease.fence,
+            human(lease.ttl),
+            lease.owner_token
+        );
+    }
+    Ok(())
+}
+
+/// The owner text of CLI acquisitions: `user@host (fencelock cli)`.
+pub fn default_owner() -> String {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        // SAFETY: getuid(2) cannot fail and touches no memory.
+        .unwrap_or_else(|_| format!("uid {}", unsafe { libc::getuid() }));
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "unknown-host".into());
+    format!("{user}@{host} pid {}", std::process::id())
+}
+
+/// `fencelock renew`.
+#[derive(Args, Debug)]
+pub struct RenewArgs {
+    /// The lock name.
+    pub name: String,
+    /// The grant's owner token (printed by `acquire`).
+    #[arg(
+        long = "owner-token",
+        env = "FENCELOCK_OWNER_TOKEN",
+        hide_env_values = true
+    )]
+    pub owner_token: String,
+    /// New lease length.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub ttl: Duration,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+/// Extends a lease.
+pub async fn renew(args: RenewArgs) -> Result<(), Failure> {
+    let backend = args.connection.connect().await?;
+    let lease = Lease::new(args.name.clone(), 0, args.owner_token, args.ttl);
+    let ttl = backend.renew(&lease, args.ttl).await?;
+    if args.connection.json {
+        print_json(&json!({"name": args.name, "ttl_ms": ttl.as_millis() as u64}));
+    } else {
+        println!("renewed {:?} for {}", args.name, human(ttl));
+    }
+    Ok(())
+}
+
+/// `fencelock release`.
+#[derive(Args, Debug)]
+pub struct ReleaseArgs {
+    /// The lock name.
+    pub name: String,
+    /// The grant's owner token (printed by `acquire`).
+    #[arg(
+        long = "owner-token",
+        env = "FENCELOCK_OWNER_TOKEN",
+        hide_env_values = true
+    )]
+    pub owner_token: String,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+/// Gives a lock back.
+pub async fn release(args: ReleaseArgs) -> Result<(), Failure> {
+    let backend = args.connection.connect().await?;
+    let lease = Lease::new(args.name.clone(), 0, args.owner_token, Duration::ZERO);
+    let released = backend.release(&lease).await?;
+    if args.connection.json {
+        print_json(&json!({"name": args.name, "released": released}));
+    } else if released {
+        println!("released {:?}", args.name);
+    } else {
+        println!(
+            "{:?} was not held by this token (already released or expired)",
+            args.name
+        );
+    }
+    Ok(())
+}
+
+/// `fencelock ls`.
+#[derive(Args, Debug)]
+pub struct LsArgs {
+    /// Only locks whose names start with this.
+    #[arg(long, default_value = "")]
+    pub prefix: String,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+/// Lists locks (all pages).
+pub async fn ls(args: LsArgs) -> Result<(), Failure> {
+    let backend = args.connection.connect().await?;
+    let mut locks = Vec::new();
+    let mut after = None;
+    loop {
+        let page = backend.list_locks(&args.prefix, after, 1000).await?;
+        locks.extend(page.locks);
+        match page.next_after {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    if args.connection.json {
+        print_json(&json!({"locks": locks.iter().map(lock_json).collect::<Vec<_>>()}));
+        return Ok(());
+    }
+    if locks.is_empty() {
+        println!("no locks{}", prefix_note(&args.prefix));
+        return Ok(());
+    }
+    println!(
+        "{:<40} {:>7} {:>12} {:>10} {:>10}  OWNER",
+        "NAME", "HOLDERS", "FENCE", "HELD", "TTL LEFT"
+    );
+    for lock in &locks {
+        let first = lock.holders.first();
+        println!(
+            "{:<40} {:>7} {:>12} {:>10} {:>10}  {}{}",
+            lock.name,
+            format!("{}/{}", lock.holders.len(), lock.limit),
+            first
+                .map(|h| h.fence.to_string())
+                .unwrap_or_else(|| "-".into()),
+            first
+                .map(|h| human_ms(h.held_ms))
+                .unwrap_or_else(|| "-".into()),
+            first
+                .map(|h| human_ms(h.ttl_remaining_ms))
+                .unwrap_or_else(|| "-".into()),
+            first.map(|h| h.owner.as_str()).unwrap_or("-"),
+            if lock.waiters > 0 {
+                format!("  (+{} waiting)", lock.waiters)
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok(())
+}
+
+fn prefix_note(prefix: &str) -> String {
+    if prefix.is_empty() {
+        String::new()
+    } else {
+        format!(" with prefix {prefix:?}")
+    }
+}
+
+/// `fencelock show`.
+#[derive(Args, Debug)]
+pub struct ShowArgs {
+    /// The lock name.
+    pub name: String,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+/// Shows one lock.
+pub async fn show(args: ShowArgs) -> Result<(), Failure> {
+    let backend = args.connection.connect().await?;
+    let lock = backend.get_lock(&args.name).await?;
+    if args.connection.json {
+        print_json(&lock_json(&lock));
+        return Ok(());
+    }
+    println!("lock {:?} (limit {})", lock.name, lock.limit);
+    for h in &lock.holders {
+        println!(
+            "  holder: fence {}, owner {:?}, held {}, ttl left {}{}",
+            h.fence,
+            h.owner,
+            human_ms(h.held_ms),
+            human_ms(h.ttl_remaining_ms),
+            h.session
+                .as_ref()
+                .map(|s| format!(", session {s}"))
+                .unwrap_or_default()
+        );
+    }
+    if lock.holders.is_empty() {
+        println!("  no holders");
+    }
+    println!("  waiters: {}", lock.waiters);
+    if lock.lock_delay_remaining_ms > 0 {
+        println!(
+            "  lock-delay: {} left",
+            human_ms(lock.lock_delay_remaining_ms)
+        );
+    }
+    Ok(())
+}
+
+/// `fencelock watch`.
+#[derive(Args, Debug)]
+pub struct WatchArgs {
+    /// Only events of locks whose names start with this.
+    #[arg(long, default_value = "")]
+    pub prefix: String,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+/// Prints lock events as they happen, until interrupted or the server ends the stream.
+pub async fn watch(args: WatchArgs) -> Result<(), Failure> {
+    let backend = args.connection.connect().await?;
+    let mut events = backend.watch(&args.prefix).await?;
+    if !args.connection.json {
+        eprintln!("watching{} (Ctrl-C to stop)", prefix_note(&args.prefix));
+    }
+    while let Some(event) = events.next().await? {
+        if args.connection.json {
+            print_json(&event_json(&event));
+        } else {
+            println!("{}", event_line(&event));
+        }
+    }
+    Ok(())
+}
+
+/// `fencelock force-release`.
+#[derive(Args, Debug)]
+pub struct ForceReleaseArgs {
+    /// The lock name.
+    pub name: String,
+    /// Why (required; recorded with the event).
+    #[arg(long)]
+    pub reason: String,
+    /// Only the holder with this fence (default: every holder).
+    #[arg(long)]
+    pub fence: Option<u64>,
+    #[command(flatten)]
+    pub connection: Connection,
+}
+
+/// Operator action: takes a lock from its holders.
+pub async fn force_release(args: ForceReleaseArgs) -> Result<(), Failure> {
+    let backend = args.connection.connect().await?;
+    let fences = backend
+        .force_release(&args.name, args.fence, &args.reason)
+        .await?;
+    if args.connection.json {
+        print_json(&json!({"name": args.name, "fences": fences}));
+    } else if fences.is_empty() {
+        println!("{:?}: no holder was released", args.name);
+    } else {
+        println!("{:?}: released fences {fences:?}", args.name);
+    }
+    Ok(())
+}
+
+fn print_json(value: &Value) {
+    println!("{value}");
+}
+
+fn lock_json(lock: &LockInfo) -> Value {
+    json!({
+        "name": lock.name,
+        "limit": lock.limit,
+        "holders": lock.holders.iter().map(|h| json!({
+            "fence": h.fence,
+            "owner": h.owner,
+            "held_ms": h.held_ms,
+            "ttl_remaining_ms": h.ttl_remaining_ms,
+            "session": h.session,
+        })).collect::<Vec<_>>(),
+        "waiters": lock.waiters,
+        "lock_delay_remaining_ms": lock.lock_delay_remaining_ms,
+    })
+}
+
+fn kind_name(kind: i32) -> &'static str {
+    match EventKind::try_from(kind) {
+        Ok(EventKind::Granted) => "granted",
+        Ok(EventKind::Released) => "released",
+        Ok(EventKind::Expired) => "expired",
+        Ok(EventKind::ForceReleased) => "force_released",
+        Ok(EventKind::Queued) => "queued",
+        Ok(EventKind::WaitEnded) => "wait_ended",
+        _ => "unknown",
+    }
+}
+
+fn wait_end_name(end: i32) -> Option<&'static str> {
+    match proto::WaitEnd::try_from(end) {
+        Ok(proto::WaitEnd::TimedOut) => Some("timed_out"),
+        Ok(proto::WaitEnd::SessionEnded) => Some("session_ended"),
+        Ok(proto::WaitEnd::Cancelled) => Some("cancelled"),
+        Ok(proto::WaitEnd::ServerRestarted) => Some("server_restarted"),
+        _ => None,
+    }
+}
+
+fn event_json(e: &proto::LockEvent) -> Value {
+    json!({
+        "kind": kind_name(e.kind),
+        "name": e.name,
+        "fence": e.fence,
+        "owner": e.owner,
+        "session": e.session,
+        "at_ms": e.at_ms,
+        "duration_ms": e.duration_ms,
+        "reason": e.reason,
+        "wait_end": wait_end_name(e.wait_end),
+    })
+}
+
+fn event_line(e: &proto::LockEvent) -> String {
+    let mut line = format!("{:<15} {}", kind_name(e.kind), e.name);
+    if let Some(fence) = e.fence {
+        line.push_str(&format!(" fence={fence}"));
+    }
+    if !e.owner.is_empty() {
+        line.push_str(&format!(" owner={:?}", e.owner));
+    }
+    if e.duration_ms > 0 {
+        line.push_str(&format!(" after={}", human_ms(e.duration_ms)));
+    }
+    if let Some(reason) = &e.reason {
+        line.push_str(&format!(" reason={reason:?}"));
+    }
+    if let Some(end) = wait_end_name(e.wait_end) {
+        line.push_str(&format!(" ({end})"));
+    }
+    line
+}
+
+fn human(d: Duration) -> String {
+    human_ms(d.as_millis() as u64)
+}
+
+fn human_ms(ms: u64) -> String {
+    match ms {
+        0..=999 => format!("{ms}ms"),
+        1000..=59_999 => format!("{:.1}s", ms as f64 / 1000.0),
+        60_000..=3_599_999 => format!("{}m{:02}s", ms / 60_000, ms / 1000 % 60),
+        _ => format!("{}h{:02}m", ms / 3_600_000, ms / 60_000 % 60),
+    }
+}
+
+/// A "waiting for …" spinner on stderr, shown only when stderr is a terminal.
+pub struct Spinner {
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Spinner {
+    /// Starts the spinner if `waiting` and stderr is a terminal.
+    pub fn start(name: &str, waiting: bool) -> Spinner {
+        if !waiting || !std::io::stderr().is_terminal() {
+            return Spinner { task: None };
+        }
+        let name = name.to_owned();
+        let task = tokio::spawn(async move {
+            const FRAMES: [char; 10] = ['⠋', '⠙', '⠹', '⠸', '⠼', '⠴', '⠦', '⠧', '⠇', '⠏'];
+            let start = tokio::time::Instant::now();
+            for frame in FRAMES.iter().cycle() {
+                let waited = human(start.elapsed());
+                let mut err = std::io::stderr();
+                let _ = write!(err, "\r{frame} waiting for {name:?} ({waited})\x1b[K");
+                let _ = err.flush();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        Spinner { task: Some(task) }
+    }
+
+    /// Stops the spinner and clears its line.
+    pub fn stop(self) {
+        if let Some(task) = self.task {
+            task.abort();
+            let mut err = std::io::stderr();
+            let _ = write!(err, "\r\x1b[K");
+            let _ = err.flush();
+        }
+    }
+}
+
+/// Whether an error means "the lock was not granted" (for `run`'s exit code).
+pub fn not_acquired(kind: ErrorKind) -> bool {
+    matches!(kind, ErrorKind::Held | ErrorKind::Timeout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        let ok = [
+            ("500ms", 500),
+            ("30s", 30_000),
+            ("30", 30_000),
+            ("1m", 60_000),
+            ("1.5s", 1500),
+            ("2h", 7_200_000),
+            ("0s", 0),
+        ];
+        for (text, ms) in ok {
+            assert_eq!(
+                parse_duration(text).unwrap(),
+                Duration::from_millis(ms),
+                "{text}"
+            );
+        }
+        for bad in ["", "s", "10x", "-1s", "1e400s", "ms5", "1.2.3s"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
+
+    #[test]
+    fn human_durations() {
+        assert_eq!(human_ms(250), "250ms");
+        assert_eq!(human_ms(1500), "1.5s");
+        assert_eq!(human_ms(61_000), "1m01s");
+        assert_eq!(human_ms(3_660_000), "1h01m");
+    }
+}
