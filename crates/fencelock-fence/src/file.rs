@@ -1,0 +1,434 @@
+//! The file gate: fenced whole-file replacement in one directory.
+//!
+//! # On-disk layout
+//!
+//! For a file `NAME` in the gate's directory:
+//!
+//! | path | content |
+//! |---|---|
+//! | `NAME` | the data of the last completed write; readers just read it |
+//! | `.NAME.fence` | the last accepted fence: `fencelock-fence 1\n<decimal fence>\n` |
+//! | `.NAME.lock` | empty; `flock(2)`ed exclusively around every check + write |
+//! | `.NAME.tmp`, `.NAME.fence.tmp` | a write in progress (or left by a crash) |
+//!
+//! # A write, step by step (holding the lock)
+//!
+//! 1. Read `.NAME.fence`; refuse the write as stale unless its fence is greater.
+//! 2. Write the data to `.NAME.tmp`, `fsync` it.
+//! 3. Write the fence record to `.NAME.fence.tmp`, `fsync`, rename it over
+//!    `.NAME.fence`, `fsync` the directory: **the new fence is durable before the data
+//!    is visible.**
+//! 4. Rename `.NAME.tmp` over `NAME`, `fsync` the directory.
+//!
+//! A crash anywhere leaves `NAME` either old or new, never partial (rename is atomic).
+//! A crash between 3 and 4 leaves the old data with the *new* fence recorded: that
+//! write is lost (it was never acknowledged), and every writer with a fence up to the
+//! new one is still refused, so a stale writer can never install older data than what
+//! a newer writer may already have produced. Recording the fence *after* the rename
+//! would open the opposite window: new data on disk, old fence recorded, and a stale
+//! writer accepted on top of it.
+//!
+//! The lock is an `flock` on a file that is never deleted, so it excludes writers in
+//! other threads and other processes on the same machine, and the kernel releases it
+//! when a writer dies. (`flock` over NFS is not reliable: keep the directory local.)
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{ErrorKind as IoErrorKind, Write};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::{ErrorKind, FenceError, FenceGate, GateMetrics};
+
+/// The first line of every fence record.
+const RECORD_HEADER: &str = "fencelock-fence 1";
+
+/// Longest accepted file name, in bytes (room for the `.NAME.fence.tmp` suffixes).
+const MAX_NAME_LEN: usize = 200;
+
+/// Fenced writes of whole files in one directory (see the [module docs](self) for the
+/// layout and the crash analysis).
+///
+/// Each write replaces the file atomically (temp file, `fsync`, rename, `fsync` of the
+/// directory) if its fence is greater than the last one accepted for that file. Safe
+/// across threads and processes on one machine, and across crashes. Cloning gives
+/// another handle to the same directory and counter.
+///
+/// The methods do blocking file I/O; [`FenceGate::apply`] runs them on tokio's blocking
+/// pool (it needs a tokio runtime).
+#[derive(Clone, Debug)]
+pub struct FileGate {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    name: String,
+    dir: PathBuf,
+    stale_rejections: AtomicU64,
+    /// Test hook: stop a write right after this step, as a crash would.
+    #[cfg(test)]
+    crash_after: std::sync::Mutex<Option<Step>>,
+}
+
+/// The steps of a write, for the crash tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    DataSynced,
+    FenceRecorded,
+}
+
+impl FileGate {
+    /// A gate for the files in `dir` (which must exist), named `"file"`.
+    pub fn new(dir: impl Into<PathBuf>) -> Result<FileGate, FenceError> {
+        FileGate::named("file", dir)
+    }
+
+    /// Like [`new`](FileGate::new), with a name for metrics.
+    pub fn named(name: impl Into<String>, dir: impl Into<PathBuf>) -> Result<FileGate, FenceError> {
+        let dir = dir.into();
+        let meta = fs::metadata(&dir).map_err(|e| io_error("open the directory", &dir, e))?;
+        if !meta.is_dir() {
+            return Err(FenceError::new(
+                ErrorKind::InvalidInput,
+                format!("{} is not a directory", dir.display()),
+            ));
+        }
+        Ok(FileGate {
+            inner: Arc::new(Inner {
+                name: name.into(),
+                dir,
+                stale_rejections: AtomicU64::new(0),
+                #[cfg(test)]
+                crash_after: std::sync::Mutex::new(None),
+            }),
+        })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// The path of the data file `name`.
+    pub fn path(&self, name: &str) -> Result<PathBuf, FenceError> {
+        check_name(name)?;
+        Ok(self.inner.dir.join(name))
+    }
+
+    /// Replaces the file `name` with `data` if `fence` is greater than the last fence
+    /// accepted for it. Returns once the new contents and fence are durable.
+    ///
+    /// Errors: [`ErrorKind::Stale`] (nothing changed), [`ErrorKind::InvalidInput`] for a
+    /// name that is empty, too long, starts with `.`, or contains `/` or NUL,
+    /// [`ErrorKind::Corrupt`] for an unreadable fence record, [`ErrorKind::Io`].
+    pub fn write(&self, name: &str, fence: u64, data: &[u8]) -> Result<(), FenceError> {
+        check_name(name)?;
+        let dir = &self.inner.dir;
+        let _lock = self.lock(name)?;
+
+        let last = self.read_record(name)?;
+        if fence <= last.unwrap_or(0) {
+            self.inner.stale_rejections.fetch_add(1, Ordering::Relaxed);
+            return Err(FenceError::stale(
+                &format_args!("file {:?}", dir.join(name)),
+                fence,
+                Some(last.unwrap_or(0)),
+            ));
+        }
+
+        let data_tmp = dir.join(format!(".{name}.tmp"));
+        write_synced(&data_tmp, data)?;
+        self.crash_point(Step::DataSynced)?;
+
+        let record_tmp = dir.join(format!(".{name}.fence.tmp"));
+        let record = dir.join(format!(".{name}.fence"));
+        write_synced(
+            &record_tmp,
+            format!("{RECORD_HEADER}\n{fence}\n").as_bytes(),
+        )?;
+        rename(&record_tmp, &record)?;
+        sync_dir(dir)?;
+        self.crash_point(Step::FenceRecorded)?;
+
+        rename(&data_tmp, &dir.join(name))?;
+        sync_dir(dir)?;
+        Ok(())
+    }
+
+    /// The contents of the file `name` (`None` if no write completed yet).
+    pub fn read(&self, name: &str) -> Result<Option<Vec<u8>>, FenceError> {
+        let path = self.path(name)?;
+        match fs::read(&path) {
+            Ok(data) => Ok(Some(data)),
+            Err(e) if e.kind() == IoErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io_error("read", &path, e)),
+        }
+    }
+
+    /// The last fence accepted for `name` (`None` if none). After a crash in the middle
+    /// of a write this can be newer than the fence of the data in the file.
+    pub fn last_fence(&self, name: &str) -> Result<Option<u64>, FenceError> {
+        check_name(name)?;
+        self.read_record(name)
+    }
+
+    /// Takes the writers' lock for `name`; released when the returned file is closed.
+    fn lock(&self, name: &str) -> Result<File, FenceError> {
+        let path = self.inner.dir.join(format!(".{name}.lock"));
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io_error("open the lock file", &path, e))?;
+        loop {
+            // SAFETY: a valid open file descriptor, owned by `file`.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                return Ok(file);
+            }
+            let err = std::io::Error::last_os_error();
+            if err.kind() != IoErrorKind::Interrupted {
+                return Err(io_error("flock", &path, err));
+            }
+        }
+    }
+
+    fn read_record(&self, name: &str) -> Result<Option<u64>, FenceError> {
+        let path = self.inner.dir.join(format!(".{name}.fence"));
+        let text = match fs::read(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == IoErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_error("read the fence record", &path, e)),
+        };
+        parse_record(&text).map(Some).ok_or_else(|| {
+            FenceError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "fence record {} is corrupt (expected \"{RECORD_HEADER}\\n<fence>\\n\"); \
+                     refusing to write rather than guess the last fence",
+                    path.display()
+                ),
+            )
+        })
+    }
+
+    #[cfg(test)]
+    pub(crate) fn crash_after(&self, step: Option<Step>) {
+        *self.inner.crash_after.lock().unwrap() = step;
+    }
+
+    #[cfg(test)]
+    fn crash_point(&self, step: Step) -> Result<(), FenceError> {
+        if *self.inner.crash_after.lock().unwrap() == Some(step) {
+            return Err(FenceError::new(
+                ErrorKind::Io,
+                format!("simulated crash after {step:?}"),
+            ));
+        }
+        Ok(())
+    }
+
+    #[cfg(not(test))]
+    #[inline(always)]
+    fn crash_point(&self, _step: Step) -> Result<(), FenceError> {
+        Ok(())
+    }
+}
+
+impl GateMetrics for FileGate {
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    fn stale_rejections(&self) -> u64 {
+        self.inner.stale_rejections.load(Ordering::Relaxed)
+    }
+}
+
+impl FenceGate for FileGate {
+    type Key = str;
+    type Write = Vec<u8>;
+    type Applied = ();
+
+    /// [`FileGate::write`] on tokio's blocking thread pool.
+    fn apply(
+        &self,
+        key: &str,
+        fence: u64,
+        write: Vec<u8>,
+    ) -> impl std::future::Future<Output = Result<(), FenceError>> + Send {
+        let gate = self.clone();
+        let name = key.to_owned();
+        async move {
+            tokio::task::spawn_blocking(move || gate.write(&name, fence, &write))
+                .await
+                .map_err(|e| {
+                    FenceError::new(ErrorKind::Io, format!("file write task failed: {e}"))
+                })?
+        }
+    }
+}
+
+fn parse_record(text: &[u8]) -> Option<u64> {
+    let text = std::str::from_utf8(text).ok()?;
+    let rest = text.strip_prefix(RECORD_HEADER)?.strip_prefix('\n')?;
+    let digits = rest.strip_suffix('\n')?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+fn check_name(name: &str) -> Result<(), FenceError> {
+    let problem = if name.is_empty() {
+        Some("is empty")
+    } else if name.len() > MAX_NAME_LEN {
+        Some("is longer than 200 bytes")
+    } else if name.starts_with('.') {
+        Some("starts with '.' (reserved for the gate's own files)")
+    } else if name.contains('/') || name.contains('\0') {
+        Some("contains '/' or NUL (must be a plain file name)")
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(FenceError::new(
+            ErrorKind::InvalidInput,
+            format!("file name {name:?} {problem}"),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn write_synced(path: &Path, data: &[u8]) -> Result<(), FenceError> {
+    let mut file = File::create(path).map_err(|e| io_error("create", path, e))?;
+    file.write_all(data)
+        .map_err(|e| io_error("write", path, e))?;
+    file.sync_all().map_err(|e| io_error("fsync", path, e))
+}
+
+fn rename(from: &Path, to: &Path) -> Result<(), FenceError> {
+    fs::rename(from, to).map_err(|e| io_error(&format!("rename {} to", from.display()), to, e))
+}
+
+fn sync_dir(dir: &Path) -> Result<(), FenceError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io_error("fsync the directory", dir, e))
+}
+
+fn io_error(what: &str, path: &Path, err: std::io::Error) -> FenceError {
+    FenceError::new(ErrorKind::Io, format!("{what} {}", path.display())).with_source(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gate() -> (tempfile::TempDir, FileGate) {
+        let dir = tempfile::tempdir().unwrap();
+        let gate = FileGate::new(dir.path()).unwrap();
+        (dir, gate)
+    }
+
+    /// The crash the ordering exists for: the new fence is recorded, the data rename
+    /// never happened. The old data stays, every fence up to the recorded one is
+    /// refused, and the next newer write cleans up and applies.
+    #[test]
+    fn crash_after_fence_recorded_before_rename_refuses_stale_writers() {
+        let (_dir, gate) = gate();
+        gate.write("report.csv", 3, b"from fence 3").unwrap();
+
+        gate.crash_after(Some(Step::FenceRecorded));
+        let crashed = gate.write("report.csv", 9, b"from fence 9").unwrap_err();
+        assert!(crashed.to_string().contains("simulated crash"), "{crashed}");
+        gate.crash_after(None);
+
+        // On disk: old data, new fence, the unrenamed temp file.
+        assert_eq!(gate.read("report.csv").unwrap().unwrap(), b"from fence 3");
+        assert_eq!(gate.last_fence("report.csv").unwrap(), Some(9));
+        assert!(gate.dir().join(".report.csv.tmp").exists());
+
+        // A writer whose fence lies between the data's and the recorded one is stale.
+        for fence in [4, 8, 9] {
+            let err = gate.write("report.csv", fence, b"stale").unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Stale, "fence {fence}: {err}");
+            assert_eq!(err.last_fence(), Some(9));
+        }
+        assert_eq!(gate.read("report.csv").unwrap().unwrap(), b"from fence 3");
+        assert_eq!(gate.stale_rejections(), 3);
+
+        gate.write("report.csv", 10, b"from fence 10").unwrap();
+        assert_eq!(gate.read("report.csv").unwrap().unwrap(), b"from fence 10");
+        assert_eq!(gate.last_fence("report.csv").unwrap(), Some(10));
+        assert!(!gate.dir().join(".report.csv.tmp").exists());
+    }
+
+    /// A crash before the fence is recorded loses the write and changes nothing else:
+    /// the same fence can still be applied afterwards.
+    #[test]
+    fn crash_after_data_synced_changes_nothing() {
+        let (_dir, gate) = gate();
+        gate.write("f", 3, b"three").unwrap();
+        gate.crash_after(Some(Step::DataSynced));
+        gate.write("f", 5, b"five").unwrap_err();
+        gate.crash_after(None);
+        assert_eq!(gate.read("f").unwrap().unwrap(), b"three");
+        assert_eq!(gate.last_fence("f").unwrap(), Some(3));
+        gate.write("f", 5, b"five").unwrap();
+        assert_eq!(gate.read("f").unwrap().unwrap(), b"five");
+    }
+
+    #[test]
+    fn corrupt_fence_record_refuses_writes() {
+        let (_dir, gate) = gate();
+        gate.write("f", 3, b"three").unwrap();
+        for bad in [
+            &b""[..],
+            b"fencelock-fence 1\n",
+            b"fencelock-fence 1\n12x\n",
+            b"7\n",
+        ] {
+            fs::write(gate.dir().join(".f.fence"), bad).unwrap();
+            let err = gate.write("f", 100, b"new").unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Corrupt, "{bad:?}: {err}");
+            assert_eq!(gate.read("f").unwrap().unwrap(), b"three");
+        }
+    }
+
+    #[test]
+    fn names_must_be_plain_file_names() {
+        let (_dir, gate) = gate();
+        let long = "x".repeat(201);
+        for name in ["", ".hidden", "a/b", "..", "a\0b", long.as_str()] {
+            let err = gate.write(name, 1, b"x").unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidInput, "{name:?}");
+        }
+        gate.write(&"x".repeat(200), 1, b"x").unwrap();
+    }
+
+    #[test]
+    fn record_parser_accepts_only_the_documented_format() {
+        assert_eq!(parse_record(b"fencelock-fence 1\n42\n"), Some(42));
+        assert_eq!(
+            parse_record(format!("fencelock-fence 1\n{}\n", u64::MAX).as_bytes()),
+            Some(u64::MAX)
+        );
+        for bad in [
+            &b"fencelock-fence 1\n42"[..],
+            b"fencelock-fence 1\n+42\n",
+            b"fencelock-fence 1\n 42\n",
+            b"fencelock-fence 2\n42\n",
+            b"fencelock-fence 1\n18446744073709551616\n",
+        ] {
+            assert_eq!(
+                parse_record(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+}
