@@ -433,3 +433,38 @@ async fn watch_prints_events_and_force_release_takes_the_lock() {
     assert_eq!(event["reason"], "stuck job");
     watch.kill().await.unwrap();
 }
+
+/// The spinner shows only when stderr is a terminal (`script` gives the command a
+/// pseudo-terminal); with stderr piped, output stays clean for scripts.
+#[tokio::test]
+async fn a_spinner_shows_while_waiting_only_on_a_terminal() {
+    let server = TestServer::start().await;
+    let client = Client::connect(&server.url()).await.unwrap();
+    let _held = client.lock("spin").acquire().await.unwrap();
+    let command = format!(
+        "{} acquire spin --wait 400ms --server {}",
+        env!("CARGO_BIN_EXE_fencelock"),
+        server.url()
+    );
+    let out = finish(
+        Command::new("script")
+            .args(["-q", "-e", "-c", &command, "/dev/null"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
+    .await;
+    let tty = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(124), "{tty}");
+    assert!(
+        tty.contains("waiting for \"spin\""),
+        "no spinner on a terminal: {tty:?}"
+    );
+
+    let out = finish(fencelock(&server.url()).args(["acquire", "spin", "--wait", "200ms"])).await;
+    assert_eq!(out.status.code(), Some(124));
+    assert!(
+        !text(&out.stderr).contains("waiting for"),
+        "spinner on a pipe"
+    );
+}

@@ -406,3 +406,31 @@ async fn reads_and_watch_through_the_backend() {
     let gone = backend.get_lock("app:x").await.unwrap_err();
     assert_eq!(gone.kind(), ErrorKind::NotFound);
 }
+
+/// The connection is re-established after the server restarts (same address, same
+/// data): the guard keeps its lock through the restart (a restart gives every lease
+/// its full TTL again), renewals resume, and new requests work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guard_survives_a_server_restart_and_the_client_reconnects() {
+    let server = TestServer::start().await;
+    let addr = server.addr();
+    let TestServer { server, dir } = server;
+    let client = Client::connect(&format!("http://{addr}")).await.unwrap();
+    let guard = client
+        .lock("restart")
+        .ttl(Duration::from_secs(4))
+        .acquire()
+        .await
+        .unwrap();
+    server.shutdown().await.unwrap();
+    let config =
+        fencelock_server::ServerConfig::new(addr, fencelock_server::EngineConfig::new(dir.path()));
+    let server = fencelock_server::Server::start(config).await.unwrap();
+    // Two renewal periods later the guard is still valid and still the holder.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(guard.valid_for().is_some(), "lost across a quick restart");
+    let busy = client.lock("restart").try_acquire().await.unwrap_err();
+    assert_eq!(busy.kind(), ErrorKind::Held);
+    assert!(guard.release().await.unwrap());
+    server.shutdown().await.unwrap();
+}
