@@ -288,6 +288,8 @@ impl Client {
                     }
                     return Ok(guard);
                 }
+                // One call waits at most an hour on the server; the budget may be longer.
+                Err(e) if e.kind() == ErrorKind::Timeout && Instant::now() < budget_end => {}
                 Err(e) if e.is_transient() => {
                     let delay = options.backoff.delay(attempt);
                     attempt = attempt.saturating_add(1);
@@ -295,6 +297,11 @@ impl Client {
                         return Err(e);
                     }
                     tokio::time::sleep(delay).await;
+                }
+                // The last sliver of a wait budget is sent as "don't wait": still a
+                // timeout to the caller who asked to wait.
+                Err(e) if e.kind() == ErrorKind::Held && !options.wait.is_zero() => {
+                    return Err(Error::new(ErrorKind::Timeout, e.message()));
                 }
                 Err(e) => return Err(e),
             }

@@ -246,7 +246,21 @@ impl Renewer {
                         control = inbox.recv() => control,
                         renewed = self.renew() => match renewed {
                             Ok(()) => continue,
-                            Err(reason) => return self.mark_lost(reason),
+                            Err(reason) => {
+                                let unconfirmed = matches!(reason, LostReason::DeadlineReached);
+                                self.mark_lost(reason);
+                                if unconfirmed {
+                                    // The grant may still exist on a slow store: free
+                                    // it for the next holder (the owner token makes
+                                    // this safe), but don't linger.
+                                    let _ = tokio::time::timeout(
+                                        self.timing.margin,
+                                        self.backend.release(&self.lease),
+                                    )
+                                    .await;
+                                }
+                                return;
+                            }
                         },
                     }
                 }
