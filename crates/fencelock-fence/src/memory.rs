@@ -69,6 +69,18 @@ impl<V> MemoryGate<V> {
         }
     }
 
+    /// Creates `key` with `value` and no accepted fence yet (last fence 0), like
+    /// inserting a row with `fence DEFAULT 0`: the first fenced write (any fence above
+    /// 0) applies on top of it. Returns `false`, changing nothing, if `key` exists.
+    pub fn seed(&self, key: &str, value: V) -> bool {
+        let mut entries = self.lock();
+        if entries.contains_key(key) {
+            return false;
+        }
+        entries.insert(key.to_owned(), Entry { fence: 0, value });
+        true
+    }
+
     /// Stores `value` under `key` if `fence` is greater than the last fence accepted for
     /// `key` (a new key has none: any fence above 0 is accepted).
     pub fn set(&self, key: &str, fence: u64, value: V) -> Result<(), FenceError> {

@@ -35,6 +35,19 @@ async fn stale_write_is_refused_and_changes_nothing() {
 }
 
 #[test]
+fn seeded_value_takes_any_positive_fence_and_is_not_overwritten_by_seed() {
+    let gate = MemoryGate::new();
+    assert!(gate.seed("stock", 1));
+    assert_eq!(gate.get("stock"), Some((0, 1)));
+    assert!(!gate.seed("stock", 99));
+    assert_eq!(gate.get("stock"), Some((0, 1)));
+    gate.update("stock", 1, |old| old.unwrap() - 1).unwrap();
+    assert_eq!(gate.get("stock"), Some((1, 0)));
+    assert!(!gate.seed("stock", 99));
+    assert_eq!(gate.get("stock"), Some((1, 0)));
+}
+
+#[test]
 fn update_runs_only_for_a_newer_fence() {
     let gate = MemoryGate::new();
     gate.update("stock", 1, |old| old.copied().unwrap_or(1) - 1)
