@@ -9,16 +9,19 @@
 //! | `NAME` | the data of the last completed write; readers just read it |
 //! | `.NAME.fence` | the last accepted fence: `fencelock-fence 1\n<decimal fence>\n` |
 //! | `.NAME.lock` | empty; `flock(2)`ed exclusively around every check + write |
-//! | `.NAME.tmp`, `.NAME.fence.tmp` | a write in progress (or left by a crash) |
+//! | `.NAME.data-tmp`, `.NAME.fence-tmp` | a write in progress (or left by a crash) |
+//!
+//! The four suffixes differ in their last characters (`k`, `e`, `a-tmp`, `e-tmp`), so
+//! the gate's files of two different names never coincide (`a` and `a.fence` included).
 //!
 //! # A write, step by step (holding the lock)
 //!
 //! 1. Read `.NAME.fence`; refuse the write as stale unless its fence is greater.
-//! 2. Write the data to `.NAME.tmp`, `fsync` it.
-//! 3. Write the fence record to `.NAME.fence.tmp`, `fsync`, rename it over
+//! 2. Write the data to `.NAME.data-tmp`, `fsync` it.
+//! 3. Write the fence record to `.NAME.fence-tmp`, `fsync`, rename it over
 //!    `.NAME.fence`, `fsync` the directory: **the new fence is durable before the data
 //!    is visible.**
-//! 4. Rename `.NAME.tmp` over `NAME`, `fsync` the directory.
+//! 4. Rename `.NAME.data-tmp` over `NAME`, `fsync` the directory.
 //!
 //! A crash anywhere leaves `NAME` either old or new, never partial (rename is atomic).
 //! A crash between 3 and 4 leaves the old data with the *new* fence recorded: that
@@ -44,7 +47,7 @@ use crate::{ErrorKind, FenceError, FenceGate, GateMetrics};
 /// The first line of every fence record.
 const RECORD_HEADER: &str = "fencelock-fence 1";
 
-/// Longest accepted file name, in bytes (room for the `.NAME.fence.tmp` suffixes).
+/// Longest accepted file name, in bytes (room for the `.NAME.fence-tmp` suffixes).
 const MAX_NAME_LEN: usize = 200;
 
 /// Fenced writes of whole files in one directory (see the [module docs](self) for the
@@ -138,12 +141,12 @@ impl FileGate {
             ));
         }
 
-        let data_tmp = dir.join(format!(".{name}.tmp"));
+        let paths = Paths::new(dir, name);
+        let data_tmp = paths.data_tmp;
         write_synced(&data_tmp, data)?;
         self.crash_point(Step::DataSynced)?;
 
-        let record_tmp = dir.join(format!(".{name}.fence.tmp"));
-        let record = dir.join(format!(".{name}.fence"));
+        let (record_tmp, record) = (paths.record_tmp, paths.record);
         write_synced(
             &record_tmp,
             format!("{RECORD_HEADER}\n{fence}\n").as_bytes(),
@@ -152,7 +155,7 @@ impl FileGate {
         sync_dir(dir)?;
         self.crash_point(Step::FenceRecorded)?;
 
-        rename(&data_tmp, &dir.join(name))?;
+        rename(&data_tmp, &paths.data)?;
         sync_dir(dir)?;
         Ok(())
     }
@@ -176,7 +179,7 @@ impl FileGate {
 
     /// Takes the writers' lock for `name`; released when the returned file is closed.
     fn lock(&self, name: &str) -> Result<File, FenceError> {
-        let path = self.inner.dir.join(format!(".{name}.lock"));
+        let path = Paths::new(&self.inner.dir, name).lock;
         let file = OpenOptions::new()
             .create(true)
             .truncate(false)
@@ -196,7 +199,7 @@ impl FileGate {
     }
 
     fn read_record(&self, name: &str) -> Result<Option<u64>, FenceError> {
-        let path = self.inner.dir.join(format!(".{name}.fence"));
+        let path = Paths::new(&self.inner.dir, name).record;
         let text = match fs::read(&path) {
             Ok(text) => text,
             Err(e) if e.kind() == IoErrorKind::NotFound => return Ok(None),
@@ -268,6 +271,38 @@ impl FenceGate for FileGate {
                     FenceError::new(ErrorKind::Io, format!("file write task failed: {e}"))
                 })?
         }
+    }
+}
+
+/// Where the gate keeps the files of one name (see the module docs).
+struct Paths {
+    data: PathBuf,
+    data_tmp: PathBuf,
+    record: PathBuf,
+    record_tmp: PathBuf,
+    lock: PathBuf,
+}
+
+impl Paths {
+    fn new(dir: &Path, name: &str) -> Paths {
+        Paths {
+            data: dir.join(name),
+            data_tmp: dir.join(format!(".{name}.data-tmp")),
+            record: dir.join(format!(".{name}.fence")),
+            record_tmp: dir.join(format!(".{name}.fence-tmp")),
+            lock: dir.join(format!(".{name}.lock")),
+        }
+    }
+
+    #[cfg(test)]
+    fn all(&self) -> [&PathBuf; 5] {
+        [
+            &self.data,
+            &self.data_tmp,
+            &self.record,
+            &self.record_tmp,
+            &self.lock,
+        ]
     }
 }
 
@@ -349,7 +384,7 @@ mod tests {
         // On disk: old data, new fence, the unrenamed temp file.
         assert_eq!(gate.read("report.csv").unwrap().unwrap(), b"from fence 3");
         assert_eq!(gate.last_fence("report.csv").unwrap(), Some(9));
-        assert!(gate.dir().join(".report.csv.tmp").exists());
+        assert!(gate.dir().join(".report.csv.data-tmp").exists());
 
         // A writer whose fence lies between the data's and the recorded one is stale.
         for fence in [4, 8, 9] {
@@ -363,7 +398,7 @@ mod tests {
         gate.write("report.csv", 10, b"from fence 10").unwrap();
         assert_eq!(gate.read("report.csv").unwrap().unwrap(), b"from fence 10");
         assert_eq!(gate.last_fence("report.csv").unwrap(), Some(10));
-        assert!(!gate.dir().join(".report.csv.tmp").exists());
+        assert!(!gate.dir().join(".report.csv.data-tmp").exists());
     }
 
     /// A crash before the fence is recorded loses the write and changes nothing else:
@@ -407,6 +442,38 @@ mod tests {
             assert_eq!(err.kind(), ErrorKind::InvalidInput, "{name:?}");
         }
         gate.write(&"x".repeat(200), 1, b"x").unwrap();
+    }
+
+    /// Regression: with `.NAME.tmp` for data and `.NAME.fence.tmp` for the record, the
+    /// record temp file of `a` was the data temp file of `a.fence`, and concurrent
+    /// writes of the two names clobbered each other.
+    #[test]
+    fn files_of_different_names_never_coincide() {
+        let dir = Path::new("/d");
+        let names = [
+            "a",
+            "a.fence",
+            "a.lock",
+            "a.data-tmp",
+            "a.fence-tmp",
+            "a.tmp",
+            "a.fence.tmp",
+            "a.data",
+            "a-tmp",
+            "a.fence-",
+            "fence",
+            "lock",
+            "a.fence.fence",
+            "a.lock.fence",
+        ];
+        let mut seen = std::collections::HashMap::new();
+        for name in names {
+            for path in Paths::new(dir, name).all() {
+                if let Some(other) = seen.insert(path.clone(), name) {
+                    panic!("{} is used by both {other:?} and {name:?}", path.display());
+                }
+            }
+        }
     }
 
     #[test]
