@@ -103,11 +103,9 @@ impl FenceError {
 
 impl fmt::Display for FenceError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)?;
-        if let Some(source) = &self.source {
-            write!(f, ": {source}")?;
-        }
-        Ok(())
+        // The cause is reported by `source()`, not repeated here (print the chain, e.g.
+        // with anyhow's `{:#}`, to see both).
+        f.write_str(&self.message)
     }
 }
 
