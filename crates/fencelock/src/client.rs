@@ -248,7 +248,7 @@ impl Client {
             name,
             ttl: options.ttl,
             wait: options.wait,
-            owner: options.owner,
+            owner: options.owner.clone(),
             limit: options.limit,
             lock_delay: options.lock_delay,
             request_id: request_id(),
@@ -261,15 +261,19 @@ impl Client {
             let lease_base = *first_sent.get_or_insert(sent);
             spec.wait = budget_end.saturating_duration_since(sent);
             match self.backend.acquire(&spec).await {
-                Ok(lease) => {
-                    let guard = LockGuard::start(self.backend.clone(), lease, lease_base, timing);
-                    // A long wait leaves little of the lease that can be proved from
-                    // the send instant; a renewal sent now proves a fresh one.
+                Ok(mut lease) => {
+                    let mut lease_base = lease_base;
+                    // After a long wait in the queue the send instant proves little of
+                    // the lease (it started when the wait ended): a renewal sent now
+                    // proves a fresh one before the guard is handed out.
                     if Instant::now().saturating_duration_since(lease_base) > options.ttl / 4 {
-                        match guard.confirm().await {
-                            Ok(()) => return Ok(guard),
+                        match self.confirm(&lease, &options, budget_end).await {
+                            Ok((sent, ttl)) => {
+                                lease_base = sent;
+                                lease.ttl = ttl;
+                            }
                             Err(e) if e.kind() == ErrorKind::NotHeld => {
-                                // Expired before we could use it: a fresh attempt.
+                                // Expired before it could be used: a fresh attempt.
                                 spec.request_id = request_id();
                                 first_sent = None;
                                 if Instant::now() >= budget_end {
@@ -283,10 +287,18 @@ impl Client {
                                 }
                                 continue;
                             }
-                            Err(e) => return Err(e),
+                            Err(e) => {
+                                let _ = self.backend.release(&lease).await;
+                                return Err(e);
+                            }
                         }
                     }
-                    return Ok(guard);
+                    return Ok(LockGuard::start(
+                        self.backend.clone(),
+                        lease,
+                        lease_base,
+                        timing,
+                    ));
                 }
                 // One call waits at most an hour on the server; the budget may be longer.
                 Err(e) if e.kind() == ErrorKind::Timeout && Instant::now() < budget_end => {}
@@ -302,6 +314,34 @@ impl Client {
                 // timeout to the caller who asked to wait.
                 Err(e) if e.kind() == ErrorKind::Held && !options.wait.is_zero() => {
                     return Err(Error::new(ErrorKind::Timeout, e.message()));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+impl Client {
+    /// Renews a fresh grant once, retrying transient errors within the wait budget;
+    /// returns the renewal's send instant and the lease length it granted.
+    async fn confirm(
+        &self,
+        lease: &crate::Lease,
+        options: &LockOptions,
+        budget_end: Instant,
+    ) -> Result<(Instant, Duration), Error> {
+        let mut attempt = 0u32;
+        loop {
+            let sent = Instant::now();
+            match self.backend.renew(lease, options.ttl).await {
+                Ok(ttl) => return Ok((sent, ttl)),
+                Err(e) if e.is_transient() => {
+                    let delay = options.backoff.delay(attempt);
+                    attempt = attempt.saturating_add(1);
+                    if Instant::now() + delay >= budget_end {
+                        return Err(e);
+                    }
+                    tokio::time::sleep(delay).await;
                 }
                 Err(e) => return Err(e),
             }

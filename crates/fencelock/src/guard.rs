@@ -60,8 +60,6 @@ struct State {
 }
 
 enum Control {
-    /// Renew now and say whether it worked.
-    Confirm(oneshot::Sender<Result<(), Error>>),
     /// Stop renewing, release, and say what release answered.
     Release(oneshot::Sender<Result<bool, Error>>),
 }
@@ -191,25 +189,6 @@ impl LockGuard {
         }
     }
 
-    /// Renews now and waits for the answer (used after a long wait in the queue).
-    pub(crate) async fn confirm(&self) -> Result<(), Error> {
-        let (reply, answer) = oneshot::channel();
-        if self.control.send(Control::Confirm(reply)).is_err() {
-            return Err(self.lost_error());
-        }
-        answer.await.unwrap_or_else(|_| Err(self.lost_error()))
-    }
-
-    fn lost_error(&self) -> Error {
-        let reason = self
-            .state
-            .borrow()
-            .lost
-            .clone()
-            .unwrap_or(LostReason::DeadlineReached);
-        reason.into_error(self.name())
-    }
-
     /// Stops renewal and releases the lock. `Ok(true)` if this call released it,
     /// `Ok(false)` if it was already gone (expired or taken). No renewal is sent after
     /// this returns.
@@ -266,20 +245,6 @@ impl Renewer {
                 }
             };
             match control {
-                Some(Control::Confirm(reply)) => match self.renew().await {
-                    Ok(()) => {
-                        let _ = reply.send(Ok(()));
-                    }
-                    Err(reason) => {
-                        let error = match &reason {
-                            LostReason::Revoked(e) if e.kind() == ErrorKind::NotHeld => e.clone(),
-                            other => other.clone().into_error(&self.lease.name),
-                        };
-                        self.mark_lost(reason);
-                        let _ = reply.send(Err(error));
-                        return;
-                    }
-                },
                 Some(Control::Release(reply)) => {
                     let result = self.release().await;
                     let _ = reply.send(result);

@@ -434,3 +434,31 @@ async fn a_guard_survives_a_server_restart_and_the_client_reconnects() {
     assert!(guard.release().await.unwrap());
     server.shutdown().await.unwrap();
 }
+
+/// Regression: a waiter granted after waiting about a lease length used to get a
+/// `LockLost` error, because its deadline counted from the acquire's send instant. The
+/// grant is now confirmed by a renewal and handed out with a fresh deadline.
+#[tokio::test]
+async fn a_waiter_granted_after_more_than_a_ttl_gets_a_valid_guard() {
+    let server = TestServer::start().await;
+    let backend = server.backend().await;
+    // A holder that never renews: its 1 s lease expires while the waiter waits.
+    let stale = backend
+        .acquire(&AcquireSpec::new("slow", Duration::from_secs(1)))
+        .await
+        .unwrap();
+    let client = client(&server).await;
+    let guard = client
+        .lock("slow")
+        .ttl(Duration::from_millis(800))
+        .wait(STEP)
+        .acquire()
+        .await
+        .expect("granted after the holder's lease expired");
+    assert!(guard.fence() > stale.fence);
+    assert!(guard.valid_for().is_some());
+    // And it is renewed like any other guard.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    assert!(guard.valid_for().is_some(), "renewed after the late grant");
+    assert!(guard.release().await.unwrap());
+}
