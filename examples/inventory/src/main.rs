@@ -216,16 +216,9 @@ async fn work(
     let me = format!("worker-{id}");
     let client = fencelock::Client::connect(&shop.server_url).await?;
     let store = shop.open().await?;
-    // The paused worker's lease is the short one it outlives; the others finish well
-    // within theirs.
-    let ttl = if pause.is_some() {
-        shop.ttl
-    } else {
-        shop.ttl * 10
-    };
     let guard = client
         .lock(LOCK)
-        .ttl(ttl)
+        .ttl(shop.ttl)
         .wait(Duration::from_secs(30))
         .owner(me.as_str())
         .acquire()
