@@ -6,8 +6,10 @@
 //! protocols until [`Server::shutdown`].
 #![deny(missing_docs)]
 
+pub mod audit;
 pub mod auth;
 pub mod codec;
+pub mod dashboard;
 pub mod engine;
 pub mod error;
 pub mod grpc;

@@ -40,6 +40,30 @@ impl Histogram {
         self.count.load(Ordering::Relaxed)
     }
 
+    /// The mean observation in the histogram's own unit, if there was any.
+    pub fn mean(&self) -> Option<f64> {
+        let count = self.count();
+        (count > 0).then(|| self.sum.load(Ordering::Relaxed) as f64 / count as f64)
+    }
+
+    /// The upper bound of the bucket holding quantile `q` (0..=1), in the
+    /// histogram's own unit; `None` without observations or above the last bound.
+    pub fn quantile_bound(&self, q: f64) -> Option<u64> {
+        let count = self.count();
+        if count == 0 {
+            return None;
+        }
+        let rank = ((count as f64) * q).ceil().max(1.0) as u64;
+        let mut cumulative = 0;
+        for (bound, bucket) in self.bounds.iter().zip(&self.buckets) {
+            cumulative += bucket.load(Ordering::Relaxed);
+            if cumulative >= rank {
+                return Some(*bound);
+            }
+        }
+        None
+    }
+
     fn render(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         let mut cumulative = 0;
