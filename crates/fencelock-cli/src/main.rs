@@ -5,6 +5,7 @@
 
 mod config;
 mod http_get;
+mod token;
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -52,6 +53,8 @@ enum Commands {
         #[arg(long, env = "FENCELOCK_DATA_DIR", default_value = "./fencelock-data")]
         data_dir: PathBuf,
     },
+    /// Make access tokens for the server's [auth] config.
+    Token(token::TokenArgs),
 }
 
 fn main() -> ExitCode {
@@ -60,6 +63,7 @@ fn main() -> ExitCode {
         Commands::Serve(args) => serve(args),
         Commands::Backup { server, out } => backup(&server, &out),
         Commands::Restore { from, data_dir } => restore(&from, &data_dir),
+        Commands::Token(args) => token::run(args),
     };
     match result {
         Ok(code) => code,
@@ -121,6 +125,22 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
             recovery_ms = r.duration.as_millis() as u64,
             "fencelock serving HTTP/JSON and gRPC"
         );
+        let config = &settings.server;
+        match (config.auth.enabled(), config.insecure && !config.listen.ip().is_loopback()) {
+            (true, _) => tracing::info!(
+                tokens = config.auth.tokens.len(),
+                tls = config.tls.is_some(),
+                "authentication on: every request but /healthz and /readyz needs a token"
+            ),
+            (false, false) => tracing::info!(
+                "no tokens configured: authentication is off, so only loopback addresses are served \
+                 (add [[auth.tokens]] to serve other hosts; see `fencelock token new`)"
+            ),
+            (false, true) => tracing::warn!(
+                listen = %config.listen,
+                "--insecure: authentication is off on a non-loopback address; anyone who can reach it can take, force-release and back up every lock"
+            ),
+        }
         if r.truncated_tail_bytes > 0 {
             tracing::warn!(
                 bytes = r.truncated_tail_bytes,

@@ -193,9 +193,9 @@ pub fn hash_token(token: &str) -> String {
 
 /// A fresh random token (256 bits from the OS, hex, with the prefix
 /// [`TOKEN_PREFIX`] so it is recognisable in a leaked file).
-pub fn new_token() -> Result<String, getrandom::Error> {
+pub fn new_token() -> std::io::Result<String> {
     let mut bytes = [0u8; 32];
-    getrandom::fill(&mut bytes)?;
+    getrandom::fill(&mut bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
     Ok(format!("{TOKEN_PREFIX}{}", hex(&bytes)))
 }
 
