@@ -423,7 +423,10 @@ impl Locks for LocksService {
             None => None,
         };
         let reason = Reason::new(&r.reason).map_err(|e| invalid("reason", e))?;
-        let fences = self.handle.force_release(name, fence, reason).await?;
+        let fences = self
+            .handle
+            .force_release_as(name, fence, reason, Some(caller.name().to_owned()))
+            .await?;
         Ok(Response::new(pb::ForceReleaseResponse {
             fences: fences.into_iter().map(Fence::get).collect(),
         }))

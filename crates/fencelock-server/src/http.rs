@@ -288,7 +288,9 @@ async fn force_release(
         None => None,
     };
     let reason = Reason::new(&b.reason).map_err(|e| invalid("reason", e))?;
-    let fences = h.force_release(name, fence, reason).await?;
+    let fences = h
+        .force_release_as(name, fence, reason, Some(caller.name().to_owned()))
+        .await?;
     let fences: Vec<u64> = fences.into_iter().map(Fence::get).collect();
     Ok(Json(json!({ "fences": fences })))
 }
