@@ -571,26 +571,7 @@ async fn lock_page(
         Ok(p) => p,
         Err(r) => return r,
     };
-    let current = match h.lock(name.clone()).await {
-        Ok(Some(view)) => locks_table(&[view]),
-        Ok(None) => "<p class=\"muted\">Not held, queued for or in lock-delay.</p>".to_owned(),
-        Err(e) => format!("<p class=\"error\">{}</p>", esc(e.message())),
-    };
-    let history: String = h
-        .audit(&AuditQuery {
-            lock: Some(name.as_str().to_owned()),
-            since_wall_ms: 0,
-            limit: MAX_AUDIT_PAGE,
-        })
-        .iter()
-        .rev()
-        .map(audit_row)
-        .collect();
-    let history = if history.is_empty() {
-        "<tr><td colspan=\"6\" class=\"muted\">no audit entries (retention may have dropped them)</td></tr>".to_owned()
-    } else {
-        history
-    };
+    let (current, history) = lock_sections(&h, &name).await;
     let admin = who.authorize(Action::ForceRelease, Some(name.as_str())).is_ok();
     let force = if admin {
         format!(
@@ -606,9 +587,34 @@ hx-confirm=\"Force-release {}? Its holders lose it; the next grant gets a larger
     };
     let body = format!(
         "<p><a href=\"/\">← all locks</a></p><h2>Now</h2><div id=\"lock-now\">{current}</div>{force}\
-<h2>History <span class=\"muted\">(audit log, newest first)</span></h2>{EVENTS_HEAD}<tbody id=\"history\">{history}</tbody></table>"
+<h2>History <span class=\"muted\">(audit log, newest first)</span></h2><div id=\"history\">{history}</div>"
     );
     page(name.as_str(), Some(&who), &body).into_response()
+}
+
+/// The "now" table and the history table of a lock's page.
+async fn lock_sections(h: &Handle, name: &LockName) -> (String, String) {
+    let current = match h.lock(name.clone()).await {
+        Ok(Some(view)) => locks_table(&[view]),
+        Ok(None) => "<p class=\"muted\">Not held, queued for or in lock-delay.</p>".to_owned(),
+        Err(e) => format!("<p class=\"error\">{}</p>", esc(e.message())),
+    };
+    let rows: String = h
+        .audit(&AuditQuery {
+            lock: Some(name.as_str().to_owned()),
+            since_wall_ms: 0,
+            limit: MAX_AUDIT_PAGE,
+        })
+        .iter()
+        .rev()
+        .map(audit_row)
+        .collect();
+    let rows = if rows.is_empty() {
+        "<tr><td colspan=\"6\" class=\"muted\">no audit entries (retention may have dropped them)</td></tr>".to_owned()
+    } else {
+        rows
+    };
+    (current, format!("{EVENTS_HEAD}<tbody>{rows}</tbody></table>"))
 }
 
 #[derive(Deserialize)]
@@ -663,11 +669,14 @@ async fn force_release_form(
         ),
         Ok(fences) => {
             let list: Vec<String> = fences.iter().map(|f| f.get().to_string()).collect();
-            fragment(
-                StatusCode::OK,
-                "ok",
-                &format!("Force-released {name} (fence {}).", list.join(", ")),
-            )
+            // The lock page's "now" and history sections are replaced too (htmx
+            // out-of-band swaps), so the page shows the result of the action.
+            let (current, history) = lock_sections(&h, &name).await;
+            Html(format!(
+                "<p class=\"ok\">{}</p><div id=\"lock-now\" hx-swap-oob=\"true\">{current}</div><div id=\"history\" hx-swap-oob=\"true\">{history}</div>",
+                esc(&format!("Force-released {name} (fence {}).", list.join(", ")))
+            ))
+            .into_response()
         }
         Err(e) => {
             let status = StatusCode::from_u16(e.kind().http_status()).unwrap_or(StatusCode::BAD_REQUEST);
