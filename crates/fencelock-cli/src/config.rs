@@ -88,7 +88,22 @@ struct FileConfig {
     tls: Option<FileTls>,
     #[serde(default)]
     storage: Storage,
+    #[serde(default)]
+    audit: FileAudit,
 }
+
+/// `[audit]`: retention of the audit log.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileAudit {
+    /// Drop entries older than this; 0 keeps them until `max_bytes` pushes them out.
+    max_age_hours: Option<u64>,
+    /// Keep at most this many bytes of entries (the oldest go first).
+    max_bytes: Option<u64>,
+}
+
+/// The smallest accepted `[audit] max_bytes`.
+pub const MIN_AUDIT_BYTES: u64 = 64 << 10;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -252,6 +267,21 @@ pub fn resolve(args: ServeArgs) -> Result<Settings> {
     if let Some(v) = file.storage.snapshot_after_bytes {
         engine.snapshot_after_bytes = v.max(1);
     }
+    if let Some(hours) = file.audit.max_age_hours {
+        engine.audit.max_age_ms = match hours {
+            0 => None,
+            h => Some(
+                h.checked_mul(3_600_000)
+                    .context("audit.max_age_hours is too large")?,
+            ),
+        };
+    }
+    if let Some(v) = file.audit.max_bytes {
+        if v < MIN_AUDIT_BYTES {
+            bail!("audit.max_bytes must be at least {MIN_AUDIT_BYTES} (64 KiB)");
+        }
+        engine.audit.max_bytes = v;
+    }
     let mut limits = Limits::default();
     if let Some(v) = l.max_body_bytes {
         limits.max_body_bytes = v;
@@ -375,6 +405,9 @@ mod tests {
             "durability = \"sometimes\"",
             "[limits]\nmin_ttl_ms = 0",
             "[storage]\nsegment_bytes = 10",
+            "[audit]\nmax_bytes = 10",
+            "[audit]\nmax_age = 3",
+            "[audit]\nmax_age_hours = 99999999999999999",
             "[limits]\nmax_connections = 0",
             "[limits]\nmax_body_bytes = 10",
             "[limits]\nacquire_burst = 0",
@@ -441,5 +474,45 @@ mod tests {
         a.listen = Some("0.0.0.0:7420".parse().unwrap());
         a.insecure = true;
         assert!(resolve(a).unwrap().server.insecure);
+    }
+
+    #[test]
+    fn audit_retention_from_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[audit]\nmax_age_hours = 48\nmax_bytes = 1048576\n").unwrap();
+        let mut a = args();
+        a.config = Some(path.clone());
+        let audit = resolve(a).unwrap().server.engine.audit;
+        assert_eq!(audit.max_age_ms, Some(48 * 3_600_000));
+        assert_eq!(audit.max_bytes, 1 << 20);
+        std::fs::write(&path, "[audit]\nmax_age_hours = 0\n").unwrap();
+        let mut a = args();
+        a.config = Some(path);
+        assert_eq!(resolve(a).unwrap().server.engine.audit.max_age_ms, None);
+        assert_eq!(
+            resolve(args()).unwrap().server.engine.audit,
+            fencelock_server::audit::AuditConfig::default()
+        );
+    }
+
+    /// `deploy/fencelock.toml` is what operators copy: it must load with the real
+    /// loader and mean what its comments say.
+    #[test]
+    fn the_example_config_in_deploy_loads() {
+        let path = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/fencelock.toml"));
+        let mut a = args();
+        a.config = Some(path);
+        let s = resolve(a).expect("deploy/fencelock.toml loads");
+        assert_eq!(s.server.listen.to_string(), "0.0.0.0:7420");
+        assert_eq!(s.server.engine.data_dir, PathBuf::from("/var/lib/fencelock"));
+        assert_eq!(s.server.engine.durability, Durability::Fsync);
+        assert!(!s.server.insecure);
+        assert!(s.server.tls.is_none());
+        let roles: Vec<Role> = s.server.auth.tokens.iter().map(|t| t.role).collect();
+        assert_eq!(roles, vec![Role::Admin, Role::Client, Role::Reader]);
+        assert_eq!(s.server.engine.audit.max_age_ms, Some(90 * 24 * 3_600_000));
+        assert_eq!(s.server.engine.audit.max_bytes, 256 << 20);
+        assert_eq!(s.log_format, LogFormat::Json);
     }
 }
