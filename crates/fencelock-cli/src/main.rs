@@ -3,6 +3,7 @@
 //! Exit codes: 0 success; 1 runtime failure (cannot bind, storage failed, server
 //! unreachable, corrupt backup); 2 usage error (bad flags or config file).
 
+mod audit_cmd;
 mod config;
 mod http_get;
 mod token;
@@ -55,6 +56,9 @@ enum Commands {
     },
     /// Make access tokens for the server's [auth] config.
     Token(token::TokenArgs),
+    /// Show a running server's audit log: grants, hand-offs, releases, expiries,
+    /// forced releases (with actor and reason), session ends, refused renews.
+    Audit(audit_cmd::AuditArgs),
 }
 
 fn main() -> ExitCode {
@@ -64,6 +68,7 @@ fn main() -> ExitCode {
         Commands::Backup { server, out } => backup(&server, &out),
         Commands::Restore { from, data_dir } => restore(&from, &data_dir),
         Commands::Token(args) => token::run(args),
+        Commands::Audit(args) => audit_cmd::run(args),
     };
     match result {
         Ok(code) => code,
