@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v cc >/dev/null || need_apt+=(gcc)
 command -v curl >/dev/null || need_apt+=(curl)
+command -v openssl >/dev/null || need_apt+=(openssl)  # TLS tests make a test CA
 # The dashboard's browser test (crates/fencelock-server/tests/e2e_dashboard.rs)
 # drives Debian's Chromium with playwright-core under Node.js.
 command -v node >/dev/null || need_apt+=(nodejs)
