@@ -6,13 +6,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-/// Fetches `path` from `base` (e.g. `http://127.0.0.1:7420`) and returns the body of
-/// a 200 response; any other status is an error carrying the server's message.
-pub fn get(base: &str, path: &str) -> Result<Vec<u8>> {
-    get_as(base, path, None)
-}
-
-/// Like [`get`], sending `token` (if any) as `Authorization: Bearer <token>`.
+/// Fetches `path` from `base` (e.g. `http://127.0.0.1:7420`), sending `token` (if
+/// any) as `Authorization: Bearer <token>`, and returns the body of a 200 response;
+/// any other status is an error carrying the server's message.
 pub fn get_as(base: &str, path: &str, token: Option<&str>) -> Result<Vec<u8>> {
     let auth = match token {
         Some(t) if t.bytes().any(|b| b.is_ascii_control() || b == b' ') => {

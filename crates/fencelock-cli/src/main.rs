@@ -42,6 +42,9 @@ enum Commands {
         /// Where to write the backup.
         #[arg(long, short)]
         out: PathBuf,
+        /// Admin token with the prefix "" (not needed when the server has no tokens).
+        #[arg(long, env = "FENCELOCK_TOKEN", hide_env_values = true)]
+        token: Option<String>,
     },
     /// Create a data directory from a backup. The first fence issued after a restore
     /// is larger than any fence issued before it (see ARCHITECTURE.md, "Fences after
@@ -65,7 +68,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Commands::Serve(args) => serve(args),
-        Commands::Backup { server, out } => backup(&server, &out),
+        Commands::Backup { server, out, token } => backup(&server, &out, token.as_deref()),
         Commands::Restore { from, data_dir } => restore(&from, &data_dir),
         Commands::Token(args) => token::run(args),
         Commands::Audit(args) => audit_cmd::run(args),
@@ -187,8 +190,8 @@ async fn shutdown_signal() -> &'static str {
     }
 }
 
-fn backup(server: &str, out: &Path) -> Result<ExitCode> {
-    let bytes = http_get::get(server, "/v1/admin/snapshot")
+fn backup(server: &str, out: &Path, token: Option<&str>) -> Result<ExitCode> {
+    let bytes = http_get::get_as(server, "/v1/admin/snapshot", token)
         .with_context(|| format!("cannot fetch a snapshot from {server}"))?;
     // Refuse to write something that would not restore.
     let image = fencelock_server::codec::decode_snapshot(&bytes)

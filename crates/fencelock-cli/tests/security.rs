@@ -142,10 +142,11 @@ fn loopback_without_tokens_says_authentication_is_off() {
     assert_eq!(http(s.addr, "GET", "/v1/locks", None, ""), 200);
 }
 
-#[test]
-fn a_new_token_works_once_its_entry_is_in_the_config() {
+/// `fencelock token new ARGS`: the token and the config entry it prints.
+fn new_token(args: &[&str]) -> (String, String) {
     let out = Command::new(BIN)
-        .args(["token", "new", "--name", "ci", "--role", "client", "--prefix", "job:"])
+        .args(["token", "new"])
+        .args(args)
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
@@ -155,12 +156,23 @@ fn a_new_token_works_once_its_entry_is_in_the_config() {
         .find(|l| l.starts_with("flk_"))
         .expect("the token is printed")
         .to_owned();
-    let entry = &text[text.find("[[auth.tokens]]").expect("the config entry")..];
+    let entry = text[text.find("[[auth.tokens]]").expect("the config entry")..].to_owned();
     assert!(!entry.contains(&token), "the config holds only the hash");
+    (token, entry)
+}
+
+#[test]
+fn a_new_token_works_once_its_entry_is_in_the_config() {
+    let (token, entry) = new_token(&["--name", "ci", "--role", "client", "--prefix", "job:"]);
+    let (admin, admin_entry) = new_token(&["--name", "ops", "--role", "admin", "--prefix", ""]);
 
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("fencelock.toml");
-    std::fs::write(&config, format!("listen = \"0.0.0.0:0\"\n{entry}")).unwrap();
+    std::fs::write(
+        &config,
+        format!("listen = \"0.0.0.0:0\"\n{entry}\n{admin_entry}"),
+    )
+    .unwrap();
     let data = dir.path().join("data");
     // With a token configured, a non-loopback address needs no --insecure.
     let s = serve(&data, &["--config", config.to_str().unwrap()]);
@@ -177,4 +189,27 @@ fn a_new_token_works_once_its_entry_is_in_the_config() {
         403
     );
     assert_eq!(http(s.addr, "GET", "/healthz", None, ""), 200);
+
+    // `fencelock backup` needs the admin token.
+    let server = format!("http://{}", s.addr);
+    let out = dir.path().join("backup.flsnap");
+    let backup = |token: Option<&str>| {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["backup", "--server", &server, "--out"])
+            .arg(&out)
+            .env_remove("FENCELOCK_TOKEN");
+        if let Some(token) = token {
+            cmd.args(["--token", token]);
+        }
+        cmd.output().unwrap()
+    };
+    let refused = backup(Some(&token));
+    assert_eq!(refused.status.code(), Some(1), "{refused:?}");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("403"), "{refused:?}");
+    let refused = backup(None);
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("401"), "{refused:?}");
+    assert!(!out.exists());
+    let done = backup(Some(&admin));
+    assert!(done.status.success(), "{done:?}");
+    assert!(out.exists());
 }
