@@ -673,6 +673,49 @@ mod tests {
     }
 
     #[test]
+    fn compaction_bounds_the_disk_and_keeps_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = AuditConfig {
+            max_age_ms: None,
+            max_bytes: 256 << 10,
+        };
+        let now = wall_ms();
+        let owner = "o".repeat(200);
+        let mut seq = 0;
+        {
+            let mut store = AuditStore::open(dir.path(), config.clone(), false).unwrap();
+            // About 6 MiB of entries, 24 times the retention bound.
+            for _ in 0..250 {
+                let batch: Vec<AuditEntry> = (0..100)
+                    .map(|_| {
+                        seq += 1;
+                        let mut e = entry(seq, 0, now, "x");
+                        e.owner = Some(owner.clone());
+                        e
+                    })
+                    .collect();
+                store.commit(batch).unwrap();
+            }
+        }
+        let on_disk: u64 = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .sum();
+        // Snapshot (<= max_bytes) + at most a couple of preallocated segments.
+        assert!(
+            on_disk <= (256 << 10) + 2 * SEGMENT_BYTES + COMPACT_MIN_BYTES,
+            "{on_disk} bytes on disk"
+        );
+        let store = AuditStore::open(dir.path(), config, false).unwrap();
+        let index = store.index();
+        assert!(index.bytes() <= 256 << 10);
+        assert!(index.len() > 500, "{} entries kept", index.len());
+        let newest = index.entries.back().unwrap().0.seq;
+        assert_eq!(newest, seq, "the newest entry survives");
+        assert_eq!(index.high_water, (seq, 0));
+    }
+
+    #[test]
     fn a_corrupt_store_is_refused_with_a_clear_error() {
         let dir = tempfile::tempdir().unwrap();
         {
