@@ -175,7 +175,10 @@ fn auth_config(file: FileAuth) -> Result<AuthConfig> {
         let acquire_rate = match t.acquire_per_second {
             Some(per_second) => rate(per_second, t.acquire_burst),
             None if t.acquire_burst.is_some() => {
-                bail!("auth token {:?}: acquire_burst needs acquire_per_second", t.name)
+                bail!(
+                    "auth token {:?}: acquire_burst needs acquire_per_second",
+                    t.name
+                )
             }
             None => None,
         };
@@ -448,7 +451,11 @@ mod tests {
         let s = resolve(a).unwrap();
         let l = s.server.limits;
         assert_eq!(
-            (l.max_body_bytes, l.max_connections, l.max_streams_per_connection),
+            (
+                l.max_body_bytes,
+                l.max_connections,
+                l.max_streams_per_connection
+            ),
             (4096, 5, 7)
         );
         assert_eq!(
@@ -500,12 +507,18 @@ mod tests {
     /// loader and mean what its comments say.
     #[test]
     fn the_example_config_in_deploy_loads() {
-        let path = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/fencelock.toml"));
+        let path = PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../deploy/fencelock.toml"
+        ));
         let mut a = args();
         a.config = Some(path);
         let s = resolve(a).expect("deploy/fencelock.toml loads");
         assert_eq!(s.server.listen.to_string(), "0.0.0.0:7420");
-        assert_eq!(s.server.engine.data_dir, PathBuf::from("/var/lib/fencelock"));
+        assert_eq!(
+            s.server.engine.data_dir,
+            PathBuf::from("/var/lib/fencelock")
+        );
         assert_eq!(s.server.engine.durability, Durability::Fsync);
         assert!(!s.server.insecure);
         assert!(s.server.tls.is_none());

@@ -118,7 +118,8 @@ fn non_loopback_without_tokens_refuses_to_start_unless_insecure() {
     assert!(
         s.log
             .iter()
-            .any(|l| l["level"] == "WARN" && l["message"].as_str().unwrap_or("").contains("--insecure")),
+            .any(|l| l["level"] == "WARN"
+                && l["message"].as_str().unwrap_or("").contains("--insecure")),
         "{:?}",
         s.log
     );
@@ -133,9 +134,10 @@ fn loopback_without_tokens_says_authentication_is_off() {
     let dir = tempfile::tempdir().unwrap();
     let s = serve(dir.path(), &["--listen", "127.0.0.1:0"]);
     assert!(
-        s.log
-            .iter()
-            .any(|l| l["message"].as_str().unwrap_or("").contains("authentication is off")),
+        s.log.iter().any(|l| l["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("authentication is off")),
         "{:?}",
         s.log
     );
@@ -181,11 +183,23 @@ fn a_new_token_works_once_its_entry_is_in_the_config() {
     assert_eq!(http(s.addr, "GET", "/v1/locks", Some("flk_wrong"), ""), 401);
     assert_eq!(http(s.addr, "GET", "/v1/locks", Some(&token), ""), 200);
     assert_eq!(
-        http(s.addr, "POST", "/v1/acquire", Some(&token), &acquire("job:1")),
+        http(
+            s.addr,
+            "POST",
+            "/v1/acquire",
+            Some(&token),
+            &acquire("job:1")
+        ),
         200
     );
     assert_eq!(
-        http(s.addr, "POST", "/v1/acquire", Some(&token), &acquire("other:1")),
+        http(
+            s.addr,
+            "POST",
+            "/v1/acquire",
+            Some(&token),
+            &acquire("other:1")
+        ),
         403
     );
     assert_eq!(http(s.addr, "GET", "/healthz", None, ""), 200);
@@ -205,9 +219,15 @@ fn a_new_token_works_once_its_entry_is_in_the_config() {
     };
     let refused = backup(Some(&token));
     assert_eq!(refused.status.code(), Some(1), "{refused:?}");
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("403"), "{refused:?}");
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("403"),
+        "{refused:?}"
+    );
     let refused = backup(None);
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("401"), "{refused:?}");
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("401"),
+        "{refused:?}"
+    );
     assert!(!out.exists());
     let done = backup(Some(&admin));
     assert!(done.status.success(), "{done:?}");

@@ -382,7 +382,10 @@ impl Principal {
         // outermost ones.
         let mut ranges: Vec<String> = Vec::with_capacity(inside.len());
         for p in inside {
-            if !ranges.last().is_some_and(|outer| p.starts_with(outer.as_str())) {
+            if !ranges
+                .last()
+                .is_some_and(|outer| p.starts_with(outer.as_str()))
+            {
                 ranges.push(p.to_owned());
             }
         }
@@ -473,7 +476,10 @@ impl Authenticator {
     /// Validates `config`: names (`[A-Za-z0-9_.-]`, unique), hashes (64 hex digits,
     /// unique), prefixes (at least one each; each empty or a valid lock name). Each
     /// token gets a bucket of `default_rate` acquire attempts unless it has its own.
-    pub fn new(config: &AuthConfig, default_rate: Option<RateLimit>) -> Result<Authenticator, String> {
+    pub fn new(
+        config: &AuthConfig,
+        default_rate: Option<RateLimit>,
+    ) -> Result<Authenticator, String> {
         let mut tokens = Vec::with_capacity(config.tokens.len());
         let mut names = std::collections::HashSet::new();
         let mut hashes = std::collections::HashSet::new();
@@ -554,7 +560,11 @@ impl Authenticator {
     /// The caller of a request with these headers: `Ok(None)` if it carries no
     /// credentials, an error if it carries bad ones. With authentication off, always
     /// the anonymous principal.
-    pub fn principal(&self, method: &Method, headers: &HeaderMap) -> Result<Option<Principal>, ApiError> {
+    pub fn principal(
+        &self,
+        method: &Method,
+        headers: &HeaderMap,
+    ) -> Result<Option<Principal>, ApiError> {
         if !self.enabled() {
             return Ok(Some(Principal::anonymous()));
         }
@@ -675,7 +685,11 @@ pub(crate) fn refuse(grpc: bool, error: ApiError) -> Response {
 /// The middleware behind every route: authenticates the request and puts its
 /// [`Principal`] into the extensions, or refuses it with 401 (see the module docs
 /// for the paths that are open).
-pub async fn layer(State(auth): State<Authenticator>, mut request: Request, next: Next) -> Response {
+pub async fn layer(
+    State(auth): State<Authenticator>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     let gate = gate(request.uri().path());
     match auth.principal(request.method(), request.headers()) {
         Ok(Some(principal)) => {
@@ -684,9 +698,7 @@ pub async fn layer(State(auth): State<Authenticator>, mut request: Request, next
         Ok(None) if gate == Gate::Api => {
             return refuse(
                 is_grpc(request.headers()),
-                unauthenticated(
-                    "this request needs a token: send `Authorization: Bearer <token>`",
-                ),
+                unauthenticated("this request needs a token: send `Authorization: Bearer <token>`"),
             );
         }
         Ok(None) => {}
@@ -792,23 +804,59 @@ mod tests {
         use ApiErrorKind::*;
         let ok = Ok(Some("a".to_owned()));
         assert_eq!(check(&[], Method::GET), Ok(None));
-        assert_eq!(check(&[("authorization", "Bearer sekrit")], Method::POST), ok);
-        assert_eq!(check(&[("authorization", "bearer  sekrit ")], Method::POST), ok);
-        assert_eq!(check(&[("authorization", "Bearer nope")], Method::GET), Err(Unauthenticated));
-        assert_eq!(check(&[("authorization", "Basic c2Vrcml0")], Method::GET), Err(Unauthenticated));
-        assert_eq!(check(&[("authorization", "sekrit")], Method::GET), Err(Unauthenticated));
-        assert_eq!(check(&[("cookie", "x=1; fencelock_token=sekrit")], Method::GET), ok);
-        assert_eq!(check(&[("cookie", "fencelock_token=nope")], Method::GET), Err(Unauthenticated));
+        assert_eq!(
+            check(&[("authorization", "Bearer sekrit")], Method::POST),
+            ok
+        );
+        assert_eq!(
+            check(&[("authorization", "bearer  sekrit ")], Method::POST),
+            ok
+        );
+        assert_eq!(
+            check(&[("authorization", "Bearer nope")], Method::GET),
+            Err(Unauthenticated)
+        );
+        assert_eq!(
+            check(&[("authorization", "Basic c2Vrcml0")], Method::GET),
+            Err(Unauthenticated)
+        );
+        assert_eq!(
+            check(&[("authorization", "sekrit")], Method::GET),
+            Err(Unauthenticated)
+        );
+        assert_eq!(
+            check(&[("cookie", "x=1; fencelock_token=sekrit")], Method::GET),
+            ok
+        );
+        assert_eq!(
+            check(&[("cookie", "fencelock_token=nope")], Method::GET),
+            Err(Unauthenticated)
+        );
         // A state change by cookie needs the server's own origin.
         let cookie = ("cookie", "fencelock_token=sekrit");
         assert_eq!(check(&[cookie], Method::POST), Err(PermissionDenied));
         assert_eq!(
-            check(&[cookie, ("origin", "http://evil.example"), ("host", "h:1")], Method::POST),
+            check(
+                &[cookie, ("origin", "http://evil.example"), ("host", "h:1")],
+                Method::POST
+            ),
             Err(PermissionDenied)
         );
-        assert_eq!(check(&[cookie, ("origin", "http://h:1"), ("host", "h:1")], Method::POST), ok);
-        assert_eq!(check(&[cookie, ("sec-fetch-site", "same-origin")], Method::POST), ok);
-        assert_eq!(check(&[cookie, ("sec-fetch-site", "cross-site")], Method::POST), Err(PermissionDenied));
+        assert_eq!(
+            check(
+                &[cookie, ("origin", "http://h:1"), ("host", "h:1")],
+                Method::POST
+            ),
+            ok
+        );
+        assert_eq!(
+            check(&[cookie, ("sec-fetch-site", "same-origin")], Method::POST),
+            ok
+        );
+        assert_eq!(
+            check(&[cookie, ("sec-fetch-site", "cross-site")], Method::POST),
+            Err(PermissionDenied)
+        );
     }
 
     #[test]
@@ -837,7 +885,9 @@ mod tests {
         assert!(allowed("root", Action::Snapshot, None));
         assert!(allowed("r", Action::Metrics, None));
         assert!(!allowed("r", Action::Session, None));
-        let err = p("c").authorize(Action::ForceRelease, Some("a:1")).unwrap_err();
+        let err = p("c")
+            .authorize(Action::ForceRelease, Some("a:1"))
+            .unwrap_err();
         assert_eq!(err.kind(), ApiErrorKind::PermissionDenied);
         assert!(err.message().contains("client"), "{err}");
         assert!(Principal::anonymous()
@@ -911,7 +961,10 @@ mod tests {
 
     #[test]
     fn acquire_attempts_are_rate_limited_per_token() {
-        let mut c = config(&[("a", Role::Client, &[""], "a"), ("b", Role::Client, &[""], "b")]);
+        let mut c = config(&[
+            ("a", Role::Client, &[""], "a"),
+            ("b", Role::Client, &[""], "b"),
+        ]);
         c.tokens[1].acquire_rate = Some(RateLimit {
             per_second: 1000,
             burst: 1000,

@@ -248,11 +248,7 @@ async fn renew(
     let name = name(&b.name)?;
     caller.authorize(Action::Renew, Some(name.as_str()))?;
     let g = h
-        .renew(
-            name,
-            input::owner_token(&b.owner_token)?,
-            b.ttl_ms,
-        )
+        .renew(name, input::owner_token(&b.owner_token)?, b.ttl_ms)
         .await?;
     Ok(Json(
         json!({"name": g.name.as_str(), "fence": g.fence.get(), "ttl_ms": g.ttl_ms}),
@@ -266,9 +262,7 @@ async fn release(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let name = name(&b.name)?;
     caller.authorize(Action::Release, Some(name.as_str()))?;
-    let released = h
-        .release(name, input::owner_token(&b.owner_token)?)
-        .await?;
+    let released = h.release(name, input::owner_token(&b.owner_token)?).await?;
     Ok(Json(if released {
         json!({"released": true})
     } else {

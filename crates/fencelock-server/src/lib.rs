@@ -23,9 +23,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use auth::{Action, AuthConfig, Principal, Role, TokenConfig};
 pub use engine::{AcquireArgs, Durability, EngineConfig, Handle, RecoveryReport, RunState};
 pub use error::{ApiError, ApiErrorKind};
-pub use auth::{Action, AuthConfig, Principal, Role, TokenConfig};
 pub use limits::{Limits, RateLimit};
 pub use tls::TlsConfig;
 
@@ -110,7 +110,12 @@ impl Server {
         config.limits.check().map_err(refuse)?;
         let authenticator =
             auth::Authenticator::new(&config.auth, config.limits.acquire_rate).map_err(refuse)?;
-        let tls = config.tls.as_ref().map(TlsConfig::acceptor).transpose().map_err(refuse)?;
+        let tls = config
+            .tls
+            .as_ref()
+            .map(TlsConfig::acceptor)
+            .transpose()
+            .map_err(refuse)?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| {
@@ -219,8 +224,15 @@ async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let Ok(permit) = connections.clone().try_acquire_owned() else {
-            tracing::debug!(max_connections, "refused a connection: too many connections");
-            tokio::spawn(refuse_connection(stream, options.tls.is_some(), max_connections));
+            tracing::debug!(
+                max_connections,
+                "refused a connection: too many connections"
+            );
+            tokio::spawn(refuse_connection(
+                stream,
+                options.tls.is_some(),
+                max_connections,
+            ));
             continue;
         };
         let watcher = graceful.watcher();

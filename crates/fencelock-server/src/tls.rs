@@ -29,15 +29,14 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 impl TlsConfig {
     /// Reads the files and builds the acceptor. Errors name the file and the problem.
     pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, String> {
-        let certs: Vec<CertificateDer<'static>> =
-            CertificateDer::pem_file_iter(&self.cert_path)
-                .and_then(|certs| certs.collect())
-                .map_err(|e| {
-                    format!(
-                        "tls: cannot read certificates from {}: {e}",
-                        self.cert_path.display()
-                    )
-                })?;
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&self.cert_path)
+            .and_then(|certs| certs.collect())
+            .map_err(|e| {
+                format!(
+                    "tls: cannot read certificates from {}: {e}",
+                    self.cert_path.display()
+                )
+            })?;
         if certs.is_empty() {
             return Err(format!(
                 "tls: no certificate in {}",

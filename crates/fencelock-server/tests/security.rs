@@ -199,7 +199,11 @@ fn endpoints(b_token: &str, session: &str) -> Vec<(&'static str, String, Option<
         ),
         ("GET", "/v1/locks/b:held".into(), None),
         ("GET", "/v1/locks?prefix=b:".into(), None),
-        ("POST", "/v1/sessions".into(), Some(json!({"ttl_ms": 60_000}))),
+        (
+            "POST",
+            "/v1/sessions".into(),
+            Some(json!({"ttl_ms": 60_000})),
+        ),
         ("POST", format!("/v1/sessions/{session}/keepalive"), None),
         ("DELETE", format!("/v1/sessions/{session}"), None),
         (
@@ -234,7 +238,8 @@ async fn every_http_endpoint_refuses_missing_or_wrong_credentials_without_a_chan
             assert_eq!(r.status, 401, "{what}: {}", r.text());
             r.expect_error(401, "unauthenticated");
             assert!(
-                r.header("www-authenticate").is_some_and(|v| v.starts_with("Bearer")),
+                r.header("www-authenticate")
+                    .is_some_and(|v| v.starts_with("Bearer")),
                 "{what}: {:?}",
                 r.headers
             );
@@ -242,12 +247,24 @@ async fn every_http_endpoint_refuses_missing_or_wrong_credentials_without_a_chan
     }
     assert_eq!(fingerprint(&t).await, before);
     // The session was not closed, nor its lock released.
-    admin(&t, "POST", &format!("/v1/sessions/{session}/keepalive"), None).await;
+    admin(
+        &t,
+        "POST",
+        &format!("/v1/sessions/{session}/keepalive"),
+        None,
+    )
+    .await;
     admin(&t, "GET", "/v1/locks/b:sess", None).await;
 
     // Health checks stay open.
-    assert_eq!(call(&t, Cred::None, "GET", "/healthz", None).await.status, 200);
-    assert_eq!(call(&t, Cred::None, "GET", "/readyz", None).await.status, 200);
+    assert_eq!(
+        call(&t, Cred::None, "GET", "/healthz", None).await.status,
+        200
+    );
+    assert_eq!(
+        call(&t, Cred::None, "GET", "/readyz", None).await.status,
+        200
+    );
     t.stop().await;
 }
 
@@ -291,7 +308,11 @@ async fn every_http_endpoint_refuses_what_the_token_may_not_do_without_a_change(
             "/v1/admin/force-release",
             json!({"name": "a:held", "reason": "x"}),
         ),
-        (READER_A, "/v1/acquire", json!({"name": "a:new", "ttl_ms": 60_000})),
+        (
+            READER_A,
+            "/v1/acquire",
+            json!({"name": "a:new", "ttl_ms": 60_000}),
+        ),
         (
             READER_A,
             "/v1/release",
@@ -352,18 +373,36 @@ async fn listings_show_only_the_tokens_prefixes() {
     let list = |secret, query: &'static str| {
         let t = &t;
         async move {
-            call(t, Cred::Bearer(secret), "GET", &format!("/v1/locks{query}"), None).await
+            call(
+                t,
+                Cred::Bearer(secret),
+                "GET",
+                &format!("/v1/locks{query}"),
+                None,
+            )
+            .await
         }
     };
-    assert_eq!(names(list(READER_A, "").await.expect_json(200)), ["a:1", "a:2"]);
-    assert_eq!(names(list(READER_A, "?prefix=a:2").await.expect_json(200)), ["a:2"]);
+    assert_eq!(
+        names(list(READER_A, "").await.expect_json(200)),
+        ["a:1", "a:2"]
+    );
+    assert_eq!(
+        names(list(READER_A, "?prefix=a:2").await.expect_json(200)),
+        ["a:2"]
+    );
     // Paging across the cut-down listing.
     let page = list(READER_A, "?limit=1").await.expect_json(200);
     assert_eq!(page["next_after"], "a:1");
     let page = list(READER_A, "?limit=1&after=a:1").await.expect_json(200);
     assert_eq!(names(page), ["a:2"]);
-    list(READER_A, "?prefix=b:").await.expect_error(403, "permission_denied");
-    assert_eq!(names(list(ADMIN, "").await.expect_json(200)), ["a:1", "a:2", "b:1", "c"]);
+    list(READER_A, "?prefix=b:")
+        .await
+        .expect_error(403, "permission_denied");
+    assert_eq!(
+        names(list(ADMIN, "").await.expect_json(200)),
+        ["a:1", "a:2", "b:1", "c"]
+    );
     t.stop().await;
 }
 
@@ -411,27 +450,58 @@ async fn cookie_authenticates_browsers_and_state_changes_must_be_same_origin() {
 async fn request_ids_are_scoped_to_the_token() {
     let t = secure_server(|_| {}).await;
     let body = json!({"name": "a:idem", "ttl_ms": 60_000, "request_id": "r-1"});
-    let first = call(&t, Cred::Bearer(CLIENT_A), "POST", "/v1/acquire", Some(&body))
-        .await
-        .expect_json(200);
+    let first = call(
+        &t,
+        Cred::Bearer(CLIENT_A),
+        "POST",
+        "/v1/acquire",
+        Some(&body),
+    )
+    .await
+    .expect_json(200);
     // Another token presenting the same id does not get the grant (or its owner token).
-    let other = call(&t, Cred::Bearer(CLIENT_A2), "POST", "/v1/acquire", Some(&body)).await;
+    let other = call(
+        &t,
+        Cred::Bearer(CLIENT_A2),
+        "POST",
+        "/v1/acquire",
+        Some(&body),
+    )
+    .await;
     other.expect_error(409, "held");
     // The same token retrying does.
-    let again = call(&t, Cred::Bearer(CLIENT_A), "POST", "/v1/acquire", Some(&body))
-        .await
-        .expect_json(200);
+    let again = call(
+        &t,
+        Cred::Bearer(CLIENT_A),
+        "POST",
+        "/v1/acquire",
+        Some(&body),
+    )
+    .await
+    .expect_json(200);
     assert_eq!(again["owner_token"], first["owner_token"]);
     assert_eq!(again["fence"], first["fence"]);
     // Clients may still send ids of the documented 128 bytes, and no more.
     let long = json!({"name": "a:long", "ttl_ms": 60_000, "request_id": "r".repeat(128)});
-    call(&t, Cred::Bearer(CLIENT_A), "POST", "/v1/acquire", Some(&long))
-        .await
-        .expect_json(200);
+    call(
+        &t,
+        Cred::Bearer(CLIENT_A),
+        "POST",
+        "/v1/acquire",
+        Some(&long),
+    )
+    .await
+    .expect_json(200);
     let too_long = json!({"name": "a:long2", "ttl_ms": 60_000, "request_id": "r".repeat(129)});
-    call(&t, Cred::Bearer(CLIENT_A), "POST", "/v1/acquire", Some(&too_long))
-        .await
-        .expect_error(400, "invalid_argument");
+    call(
+        &t,
+        Cred::Bearer(CLIENT_A),
+        "POST",
+        "/v1/acquire",
+        Some(&too_long),
+    )
+    .await
+    .expect_error(400, "invalid_argument");
     t.stop().await;
 }
 
@@ -443,7 +513,14 @@ async fn acquire_attempts_over_the_tokens_rate_get_429_and_recover() {
     let mut refused = None;
     for i in 0..20 {
         let body = json!({"name": format!("r:{i}"), "ttl_ms": 60_000});
-        let r = call(&t, Cred::Bearer(LIMITED), "POST", "/v1/acquire", Some(&body)).await;
+        let r = call(
+            &t,
+            Cred::Bearer(LIMITED),
+            "POST",
+            "/v1/acquire",
+            Some(&body),
+        )
+        .await;
         if r.status == 429 {
             let message = r.expect_error(429, "rate_limited");
             assert!(message.contains("retry in"), "{message}");
@@ -454,17 +531,34 @@ async fn acquire_attempts_over_the_tokens_rate_get_429_and_recover() {
     }
     let refused = refused.expect("the rate limit refused an attempt");
     // The refused attempt took nothing.
-    call(&t, Cred::Bearer(ADMIN), "GET", &format!("/v1/locks/{refused}"), None)
-        .await
-        .expect_error(404, "not_found");
+    call(
+        &t,
+        Cred::Bearer(ADMIN),
+        "GET",
+        &format!("/v1/locks/{refused}"),
+        None,
+    )
+    .await
+    .expect_error(404, "not_found");
     // Other tokens are not affected.
     acquire_as(&t, ADMIN, "r:admin").await;
     // And the token recovers as its bucket refills.
-    poll_until("the rate-limited token to acquire again", IO_TIMEOUT, || async {
-        let body = json!({"name": "r:later", "ttl_ms": 60_000});
-        let r = call(&t, Cred::Bearer(LIMITED), "POST", "/v1/acquire", Some(&body)).await;
-        (r.status == 200).then_some(())
-    })
+    poll_until(
+        "the rate-limited token to acquire again",
+        IO_TIMEOUT,
+        || async {
+            let body = json!({"name": "r:later", "ttl_ms": 60_000});
+            let r = call(
+                &t,
+                Cred::Bearer(LIMITED),
+                "POST",
+                "/v1/acquire",
+                Some(&body),
+            )
+            .await;
+            (r.status == 200).then_some(())
+        },
+    )
     .await;
     t.stop().await;
 }
@@ -473,13 +567,25 @@ async fn acquire_attempts_over_the_tokens_rate_get_429_and_recover() {
 async fn body_limit_is_configurable() {
     let t = secure_server(|c| c.limits.max_body_bytes = 2048).await;
     let body = json!({"name": "a:big", "ttl_ms": 60_000, "owner": "o".repeat(1000)});
-    call(&t, Cred::Bearer(CLIENT_A), "POST", "/v1/acquire", Some(&body))
-        .await
-        .expect_json(200);
+    call(
+        &t,
+        Cred::Bearer(CLIENT_A),
+        "POST",
+        "/v1/acquire",
+        Some(&body),
+    )
+    .await
+    .expect_json(200);
     let body = json!({"name": "a:bigger", "ttl_ms": 60_000, "owner": "o".repeat(3000)});
-    let message = call(&t, Cred::Bearer(CLIENT_A), "POST", "/v1/acquire", Some(&body))
-        .await
-        .expect_error(413, "payload_too_large");
+    let message = call(
+        &t,
+        Cred::Bearer(CLIENT_A),
+        "POST",
+        "/v1/acquire",
+        Some(&body),
+    )
+    .await
+    .expect_error(413, "payload_too_large");
     assert!(message.contains("2048"), "{message}");
     t.stop().await;
 }
@@ -584,7 +690,10 @@ async fn every_grpc_call(
         fence: None,
         reason: "test".into(),
     };
-    out.push(("ForceRelease", c.force_release(req(force, cr)).await.map(drop)));
+    out.push((
+        "ForceRelease",
+        c.force_release(req(force, cr)).await.map(drop),
+    ));
     let get = GetLockRequest {
         name: "b:held".into(),
     };
@@ -602,11 +711,17 @@ async fn every_grpc_call(
     let close = CloseSessionRequest {
         session: session.into(),
     };
-    out.push(("CloseSession", c.close_session(req(close, cr)).await.map(drop)));
+    out.push((
+        "CloseSession",
+        c.close_session(req(close, cr)).await.map(drop),
+    ));
     let keepalive = futures_util::stream::iter(vec![KeepAliveRequest {
         session: session.into(),
     }]);
-    out.push(("KeepAlive", c.keep_alive(req(keepalive, cr)).await.map(drop)));
+    out.push((
+        "KeepAlive",
+        c.keep_alive(req(keepalive, cr)).await.map(drop),
+    ));
     let watch = WatchRequest {
         prefix: "b:".into(),
     };
@@ -641,7 +756,11 @@ async fn every_grpc_method_refuses_bad_credentials_and_other_prefixes_without_a_
             "OpenSession" | "CloseSession" | "KeepAlive" => {}
             _ => {
                 let status = result.expect_err(method);
-                assert_eq!(status.code(), Code::PermissionDenied, "{method}: {status:?}");
+                assert_eq!(
+                    status.code(),
+                    Code::PermissionDenied,
+                    "{method}: {status:?}"
+                );
                 assert_eq!(grpc_code(&status), Some("permission_denied"), "{method}");
             }
         }
@@ -649,7 +768,11 @@ async fn every_grpc_method_refuses_bad_credentials_and_other_prefixes_without_a_
     let reader = format!("Bearer {READER_A}");
     for (method, result) in every_grpc_call(&mut c, Some(&reader), &b_token, &session).await {
         let status = result.expect_err(method);
-        assert_eq!(status.code(), Code::PermissionDenied, "{method}: {status:?}");
+        assert_eq!(
+            status.code(),
+            Code::PermissionDenied,
+            "{method}: {status:?}"
+        );
     }
     // client-a closed the session above (allowed); everything else is as it was.
     let mut before = before;
@@ -673,7 +796,10 @@ async fn every_grpc_method_refuses_bad_credentials_and_other_prefixes_without_a_
         fence: None,
         reason: "x".into(),
     };
-    let status = c.force_release(req(force, Some(&client))).await.unwrap_err();
+    let status = c
+        .force_release(req(force, Some(&client)))
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::PermissionDenied);
     admin(&t, "GET", "/v1/locks/a:held", None).await;
     t.stop().await;
@@ -759,7 +885,13 @@ fn openssl(dir: &Path, args: &[&str]) {
 /// A test CA and a certificate for `localhost` / `127.0.0.1` signed by it. Returns
 /// (CA certificate, server certificate, server key).
 fn test_ca(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
     let mut ca = vec!["req", "-x509"];
     ca.extend(ec);
     ca.extend([
@@ -796,11 +928,28 @@ fn test_ca(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     openssl(
         dir,
         &[
-            "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "ext.cnf",
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
         ],
     );
-    (dir.join("ca.pem"), dir.join("server.pem"), dir.join("server.key"))
+    (
+        dir.join("ca.pem"),
+        dir.join("server.pem"),
+        dir.join("server.key"),
+    )
 }
 
 fn tls_connector(ca: &Path, alpn: &[u8]) -> tokio_rustls::TlsConnector {
@@ -883,7 +1032,12 @@ async fn tls_round_trip_for_http1_and_grpc_with_a_test_ca() {
         .into_inner();
     assert_eq!(info.holders[0].fence, 1);
     let status = c
-        .get_lock(req(GetLockRequest { name: "a:tls".into() }, None))
+        .get_lock(req(
+            GetLockRequest {
+                name: "a:tls".into(),
+            },
+            None,
+        ))
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::Unauthenticated);
@@ -891,7 +1045,10 @@ async fn tls_round_trip_for_http1_and_grpc_with_a_test_ca() {
     // Plain text on the TLS port gets no HTTP answer.
     let answer = t
         .client
-        .raw(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", Duration::from_secs(5))
+        .raw(
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+            Duration::from_secs(5),
+        )
         .await;
     assert!(!answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
     // A client that never finishes its handshake does not block others: with it
@@ -899,7 +1056,10 @@ async fn tls_round_trip_for_http1_and_grpc_with_a_test_ca() {
     let _silent = tokio::net::TcpStream::connect(addr).await.unwrap();
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut tls = tls_connector(&ca, b"http/1.1")
-        .connect(rustls::pki_types::ServerName::try_from("localhost").unwrap(), tcp)
+        .connect(
+            rustls::pki_types::ServerName::try_from("localhost").unwrap(),
+            tcp,
+        )
         .await
         .expect("a handshake while another is pending");
     tls.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
@@ -909,6 +1069,10 @@ async fn tls_round_trip_for_http1_and_grpc_with_a_test_ca() {
     let _ = tokio::time::timeout(IO_TIMEOUT, tls.read_to_end(&mut answer))
         .await
         .expect("an answer in time");
-    assert!(answer.starts_with(b"HTTP/1.1 200"), "{:?}", String::from_utf8_lossy(&answer));
+    assert!(
+        answer.starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&answer)
+    );
     t.stop().await;
 }
