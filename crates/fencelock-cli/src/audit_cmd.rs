@@ -122,10 +122,16 @@ pub fn table(entries: &[Value]) -> String {
                 detail.push(format!("{ms}ms"));
             }
             [
-                s(e, "time").replace('T', " ").trim_end_matches('Z').to_owned(),
+                s(e, "time")
+                    .replace('T', " ")
+                    .trim_end_matches('Z')
+                    .to_owned(),
                 s(e, "kind"),
                 s(e, "lock"),
-                e["fence"].as_u64().map(|f| f.to_string()).unwrap_or_default(),
+                e["fence"]
+                    .as_u64()
+                    .map(|f| f.to_string())
+                    .unwrap_or_default(),
                 s(e, "owner"),
                 detail.join(" "),
             ]
@@ -189,7 +195,10 @@ mod tests {
         assert_eq!(lines.len(), 3, "{t}");
         assert!(lines[0].starts_with("TIME (UTC)"));
         assert!(lines[2].contains("forced_release"));
-        assert!(lines[2].ends_with("reason=\"stuck\" actor=ops 1000ms"), "{t}");
+        assert!(
+            lines[2].ends_with("reason=\"stuck\" actor=ops 1000ms"),
+            "{t}"
+        );
         let kind_col = lines[0].find("KIND").unwrap();
         assert_eq!(lines[1].find("grant"), Some(kind_col));
         assert!(table(&[]).contains("(no entries)"));

@@ -105,7 +105,8 @@ fn acknowledged_grants_keep_their_audit_entries_across_kill_9() {
             std::thread::spawn(move || {
                 for i in 0.. {
                     let name = format!("k9:{t}:{i}");
-                    let body = json!({"name": name, "ttl_ms": 600_000, "owner": format!("client-{t}")});
+                    let body =
+                        json!({"name": name, "ttl_ms": 600_000, "owner": format!("client-{t}")});
                     match http(addr, "POST", "/v1/acquire", &body.to_string()) {
                         Some((200, v)) => {
                             acked
@@ -160,7 +161,10 @@ fn acknowledged_grants_keep_their_audit_entries_across_kill_9() {
     let lines: Vec<&str> = table.lines().collect();
     assert!(lines[0].starts_with("TIME (UTC)"), "{table}");
     assert_eq!(lines.len(), 2, "one entry for {name}: {table}");
-    assert!(lines[1].contains("grant") && lines[1].contains(&format!(" {fence} ")), "{table}");
+    assert!(
+        lines[1].contains("grant") && lines[1].contains(&format!(" {fence} ")),
+        "{table}"
+    );
     // Nothing was committed after now.
     let none = audit_cli(server.addr, &["--lock", name, "--since", "0s"]);
     assert!(none.contains("(no entries)"), "{none}");

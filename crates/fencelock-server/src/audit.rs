@@ -37,7 +37,7 @@ use fencelock_core::{
 };
 use fencelock_log::{Log, LogError, LogErrorKind, LogOptions};
 
-use crate::codec::{bad, DecodeError, Dec, Enc, RecordMeta};
+use crate::codec::{bad, Dec, DecodeError, Enc, RecordMeta};
 use crate::error::{ApiError, ApiErrorKind};
 
 /// Log written since the last compaction before the next one, at the least.
@@ -385,7 +385,11 @@ impl AuditIndex {
             .rev()
             .map(|(e, _)| e)
             .filter(|e| e.wall_ms >= q.since_wall_ms)
-            .filter(|e| q.lock.as_deref().is_none_or(|l| e.lock.as_deref() == Some(l)))
+            .filter(|e| {
+                q.lock
+                    .as_deref()
+                    .is_none_or(|l| e.lock.as_deref() == Some(l))
+            })
             .take(q.limit)
             .cloned()
             .collect();
@@ -479,7 +483,8 @@ impl AuditStore {
                 d.finish()?;
                 Ok((seq, idx))
             })();
-            index.high_water = parsed.map_err(|e| corrupt(dir, format!("compacted entries: {e}")))?;
+            index.high_water =
+                parsed.map_err(|e| corrupt(dir, format!("compacted entries: {e}")))?;
         }
         for (i, record) in recovered.records.iter().enumerate() {
             let mut d = Dec::new(record);
@@ -628,7 +633,10 @@ mod tests {
             since_wall_ms: 0,
             limit: 10,
         });
-        let fences: Vec<_> = all.iter().map(|e| (e.lock.clone().unwrap(), e.fence)).collect();
+        let fences: Vec<_> = all
+            .iter()
+            .map(|e| (e.lock.clone().unwrap(), e.fence))
+            .collect();
         assert_eq!(
             fences,
             vec![

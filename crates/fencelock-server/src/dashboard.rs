@@ -147,20 +147,23 @@ fn page_caller(
     headers: &HeaderMap,
     action: Action,
     name: Option<&str>,
-) -> Result<Principal, Response> {
-    auth::authorize(ext, action, name).map_err(|e| match e.kind() {
-        ApiErrorKind::Unauthenticated => {
-            let rejected = has_token_cookie(headers);
-            let mut r = login_page(rejected.then_some("That token was not accepted.")).into_response();
-            *r.status_mut() = StatusCode::UNAUTHORIZED;
-            r
-        }
-        _ => {
-            let body = format!("<p class=\"error\">{}</p>", esc(e.message()));
-            let mut r = page("not allowed", None, &body).into_response();
-            *r.status_mut() = StatusCode::FORBIDDEN;
-            r
-        }
+) -> Result<Principal, Box<Response>> {
+    auth::authorize(ext, action, name).map_err(|e| {
+        Box::new(match e.kind() {
+            ApiErrorKind::Unauthenticated => {
+                let rejected = has_token_cookie(headers);
+                let mut r =
+                    login_page(rejected.then_some("That token was not accepted.")).into_response();
+                *r.status_mut() = StatusCode::UNAUTHORIZED;
+                r
+            }
+            _ => {
+                let body = format!("<p class=\"error\">{}</p>", esc(e.message()));
+                let mut r = page("not allowed", None, &body).into_response();
+                *r.status_mut() = StatusCode::FORBIDDEN;
+                r
+            }
+        })
     })
 }
 
@@ -338,7 +341,11 @@ fn health(h: &Handle) -> String {
     use std::sync::atomic::Ordering::Relaxed;
     let m = h.metrics();
     let fsync = match (m.fsync.mean(), m.fsync.quantile_bound(0.99)) {
-        (Some(mean), Some(p99)) => format!("{:.2} ms <span class=\"muted\">(p99 ≤ {:.2} ms)</span>", mean / 1000.0, p99 as f64 / 1000.0),
+        (Some(mean), Some(p99)) => format!(
+            "{:.2} ms <span class=\"muted\">(p99 ≤ {:.2} ms)</span>",
+            mean / 1000.0,
+            p99 as f64 / 1000.0
+        ),
         (Some(mean), None) => format!("{:.2} ms", mean / 1000.0),
         _ => "—".to_owned(),
     };
@@ -438,7 +445,7 @@ async fn index(
 ) -> Response {
     let who = match page_caller(&ext, &headers, Action::Read, None) {
         Ok(p) => p,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let prefix = params.map(|Query(p)| p.prefix).unwrap_or_default();
     let table = match visible_locks(&h, &who, &prefix).await {
@@ -558,7 +565,10 @@ async fn lock_page(
 ) -> Response {
     let raw = match path {
         Ok(Path(raw)) => raw,
-        Err(e) => return ApiError::new(ApiErrorKind::InvalidArgument, format!("bad path: {e}")).into_response(),
+        Err(e) => {
+            return ApiError::new(ApiErrorKind::InvalidArgument, format!("bad path: {e}"))
+                .into_response()
+        }
     };
     let name = match input::lock_name("name", &raw) {
         Ok(n) => n,
@@ -569,10 +579,12 @@ async fn lock_page(
     };
     let who = match page_caller(&ext, &headers, Action::Read, Some(name.as_str())) {
         Ok(p) => p,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let (current, history) = lock_sections(&h, &name).await;
-    let admin = who.authorize(Action::ForceRelease, Some(name.as_str())).is_ok();
+    let admin = who
+        .authorize(Action::ForceRelease, Some(name.as_str()))
+        .is_ok();
     let force = if admin {
         format!(
             "<h2>Force release</h2><form id=\"force-release\" hx-post=\"/ui/force-release\" hx-target=\"#force-result\" \
@@ -614,7 +626,10 @@ async fn lock_sections(h: &Handle, name: &LockName) -> (String, String) {
     } else {
         rows
     };
-    (current, format!("{EVENTS_HEAD}<tbody>{rows}</tbody></table>"))
+    (
+        current,
+        format!("{EVENTS_HEAD}<tbody>{rows}</tbody></table>"),
+    )
 }
 
 #[derive(Deserialize)]
@@ -631,10 +646,18 @@ async fn force_release_form(
     form: Result<Form<ForceForm>, FormRejection>,
 ) -> Response {
     let fragment = |status: StatusCode, class: &str, text: &str| {
-        (status, Html(format!("<p class=\"{class}\">{}</p>", esc(text)))).into_response()
+        (
+            status,
+            Html(format!("<p class=\"{class}\">{}</p>", esc(text))),
+        )
+            .into_response()
     };
     let Ok(Form(form)) = form else {
-        return fragment(StatusCode::BAD_REQUEST, "error", "expected a form with name and reason");
+        return fragment(
+            StatusCode::BAD_REQUEST,
+            "error",
+            "expected a form with name and reason",
+        );
     };
     let name = match LockName::new(&form.name) {
         Ok(n) => n,
@@ -643,7 +666,8 @@ async fn force_release_form(
     let who = match auth::authorize(&ext, Action::ForceRelease, Some(name.as_str())) {
         Ok(p) => p,
         Err(e) => {
-            let status = StatusCode::from_u16(e.kind().http_status()).unwrap_or(StatusCode::FORBIDDEN);
+            let status =
+                StatusCode::from_u16(e.kind().http_status()).unwrap_or(StatusCode::FORBIDDEN);
             return fragment(status, "error", e.message());
         }
     };
@@ -655,7 +679,13 @@ async fn force_release_form(
         "" => None,
         f => match f.parse::<u64>().ok().and_then(Fence::new) {
             Some(f) => Some(f),
-            None => return fragment(StatusCode::BAD_REQUEST, "error", "fence: must be a number of at least 1"),
+            None => {
+                return fragment(
+                    StatusCode::BAD_REQUEST,
+                    "error",
+                    "fence: must be a number of at least 1",
+                )
+            }
         },
     };
     match h
@@ -679,7 +709,8 @@ async fn force_release_form(
             .into_response()
         }
         Err(e) => {
-            let status = StatusCode::from_u16(e.kind().http_status()).unwrap_or(StatusCode::BAD_REQUEST);
+            let status =
+                StatusCode::from_u16(e.kind().http_status()).unwrap_or(StatusCode::BAD_REQUEST);
             fragment(status, "error", e.message())
         }
     }

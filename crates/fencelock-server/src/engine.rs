@@ -575,7 +575,11 @@ impl EngineTask {
 
     /// Applies one command at the current service time and logs it if it changed
     /// state. Outcomes stay in the core until [`Self::route_outcomes`].
-    fn apply_logged(&mut self, command: Command, actor: Option<String>) -> Result<Reply, CoreError> {
+    fn apply_logged(
+        &mut self,
+        command: Command,
+        actor: Option<String>,
+    ) -> Result<Reply, CoreError> {
         let now = self.clock.now_ms().max(self.core.now_ms());
         let due = self.core.next_deadline_ms().is_some_and(|d| d <= now);
         let is_tick = matches!(command, Command::Tick);
@@ -1085,11 +1089,7 @@ impl Handle {
         self.command_as(command, None).await
     }
 
-    async fn command_as(
-        &self,
-        command: Command,
-        actor: Option<String>,
-    ) -> Result<Reply, ApiError> {
+    async fn command_as(&self, command: Command, actor: Option<String>) -> Result<Reply, ApiError> {
         let (tx, rx) = oneshot::channel();
         self.send(Msg::Command {
             command,

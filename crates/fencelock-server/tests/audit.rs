@@ -170,7 +170,11 @@ async fn lost_audit_entries_are_rebuilt_from_the_command_log() {
     let s = start_in(dir.path()).await;
     let mut fences = Vec::new();
     for i in 0..5 {
-        let g = acquire(&s.client, json!({"name": format!("r:{i}"), "ttl_ms": 60_000})).await;
+        let g = acquire(
+            &s.client,
+            json!({"name": format!("r:{i}"), "ttl_ms": 60_000}),
+        )
+        .await;
         fences.push(g["fence"].as_u64().unwrap());
     }
     s.client
@@ -204,7 +208,11 @@ async fn a_corrupt_audit_log_refuses_start_with_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let s = start_in(dir.path()).await;
     for i in 0..3 {
-        acquire(&s.client, json!({"name": format!("c:{i}"), "ttl_ms": 60_000})).await;
+        acquire(
+            &s.client,
+            json!({"name": format!("c:{i}"), "ttl_ms": 60_000}),
+        )
+        .await;
     }
     s.stop().await;
     let audit_dir = dir.path().join("audit");
@@ -273,7 +281,12 @@ async fn dashboard_shows_locks_escapes_names_and_force_releases_with_a_reason() 
     let r = form(format!("name={}&reason=", pct(evil))).await;
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(c.get(&format!("/v1/locks/{}", pct(evil))).await.status, 200);
-    let r = form(format!("name={}&reason={}", pct(evil), pct("stuck <i>x</i>"))).await;
+    let r = form(format!(
+        "name={}&reason={}",
+        pct(evil),
+        pct("stuck <i>x</i>")
+    ))
+    .await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(r.text().contains(&format!("fence {fence}")), "{}", r.text());
     assert!(!r.text().contains("<script>"));
@@ -283,7 +296,10 @@ async fn dashboard_shows_locks_escapes_names_and_force_releases_with_a_reason() 
     assert_eq!(hist.status, 200);
     let html = hist.text();
     assert!(html.contains("forced release"), "{html}");
-    assert!(html.contains("reason: stuck &lt;i&gt;x&lt;/i&gt;"), "{html}");
+    assert!(
+        html.contains("reason: stuck &lt;i&gt;x&lt;/i&gt;"),
+        "{html}"
+    );
     assert!(!html.contains(evil));
     // Bad input is a client error, never a 500.
     assert_eq!(c.get("/ui/lock/").await.status / 100, 4);
@@ -298,16 +314,23 @@ async fn dashboard_shows_locks_escapes_names_and_force_releases_with_a_reason() 
 async fn the_live_stream_sends_the_lock_table_and_events() {
     let s = TestServer::start().await;
     let c = &s.client;
-    let mut pending = c
-        .send("GET", "/ui/stream?prefix=live:", &[], b"")
-        .await;
-    acquire(c, json!({"name": "live:1", "ttl_ms": 60_000, "owner": "me"})).await;
+    let mut pending = c.send("GET", "/ui/stream?prefix=live:", &[], b"").await;
+    acquire(
+        c,
+        json!({"name": "live:1", "ttl_ms": 60_000, "owner": "me"}),
+    )
+    .await;
     acquire(c, json!({"name": "dead:1", "ttl_ms": 60_000})).await;
     // Read the stream until the table shows live:1 and an event row arrived.
-    let text = pending.read_until("event: event", support::IO_TIMEOUT).await;
+    let text = pending
+        .read_until("event: event", support::IO_TIMEOUT)
+        .await;
     assert!(text.contains("text/event-stream"), "{text}");
     assert!(text.contains("event: locks"), "{text}");
     assert!(text.contains("live:1"), "{text}");
-    assert!(!text.contains("dead:1"), "other prefixes are not streamed: {text}");
+    assert!(
+        !text.contains("dead:1"),
+        "other prefixes are not streamed: {text}"
+    );
     s.stop().await;
 }

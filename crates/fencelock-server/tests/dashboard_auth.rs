@@ -76,7 +76,10 @@ async fn force_release(t: &TestServer, secret: &str, origin: bool, body: &str) -
 }
 
 async fn held(t: &TestServer, name: &str) -> bool {
-    get_as(t, &format!("/v1/locks/{}", pct(name)), OPS).await.status == 200
+    get_as(t, &format!("/v1/locks/{}", pct(name)), OPS)
+        .await
+        .status
+        == 200
 }
 
 #[tokio::test]
@@ -110,8 +113,14 @@ async fn login_sets_an_http_only_strict_cookie_and_pages_need_it() {
     assert_eq!(r.status, 303);
     assert_eq!(r.header("location"), Some("/"));
     let set = r.header("set-cookie").expect("a cookie");
-    assert!(set.starts_with(&format!("fencelock_token={VIEWER};")), "{set}");
-    assert!(set.contains("HttpOnly") && set.contains("SameSite=Strict"), "{set}");
+    assert!(
+        set.starts_with(&format!("fencelock_token={VIEWER};")),
+        "{set}"
+    );
+    assert!(
+        set.contains("HttpOnly") && set.contains("SameSite=Strict"),
+        "{set}"
+    );
     // Something that would inject cookie attributes is refused.
     let r = t
         .client
@@ -140,18 +149,26 @@ async fn readers_see_only_their_prefixes_and_cannot_force_release() {
     acquire(&t, "b:secret").await;
     let html = get_as(&t, "/", VIEWER).await.text();
     assert!(html.contains("a:1"));
-    assert!(!html.contains("b:secret"), "another prefix leaked into the page");
+    assert!(
+        !html.contains("b:secret"),
+        "another prefix leaked into the page"
+    );
     let mut stream = t
         .client
         .send("GET", "/ui/stream", &[("Cookie", &cookie(VIEWER))], b"")
         .await;
-    let text = stream.read_until("event: health", support::IO_TIMEOUT).await;
+    let text = stream
+        .read_until("event: health", support::IO_TIMEOUT)
+        .await;
     assert!(text.contains("a:1") && !text.contains("b:secret"), "{text}");
     stream.close();
     assert_eq!(get_as(&t, "/ui/lock/b:secret", VIEWER).await.status, 403);
     let page = get_as(&t, "/ui/lock/a:1", VIEWER).await;
     assert_eq!(page.status, 200);
-    assert!(!page.text().contains("force-release"), "no admin form for a reader");
+    assert!(
+        !page.text().contains("force-release"),
+        "no admin form for a reader"
+    );
     let entries = get_as(&t, "/v1/audit", VIEWER).await.expect_json(200);
     let locks: Vec<&str> = entries["entries"]
         .as_array()
@@ -160,7 +177,10 @@ async fn readers_see_only_their_prefixes_and_cannot_force_release() {
         .map(|e| e["lock"].as_str().unwrap())
         .collect();
     assert_eq!(locks, vec!["a:1"]);
-    assert_eq!(get_as(&t, "/v1/audit?lock=b:secret", VIEWER).await.status, 403);
+    assert_eq!(
+        get_as(&t, "/v1/audit?lock=b:secret", VIEWER).await.status,
+        403
+    );
 
     let r = force_release(&t, VIEWER, true, "name=a%3A1&reason=no").await;
     assert_eq!(r.status, 403, "{}", r.text());
@@ -179,7 +199,9 @@ async fn admins_force_release_same_origin_only_and_are_named_in_the_audit_log() 
     let r = force_release(&t, OPS, true, "name=a%3Astuck&reason=stuck%20worker").await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(!held(&t, "a:stuck").await);
-    let audit = get_as(&t, "/v1/audit?lock=a:stuck", OPS).await.expect_json(200);
+    let audit = get_as(&t, "/v1/audit?lock=a:stuck", OPS)
+        .await
+        .expect_json(200);
     let last = audit["entries"].as_array().unwrap().last().unwrap().clone();
     assert_eq!(last["kind"], "forced_release");
     assert_eq!(last["actor"], "ops");

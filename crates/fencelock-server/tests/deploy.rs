@@ -82,7 +82,10 @@ async fn every_metric_the_grafana_dashboard_queries_exists() {
         .collect();
     // The check catches a misspelt metric (a planted bug), so it can be trusted.
     let planted = metric_names("sum(rate(fencelock_grant_total{job=~\"$job\"}[5m]))");
-    assert_eq!(planted.iter().next().map(String::as_str), Some("fencelock_grant_total"));
+    assert_eq!(
+        planted.iter().next().map(String::as_str),
+        Some("fencelock_grant_total")
+    );
     assert!(!planted.is_subset(&exported));
     let missing: Vec<&String> = queried.difference(&exported).collect();
     assert!(
