@@ -63,10 +63,10 @@ pub struct ServeArgs {
     /// can reach it may do anything).
     #[arg(long, env = "FENCELOCK_INSECURE")]
     pub insecure: bool,
-    /// TLS certificate chain, PEM (with --tls-key; overrides [tls] cert).
+    /// TLS certificate chain, PEM (with --tls-key; overrides tls.cert of the config).
     #[arg(long, env = "FENCELOCK_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
-    /// TLS private key, PEM (with --tls-cert; overrides [tls] key).
+    /// TLS private key, PEM (with --tls-cert; overrides tls.key of the config).
     #[arg(long, env = "FENCELOCK_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
 }

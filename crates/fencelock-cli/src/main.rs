@@ -57,7 +57,7 @@ enum Commands {
         #[arg(long, env = "FENCELOCK_DATA_DIR", default_value = "./fencelock-data")]
         data_dir: PathBuf,
     },
-    /// Make access tokens for the server's [auth] config.
+    /// Make access tokens for the auth.tokens of the server's config.
     Token(token::TokenArgs),
     /// Show a running server's audit log: grants, hand-offs, releases, expiries,
     /// forced releases (with actor and reason), session ends, refused renews.

@@ -18,7 +18,7 @@ pub struct TokenArgs {
 #[derive(Debug, Subcommand)]
 enum TokenCommand {
     /// Make a new token: prints the token (once; the server keeps only its hash) and
-    /// the config entry to add under [auth].
+    /// the entry to add to the auth.tokens of the config.
     New {
         /// The token's name (A-Z a-z 0-9 _ . -, at most 64 bytes): shown in logs and
         /// the audit log, and scopes the token's request ids.
