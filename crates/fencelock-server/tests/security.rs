@@ -615,6 +615,44 @@ async fn connections_over_the_cap_get_503_until_one_closes() {
     t.stop().await;
 }
 
+/// The server announces `max_streams_per_connection` as HTTP/2
+/// SETTINGS_MAX_CONCURRENT_STREAMS, so clients queue calls beyond it.
+#[tokio::test]
+async fn http2_streams_per_connection_are_capped() {
+    let t = secure_server(|c| c.limits.max_streams_per_connection = 7).await;
+    let mut stream = tokio::net::TcpStream::connect(t.addr()).await.unwrap();
+    // The client preface and an empty SETTINGS frame.
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+    stream.write_all(&hello).await.unwrap();
+    let read_settings = async {
+        loop {
+            let mut head = [0u8; 9];
+            stream.read_exact(&mut head).await.unwrap();
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut payload = vec![0u8; len];
+            stream.read_exact(&mut payload).await.unwrap();
+            let (kind, flags) = (head[3], head[4]);
+            if kind == 0x4 && flags & 0x1 == 0 {
+                return payload
+                    .chunks(6)
+                    .map(|e| {
+                        let id = u16::from_be_bytes([e[0], e[1]]);
+                        (id, u32::from_be_bytes([e[2], e[3], e[4], e[5]]))
+                    })
+                    .collect::<Vec<_>>();
+            }
+        }
+    };
+    let settings = tokio::time::timeout(IO_TIMEOUT, read_settings)
+        .await
+        .expect("the server's SETTINGS in time");
+    // 0x3 = SETTINGS_MAX_CONCURRENT_STREAMS.
+    assert!(settings.contains(&(0x3, 7)), "{settings:?}");
+    drop(stream);
+    t.stop().await;
+}
+
 #[tokio::test]
 async fn bad_configurations_refuse_to_start() {
     let dir = tempfile::tempdir().unwrap();
