@@ -38,7 +38,7 @@ use std::time::Instant;
 
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::request::Parts;
-use axum::http::{header, HeaderMap, HeaderValue, Method};
+use axum::http::{header, HeaderMap, HeaderValue, Method, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use fencelock_core::RequestId;
@@ -557,12 +557,13 @@ impl Authenticator {
         found
     }
 
-    /// The caller of a request with these headers: `Ok(None)` if it carries no
-    /// credentials, an error if it carries bad ones. With authentication off, always
-    /// the anonymous principal.
+    /// The caller of a request: `Ok(None)` if it carries no credentials, an error if
+    /// it carries bad ones. With authentication off, always the anonymous principal.
+    /// (`uri` gives the host of an HTTP/2 request, which has no `Host` header.)
     pub fn principal(
         &self,
         method: &Method,
+        uri: &Uri,
         headers: &HeaderMap,
     ) -> Result<Option<Principal>, ApiError> {
         if !self.enabled() {
@@ -575,7 +576,7 @@ impl Authenticator {
         let principal = self
             .authenticate(token)
             .ok_or_else(|| unauthenticated("unknown token"))?;
-        if from_cookie && !safe_method(method) && !same_origin(headers) {
+        if from_cookie && !safe_method(method) && !same_origin(uri, headers) {
             return Err(denied(
                 "a request authenticated by cookie that changes state must come from this \
                  server's own pages (Origin does not match Host)"
@@ -591,9 +592,12 @@ fn safe_method(method: &Method) -> bool {
 }
 
 /// Whether a browser says the request comes from this server's own pages.
-fn same_origin(headers: &HeaderMap) -> bool {
+fn same_origin(uri: &Uri, headers: &HeaderMap) -> bool {
     if let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) {
-        let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+        let host = headers
+            .get(header::HOST)
+            .and_then(|v| v.to_str().ok())
+            .or_else(|| uri.authority().map(|a| a.as_str()));
         // Origin is scheme://host[:port]; compare its authority with Host.
         let authority = origin.split_once("://").map(|(_, a)| a);
         return authority.is_some() && authority == host;
@@ -691,7 +695,7 @@ pub async fn layer(
     next: Next,
 ) -> Response {
     let gate = gate(request.uri().path());
-    match auth.principal(request.method(), request.headers()) {
+    match auth.principal(request.method(), request.uri(), request.headers()) {
         Ok(Some(principal)) => {
             request.extensions_mut().insert(principal);
         }
@@ -789,6 +793,19 @@ mod tests {
     fn credentials_from_header_or_cookie() {
         let auth =
             Authenticator::new(&config(&[("a", Role::Client, &[""], "sekrit")]), None).unwrap();
+        let h2 = |origin: &str, method: Method| {
+            // An HTTP/2 request: the host is in the URI, there is no Host header.
+            let mut h = HeaderMap::new();
+            h.insert(
+                header::COOKIE,
+                HeaderValue::from_static("fencelock_token=sekrit"),
+            );
+            h.insert(header::ORIGIN, HeaderValue::from_str(origin).unwrap());
+            let uri: Uri = "https://h:1/v1/acquire".parse().unwrap();
+            auth.principal(&method, &uri, &h).map(|p| p.is_some())
+        };
+        assert_eq!(h2("https://h:1", Method::POST), Ok(true));
+        assert!(h2("https://evil:1", Method::POST).is_err());
         let check = |pairs: &[(&str, &str)], method: Method| {
             let mut h = HeaderMap::new();
             for (n, v) in pairs {
@@ -797,7 +814,7 @@ mod tests {
                     HeaderValue::from_str(v).unwrap(),
                 );
             }
-            auth.principal(&method, &h)
+            auth.principal(&method, &Uri::from_static("/"), &h)
                 .map(|p| p.map(|p| p.name().to_owned()))
                 .map_err(|e| e.kind())
         };
