@@ -14,7 +14,7 @@
 //!   water mark ([`AuditStore::high_water`]), identical to the ones that were lost.
 //!
 //! The store is a [`fencelock_log::Log`] in `DATA_DIR/audit`: CRC-framed records (one
-//! per batch), preallocated segments, torn-tail detection, and corruption refused
+//! per batch), preallocated 1 MiB segments, torn-tail detection, and corruption refused
 //! with the file and offset. Retention ([`AuditConfig`]) is by age and size; it is
 //! applied in memory at every append and on disk by *compaction*: the retained
 //! entries are written as the log's snapshot, which deletes the older segments.
@@ -43,7 +43,7 @@ use crate::error::{ApiError, ApiErrorKind};
 /// Log written since the last compaction before the next one, at the least.
 pub const COMPACT_MIN_BYTES: u64 = 1 << 20;
 /// Size of each preallocated segment of the audit store.
-const SEGMENT_BYTES: u64 = 4 << 20;
+const SEGMENT_BYTES: u64 = 1 << 20;
 /// Largest audit record; a larger batch of entries is split.
 const MAX_CHUNK_BYTES: usize = 4 << 20;
 /// Format version of an audit record (one batch of entries).

@@ -219,17 +219,33 @@ impl ServiceClock {
     }
 }
 
+/// What [`recover`] loaded.
+pub struct Recovery {
+    /// The command log, open for appending.
+    pub log: Log,
+    /// The state.
+    pub core: Core,
+    /// What was found.
+    pub report: RecoveryReport,
+    /// The snapshot and records read.
+    pub recovered: Recovered,
+    /// The last sequence number and the rebuilt audit entries.
+    pub replayed: Replayed,
+    /// The audit store (`DATA_DIR/audit`), if asked for.
+    pub audit: Option<AuditStore>,
+}
+
 /// Loads the state from `dir` (snapshot + log replay) without starting anything.
-/// Used at start and by offline tools.
-/// With `audit_high_water`, the audit entries of the replayed records past that mark
-/// (see [`AuditStore::high_water`]) are rebuilt and returned, with the last record's
-/// sequence number.
+/// Used at start and by offline tools. With `audit`, also opens the audit store in
+/// `dir/audit` (after the command log, whose lock keeps other servers out) and
+/// rebuilds the entries of the records past its high-water mark
+/// (see [`AuditStore::high_water`]).
 pub fn recover(
     log_opts: LogOptions,
     dir: &Path,
     config: &CoreConfig,
-    audit_high_water: Option<(u64, u32)>,
-) -> Result<(Log, Core, RecoveryReport, Recovered, Replayed), ApiError> {
+    audit: Option<&AuditConfig>,
+) -> Result<Recovery, ApiError> {
     let started = Instant::now();
     let storage = |e: fencelock_log::LogError| match e.kind() {
         fencelock_log::LogErrorKind::Locked => ApiError::new(
@@ -241,13 +257,30 @@ pub fn recover(
         ),
         _ => ApiError::new(ApiErrorKind::Internal, format!("cannot open the log: {e}")),
     };
-    let (log, recovered) = Log::open(dir, log_opts).map_err(storage)?;
+    let (log, recovered) = Log::open(dir, log_opts.clone()).map_err(storage)?;
+    let audit = match audit {
+        Some(audit_config) => {
+            let audit_dir = dir.join("audit");
+            std::fs::create_dir_all(&audit_dir).map_err(|e| {
+                ApiError::new(
+                    ApiErrorKind::Internal,
+                    format!("cannot create {}: {e}", audit_dir.display()),
+                )
+            })?;
+            Some(AuditStore::open(
+                &audit_dir,
+                audit_config.clone(),
+                log_opts.fsync,
+            )?)
+        }
+        None => None,
+    };
     let (core, replayed) = replay(
         config,
         recovered.snapshot.as_deref(),
         &recovered.records,
         dir,
-        audit_high_water,
+        audit.as_ref().map(AuditStore::high_water),
     )?;
     let stats = core.stats();
     let report = RecoveryReport {
@@ -258,7 +291,14 @@ pub fn recover(
         next_fence: stats.next_fence,
         duration: started.elapsed(),
     };
-    Ok((log, core, report, recovered, replayed))
+    Ok(Recovery {
+        log,
+        core,
+        report,
+        recovered,
+        replayed,
+        audit,
+    })
 }
 
 /// What a replay found besides the state.
@@ -322,21 +362,21 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         segment_bytes: config.segment_bytes,
         fsync: config.durability == Durability::Fsync,
     };
-    let audit_dir = config.data_dir.join("audit");
-    std::fs::create_dir_all(&audit_dir).map_err(|e| {
-        ApiError::new(
-            ApiErrorKind::Internal,
-            format!("cannot create {}: {e}", audit_dir.display()),
-        )
-    })?;
-    let mut audit_store = AuditStore::open(&audit_dir, config.audit.clone(), log_opts.fsync)?;
-    let high_water = audit_store.high_water();
-    let (mut log, mut core, report, mut recovered, replayed) = recover(
+    let Recovery {
+        mut log,
+        mut core,
+        report,
+        mut recovered,
+        replayed,
+        audit,
+    } = recover(
         log_opts.clone(),
         &config.data_dir,
         &config.core,
-        Some(high_water),
+        Some(&config.audit),
     )?;
+    let mut audit_store = audit.expect("asked for");
+    let high_water = audit_store.high_water();
     let mut next_seq = replayed.last_seq.max(high_water.0) + 1;
     if !replayed.audit.is_empty() {
         tracing::info!(
