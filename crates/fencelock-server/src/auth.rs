@@ -490,6 +490,13 @@ impl Authenticator {
                     t.name
                 ));
             }
+            if t.name == "anonymous" {
+                return Err(
+                    "auth token name \"anonymous\" is reserved for requests when \
+                     authentication is off"
+                        .to_owned(),
+                );
+            }
             if !names.insert(t.name.as_str()) {
                 return Err(format!("auth token name {:?} is used twice", t.name));
             }
@@ -953,6 +960,9 @@ mod tests {
         let mut cases = Vec::new();
         let mut c = good.clone();
         c.tokens[0].name = "a/b".into();
+        cases.push(c);
+        let mut c = good.clone();
+        c.tokens[0].name = "anonymous".into();
         cases.push(c);
         let mut c = good.clone();
         c.tokens[0].sha256 = "abc".into();

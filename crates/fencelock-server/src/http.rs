@@ -39,7 +39,14 @@ impl IntoResponse for ApiError {
         let status = StatusCode::from_u16(self.kind().http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let body = json!({"error": {"code": self.kind().code(), "message": self.message()}});
-        (status, Json(body)).into_response()
+        let mut response = (status, Json(body)).into_response();
+        if self.kind() == ApiErrorKind::RateLimited {
+            // Buckets refill at least one attempt per second.
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        response
     }
 }
 

@@ -95,6 +95,8 @@ pub fn secure_app(
 ) -> axum::Router {
     grpc::add_routes_with_limit(http::router(handle.clone()), handle, limits.max_body_bytes)
         .layer(axum::Extension(http::BodyLimit(limits.max_body_bytes)))
+        // The same limit for axum's own extractors (the dashboard's forms).
+        .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(
             authenticator,
             auth::layer,

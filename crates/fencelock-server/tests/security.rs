@@ -508,8 +508,9 @@ async fn request_ids_are_scoped_to_the_token() {
 #[tokio::test]
 async fn acquire_attempts_over_the_tokens_rate_get_429_and_recover() {
     let t = secure_server(|_| {}).await;
-    // `limited` may make 3 attempts at once, then 1 per second. 20 attempts in a row
-    // could only all pass if they took 17 s.
+    // `limited` may make 3 attempts at once, then 1 per second: 20 attempts in a row
+    // could only all pass if they took 17 s (the bucket itself is tested with a fake
+    // clock in `auth.rs` and `limits.rs`).
     let mut refused = None;
     for i in 0..20 {
         let body = json!({"name": format!("r:{i}"), "ttl_ms": 60_000});
@@ -523,6 +524,7 @@ async fn acquire_attempts_over_the_tokens_rate_get_429_and_recover() {
         .await;
         if r.status == 429 {
             let message = r.expect_error(429, "rate_limited");
+            assert_eq!(r.header("retry-after"), Some("1"));
             assert!(message.contains("retry in"), "{message}");
             refused = Some(format!("r:{i}"));
             break;
