@@ -208,7 +208,7 @@ fn cookie_safe(token: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"-_.~+/=".contains(&b))
 }
 
-async fn login(form: Result<Form<LoginForm>, FormRejection>) -> Response {
+async fn login(headers: HeaderMap, form: Result<Form<LoginForm>, FormRejection>) -> Response {
     let Ok(Form(form)) = form else {
         return (StatusCode::BAD_REQUEST, login_page(Some("Send a token."))).into_response();
     };
@@ -220,9 +220,15 @@ async fn login(form: Result<Form<LoginForm>, FormRejection>) -> Response {
         )
             .into_response();
     }
+    // The browser says in `Origin` whether the page came over https; then the
+    // cookie must never travel over plain http.
+    let https = headers
+        .get(header::ORIGIN)
+        .is_some_and(|o| o.as_bytes().starts_with(b"https://"));
     let cookie = format!(
-        "{}={token}; Path=/; HttpOnly; SameSite=Strict",
-        auth::TOKEN_COOKIE
+        "{}={token}; Path=/; HttpOnly; SameSite=Strict{}",
+        auth::TOKEN_COOKIE,
+        if https { "; Secure" } else { "" }
     );
     let mut r = Redirect::to("/").into_response();
     if let Ok(v) = HeaderValue::from_str(&cookie) {

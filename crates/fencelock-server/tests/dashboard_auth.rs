@@ -121,6 +121,21 @@ async fn login_sets_an_http_only_strict_cookie_and_pages_need_it() {
         set.contains("HttpOnly") && set.contains("SameSite=Strict"),
         "{set}"
     );
+    assert!(!set.contains("Secure"), "plain http: {set}");
+    // Over https (as the browser's Origin says) the cookie is Secure.
+    let r = t
+        .client
+        .request(
+            "POST",
+            "/ui/login",
+            &[
+                ("Content-Type", "application/x-www-form-urlencoded"),
+                ("Origin", "https://locks.example"),
+            ],
+            body.as_bytes(),
+        )
+        .await;
+    assert!(r.header("set-cookie").unwrap().contains("; Secure"));
     // Something that would inject cookie attributes is refused.
     let r = t
         .client
