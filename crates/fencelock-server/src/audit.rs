@@ -526,6 +526,16 @@ impl AuditStore {
         self.index.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Entries retained.
+    pub fn len(&self) -> usize {
+        self.index().len()
+    }
+
+    /// Whether no entry is retained.
+    pub fn is_empty(&self) -> bool {
+        self.index().is_empty()
+    }
+
     /// Appends entries and makes them durable, then adds them to the index;
     /// compacts when due. Call only after the log records they derive from are
     /// durable.

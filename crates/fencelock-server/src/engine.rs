@@ -425,6 +425,9 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     let audit_index = audit_store.shared_index();
 
     let metrics = Arc::new(Metrics::default());
+    metrics
+        .audit_entries
+        .store(audit_store.len() as u64, Ordering::Relaxed);
     let (tx, rx) = mpsc::unbounded_channel();
     let (events, _) = broadcast::channel(EVENT_BUFFER);
     let (state_tx, state_rx) = watch::channel(RunState::Running);
@@ -951,8 +954,17 @@ impl Writer {
             // too before anyone hears of the change. A crash between the two syncs
             // is repaired at start by replaying the records past the audit store's
             // high-water mark.
-            if let Err(e) = self.audit.commit(audit_entries) {
-                return self.fail(format!("audit log: {e}"));
+            if !audit_entries.is_empty() {
+                let started = Instant::now();
+                if let Err(e) = self.audit.commit(audit_entries) {
+                    return self.fail(format!("audit log: {e}"));
+                }
+                self.metrics
+                    .audit_sync
+                    .observe(started.elapsed().as_micros() as u64);
+                self.metrics
+                    .audit_entries
+                    .store(self.audit.len() as u64, Ordering::Relaxed);
             }
             if !durable.is_empty() {
                 // The replica sees every durable change before any client hears of

@@ -121,6 +121,10 @@ pub struct Metrics {
     pub fsync: Histogram,
     /// Records per log sync.
     pub batch_size: Histogram,
+    /// Duration of each audit log append + fdatasync (after the command log's), µs.
+    pub audit_sync: Histogram,
+    /// Gauge: audit entries retained.
+    pub audit_entries: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -141,6 +145,8 @@ impl Default for Metrics {
             hold_time: Histogram::new(MS_BOUNDS, 1_000.0),
             fsync: Histogram::new(MICROS_BOUNDS, 1_000_000.0),
             batch_size: Histogram::new(BATCH_BOUNDS, 1.0),
+            audit_sync: Histogram::new(MICROS_BOUNDS, 1_000_000.0),
+            audit_entries: AtomicU64::new(0),
         }
     }
 }
@@ -162,6 +168,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "fencelock_hold_seconds",
     "fencelock_log_sync_seconds",
     "fencelock_log_batch_records",
+    "fencelock_audit_sync_seconds",
+    "fencelock_audit_entries",
 ];
 
 impl Metrics {
@@ -246,6 +254,17 @@ impl Metrics {
             &mut out,
             METRIC_NAMES[14],
             "Commands made durable per log sync.",
+        );
+        self.audit_sync.render(
+            &mut out,
+            METRIC_NAMES[15],
+            "Duration of an audit log append and fdatasync (after the log sync, before replies).",
+        );
+        let name = METRIC_NAMES[16];
+        let _ = writeln!(
+            out,
+            "# HELP {name} Audit entries retained.\n# TYPE {name} gauge\n{name} {}",
+            load(&self.audit_entries)
         );
         out
     }
