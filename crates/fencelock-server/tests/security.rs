@@ -1116,3 +1116,28 @@ async fn tls_round_trip_for_http1_and_grpc_with_a_test_ca() {
     );
     t.stop().await;
 }
+
+/// A client that connects and never starts its TLS handshake is disconnected after
+/// `tls_handshake_timeout`, so it cannot hold a connection slot for long.
+#[tokio::test]
+async fn a_silent_tls_client_is_dropped_after_the_handshake_timeout() {
+    let certs = tempfile::tempdir().unwrap();
+    let (_, cert, key) = test_ca(certs.path());
+    let t = secure_server(|c| {
+        c.tls = Some(TlsConfig {
+            cert_path: cert,
+            key_path: key,
+        });
+        c.limits.tls_handshake_timeout = Duration::from_millis(200);
+    })
+    .await;
+    let mut silent = tokio::net::TcpStream::connect(t.addr()).await.unwrap();
+    let mut buf = [0u8; 16];
+    // Without the timeout the server would wait for the handshake forever, and this
+    // read would fail the test after IO_TIMEOUT.
+    let read = tokio::time::timeout(IO_TIMEOUT, silent.read(&mut buf))
+        .await
+        .expect("the server closes the connection");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    t.stop().await;
+}
