@@ -6,12 +6,16 @@
 //! - the engine derives a command's entries ([`entries_for`]) from the command, its
 //!   result and the core's events, and hands them to the writer together with the
 //!   command's log record;
-//! - the writer makes the log record durable, then appends the entries to the audit
-//!   store and syncs it, and only then runs the batch's deliveries (replies);
+//! - the writer makes the log record durable (that is the commit: the record holds
+//!   everything the entries are made of), appends the entries to the audit store and
+//!   its in-memory index, and only then runs the batch's deliveries (replies);
 //! - every log record carries a sequence number, the wall-clock time and the actor
-//!   ([`crate::codec::RecordMeta`]), so after a crash between the two syncs the
-//!   missing entries are rebuilt by replaying the log records past the store's high
-//!   water mark ([`AuditStore::high_water`]), identical to the ones that were lost.
+//!   ([`crate::codec::RecordMeta`]), so entries that did not reach the audit store's
+//!   disk before a crash are rebuilt at start by replaying the log records past the
+//!   store's high-water mark ([`AuditStore::high_water`]), identical to the lost ones;
+//! - the audit store is synced before the command log drops any record (when a
+//!   snapshot makes old segments obsolete), at shutdown, and when it compacts. So it
+//!   costs no fdatasync of its own on the commit path.
 //!
 //! The store is a [`fencelock_log::Log`] in `DATA_DIR/audit`: CRC-framed records (one
 //! per batch), preallocated 1 MiB segments, torn-tail detection, and corruption refused
@@ -23,8 +27,8 @@
 //! entry and the disk holds at most about twice `max_bytes` plus one segment.
 //!
 //! Renew failures change no state and have no log record; they are recorded through
-//! the same path (durable before the failure is answered) with sequence number 0,
-//! but a crash between the two syncs can lose them.
+//! the same path with sequence number 0, but a crash before the next audit sync can
+//! lose them.
 //!
 //! The retained entries are also kept in memory (an [`AuditIndex`]) for queries.
 
@@ -536,10 +540,21 @@ impl AuditStore {
         self.index().is_empty()
     }
 
-    /// Appends entries and makes them durable, then adds them to the index;
-    /// compacts when due. Call only after the log records they derive from are
-    /// durable.
+    /// [`append`](Self::append), then [`sync`](Self::sync).
     pub fn commit(&mut self, entries: Vec<AuditEntry>) -> Result<(), LogError> {
+        self.append(entries)?;
+        self.sync()
+    }
+
+    /// Makes every appended entry durable.
+    pub fn sync(&mut self) -> Result<(), LogError> {
+        self.log.sync().map(|_| ())
+    }
+
+    /// Appends entries (durable at the next [`sync`](Self::sync)) and adds them to
+    /// the index; compacts when due. Call only after the log records they derive
+    /// from are durable, and sync before those records may be dropped.
+    pub fn append(&mut self, entries: Vec<AuditEntry>) -> Result<(), LogError> {
         if entries.is_empty() {
             return Ok(());
         }
@@ -564,7 +579,6 @@ impl AuditStore {
         if count > 0 {
             flush(&mut self.log, &mut chunk, &mut count)?;
         }
-        self.log.sync()?;
         let now = wall_ms();
         let retained = {
             let mut index = self.index();

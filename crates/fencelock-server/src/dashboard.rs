@@ -356,7 +356,7 @@ fn health(h: &Handle) -> String {
         _ => "—".to_owned(),
     };
     let audit = m
-        .audit_sync
+        .audit_write
         .mean()
         .map_or("—".to_owned(), |us| format!("{:.2} ms", us / 1000.0));
     let batch = m
@@ -371,7 +371,7 @@ fn health(h: &Handle) -> String {
         "<div class=\"health\" id=\"health-panel\">\
 <div>state<b>{}</b></div><div>uptime<b>{}</b></div><div>held<b>{}</b></div><div>waiters<b>{}</b></div>\
 <div>sessions<b>{}</b></div><div>locks<b>{}</b></div><div>next fence<b>{}</b></div>\
-<div>log sync (mean)<b>{fsync}</b></div><div>audit sync (mean)<b>{audit}</b></div>\
+<div>log sync (mean)<b>{fsync}</b></div><div>audit write (mean)<b>{audit}</b></div>\
 <div>records per sync (mean)<b>{batch}</b></div><div>syncs<b>{}</b></div><div>audit entries<b>{}</b></div></div>",
         esc(&state),
         dur(h.uptime().as_millis() as u64),

@@ -950,17 +950,18 @@ impl Writer {
                     .observe(started.elapsed().as_micros() as u64);
                 self.metrics.batch_size.observe(durable.len() as u64);
             }
-            // The audit entries of the records just made durable are made durable
-            // too before anyone hears of the change. A crash between the two syncs
-            // is repaired at start by replaying the records past the audit store's
-            // high-water mark.
+            // The audit entries of the records just made durable go to the audit
+            // log (and its index, for queries) before anyone hears of the change.
+            // They are synced before the records they derive from may be dropped
+            // (Forget, below); until then a crash is repaired at start by replaying
+            // the records past the audit store's high-water mark.
             if !audit_entries.is_empty() {
                 let started = Instant::now();
-                if let Err(e) = self.audit.commit(audit_entries) {
+                if let Err(e) = self.audit.append(audit_entries) {
                     return self.fail(format!("audit log: {e}"));
                 }
                 self.metrics
-                    .audit_sync
+                    .audit_write
                     .observe(started.elapsed().as_micros() as u64);
                 self.metrics
                     .audit_entries
@@ -996,11 +997,20 @@ impl Writer {
                 }) => {
                     self.cut_in_flight = false;
                     self.last_snapshot_bytes = snapshot_bytes;
+                    // The audit entries of the records about to be dropped can no
+                    // longer be rebuilt from them: make them durable first.
+                    if let Err(e) = self.audit.sync() {
+                        return self.fail(format!("audit log sync: {e}"));
+                    }
                     if let Err(e) = self.log.forget_before(seq) {
                         return self.fail(format!("drop log covered by snapshot {seq}: {e}"));
                     }
                 }
                 Some(WriterMsg::Stop(done)) => {
+                    // A clean stop leaves nothing to rebuild.
+                    if let Err(e) = self.audit.sync() {
+                        return self.fail(format!("audit log sync: {e}"));
+                    }
                     let _ = done.send(());
                     return;
                 }

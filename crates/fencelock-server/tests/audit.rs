@@ -206,15 +206,19 @@ async fn lost_audit_entries_are_rebuilt_from_the_command_log() {
 #[tokio::test]
 async fn a_corrupt_audit_log_refuses_start_with_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
-    let s = start_in(dir.path()).await;
-    for i in 0..3 {
-        acquire(
-            &s.client,
-            json!({"name": format!("c:{i}"), "ttl_ms": 60_000}),
-        )
-        .await;
+    // Two runs, so that the audit log holds two synced batches: damage in the first
+    // is then provably not a torn write at the end.
+    for run in 0..2 {
+        let s = start_in(dir.path()).await;
+        for i in 0..3 {
+            acquire(
+                &s.client,
+                json!({"name": format!("c:{run}:{i}"), "ttl_ms": 60_000}),
+            )
+            .await;
+        }
+        s.stop().await;
     }
-    s.stop().await;
     let audit_dir = dir.path().join("audit");
     let seg = std::fs::read_dir(&audit_dir)
         .unwrap()
@@ -332,5 +336,52 @@ async fn the_live_stream_sends_the_lock_table_and_events() {
         !text.contains("dead:1"),
         "other prefixes are not streamed: {text}"
     );
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn entries_survive_snapshots_and_restarts_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_path_buf();
+    let start = || {
+        let path = path.clone();
+        TestServer::start_configured(move |c| {
+            c.engine.data_dir = path;
+            // Snapshot (and drop the log before it) every few KiB of log.
+            c.engine.snapshot_after_bytes = 4096;
+        })
+    };
+    let mut fences = Vec::new();
+    for run in 0..3 {
+        let s = start().await;
+        for i in 0..100 {
+            let g = acquire(
+                &s.client,
+                json!({"name": format!("snap:{run}:{i}"), "ttl_ms": 600_000}),
+            )
+            .await;
+            fences.push(g["fence"].as_u64().unwrap());
+        }
+        s.stop().await;
+    }
+    let snapshots = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("snap-")
+        })
+        .count();
+    assert!(snapshots >= 1, "no snapshot was taken");
+    let s = start().await;
+    let grants: Vec<u64> = audit(&s.client, "?limit=1000")
+        .await
+        .iter()
+        .filter(|e| e["kind"] == "grant")
+        .map(|e| e["fence"].as_u64().unwrap())
+        .collect();
+    assert_eq!(grants, fences, "every grant exactly once, in order");
     s.stop().await;
 }
