@@ -118,6 +118,10 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
         if settings.server.engine.durability == fencelock_server::Durability::None {
             tracing::warn!("durability=none: acknowledged grants can be lost and fences can repeat after a crash; for benchmarks only");
         }
+        // Installed before the server says it is serving, so that a SIGTERM right
+        // after that line always takes the graceful path (the default action would
+        // kill the process).
+        let signals = ShutdownSignals::install()?;
         let server = Server::start(settings.server.clone())
             .await
             .context("cannot start the server")?;
@@ -166,7 +170,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
                 }
             }
         };
-        let signal = shutdown_signal();
+        let signal = signals.recv();
         tokio::select! {
             why = failed => {
                 tracing::error!(error = %why, "engine failed; exiting");
@@ -180,13 +184,27 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
     })
 }
 
-async fn shutdown_signal() -> &'static str {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("can install a SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("can install a SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
+/// SIGTERM and SIGINT handlers, installed before serving.
+struct ShutdownSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignals {
+    fn install() -> Result<ShutdownSignals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(ShutdownSignals {
+            term: signal(SignalKind::terminate()).context("cannot install a SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("cannot install a SIGINT handler")?,
+        })
+    }
+
+    /// The name of the first signal that arrives.
+    async fn recv(mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
     }
 }
 
