@@ -1011,6 +1011,16 @@ impl Writer {
                     if let Err(e) = self.audit.sync() {
                         return self.fail(format!("audit log sync: {e}"));
                     }
+                    // A snapshot the replica is writing must land while the data
+                    // directory is still ours; then close the logs (releasing their
+                    // directory locks) before saying we stopped: a server started
+                    // right after must find neither the directory in use nor a
+                    // snapshot appearing under its feet.
+                    let (replica_done, replica_stopped) = oneshot::channel();
+                    if self.replica.send(ReplicaMsg::Stop(replica_done)).is_ok() {
+                        let _ = replica_stopped.blocking_recv();
+                    }
+                    drop(self);
                     let _ = done.send(());
                     return;
                 }
@@ -1028,6 +1038,8 @@ enum ReplicaMsg {
     Cut(u64),
     /// Encode the current state for a backup.
     Backup(oneshot::Sender<Vec<u8>>),
+    /// Finish what was asked before (a snapshot in progress) and stop.
+    Stop(oneshot::Sender<()>),
 }
 
 /// The replica thread: a second core that replays durable records, so snapshots
@@ -1099,6 +1111,10 @@ impl Snapshotter {
                 }
                 ReplicaMsg::Backup(reply) => {
                     let _ = reply.send(codec::encode_snapshot(&replica.export()));
+                }
+                ReplicaMsg::Stop(done) => {
+                    let _ = done.send(());
+                    return;
                 }
             }
         }

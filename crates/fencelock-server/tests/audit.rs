@@ -267,6 +267,11 @@ async fn dashboard_shows_locks_escapes_names_and_force_releases_with_a_reason() 
     assert!(html.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
     assert!(html.contains(&format!("<td class=\"num fence\">{fence}</td>")));
     assert!(html.contains("/ui/assets/htmx.min.js"));
+    let csp = page.header("content-security-policy").expect("a CSP");
+    assert!(
+        csp.contains("script-src 'self'") && csp.contains("frame-ancestors 'none'"),
+        "{csp}"
+    );
     // The vendored scripts are served.
     let js = c.get("/ui/assets/htmx.min.js").await;
     assert_eq!(js.status, 200);
