@@ -771,6 +771,28 @@ mod tests {
     }
 
     #[test]
+    fn damaged_entries_are_errors_never_panics() {
+        let mut e = Enc::default();
+        let mut full = entry(7, 2, 1_700_000_000_000, "lock:1");
+        full.reason = Some("why".into());
+        full.actor = Some("ops".into());
+        full.encode(&mut e);
+        let bytes = e.0;
+        let mut d = Dec::new(&bytes);
+        assert_eq!(AuditEntry::decode(&mut d).unwrap(), full);
+        for cut in 0..bytes.len() {
+            let mut d = Dec::new(&bytes[..cut]);
+            assert!(AuditEntry::decode(&mut d).is_err(), "cut at {cut}");
+        }
+        let mut bad_kind = bytes.clone();
+        bad_kind[8 + 4 + 8] = 99;
+        assert!(AuditEntry::decode(&mut Dec::new(&bad_kind)).is_err());
+        // A count larger than the input is refused before allocating.
+        let mut d = Dec::new(&[0xff, 0xff, 0xff, 0x7f]);
+        assert!(decode_entries(&mut d, &mut Vec::new()).is_err());
+    }
+
+    #[test]
     fn recovery_adds_only_entries_past_the_high_water_mark() {
         let regenerated = vec![
             entry(5, 0, 1, "a"),
