@@ -11,9 +11,15 @@ command -v curl >/dev/null || need_apt+=(curl)
 # Tests start their own throwaway PostgreSQL and Redis servers (fencelock-testkit).
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
 command -v redis-server >/dev/null || need_apt+=(redis-server)
+command -v openssl >/dev/null || need_apt+=(openssl)  # TLS tests make a test CA
+# The dashboard's browser test (crates/fencelock-server/tests/e2e_dashboard.rs)
+# drives Debian's Chromium with playwright-core under Node.js.
+command -v node >/dev/null || need_apt+=(nodejs)
+command -v npm >/dev/null || need_apt+=(npm)
+[ -x /usr/bin/chromium ] || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
   else
     echo "missing: ${need_apt[*]} (install them, or run as root to install automatically)" >&2
     exit 1
@@ -22,6 +28,12 @@ fi
 if ! command -v cargo >/dev/null; then
   echo "cargo not found: install Rust (https://rustup.rs) first" >&2
   exit 1
+fi
+
+e2e=crates/fencelock-server/tests/e2e
+if [ ! -d "$e2e/node_modules" ]; then
+  # Exactly the versions in package-lock.json; playwright-core downloads no browser.
+  (cd "$e2e" && npm ci --no-audit --no-fund)
 fi
 
 cargo test --workspace --locked "$@"

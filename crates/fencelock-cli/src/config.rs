@@ -5,7 +5,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use fencelock_server::{Durability, EngineConfig, ServerConfig};
+use fencelock_server::{
+    AuthConfig, Durability, EngineConfig, Limits, RateLimit, Role, ServerConfig, TlsConfig,
+    TokenConfig,
+};
 use serde::Deserialize;
 
 /// Default listen address.
@@ -56,6 +59,16 @@ pub struct ServeArgs {
     /// Log filter, e.g. `info` or `fencelock_server=debug` [default: info].
     #[arg(long, env = "FENCELOCK_LOG")]
     pub log_level: Option<String>,
+    /// Serve a non-loopback address even though no tokens are configured (anyone who
+    /// can reach it may do anything).
+    #[arg(long, env = "FENCELOCK_INSECURE")]
+    pub insecure: bool,
+    /// TLS certificate chain, PEM (with --tls-key; overrides tls.cert of the config).
+    #[arg(long, env = "FENCELOCK_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key, PEM (with --tls-cert; overrides tls.key of the config).
+    #[arg(long, env = "FENCELOCK_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
 }
 
 /// The config file. Unknown keys are errors, so a typo is never silently ignored.
@@ -67,15 +80,34 @@ struct FileConfig {
     durability: Option<DurabilityArg>,
     log_format: Option<LogFormat>,
     log_level: Option<String>,
+    insecure: Option<bool>,
     #[serde(default)]
-    limits: Limits,
+    limits: FileLimits,
+    #[serde(default)]
+    auth: FileAuth,
+    tls: Option<FileTls>,
     #[serde(default)]
     storage: Storage,
+    #[serde(default)]
+    audit: FileAudit,
 }
+
+/// `[audit]`: retention of the audit log.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileAudit {
+    /// Drop entries older than this; 0 keeps them until `max_bytes` pushes them out.
+    max_age_hours: Option<u64>,
+    /// Keep at most this many bytes of entries (the oldest go first).
+    max_bytes: Option<u64>,
+}
+
+/// The smallest accepted `[audit] max_bytes`.
+pub const MIN_AUDIT_BYTES: u64 = 64 << 10;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Limits {
+struct FileLimits {
     min_ttl_ms: Option<u64>,
     max_ttl_ms: Option<u64>,
     max_wait_ms: Option<u64>,
@@ -86,6 +118,79 @@ struct Limits {
     max_waiters: Option<usize>,
     max_sessions: Option<usize>,
     max_locks_per_session: Option<usize>,
+    // Limits at the edge of the server (`fencelock_server::Limits`).
+    max_body_bytes: Option<usize>,
+    max_connections: Option<usize>,
+    max_streams_per_connection: Option<u32>,
+    /// Per token; 0 turns rate limiting off.
+    acquire_per_second: Option<u32>,
+    acquire_burst: Option<u32>,
+}
+
+/// `[auth]`: the accepted tokens. None: authentication off (loopback only).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileAuth {
+    #[serde(default)]
+    tokens: Vec<FileToken>,
+}
+
+/// One `[[auth.tokens]]` entry (what `fencelock token new` prints).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileToken {
+    name: String,
+    role: String,
+    prefixes: Vec<String>,
+    sha256: String,
+    acquire_per_second: Option<u32>,
+    acquire_burst: Option<u32>,
+}
+
+/// `[tls]`: certificate and key, PEM.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileTls {
+    cert: PathBuf,
+    key: PathBuf,
+    handshake_timeout_ms: Option<u64>,
+}
+
+/// A rate from `per_second` and `burst` (burst defaults to twice the rate); a rate
+/// of 0 means no limit.
+fn rate(per_second: u32, burst: Option<u32>) -> Option<RateLimit> {
+    (per_second > 0).then(|| RateLimit {
+        per_second,
+        burst: burst.unwrap_or(per_second.saturating_mul(2)),
+    })
+}
+
+fn auth_config(file: FileAuth) -> Result<AuthConfig> {
+    let mut tokens = Vec::with_capacity(file.tokens.len());
+    for t in file.tokens {
+        let role: Role = t
+            .role
+            .parse()
+            .map_err(|e| anyhow::anyhow!("auth token {:?}: {e}", t.name))?;
+        let acquire_rate = match t.acquire_per_second {
+            Some(per_second) => rate(per_second, t.acquire_burst),
+            None if t.acquire_burst.is_some() => {
+                bail!(
+                    "auth token {:?}: acquire_burst needs acquire_per_second",
+                    t.name
+                )
+            }
+            None => None,
+        };
+        tokens.push(TokenConfig {
+            name: t.name,
+            role,
+            prefixes: t.prefixes,
+            sha256: t.sha256,
+            acquire_rate,
+        });
+    }
+    Ok(AuthConfig { tokens })
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -165,8 +270,72 @@ pub fn resolve(args: ServeArgs) -> Result<Settings> {
     if let Some(v) = file.storage.snapshot_after_bytes {
         engine.snapshot_after_bytes = v.max(1);
     }
+    if let Some(hours) = file.audit.max_age_hours {
+        engine.audit.max_age_ms = match hours {
+            0 => None,
+            h => Some(
+                h.checked_mul(3_600_000)
+                    .context("audit.max_age_hours is too large")?,
+            ),
+        };
+    }
+    if let Some(v) = file.audit.max_bytes {
+        if v < MIN_AUDIT_BYTES {
+            bail!("audit.max_bytes must be at least {MIN_AUDIT_BYTES} (64 KiB)");
+        }
+        engine.audit.max_bytes = v;
+    }
+    let mut limits = Limits::default();
+    if let Some(v) = l.max_body_bytes {
+        limits.max_body_bytes = v;
+    }
+    if let Some(v) = l.max_connections {
+        limits.max_connections = v;
+    }
+    if let Some(v) = l.max_streams_per_connection {
+        limits.max_streams_per_connection = v;
+    }
+    match (l.acquire_per_second, l.acquire_burst) {
+        (Some(per_second), burst) => limits.acquire_rate = rate(per_second, burst),
+        (None, Some(burst)) => {
+            if let Some(r) = &mut limits.acquire_rate {
+                r.burst = burst;
+            }
+        }
+        (None, None) => {}
+    }
+    let file_tls = file.tls;
+    if let Some(ms) = file_tls.as_ref().and_then(|t| t.handshake_timeout_ms) {
+        limits.tls_handshake_timeout = std::time::Duration::from_millis(ms);
+    }
+    limits.check().map_err(anyhow::Error::msg)?;
+    let tls = match (args.tls_cert, args.tls_key, file_tls) {
+        (Some(cert_path), Some(key_path), _) => Some(TlsConfig {
+            cert_path,
+            key_path,
+        }),
+        (_, _, Some(t)) => Some(TlsConfig {
+            cert_path: t.cert,
+            key_path: t.key,
+        }),
+        _ => None,
+    };
+    if let Some(tls) = &tls {
+        // Read the files now, so a bad path is a configuration error (exit 2).
+        tls.acceptor().map_err(anyhow::Error::msg)?;
+    }
+    let auth = auth_config(file.auth)?;
+    fencelock_server::auth::Authenticator::new(&auth, limits.acquire_rate)
+        .map_err(anyhow::Error::msg)?;
+    let insecure = args.insecure || file.insecure.unwrap_or(false);
+    fencelock_server::auth::check_exposure(listen, &auth, insecure).map_err(anyhow::Error::msg)?;
+    let mut server = ServerConfig::new(listen, engine);
+    server.auth = auth;
+    server.insecure = insecure;
+    server.tls = tls;
+    server.limits = limits;
     Ok(Settings {
-        server: ServerConfig::new(listen, engine),
+        server,
         log_format: args
             .log_format
             .or(file.log_format)
@@ -190,6 +359,9 @@ mod tests {
             durability: None,
             log_format: None,
             log_level: None,
+            insecure: false,
+            tls_cert: None,
+            tls_key: None,
         }
     }
 
@@ -236,6 +408,18 @@ mod tests {
             "durability = \"sometimes\"",
             "[limits]\nmin_ttl_ms = 0",
             "[storage]\nsegment_bytes = 10",
+            "[audit]\nmax_bytes = 10",
+            "[audit]\nmax_age = 3",
+            "[audit]\nmax_age_hours = 99999999999999999",
+            "[limits]\nmax_connections = 0",
+            "[limits]\nmax_body_bytes = 10",
+            "[limits]\nacquire_burst = 0",
+            "[auth]\ntokens = [{ name = \"a\", role = \"boss\", prefixes = [\"\"], sha256 = \"00\" }]",
+            "[[auth.tokens]]\nname = \"a\"\nrole = \"client\"\nprefixes = []\nsha256 = \"00\"",
+            "[[auth.tokens]]\nname = \"a\"\nrole = \"client\"\nprefixes = [\"\"]\nsha256 = \"xyz\"",
+            "[[auth.tokens]]\nname = \"a\"\nrole = \"client\"\nprefix = [\"\"]\nsha256 = \"00\"",
+            "[tls]\ncert = \"/nonexistent/cert.pem\"\nkey = \"/nonexistent/key.pem\"",
+            "listen = \"0.0.0.0:7420\"",
             "not toml at all [",
         ] {
             let path = dir.path().join("c.toml");
@@ -244,5 +428,104 @@ mod tests {
             a.config = Some(path);
             assert!(resolve(a).is_err(), "accepted {bad:?}");
         }
+    }
+
+    #[test]
+    fn auth_tls_and_limits_from_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        let hash = fencelock_server::auth::hash_token("t");
+        std::fs::write(
+            &path,
+            format!(
+                "listen = \"0.0.0.0:7420\"\n\
+                 [limits]\nmax_body_bytes = 4096\nmax_connections = 5\n\
+                 max_streams_per_connection = 7\nacquire_per_second = 3\n\
+                 [[auth.tokens]]\nname = \"w\"\nrole = \"reader\"\nprefixes = [\"a:\"]\n\
+                 sha256 = \"{hash}\"\nacquire_per_second = 9\n"
+            ),
+        )
+        .unwrap();
+        let mut a = args();
+        a.config = Some(path);
+        let s = resolve(a).unwrap();
+        let l = s.server.limits;
+        assert_eq!(
+            (
+                l.max_body_bytes,
+                l.max_connections,
+                l.max_streams_per_connection
+            ),
+            (4096, 5, 7)
+        );
+        assert_eq!(
+            l.acquire_rate,
+            Some(RateLimit {
+                per_second: 3,
+                burst: 6
+            })
+        );
+        let t = &s.server.auth.tokens[0];
+        assert_eq!((t.name.as_str(), t.role), ("w", Role::Reader));
+        assert_eq!(t.acquire_rate.unwrap().per_second, 9);
+        assert!(!s.server.insecure);
+    }
+
+    #[test]
+    fn non_loopback_without_auth_needs_insecure() {
+        let mut a = args();
+        a.listen = Some("0.0.0.0:7420".parse().unwrap());
+        let e = resolve(a).unwrap_err().to_string();
+        assert!(e.contains("--insecure"), "{e}");
+        let mut a = args();
+        a.listen = Some("0.0.0.0:7420".parse().unwrap());
+        a.insecure = true;
+        assert!(resolve(a).unwrap().server.insecure);
+    }
+
+    #[test]
+    fn audit_retention_from_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[audit]\nmax_age_hours = 48\nmax_bytes = 1048576\n").unwrap();
+        let mut a = args();
+        a.config = Some(path.clone());
+        let audit = resolve(a).unwrap().server.engine.audit;
+        assert_eq!(audit.max_age_ms, Some(48 * 3_600_000));
+        assert_eq!(audit.max_bytes, 1 << 20);
+        std::fs::write(&path, "[audit]\nmax_age_hours = 0\n").unwrap();
+        let mut a = args();
+        a.config = Some(path);
+        assert_eq!(resolve(a).unwrap().server.engine.audit.max_age_ms, None);
+        assert_eq!(
+            resolve(args()).unwrap().server.engine.audit,
+            fencelock_server::audit::AuditConfig::default()
+        );
+    }
+
+    /// `deploy/fencelock.toml` is what operators copy: it must load with the real
+    /// loader and mean what its comments say.
+    #[test]
+    fn the_example_config_in_deploy_loads() {
+        let path = PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../deploy/fencelock.toml"
+        ));
+        let mut a = args();
+        a.config = Some(path);
+        let s = resolve(a).expect("deploy/fencelock.toml loads");
+        assert_eq!(s.server.listen.to_string(), "0.0.0.0:7420");
+        assert_eq!(
+            s.server.engine.data_dir,
+            PathBuf::from("/var/lib/fencelock")
+        );
+        assert_eq!(s.server.engine.durability, Durability::Fsync);
+        assert!(!s.server.insecure);
+        assert!(s.server.tls.is_none());
+        let roles: Vec<Role> = s.server.auth.tokens.iter().map(|t| t.role).collect();
+        assert_eq!(roles, vec![Role::Admin, Role::Client, Role::Reader]);
+        assert_eq!(s.server.engine.audit.max_age_ms, Some(90 * 24 * 3_600_000));
+        assert_eq!(s.server.engine.audit.max_bytes, 256 << 20);
+        assert_eq!(s.log_format, LogFormat::Json);
     }
 }

@@ -6,9 +6,17 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-/// Fetches `path` from `base` (e.g. `http://127.0.0.1:7420`) and returns the body of
-/// a 200 response; any other status is an error carrying the server's message.
-pub fn get(base: &str, path: &str) -> Result<Vec<u8>> {
+/// Fetches `path` from `base` (e.g. `http://127.0.0.1:7420`), sending `token` (if
+/// any) as `Authorization: Bearer <token>`, and returns the body of a 200 response;
+/// any other status is an error carrying the server's message.
+pub fn get_as(base: &str, path: &str, token: Option<&str>) -> Result<Vec<u8>> {
+    let auth = match token {
+        Some(t) if t.bytes().any(|b| b.is_ascii_control() || b == b' ') => {
+            bail!("the token contains spaces or control characters")
+        }
+        Some(t) => format!("Authorization: Bearer {t}\r\n"),
+        None => String::new(),
+    };
     let authority = base
         .strip_prefix("http://")
         .context("only http:// server URLs are supported")?
@@ -18,7 +26,7 @@ pub fn get(base: &str, path: &str) -> Result<Vec<u8>> {
     stream.set_read_timeout(Some(Duration::from_secs(60)))?;
     write!(
         stream,
-        "GET {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {authority}\r\n{auth}Connection: close\r\n\r\n"
     )?;
     let mut response = Vec::new();
     stream.read_to_end(&mut response)?;

@@ -6,11 +6,13 @@
 //! `--wait`; 126/127 `run`'s command could not be executed / was not found; otherwise
 //! `run` exits with its command's code.
 
+mod audit_cmd;
 mod config;
 mod exit;
 mod http_get;
 mod remote;
 mod run;
+mod token;
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -46,6 +48,9 @@ enum Commands {
         /// Where to write the backup.
         #[arg(long, short)]
         out: PathBuf,
+        /// Admin token with the prefix "" (not needed when the server has no tokens).
+        #[arg(long, env = "FENCELOCK_TOKEN", hide_env_values = true)]
+        token: Option<String>,
     },
     /// Run a command while holding a lock (renewed while it runs; the command is
     /// stopped if the lock is lost).
@@ -81,13 +86,18 @@ enum Commands {
         #[arg(long, env = "FENCELOCK_DATA_DIR", default_value = "./fencelock-data")]
         data_dir: PathBuf,
     },
+    /// Make access tokens for the auth.tokens of the server's config.
+    Token(token::TokenArgs),
+    /// Show a running server's audit log: grants, hand-offs, releases, expiries,
+    /// forced releases (with actor and reason), session ends, refused renews.
+    Audit(audit_cmd::AuditArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Commands::Serve(args) => serve(args),
-        Commands::Backup { server, out } => backup(&server, &out),
+        Commands::Backup { server, out, token } => backup(&server, &out, token.as_deref()),
         Commands::Restore { from, data_dir } => restore(&from, &data_dir),
         Commands::Run(args) => return client_runtime(run::run(args)),
         Commands::Acquire(args) => return client_command(remote::acquire(args)),
@@ -97,6 +107,8 @@ fn main() -> ExitCode {
         Commands::Show(args) => return client_command(remote::show(args)),
         Commands::Watch(args) => return client_command(remote::watch(args)),
         Commands::ForceRelease(args) => return client_command(remote::force_release(args)),
+        Commands::Token(args) => token::run(args),
+        Commands::Audit(args) => audit_cmd::run(args),
     };
     match result {
         Ok(code) => code,
@@ -163,6 +175,10 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
         if settings.server.engine.durability == fencelock_server::Durability::None {
             tracing::warn!("durability=none: acknowledged grants can be lost and fences can repeat after a crash; for benchmarks only");
         }
+        // Installed before the server says it is serving, so that a SIGTERM right
+        // after that line always takes the graceful path (the default action would
+        // kill the process).
+        let signals = ShutdownSignals::install()?;
         let server = Server::start(settings.server.clone())
             .await
             .context("cannot start the server")?;
@@ -178,6 +194,22 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
             recovery_ms = r.duration.as_millis() as u64,
             "fencelock serving HTTP/JSON and gRPC"
         );
+        let config = &settings.server;
+        match (config.auth.enabled(), config.insecure && !config.listen.ip().is_loopback()) {
+            (true, _) => tracing::info!(
+                tokens = config.auth.tokens.len(),
+                tls = config.tls.is_some(),
+                "authentication on: every request but /healthz and /readyz needs a token"
+            ),
+            (false, false) => tracing::info!(
+                "no tokens configured: authentication is off, so only loopback addresses are served \
+                 (add [[auth.tokens]] to serve other hosts; see `fencelock token new`)"
+            ),
+            (false, true) => tracing::warn!(
+                listen = %config.listen,
+                "--insecure: authentication is off on a non-loopback address; anyone who can reach it can take, force-release and back up every lock"
+            ),
+        }
         if r.truncated_tail_bytes > 0 {
             tracing::warn!(
                 bytes = r.truncated_tail_bytes,
@@ -195,7 +227,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
                 }
             }
         };
-        let signal = shutdown_signal();
+        let signal = signals.recv();
         tokio::select! {
             why = failed => {
                 tracing::error!(error = %why, "engine failed; exiting");
@@ -209,18 +241,32 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
     })
 }
 
-async fn shutdown_signal() -> &'static str {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("can install a SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("can install a SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
+/// SIGTERM and SIGINT handlers, installed before serving.
+struct ShutdownSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignals {
+    fn install() -> Result<ShutdownSignals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(ShutdownSignals {
+            term: signal(SignalKind::terminate()).context("cannot install a SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("cannot install a SIGINT handler")?,
+        })
+    }
+
+    /// The name of the first signal that arrives.
+    async fn recv(mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
     }
 }
 
-fn backup(server: &str, out: &Path) -> Result<ExitCode> {
-    let bytes = http_get::get(server, "/v1/admin/snapshot")
+fn backup(server: &str, out: &Path, token: Option<&str>) -> Result<ExitCode> {
+    let bytes = http_get::get_as(server, "/v1/admin/snapshot", token)
         .with_context(|| format!("cannot fetch a snapshot from {server}"))?;
     // Refuse to write something that would not restore.
     let image = fencelock_server::codec::decode_snapshot(&bytes)

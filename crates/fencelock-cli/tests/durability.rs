@@ -383,7 +383,7 @@ fn a_full_disk_stops_the_server_without_acknowledging_more() {
     let config = dir.path().join("small.toml");
     std::fs::write(&config, "[storage]\nsegment_bytes = 1048576\n").unwrap();
     let script = format!(
-        "mount -t tmpfs -o size=1536k tmpfs '{}' && exec '{}' serve --config '{}' --data-dir '{}' --listen 127.0.0.1:0 --log-format json",
+        "mount -t tmpfs -o size=2560k tmpfs '{}' && exec '{}' serve --config '{}' --data-dir '{}' --listen 127.0.0.1:0 --log-format json",
         data.display(),
         BIN,
         config.display(),
@@ -409,8 +409,9 @@ fn a_full_disk_stops_the_server_without_acknowledging_more() {
     };
     let log = std::thread::spawn(move || lines.map(|l| l.unwrap()).collect::<Vec<_>>());
 
-    // Each grant logs about 1 KiB; the first segment (1 MiB) fills after ~1,000 and
-    // the next one cannot be allocated.
+    // Each grant logs about 1 KiB, and about as much to the audit log; the first
+    // segment of each (1 MiB, preallocated) fills after ~1,000 and the next one cannot
+    // be allocated (2.5 MiB of tmpfs).
     let owner = "o".repeat(1000);
     let mut acknowledged = 0;
     let mut refused = None;

@@ -7,8 +7,10 @@ use std::str::FromStr;
 pub const MAX_NAME_BYTES: usize = 256;
 /// Longest owner description, in bytes of UTF-8.
 pub const MAX_OWNER_BYTES: usize = 1024;
-/// Longest idempotency key (`request_id`), in bytes of UTF-8.
-pub const MAX_REQUEST_ID_BYTES: usize = 128;
+/// Longest idempotency key (`request_id`), in bytes of UTF-8. Room for a server that
+/// scopes a client's key (the server accepts 128 bytes from clients) by its caller's
+/// name (up to 64 bytes and a separator).
+pub const MAX_REQUEST_ID_BYTES: usize = 256;
 /// Longest reason text for a forced release, in bytes of UTF-8.
 pub const MAX_REASON_BYTES: usize = 1024;
 

@@ -9,8 +9,11 @@ use fencelock_core::{
     OwnerToken, Reason, RequestId, SessionId, SessionImage, StateImage, WaiterImage,
 };
 
-/// Format version of log records.
-const RECORD_VERSION: u8 = 1;
+/// Format version of log records written before the audit log (no metadata).
+const RECORD_VERSION_1: u8 = 1;
+/// Format version of log records: version 1 plus a [`RecordMeta`] (sequence number,
+/// wall-clock time and actor), which the audit log is rebuilt from after a crash.
+const RECORD_VERSION: u8 = 2;
 /// Format version of snapshots.
 const SNAPSHOT_VERSION: u8 = 1;
 /// A snapshot starts with these bytes (inside the log layer's checksummed envelope).
@@ -29,26 +32,26 @@ impl std::fmt::Display for DecodeError {
 impl std::error::Error for DecodeError {}
 
 #[derive(Default)]
-struct Enc(Vec<u8>);
+pub(crate) struct Enc(pub(crate) Vec<u8>);
 
 impl Enc {
-    fn u8(&mut self, v: u8) {
+    pub(crate) fn u8(&mut self, v: u8) {
         self.0.push(v);
     }
-    fn u32(&mut self, v: u32) {
+    pub(crate) fn u32(&mut self, v: u32) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
-    fn u64(&mut self, v: u64) {
+    pub(crate) fn u64(&mut self, v: u64) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
-    fn u128(&mut self, v: u128) {
+    pub(crate) fn u128(&mut self, v: u128) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
-    fn str(&mut self, v: &str) {
+    pub(crate) fn str(&mut self, v: &str) {
         self.u32(v.len() as u32);
         self.0.extend_from_slice(v.as_bytes());
     }
-    fn opt_u64(&mut self, v: Option<u64>) {
+    pub(crate) fn opt_u64(&mut self, v: Option<u64>) {
         match v {
             Some(v) => {
                 self.u8(1);
@@ -57,7 +60,7 @@ impl Enc {
             None => self.u8(0),
         }
     }
-    fn opt_u128(&mut self, v: Option<u128>) {
+    pub(crate) fn opt_u128(&mut self, v: Option<u128>) {
         match v {
             Some(v) => {
                 self.u8(1);
@@ -66,7 +69,7 @@ impl Enc {
             None => self.u8(0),
         }
     }
-    fn opt_str(&mut self, v: Option<&str>) {
+    pub(crate) fn opt_str(&mut self, v: Option<&str>) {
         match v {
             Some(v) => {
                 self.u8(1);
@@ -77,20 +80,20 @@ impl Enc {
     }
 }
 
-struct Dec<'a> {
+pub(crate) struct Dec<'a> {
     buf: &'a [u8],
     pos: usize,
 }
 
-fn bad(what: impl Into<String>) -> DecodeError {
+pub(crate) fn bad(what: impl Into<String>) -> DecodeError {
     DecodeError(what.into())
 }
 
 impl<'a> Dec<'a> {
-    fn new(buf: &'a [u8]) -> Dec<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Dec<'a> {
         Dec { buf, pos: 0 }
     }
-    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         let end = self
             .pos
             .checked_add(n)
@@ -100,71 +103,71 @@ impl<'a> Dec<'a> {
         self.pos = end;
         Ok(s)
     }
-    fn u8(&mut self) -> Result<u8, DecodeError> {
+    pub(crate) fn u8(&mut self) -> Result<u8, DecodeError> {
         Ok(self.take(1)?[0])
     }
-    fn u32(&mut self) -> Result<u32, DecodeError> {
+    pub(crate) fn u32(&mut self) -> Result<u32, DecodeError> {
         Ok(u32::from_le_bytes(
             self.take(4)?.try_into().expect("4 bytes"),
         ))
     }
-    fn u64(&mut self) -> Result<u64, DecodeError> {
+    pub(crate) fn u64(&mut self) -> Result<u64, DecodeError> {
         Ok(u64::from_le_bytes(
             self.take(8)?.try_into().expect("8 bytes"),
         ))
     }
-    fn u128(&mut self) -> Result<u128, DecodeError> {
+    pub(crate) fn u128(&mut self) -> Result<u128, DecodeError> {
         Ok(u128::from_le_bytes(
             self.take(16)?.try_into().expect("16 bytes"),
         ))
     }
-    fn str(&mut self) -> Result<&'a str, DecodeError> {
+    pub(crate) fn str(&mut self) -> Result<&'a str, DecodeError> {
         let len = self.u32()? as usize;
         std::str::from_utf8(self.take(len)?).map_err(|_| bad("invalid UTF-8"))
     }
-    fn flag(&mut self) -> Result<bool, DecodeError> {
+    pub(crate) fn flag(&mut self) -> Result<bool, DecodeError> {
         match self.u8()? {
             0 => Ok(false),
             1 => Ok(true),
             b => Err(bad(format!("bad option flag {b}"))),
         }
     }
-    fn opt_u64(&mut self) -> Result<Option<u64>, DecodeError> {
+    pub(crate) fn opt_u64(&mut self) -> Result<Option<u64>, DecodeError> {
         Ok(if self.flag()? {
             Some(self.u64()?)
         } else {
             None
         })
     }
-    fn opt_u128(&mut self) -> Result<Option<u128>, DecodeError> {
+    pub(crate) fn opt_u128(&mut self) -> Result<Option<u128>, DecodeError> {
         Ok(if self.flag()? {
             Some(self.u128()?)
         } else {
             None
         })
     }
-    fn opt_str(&mut self) -> Result<Option<&'a str>, DecodeError> {
+    pub(crate) fn opt_str(&mut self) -> Result<Option<&'a str>, DecodeError> {
         Ok(if self.flag()? {
             Some(self.str()?)
         } else {
             None
         })
     }
-    fn name(&mut self) -> Result<LockName, DecodeError> {
+    pub(crate) fn name(&mut self) -> Result<LockName, DecodeError> {
         LockName::new(self.str()?).map_err(|e| bad(e.to_string()))
     }
-    fn owner(&mut self) -> Result<Owner, DecodeError> {
+    pub(crate) fn owner(&mut self) -> Result<Owner, DecodeError> {
         Owner::new(self.str()?).map_err(|e| bad(e.to_string()))
     }
-    fn request_id(&mut self) -> Result<Option<RequestId>, DecodeError> {
+    pub(crate) fn request_id(&mut self) -> Result<Option<RequestId>, DecodeError> {
         self.opt_str()?
             .map(|s| RequestId::new(s).map_err(|e| bad(e.to_string())))
             .transpose()
     }
-    fn fence(&mut self) -> Result<Fence, DecodeError> {
+    pub(crate) fn fence(&mut self) -> Result<Fence, DecodeError> {
         Fence::new(self.u64()?).ok_or_else(|| bad("zero fence"))
     }
-    fn count(&mut self) -> Result<usize, DecodeError> {
+    pub(crate) fn count(&mut self) -> Result<usize, DecodeError> {
         let n = self.u32()? as usize;
         // Every element takes at least one byte; refuse counts the input cannot hold.
         if n > self.buf.len() - self.pos {
@@ -172,7 +175,7 @@ impl<'a> Dec<'a> {
         }
         Ok(n)
     }
-    fn finish(self) -> Result<(), DecodeError> {
+    pub(crate) fn finish(self) -> Result<(), DecodeError> {
         if self.pos != self.buf.len() {
             return Err(bad(format!("{} trailing bytes", self.buf.len() - self.pos)));
         }
@@ -194,11 +197,30 @@ mod tag {
     pub const RAISE_FENCE_FLOOR: u8 = 11;
 }
 
-/// Encodes one log record: the service time and the command applied at it.
-pub fn encode_record(now_ms: u64, command: &Command) -> Vec<u8> {
+/// What a log record carries besides its command: enough to rebuild the audit
+/// entries of the command by replay.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RecordMeta {
+    /// The record's sequence number: increases by one per record, across restarts
+    /// and snapshots. 0 for records written before version 2 (never audited).
+    pub seq: u64,
+    /// Service time the command was applied at (the core's clock).
+    pub now_ms: u64,
+    /// Wall-clock time (ms since the Unix epoch) the command was applied at; shown to
+    /// operators only, never used for decisions.
+    pub wall_ms: u64,
+    /// Who asked for an operator action (for forced releases), if known.
+    pub actor: Option<String>,
+}
+
+/// Encodes one log record: its metadata and the command applied.
+pub fn encode_record(meta: &RecordMeta, command: &Command) -> Vec<u8> {
     let mut e = Enc::default();
     e.u8(RECORD_VERSION);
-    e.u64(now_ms);
+    e.u64(meta.now_ms);
+    e.u64(meta.seq);
+    e.u64(meta.wall_ms);
+    e.opt_str(meta.actor.as_deref());
     match command {
         Command::Acquire(a) => {
             e.u8(tag::ACQUIRE);
@@ -266,14 +288,23 @@ pub fn encode_record(now_ms: u64, command: &Command) -> Vec<u8> {
     e.0
 }
 
-/// Decodes one log record.
-pub fn decode_record(bytes: &[u8]) -> Result<(u64, Command), DecodeError> {
+/// Decodes one log record (either version).
+pub fn decode_record(bytes: &[u8]) -> Result<(RecordMeta, Command), DecodeError> {
     let mut d = Dec::new(bytes);
     let version = d.u8()?;
-    if version != RECORD_VERSION {
-        return Err(bad(format!("unknown record version {version}")));
-    }
-    let now_ms = d.u64()?;
+    let meta = match version {
+        RECORD_VERSION_1 => RecordMeta {
+            now_ms: d.u64()?,
+            ..RecordMeta::default()
+        },
+        RECORD_VERSION => RecordMeta {
+            now_ms: d.u64()?,
+            seq: d.u64()?,
+            wall_ms: d.u64()?,
+            actor: d.opt_str()?.map(str::to_owned),
+        },
+        v => return Err(bad(format!("unknown record version {v}"))),
+    };
     let command = match d.u8()? {
         tag::ACQUIRE => Command::Acquire(Acquire {
             name: d.name()?,
@@ -324,7 +355,7 @@ pub fn decode_record(bytes: &[u8]) -> Result<(u64, Command), DecodeError> {
         t => return Err(bad(format!("unknown command tag {t}"))),
     };
     d.finish()?;
-    Ok((now_ms, command))
+    Ok((meta, command))
 }
 
 fn end_code(end: GrantEnd) -> u8 {
@@ -554,9 +585,32 @@ mod tests {
     #[test]
     fn records_round_trip() {
         for (i, c) in sample_commands().into_iter().enumerate() {
-            let bytes = encode_record(i as u64 * 7, &c);
-            assert_eq!(decode_record(&bytes).unwrap(), (i as u64 * 7, c));
+            let meta = RecordMeta {
+                seq: i as u64 + 1,
+                now_ms: i as u64 * 7,
+                wall_ms: 1_700_000_000_000 + i as u64,
+                actor: (i % 2 == 0).then(|| format!("admin-{i}")),
+            };
+            let bytes = encode_record(&meta, &c);
+            assert_eq!(decode_record(&bytes).unwrap(), (meta, c));
         }
+    }
+
+    #[test]
+    fn version_1_records_still_decode_without_metadata() {
+        // A record written before the audit log: version 1, now_ms, then the command.
+        let mut v1 = vec![1u8];
+        v1.extend_from_slice(&42u64.to_le_bytes());
+        v1.push(9); // Tick
+        let (meta, command) = decode_record(&v1).unwrap();
+        assert_eq!(command, Command::Tick);
+        assert_eq!(
+            meta,
+            RecordMeta {
+                now_ms: 42,
+                ..RecordMeta::default()
+            }
+        );
     }
 
     #[test]
@@ -598,7 +652,13 @@ mod tests {
 
     #[test]
     fn garbage_is_an_error_not_a_panic() {
-        let good = encode_record(5, &sample_commands()[1]);
+        let meta = RecordMeta {
+            seq: 3,
+            now_ms: 5,
+            wall_ms: 6,
+            actor: Some("ops".into()),
+        };
+        let good = encode_record(&meta, &sample_commands()[1]);
         for cut in 0..good.len() {
             assert!(decode_record(&good[..cut]).is_err(), "cut at {cut}");
         }

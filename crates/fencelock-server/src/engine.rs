@@ -26,7 +26,8 @@ use fencelock_core::{
 use fencelock_log::{Log, LogOptions, Recovered};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
-use crate::codec;
+use crate::audit::{self, AuditConfig, AuditEntry, AuditIndex, AuditQuery, AuditStore};
+use crate::codec::{self, RecordMeta};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::metrics::Metrics;
 
@@ -55,6 +56,8 @@ pub struct EngineConfig {
     /// as many as the last snapshot's size, if that is larger). Bounds how much log a
     /// restart replays.
     pub snapshot_after_bytes: u64,
+    /// Retention of the audit log (in `data_dir/audit`).
+    pub audit: AuditConfig,
 }
 
 impl EngineConfig {
@@ -67,6 +70,7 @@ impl EngineConfig {
             core: CoreConfig::default(),
             segment_bytes: 64 << 20,
             snapshot_after_bytes: 64 << 20,
+            audit: AuditConfig::default(),
         }
     }
 }
@@ -140,6 +144,8 @@ enum Msg {
     },
     Command {
         command: Command,
+        /// Who asked, for the audit log (operator actions).
+        actor: Option<String>,
         reply: oneshot::Sender<Result<Reply, CoreError>>,
     },
     /// The client behind `listener` stopped waiting.
@@ -159,6 +165,8 @@ enum Msg {
 enum WriterMsg {
     Batch {
         records: Vec<Vec<u8>>,
+        /// The audit entries of those records (and of refused renews).
+        audit: Vec<AuditEntry>,
         deliveries: Vec<Delivery>,
     },
     /// The snapshot of the state before segment `seq` is durable (and this many bytes
@@ -178,6 +186,7 @@ struct Shared {
     state: watch::Receiver<RunState>,
     started: Instant,
     recovery: RecoveryReport,
+    audit: Arc<std::sync::Mutex<AuditIndex>>,
 }
 
 /// A cheap, cloneable handle to the engine: what the HTTP and gRPC layers call.
@@ -210,13 +219,33 @@ impl ServiceClock {
     }
 }
 
+/// What [`recover`] loaded.
+pub struct Recovery {
+    /// The command log, open for appending.
+    pub log: Log,
+    /// The state.
+    pub core: Core,
+    /// What was found.
+    pub report: RecoveryReport,
+    /// The snapshot and records read.
+    pub recovered: Recovered,
+    /// The last sequence number and the rebuilt audit entries.
+    pub replayed: Replayed,
+    /// The audit store (`DATA_DIR/audit`), if asked for.
+    pub audit: Option<AuditStore>,
+}
+
 /// Loads the state from `dir` (snapshot + log replay) without starting anything.
-/// Used at start and by offline tools.
+/// Used at start and by offline tools. With `audit`, also opens the audit store in
+/// `dir/audit` (after the command log, whose lock keeps other servers out) and
+/// rebuilds the entries of the records past its high-water mark
+/// (see [`AuditStore::high_water`]).
 pub fn recover(
     log_opts: LogOptions,
     dir: &Path,
     config: &CoreConfig,
-) -> Result<(Log, Core, RecoveryReport, Recovered), ApiError> {
+    audit: Option<&AuditConfig>,
+) -> Result<Recovery, ApiError> {
     let started = Instant::now();
     let storage = |e: fencelock_log::LogError| match e.kind() {
         fencelock_log::LogErrorKind::Locked => ApiError::new(
@@ -228,12 +257,30 @@ pub fn recover(
         ),
         _ => ApiError::new(ApiErrorKind::Internal, format!("cannot open the log: {e}")),
     };
-    let (log, recovered) = Log::open(dir, log_opts).map_err(storage)?;
-    let core = replay(
+    let (log, recovered) = Log::open(dir, log_opts.clone()).map_err(storage)?;
+    let audit = match audit {
+        Some(audit_config) => {
+            let audit_dir = dir.join("audit");
+            std::fs::create_dir_all(&audit_dir).map_err(|e| {
+                ApiError::new(
+                    ApiErrorKind::Internal,
+                    format!("cannot create {}: {e}", audit_dir.display()),
+                )
+            })?;
+            Some(AuditStore::open(
+                &audit_dir,
+                audit_config.clone(),
+                log_opts.fsync,
+            )?)
+        }
+        None => None,
+    };
+    let (core, replayed) = replay(
         config,
         recovered.snapshot.as_deref(),
         &recovered.records,
         dir,
+        audit.as_ref().map(AuditStore::high_water),
     )?;
     let stats = core.stats();
     let report = RecoveryReport {
@@ -244,7 +291,23 @@ pub fn recover(
         next_fence: stats.next_fence,
         duration: started.elapsed(),
     };
-    Ok((log, core, report, recovered))
+    Ok(Recovery {
+        log,
+        core,
+        report,
+        recovered,
+        replayed,
+        audit,
+    })
+}
+
+/// What a replay found besides the state.
+#[derive(Debug, Default)]
+pub struct Replayed {
+    /// The highest record sequence number replayed (0 if none).
+    pub last_seq: u64,
+    /// Audit entries rebuilt for records past the audit store's high-water mark.
+    pub audit: Vec<AuditEntry>,
 }
 
 /// Rebuilds a core from a snapshot and the log records after it.
@@ -253,7 +316,8 @@ pub(crate) fn replay(
     snapshot: Option<&[u8]>,
     records: &[Vec<u8>],
     dir: &Path,
-) -> Result<Core, ApiError> {
+    audit_high_water: Option<(u64, u32)>,
+) -> Result<(Core, Replayed), ApiError> {
     let corrupt = |what: String| ApiError::new(ApiErrorKind::Internal, what);
     let mut core = match snapshot {
         Some(bytes) => {
@@ -268,14 +332,27 @@ pub(crate) fn replay(
         }
         None => Core::new(config.clone()),
     };
+    let mut replayed = Replayed::default();
     for (i, record) in records.iter().enumerate() {
-        let (now_ms, command) = codec::decode_record(record)
+        let (meta, command) = codec::decode_record(record)
             .map_err(|e| corrupt(format!("log record {i} in {}: {e}", dir.display())))?;
-        // Replies and outcomes were delivered before the crash; only the state matters.
-        let _ = core.apply(now_ms.max(core.now_ms()), command);
-        core.take_outcomes();
+        replayed.last_seq = replayed.last_seq.max(meta.seq);
+        // Replies and outcomes were delivered before the crash; only the state (and
+        // the audit entries a crash may have lost) matters.
+        match audit_high_water {
+            Some(high_water) if meta.seq >= high_water.0 && meta.seq > 0 => {
+                let result = core.apply(meta.now_ms.max(core.now_ms()), command.clone());
+                let outcomes = core.take_outcomes();
+                let entries = audit::entries_for(&meta, &command, &result, &outcomes);
+                replayed.audit.extend(audit::missing(high_water, entries));
+            }
+            _ => {
+                let _ = core.apply(meta.now_ms.max(core.now_ms()), command);
+                core.take_outcomes();
+            }
+        }
     }
-    Ok(core)
+    Ok((core, replayed))
 }
 
 /// Opens the data directory, recovers, and starts the engine task and writer thread.
@@ -285,8 +362,28 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         segment_bytes: config.segment_bytes,
         fsync: config.durability == Durability::Fsync,
     };
-    let (mut log, mut core, report, mut recovered) =
-        recover(log_opts.clone(), &config.data_dir, &config.core)?;
+    let Recovery {
+        mut log,
+        mut core,
+        report,
+        mut recovered,
+        replayed,
+        audit,
+    } = recover(
+        log_opts.clone(),
+        &config.data_dir,
+        &config.core,
+        Some(&config.audit),
+    )?;
+    let mut audit_store = audit.expect("asked for");
+    let high_water = audit_store.high_water();
+    let mut next_seq = replayed.last_seq.max(high_water.0) + 1;
+    if !replayed.audit.is_empty() {
+        tracing::info!(
+            entries = replayed.audit.len(),
+            "audit log: rebuilt entries from the command log"
+        );
+    }
 
     // Every lease restarts with its full TTL; queued requests are gone with their
     // clients. The restart itself is a logged command, so replay stays exact.
@@ -298,15 +395,39 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     let io = |e: fencelock_log::LogError| {
         ApiError::new(ApiErrorKind::Internal, format!("cannot write the log: {e}"))
     };
-    let recover_record = codec::encode_record(now, &Command::Recover);
+    let meta = RecordMeta {
+        seq: next_seq,
+        now_ms: now,
+        wall_ms: audit::wall_ms(),
+        actor: None,
+    };
+    next_seq += 1;
+    let recover_record = codec::encode_record(&meta, &Command::Recover);
     log.append(&recover_record).map_err(io)?;
     recovered.records.push(recover_record);
-    core.apply(now, Command::Recover)
-        .expect("recover never fails");
-    core.take_outcomes();
+    let result = core.apply(now, Command::Recover);
+    assert!(result.is_ok(), "recover never fails");
+    let outcomes = core.take_outcomes();
     log.sync().map_err(io)?;
+    let mut audit_entries = replayed.audit;
+    audit_entries.extend(audit::entries_for(
+        &meta,
+        &Command::Recover,
+        &result,
+        &outcomes,
+    ));
+    audit_store.commit(audit_entries).map_err(|e| {
+        ApiError::new(
+            ApiErrorKind::Internal,
+            format!("cannot write the audit log: {e}"),
+        )
+    })?;
+    let audit_index = audit_store.shared_index();
 
     let metrics = Arc::new(Metrics::default());
+    metrics
+        .audit_entries
+        .store(audit_store.len() as u64, Ordering::Relaxed);
     let (tx, rx) = mpsc::unbounded_channel();
     let (events, _) = broadcast::channel(EVENT_BUFFER);
     let (state_tx, state_rx) = watch::channel(RunState::Running);
@@ -337,6 +458,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         .map_err(thread_error)?;
     let writer = Writer {
         log,
+        audit: audit_store,
         metrics: metrics.clone(),
         state: state_tx.clone(),
         replica: snap_tx.clone(),
@@ -360,6 +482,9 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         events: events.clone(),
         state: state_tx,
         records: Vec::new(),
+        audit: Vec::new(),
+        outcomes: Vec::new(),
+        next_seq,
         deliveries: Vec::new(),
         listeners: std::collections::HashMap::new(),
         listener_index: std::collections::HashMap::new(),
@@ -386,6 +511,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
             state: state_rx,
             started: Instant::now(),
             recovery: report,
+            audit: audit_index,
         }),
     })
 }
@@ -400,6 +526,12 @@ struct EngineTask {
     events: broadcast::Sender<SharedEvent>,
     state: watch::Sender<RunState>,
     records: Vec<Vec<u8>>,
+    /// Audit entries of this batch.
+    audit: Vec<AuditEntry>,
+    /// Outcomes of the last applied command, not yet routed.
+    outcomes: Vec<Outcome>,
+    /// Sequence number of the next log record.
+    next_seq: u64,
     deliveries: Vec<Delivery>,
     /// Clients waiting on a queued request, by the request's owner token.
     listeners: std::collections::HashMap<OwnerToken, Vec<(u128, AcquireReply)>>,
@@ -461,8 +593,12 @@ impl EngineTask {
                 listener,
                 reply,
             } => self.acquire(acquire, listener, reply),
-            Msg::Command { command, reply } => {
-                self.execute(command, move |result| {
+            Msg::Command {
+                command,
+                actor,
+                reply,
+            } => {
+                self.execute_as(command, actor, move |result| {
                     let _ = reply.send(result);
                 });
             }
@@ -482,17 +618,34 @@ impl EngineTask {
 
     /// Applies one command at the current service time and logs it if it changed
     /// state. Outcomes stay in the core until [`Self::route_outcomes`].
-    fn apply_logged(&mut self, command: Command) -> Result<Reply, CoreError> {
+    fn apply_logged(
+        &mut self,
+        command: Command,
+        actor: Option<String>,
+    ) -> Result<Reply, CoreError> {
         let now = self.clock.now_ms().max(self.core.now_ms());
         let due = self.core.next_deadline_ms().is_some_and(|d| d <= now);
         let is_tick = matches!(command, Command::Tick);
-        let record = codec::encode_record(now, &command);
+        let copy = command.clone();
         let result = self.core.apply(now, command);
+        let outcomes = self.core.take_outcomes();
         // An error changed nothing but the deadlines it processed; a tick with
         // nothing due changed nothing at all. Neither needs replaying.
-        if due || (result.is_ok() && !is_tick) {
-            self.records.push(record);
+        let logged = due || (result.is_ok() && !is_tick);
+        let mut meta = RecordMeta {
+            seq: 0,
+            now_ms: now,
+            wall_ms: audit::wall_ms(),
+            actor,
+        };
+        if logged {
+            meta.seq = self.next_seq;
+            self.next_seq += 1;
+            self.records.push(codec::encode_record(&meta, &copy));
         }
+        self.audit
+            .extend(audit::entries_for(&meta, &copy, &result, &outcomes));
+        self.outcomes.extend(outcomes);
         if matches!(&result, Err(e) if e.kind() == ErrorKind::Held) {
             self.metrics
                 .acquire_conflicts
@@ -508,7 +661,17 @@ impl EngineTask {
         command: Command,
         reply: impl FnOnce(Result<Reply, CoreError>) + Send + 'static,
     ) {
-        let result = self.apply_logged(command);
+        self.execute_as(command, None, reply);
+    }
+
+    /// [`Self::execute`] on behalf of `actor` (recorded in the audit log).
+    fn execute_as(
+        &mut self,
+        command: Command,
+        actor: Option<String>,
+        reply: impl FnOnce(Result<Reply, CoreError>) + Send + 'static,
+    ) {
+        let result = self.apply_logged(command, actor);
         // Events (and hand-offs) first: a watcher sees a change no later than the
         // client whose request made it hears back.
         self.route_outcomes();
@@ -524,7 +687,7 @@ impl EngineTask {
             return;
         }
         let name = acquire.name.clone();
-        let result = self.apply_logged(Command::Acquire(acquire));
+        let result = self.apply_logged(Command::Acquire(acquire), None);
         self.route_outcomes();
         match result {
             Ok(Reply::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
@@ -567,7 +730,7 @@ impl EngineTask {
         // Events first, so watchers see a change no later than the clients it answers.
         let mut events: Vec<SharedEvent> = Vec::new();
         let mut outcomes = Vec::new();
-        for outcome in self.core.take_outcomes() {
+        for outcome in std::mem::take(&mut self.outcomes) {
             match outcome {
                 Outcome::Event(event) => events.push(Arc::new(event)),
                 other => outcomes.push(other),
@@ -659,11 +822,12 @@ impl EngineTask {
         m.sessions.store(stats.sessions as u64, Ordering::Relaxed);
         m.locks.store(stats.locks as u64, Ordering::Relaxed);
         m.next_fence.store(stats.next_fence, Ordering::Relaxed);
-        if self.records.is_empty() && self.deliveries.is_empty() {
+        if self.records.is_empty() && self.deliveries.is_empty() && self.audit.is_empty() {
             return true;
         }
         let batch = WriterMsg::Batch {
             records: std::mem::take(&mut self.records),
+            audit: std::mem::take(&mut self.audit),
             deliveries: std::mem::take(&mut self.deliveries),
         };
         if self.writer.send(batch).is_err() {
@@ -724,6 +888,7 @@ fn count_event(m: &Metrics, event: &Event) {
 /// runs deliveries, and cuts the log for snapshots.
 struct Writer {
     log: Log,
+    audit: AuditStore,
     metrics: Arc<Metrics>,
     state: watch::Sender<RunState>,
     replica: std::sync::mpsc::Sender<ReplicaMsg>,
@@ -753,13 +918,16 @@ impl Writer {
             }
             let mut deliveries = Vec::new();
             let mut durable = Vec::new();
+            let mut audit_entries = Vec::new();
             let mut after = None;
             for msg in pending {
                 match msg {
                     WriterMsg::Batch {
                         records,
+                        audit,
                         deliveries: d,
                     } => {
+                        audit_entries.extend(audit);
                         for record in &records {
                             if let Err(e) = self.log.append(record) {
                                 return self.fail(format!("append: {e}"));
@@ -781,6 +949,25 @@ impl Writer {
                     .fsync
                     .observe(started.elapsed().as_micros() as u64);
                 self.metrics.batch_size.observe(durable.len() as u64);
+            }
+            // The audit entries of the records just made durable go to the audit
+            // log (and its index, for queries) before anyone hears of the change.
+            // They are synced before the records they derive from may be dropped
+            // (Forget, below); until then a crash is repaired at start by replaying
+            // the records past the audit store's high-water mark.
+            if !audit_entries.is_empty() {
+                let started = Instant::now();
+                if let Err(e) = self.audit.append(audit_entries) {
+                    return self.fail(format!("audit log: {e}"));
+                }
+                self.metrics
+                    .audit_write
+                    .observe(started.elapsed().as_micros() as u64);
+                self.metrics
+                    .audit_entries
+                    .store(self.audit.len() as u64, Ordering::Relaxed);
+            }
+            if !durable.is_empty() {
                 // The replica sees every durable change before any client hears of
                 // it, so a backup asked for after a reply includes that change.
                 let _ = self.replica.send(ReplicaMsg::Records(durable));
@@ -810,11 +997,30 @@ impl Writer {
                 }) => {
                     self.cut_in_flight = false;
                     self.last_snapshot_bytes = snapshot_bytes;
+                    // The audit entries of the records about to be dropped can no
+                    // longer be rebuilt from them: make them durable first.
+                    if let Err(e) = self.audit.sync() {
+                        return self.fail(format!("audit log sync: {e}"));
+                    }
                     if let Err(e) = self.log.forget_before(seq) {
                         return self.fail(format!("drop log covered by snapshot {seq}: {e}"));
                     }
                 }
                 Some(WriterMsg::Stop(done)) => {
+                    // A clean stop leaves nothing to rebuild.
+                    if let Err(e) = self.audit.sync() {
+                        return self.fail(format!("audit log sync: {e}"));
+                    }
+                    // A snapshot the replica is writing must land while the data
+                    // directory is still ours; then close the logs (releasing their
+                    // directory locks) before saying we stopped: a server started
+                    // right after must find neither the directory in use nor a
+                    // snapshot appearing under its feet.
+                    let (replica_done, replica_stopped) = oneshot::channel();
+                    if self.replica.send(ReplicaMsg::Stop(replica_done)).is_ok() {
+                        let _ = replica_stopped.blocking_recv();
+                    }
+                    drop(self);
                     let _ = done.send(());
                     return;
                 }
@@ -832,6 +1038,8 @@ enum ReplicaMsg {
     Cut(u64),
     /// Encode the current state for a backup.
     Backup(oneshot::Sender<Vec<u8>>),
+    /// Finish what was asked before (a snapshot in progress) and stop.
+    Stop(oneshot::Sender<()>),
 }
 
 /// The replica thread: a second core that replays durable records, so snapshots
@@ -858,8 +1066,9 @@ impl Snapshotter {
             recovered.snapshot.as_deref(),
             &recovered.records,
             &self.dir,
+            None,
         ) {
-            Ok(core) => core,
+            Ok((core, _)) => core,
             Err(e) => return self.fail(format!("replica: {e}")),
         };
         drop(recovered);
@@ -868,8 +1077,8 @@ impl Snapshotter {
                 ReplicaMsg::Records(records) => {
                     for record in records {
                         match codec::decode_record(&record) {
-                            Ok((now_ms, command)) => {
-                                let _ = replica.apply(now_ms.max(replica.now_ms()), command);
+                            Ok((meta, command)) => {
+                                let _ = replica.apply(meta.now_ms.max(replica.now_ms()), command);
                                 replica.take_outcomes();
                             }
                             Err(e) => {
@@ -902,6 +1111,10 @@ impl Snapshotter {
                 }
                 ReplicaMsg::Backup(reply) => {
                     let _ = reply.send(codec::encode_snapshot(&replica.export()));
+                }
+                ReplicaMsg::Stop(done) => {
+                    let _ = done.send(());
+                    return;
                 }
             }
         }
@@ -951,8 +1164,16 @@ impl Handle {
     }
 
     async fn command(&self, command: Command) -> Result<Reply, ApiError> {
+        self.command_as(command, None).await
+    }
+
+    async fn command_as(&self, command: Command, actor: Option<String>) -> Result<Reply, ApiError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Msg::Command { command, reply: tx })?;
+        self.send(Msg::Command {
+            command,
+            actor,
+            reply: tx,
+        })?;
         match rx.await {
             Ok(result) => result.map_err(ApiError::from),
             Err(_) => Err(unavailable()),
@@ -1033,19 +1254,35 @@ impl Handle {
     }
 
     /// Operator action: takes a lock from its holder(s). Returns the fences taken.
+    /// The audit log records no actor; see [`Handle::force_release_as`].
     pub async fn force_release(
         &self,
         name: LockName,
         fence: Option<Fence>,
         reason: Reason,
     ) -> Result<Vec<Fence>, ApiError> {
-        tracing::warn!(lock = %name, ?fence, reason = reason.as_str(), "forced release requested");
+        self.force_release_as(name, fence, reason, None).await
+    }
+
+    /// [`Handle::force_release`] on behalf of `actor` (a token name, a dashboard
+    /// user), which the audit log records with the reason.
+    pub async fn force_release_as(
+        &self,
+        name: LockName,
+        fence: Option<Fence>,
+        reason: Reason,
+        actor: Option<String>,
+    ) -> Result<Vec<Fence>, ApiError> {
+        tracing::warn!(lock = %name, ?fence, reason = reason.as_str(), actor = actor.as_deref().unwrap_or("-"), "forced release requested");
         match self
-            .command(Command::ForceRelease {
-                name,
-                fence,
-                reason,
-            })
+            .command_as(
+                Command::ForceRelease {
+                    name,
+                    fence,
+                    reason,
+                },
+                actor,
+            )
             .await?
         {
             Reply::ForceReleased { fences } => Ok(fences),
@@ -1117,6 +1354,17 @@ impl Handle {
     /// than the channel's capacity is told how many events it missed.
     pub fn subscribe(&self) -> broadcast::Receiver<SharedEvent> {
         self.shared.events.subscribe()
+    }
+
+    /// Audit entries matching `query`, newest last. Every change acknowledged
+    /// before the call is included (entries are durable and indexed before the
+    /// change is acknowledged), unless retention has dropped it.
+    pub fn audit(&self, query: &AuditQuery) -> Vec<AuditEntry> {
+        self.shared
+            .audit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .query(query)
     }
 
     /// The server's metrics.

@@ -39,6 +39,12 @@ pub enum ApiErrorKind {
     SessionNotFound,
     /// A server bound was reached (429).
     ResourceExhausted,
+    /// No credentials, or credentials the server does not know (401).
+    Unauthenticated,
+    /// The caller's role or lock-name prefixes do not allow the request (403).
+    PermissionDenied,
+    /// The caller's token made too many acquire attempts; retry later (429).
+    RateLimited,
     /// The wait was cancelled (499-like; only seen by in-process callers).
     Cancelled,
     /// The server is shutting down or its storage failed (503).
@@ -63,6 +69,9 @@ impl ApiErrorKind {
             ApiErrorKind::LimitMismatch => "limit_mismatch",
             ApiErrorKind::SessionNotFound => "session_not_found",
             ApiErrorKind::ResourceExhausted => "resource_exhausted",
+            ApiErrorKind::Unauthenticated => "unauthenticated",
+            ApiErrorKind::PermissionDenied => "permission_denied",
+            ApiErrorKind::RateLimited => "rate_limited",
             ApiErrorKind::Cancelled => "cancelled",
             ApiErrorKind::Unavailable => "unavailable",
             ApiErrorKind::Internal => "internal",
@@ -81,7 +90,9 @@ impl ApiErrorKind {
             | ApiErrorKind::NotHeld
             | ApiErrorKind::Expired
             | ApiErrorKind::LimitMismatch => 409,
-            ApiErrorKind::ResourceExhausted => 429,
+            ApiErrorKind::ResourceExhausted | ApiErrorKind::RateLimited => 429,
+            ApiErrorKind::Unauthenticated => 401,
+            ApiErrorKind::PermissionDenied => 403,
             ApiErrorKind::Cancelled => 499,
             ApiErrorKind::Unavailable => 503,
             ApiErrorKind::Internal => 500,

@@ -23,6 +23,7 @@ use tokio::sync::{broadcast, watch};
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status, Streaming};
 
+use crate::auth::{grpc_caller, Action};
 use crate::engine::{AcquireArgs, Handle, RunState, SharedEvent};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::http::{MAX_BODY_BYTES, MAX_PAGE};
@@ -38,10 +39,21 @@ pub use fencelock_proto::{ERROR_CODE_METADATA, MISSED_EVENTS_METADATA};
 /// Default page size of `ListLocks` (when `limit` is 0).
 pub const DEFAULT_PAGE: usize = 100;
 
-/// Adds the gRPC service's routes to `router`.
+/// Adds the gRPC service's routes to `router`, with messages of at most
+/// [`MAX_BODY_BYTES`].
 pub fn add_routes(router: axum::Router, handle: Handle) -> axum::Router {
+    add_routes_with_limit(router, handle, MAX_BODY_BYTES)
+}
+
+/// Adds the gRPC service's routes to `router`, with messages of at most
+/// `max_message_bytes`.
+pub fn add_routes_with_limit(
+    router: axum::Router,
+    handle: Handle,
+    max_message_bytes: usize,
+) -> axum::Router {
     let service =
-        LocksServer::new(LocksService { handle }).max_decoding_message_size(MAX_BODY_BYTES);
+        LocksServer::new(LocksService { handle }).max_decoding_message_size(max_message_bytes);
     let grpc = axum::Router::new()
         .route_service("/fencelock.v1.Locks/{*method}", service)
         .layer(axum::middleware::map_response(rejected_request_is_invalid));
@@ -94,9 +106,11 @@ impl From<ApiError> for Status {
             | ApiErrorKind::LimitMismatch => Code::FailedPrecondition,
             ApiErrorKind::Timeout => Code::DeadlineExceeded,
             ApiErrorKind::NotFound | ApiErrorKind::SessionNotFound => Code::NotFound,
-            ApiErrorKind::ResourceExhausted | ApiErrorKind::PayloadTooLarge => {
-                Code::ResourceExhausted
-            }
+            ApiErrorKind::ResourceExhausted
+            | ApiErrorKind::PayloadTooLarge
+            | ApiErrorKind::RateLimited => Code::ResourceExhausted,
+            ApiErrorKind::Unauthenticated => Code::Unauthenticated,
+            ApiErrorKind::PermissionDenied => Code::PermissionDenied,
             ApiErrorKind::Unavailable => Code::Unavailable,
             ApiErrorKind::Cancelled => Code::Cancelled,
             ApiErrorKind::Internal => Code::Internal,
@@ -110,13 +124,20 @@ impl From<ApiError> for Status {
     }
 }
 
-fn acquire_args(r: pb::AcquireRequest) -> Result<AcquireArgs, ApiError> {
+/// The arguments of an acquire by `caller`, once it is allowed (role, prefix, rate).
+fn acquire_args(
+    caller: &crate::auth::Principal,
+    r: pb::AcquireRequest,
+) -> Result<AcquireArgs, ApiError> {
+    let name = lock_name("name", &r.name)?;
+    caller.authorize(Action::Acquire, Some(name.as_str()))?;
+    caller.take_acquire_attempt()?;
     Ok(AcquireArgs {
-        name: lock_name("name", &r.name)?,
+        name,
         ttl_ms: r.ttl_ms,
         wait_ms: r.wait_ms,
         owner: owner(&r.owner)?,
-        request_id: request_id(r.request_id.as_deref())?,
+        request_id: caller.scope_request_id(request_id(r.request_id.as_deref())?)?,
         limit: r.limit.max(1),
         lock_delay_ms: r.lock_delay_ms,
         session: r.session.as_deref().map(session_id).transpose()?,
@@ -248,7 +269,9 @@ impl KeepAliveCall {
 /// The state of one `Watch` call.
 struct WatchCall {
     events: broadcast::Receiver<SharedEvent>,
-    prefix: String,
+    /// Events are sent for names that start with any of these (the requested prefix,
+    /// cut down to the caller's prefixes).
+    ranges: Vec<String>,
     run: watch::Receiver<RunState>,
     /// Set once the engine stops serving: how many events were already queued for
     /// this watcher then (they are still sent), and the status to end with.
@@ -286,7 +309,12 @@ impl WatchCall {
                 },
             };
             match received {
-                Ok(event) if event.name.as_str().starts_with(&self.prefix) => {
+                Ok(event)
+                    if self
+                        .ranges
+                        .iter()
+                        .any(|r| event.name.as_str().starts_with(r.as_str())) =>
+                {
                     return Some(Ok(event_pb(&event)));
                 }
                 Ok(_) => {}
@@ -336,7 +364,8 @@ impl Locks for LocksService {
         &self,
         request: Request<pb::AcquireRequest>,
     ) -> Result<Response<pb::Grant>, Status> {
-        let args = acquire_args(request.into_inner())?;
+        let caller = grpc_caller(&request)?;
+        let args = acquire_args(&caller, request.into_inner())?;
         // Awaited here, not spawned: if the client cancels the call, this future is
         // dropped, and dropping it takes the request out of the queue.
         let grant = self.handle.acquire(args).await?;
@@ -347,8 +376,10 @@ impl Locks for LocksService {
         &self,
         request: Request<pb::RenewRequest>,
     ) -> Result<Response<pb::RenewResponse>, Status> {
+        let caller = grpc_caller(&request)?;
         let r = request.into_inner();
         let name = lock_name("name", &r.name)?;
+        caller.authorize(Action::Renew, Some(name.as_str()))?;
         let g = self
             .handle
             .renew(name, owner_token(&r.owner_token)?, r.ttl_ms)
@@ -364,8 +395,10 @@ impl Locks for LocksService {
         &self,
         request: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let caller = grpc_caller(&request)?;
         let r = request.into_inner();
         let name = lock_name("name", &r.name)?;
+        caller.authorize(Action::Release, Some(name.as_str()))?;
         let released = self
             .handle
             .release(name, owner_token(&r.owner_token)?)
@@ -381,14 +414,19 @@ impl Locks for LocksService {
         &self,
         request: Request<pb::ForceReleaseRequest>,
     ) -> Result<Response<pb::ForceReleaseResponse>, Status> {
+        let caller = grpc_caller(&request)?;
         let r = request.into_inner();
         let name = lock_name("name", &r.name)?;
+        caller.authorize(Action::ForceRelease, Some(name.as_str()))?;
         let fence = match r.fence {
             Some(f) => Some(Fence::new(f).ok_or_else(|| invalid("fence", "must be at least 1"))?),
             None => None,
         };
         let reason = Reason::new(&r.reason).map_err(|e| invalid("reason", e))?;
-        let fences = self.handle.force_release(name, fence, reason).await?;
+        let fences = self
+            .handle
+            .force_release_as(name, fence, reason, Some(caller.name().to_owned()))
+            .await?;
         Ok(Response::new(pb::ForceReleaseResponse {
             fences: fences.into_iter().map(Fence::get).collect(),
         }))
@@ -398,7 +436,9 @@ impl Locks for LocksService {
         &self,
         request: Request<pb::GetLockRequest>,
     ) -> Result<Response<pb::LockInfo>, Status> {
+        let caller = grpc_caller(&request)?;
         let name = lock_name("name", &request.into_inner().name)?;
+        caller.authorize(Action::Read, Some(name.as_str()))?;
         match self.handle.lock(name.clone()).await? {
             Some(view) => Ok(Response::new(lock_info(view))),
             None => Err(ApiError::new(
@@ -413,8 +453,11 @@ impl Locks for LocksService {
         &self,
         request: Request<pb::ListLocksRequest>,
     ) -> Result<Response<pb::ListLocksResponse>, Status> {
+        let caller = grpc_caller(&request)?;
         let r = request.into_inner();
         let prefix = prefix(r.prefix)?;
+        caller.authorize(Action::Read, None)?;
+        let ranges = caller.ranges(&prefix)?;
         let max = match r.limit as usize {
             0 => DEFAULT_PAGE,
             n if n <= MAX_PAGE => n,
@@ -425,7 +468,7 @@ impl Locks for LocksService {
             .as_deref()
             .map(|a| lock_name("after", a))
             .transpose()?;
-        let views = self.handle.locks(prefix, after, max).await?;
+        let views = crate::input::locks_in(&self.handle, ranges, after, max).await?;
         let next_after = (views.len() == max)
             .then(|| views.last().map(|v| v.name.to_string()))
             .flatten();
@@ -439,6 +482,7 @@ impl Locks for LocksService {
         &self,
         request: Request<pb::OpenSessionRequest>,
     ) -> Result<Response<pb::OpenSessionResponse>, Status> {
+        grpc_caller(&request)?.authorize(Action::Session, None)?;
         let r = request.into_inner();
         let (id, ttl_ms) = self.handle.open_session(r.ttl_ms, owner(&r.owner)?).await?;
         Ok(Response::new(pb::OpenSessionResponse {
@@ -451,6 +495,7 @@ impl Locks for LocksService {
         &self,
         request: Request<pb::CloseSessionRequest>,
     ) -> Result<Response<pb::CloseSessionResponse>, Status> {
+        grpc_caller(&request)?.authorize(Action::Session, None)?;
         let id = session_id(&request.into_inner().session)?;
         let released = self.handle.close_session(id).await?;
         Ok(Response::new(pb::CloseSessionResponse {
@@ -464,6 +509,7 @@ impl Locks for LocksService {
         &self,
         request: Request<Streaming<pb::KeepAliveRequest>>,
     ) -> Result<Response<Self::KeepAliveStream>, Status> {
+        grpc_caller(&request)?.authorize(Action::Session, None)?;
         let call = KeepAliveCall {
             handle: self.handle.clone(),
             requests: request.into_inner(),
@@ -478,12 +524,15 @@ impl Locks for LocksService {
         &self,
         request: Request<pb::WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
+        let caller = grpc_caller(&request)?;
+        caller.authorize(Action::Watch, None)?;
         let prefix = prefix(request.into_inner().prefix)?;
+        let ranges = caller.ranges(&prefix)?;
         let call = WatchCall {
             // Subscribed before the response goes out: every event made durable after
             // the client sees the stream open is delivered.
             events: self.handle.subscribe(),
-            prefix,
+            ranges,
             run: self.handle.watch_state(),
             closing: None,
         };
@@ -509,7 +558,7 @@ mod tests {
         let handle = crate::engine::start(config).unwrap();
         let mut stream = WatchCall {
             events: handle.subscribe(),
-            prefix: String::new(),
+            ranges: vec![String::new()],
             run: handle.watch_state(),
             closing: None,
         }

@@ -16,12 +16,19 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use crate::auth::{Action, Caller};
 use crate::engine::{AcquireArgs, Handle, RunState};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::input::{self, invalid};
 
-/// Largest request body accepted, in bytes.
-pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// Largest request body accepted by default, in bytes (see [`BodyLimit`]).
+pub const MAX_BODY_BYTES: usize = crate::limits::DEFAULT_MAX_BODY_BYTES;
+
+/// The largest request body, in bytes, for [`JsonBody`]: a request extension (the
+/// server adds it from [`crate::limits::Limits::max_body_bytes`]); without it,
+/// [`MAX_BODY_BYTES`].
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimit(pub usize);
 /// How long a client may take to send a request body.
 pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Largest page of `GET /v1/locks`.
@@ -32,11 +39,18 @@ impl IntoResponse for ApiError {
         let status = StatusCode::from_u16(self.kind().http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let body = json!({"error": {"code": self.kind().code(), "message": self.message()}});
-        (status, Json(body)).into_response()
+        let mut response = (status, Json(body)).into_response();
+        if self.kind() == ApiErrorKind::RateLimited {
+            // Buckets refill at least one attempt per second.
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        response
     }
 }
 
-/// A JSON body, read with [`MAX_BODY_BYTES`] as the limit, any content type.
+/// A JSON body, read with [`BodyLimit`] as the limit, any content type.
 pub struct JsonBody<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
@@ -44,6 +58,10 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, ApiError> {
         use futures_util::StreamExt;
+        let max_body_bytes = req
+            .extensions()
+            .get::<BodyLimit>()
+            .map_or(MAX_BODY_BYTES, |l| l.0);
         let mut body = req.into_body().into_data_stream();
         let mut bytes = Vec::new();
         // A client that announces a body and then stalls must not hold a task forever.
@@ -69,10 +87,10 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
                     format!("cannot read the request body: {e}"),
                 )
             })?;
-            if bytes.len() + chunk.len() > MAX_BODY_BYTES {
+            if bytes.len() + chunk.len() > max_body_bytes {
                 return Err(ApiError::new(
                     ApiErrorKind::PayloadTooLarge,
-                    format!("request body is larger than {MAX_BODY_BYTES} bytes"),
+                    format!("request body is larger than {max_body_bytes} bytes"),
                 ));
             }
             bytes.extend_from_slice(&chunk);
@@ -210,14 +228,18 @@ fn name(s: &str) -> Result<LockName, ApiError> {
 
 async fn acquire(
     State(h): State<Handle>,
+    Caller(caller): Caller,
     JsonBody(b): JsonBody<AcquireBody>,
 ) -> Result<Json<GrantJson>, ApiError> {
+    let name = name(&b.name)?;
+    caller.authorize(Action::Acquire, Some(name.as_str()))?;
+    caller.take_acquire_attempt()?;
     let args = AcquireArgs {
-        name: name(&b.name)?,
+        name,
         ttl_ms: b.ttl_ms,
         wait_ms: b.wait_ms.unwrap_or(0),
         owner: input::owner(b.owner.as_deref().unwrap_or(""))?,
-        request_id: input::request_id(b.request_id.as_deref())?,
+        request_id: caller.scope_request_id(input::request_id(b.request_id.as_deref())?)?,
         limit: b.limit.unwrap_or(1),
         lock_delay_ms: b.lock_delay_ms.unwrap_or(0),
         session: b.session.as_deref().map(input::session_id).transpose()?,
@@ -227,14 +249,13 @@ async fn acquire(
 
 async fn renew(
     State(h): State<Handle>,
+    Caller(caller): Caller,
     JsonBody(b): JsonBody<RenewBody>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    let name = name(&b.name)?;
+    caller.authorize(Action::Renew, Some(name.as_str()))?;
     let g = h
-        .renew(
-            name(&b.name)?,
-            input::owner_token(&b.owner_token)?,
-            b.ttl_ms,
-        )
+        .renew(name, input::owner_token(&b.owner_token)?, b.ttl_ms)
         .await?;
     Ok(Json(
         json!({"name": g.name.as_str(), "fence": g.fence.get(), "ttl_ms": g.ttl_ms}),
@@ -243,11 +264,12 @@ async fn renew(
 
 async fn release(
     State(h): State<Handle>,
+    Caller(caller): Caller,
     JsonBody(b): JsonBody<ReleaseBody>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let released = h
-        .release(name(&b.name)?, input::owner_token(&b.owner_token)?)
-        .await?;
+    let name = name(&b.name)?;
+    caller.authorize(Action::Release, Some(name.as_str()))?;
+    let released = h.release(name, input::owner_token(&b.owner_token)?).await?;
     Ok(Json(if released {
         json!({"released": true})
     } else {
@@ -257,14 +279,19 @@ async fn release(
 
 async fn force_release(
     State(h): State<Handle>,
+    Caller(caller): Caller,
     JsonBody(b): JsonBody<ForceReleaseBody>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    let name = name(&b.name)?;
+    caller.authorize(Action::ForceRelease, Some(name.as_str()))?;
     let fence = match b.fence {
         Some(f) => Some(Fence::new(f).ok_or_else(|| invalid("fence", "must be at least 1"))?),
         None => None,
     };
     let reason = Reason::new(&b.reason).map_err(|e| invalid("reason", e))?;
-    let fences = h.force_release(name(&b.name)?, fence, reason).await?;
+    let fences = h
+        .force_release_as(name, fence, reason, Some(caller.name().to_owned()))
+        .await?;
     let fences: Vec<u64> = fences.into_iter().map(Fence::get).collect();
     Ok(Json(json!({ "fences": fences })))
 }
@@ -275,10 +302,12 @@ fn path_error(e: PathRejection) -> ApiError {
 
 async fn show_lock(
     State(h): State<Handle>,
+    Caller(caller): Caller,
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<LockJson>, ApiError> {
     let Path(raw) = path.map_err(path_error)?;
     let name = name(&raw)?;
+    caller.authorize(Action::Read, Some(name.as_str()))?;
     match h.lock(name.clone()).await? {
         Some(view) => Ok(Json(view.into())),
         None => Err(ApiError::new(
@@ -290,10 +319,13 @@ async fn show_lock(
 
 async fn list_locks(
     State(h): State<Handle>,
+    Caller(caller): Caller,
     query: Result<Query<ListParams>, QueryRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let Query(p) = query.map_err(|e| invalid("query", e.body_text()))?;
     let prefix = input::prefix(p.prefix)?;
+    caller.authorize(Action::Read, None)?;
+    let ranges = caller.ranges(&prefix)?;
     let max = p.limit.unwrap_or(100);
     if max == 0 || max > MAX_PAGE {
         return Err(invalid(
@@ -302,7 +334,7 @@ async fn list_locks(
         ));
     }
     let after = p.after.as_deref().map(name).transpose()?;
-    let views = h.locks(prefix, after, max).await?;
+    let views = crate::input::locks_in(&h, ranges, after, max).await?;
     let next_after = (views.len() == max)
         .then(|| views.last().map(|v| v.name.to_string()))
         .flatten();
@@ -312,8 +344,10 @@ async fn list_locks(
 
 async fn open_session(
     State(h): State<Handle>,
+    Caller(caller): Caller,
     JsonBody(b): JsonBody<OpenSessionBody>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    caller.authorize(Action::Session, None)?;
     let owner = input::owner(b.owner.as_deref().unwrap_or(""))?;
     let (id, ttl_ms) = h.open_session(b.ttl_ms, owner).await?;
     Ok(Json(json!({"session": id.to_string(), "ttl_ms": ttl_ms})))
@@ -321,8 +355,10 @@ async fn open_session(
 
 async fn keep_alive(
     State(h): State<Handle>,
+    Caller(caller): Caller,
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    caller.authorize(Action::Session, None)?;
     let Path(raw) = path.map_err(path_error)?;
     let id = input::session_id(&raw)?;
     let ttl_ms = h.keep_alive(id).await?;
@@ -331,14 +367,17 @@ async fn keep_alive(
 
 async fn close_session(
     State(h): State<Handle>,
+    Caller(caller): Caller,
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    caller.authorize(Action::Session, None)?;
     let Path(raw) = path.map_err(path_error)?;
     let released = h.close_session(input::session_id(&raw)?).await?;
     Ok(Json(json!({"closed": true, "released": released})))
 }
 
-async fn snapshot(State(h): State<Handle>) -> Result<Response, ApiError> {
+async fn snapshot(State(h): State<Handle>, Caller(caller): Caller) -> Result<Response, ApiError> {
+    caller.authorize(Action::Snapshot, None)?;
     let bytes = h.snapshot().await?;
     Ok((
         [(header::CONTENT_TYPE, "application/octet-stream")],
@@ -359,12 +398,13 @@ async fn readyz(State(h): State<Handle>) -> Response {
     }
 }
 
-async fn metrics(State(h): State<Handle>) -> Response {
-    (
+async fn metrics(State(h): State<Handle>, Caller(caller): Caller) -> Result<Response, ApiError> {
+    caller.authorize(Action::Metrics, None)?;
+    Ok((
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         h.metrics().render(),
     )
-        .into_response()
+        .into_response())
 }
 
 async fn not_found() -> ApiError {
@@ -394,6 +434,7 @@ pub fn router(handle: Handle) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .merge(crate::dashboard::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(handle)

@@ -1,9 +1,15 @@
 //! Parsing of client input into the core's types, shared by HTTP and gRPC so both
 //! accept and refuse exactly the same things, with the same messages.
 
-use fencelock_core::{LockName, Owner, OwnerToken, RequestId, SessionId};
+use fencelock_core::{LockName, LockView, Owner, OwnerToken, RequestId, SessionId};
 
+use crate::engine::Handle;
 use crate::error::{ApiError, ApiErrorKind};
+
+/// Longest `request_id` a client may send, in bytes. The core allows more, because
+/// the server scopes each id to its caller by prepending the token's name
+/// ([`crate::auth::Principal::scope_request_id`]).
+pub const MAX_CLIENT_REQUEST_ID_BYTES: usize = 128;
 
 /// An `invalid_argument` error naming the field.
 pub fn invalid(field: &str, e: impl std::fmt::Display) -> ApiError {
@@ -30,11 +36,35 @@ pub fn owner(s: &str) -> Result<Owner, ApiError> {
     Owner::new(s).map_err(|e| invalid("owner", e))
 }
 
-/// An optional idempotency key.
+/// An optional idempotency key, at most [`MAX_CLIENT_REQUEST_ID_BYTES`] long.
 pub fn request_id(s: Option<&str>) -> Result<Option<RequestId>, ApiError> {
+    if s.is_some_and(|s| s.len() > MAX_CLIENT_REQUEST_ID_BYTES) {
+        return Err(invalid(
+            "request_id",
+            format!("request_id must be at most {MAX_CLIENT_REQUEST_ID_BYTES} bytes"),
+        ));
+    }
     s.map(RequestId::new)
         .transpose()
         .map_err(|e| invalid("request_id", e))
+}
+
+/// One page of at most `max` locks after `after` whose names start with any of
+/// `ranges` (prefixes none of which contains another, from
+/// [`crate::auth::Principal::ranges`]), in name order.
+pub async fn locks_in(
+    handle: &Handle,
+    ranges: Vec<String>,
+    after: Option<LockName>,
+    max: usize,
+) -> Result<Vec<LockView>, ApiError> {
+    let mut views = Vec::new();
+    for range in ranges {
+        views.extend(handle.locks(range, after.clone(), max).await?);
+    }
+    views.sort_by(|a, b| a.name.as_str().cmp(b.name.as_str()));
+    views.truncate(max);
+    Ok(views)
 }
 
 /// A listing prefix: empty, or itself a valid lock name, so that listing is a range

@@ -6,19 +6,28 @@
 //! protocols until [`Server::shutdown`].
 #![deny(missing_docs)]
 
+pub mod audit;
+pub mod auth;
 pub mod codec;
+pub mod dashboard;
 pub mod engine;
 pub mod error;
 pub mod grpc;
 pub mod http;
 mod input;
+pub mod limits;
 pub mod metrics;
+pub mod tls;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
+pub use auth::{Action, AuthConfig, Principal, Role, TokenConfig};
 pub use engine::{AcquireArgs, Durability, EngineConfig, Handle, RecoveryReport, RunState};
 pub use error::{ApiError, ApiErrorKind};
+pub use limits::{Limits, RateLimit};
+pub use tls::TlsConfig;
 
 /// Default time a client has to send a request's headers (also the longest an idle
 /// HTTP/1.1 keep-alive connection is kept waiting for its next request).
@@ -37,6 +46,15 @@ pub struct ServerConfig {
     /// Time a client has to send a request's headers before its connection is closed,
     /// so stalled or idle connections cannot pile up.
     pub header_read_timeout: Duration,
+    /// Accepted tokens; none: authentication off (then only loopback addresses may
+    /// be served, unless `insecure`).
+    pub auth: AuthConfig,
+    /// Serve a non-loopback address without authentication (`--insecure`).
+    pub insecure: bool,
+    /// TLS certificate and key; `None`: plain TCP.
+    pub tls: Option<TlsConfig>,
+    /// Body size, connections, streams, acquire rate.
+    pub limits: Limits,
 }
 
 impl ServerConfig {
@@ -46,6 +64,10 @@ impl ServerConfig {
             listen,
             engine,
             header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            auth: AuthConfig::default(),
+            insecure: false,
+            tls: None,
+            limits: Limits::default(),
         }
     }
 }
@@ -58,15 +80,44 @@ pub struct Server {
     serving: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
-/// The HTTP routes and the gRPC service on one router.
+/// The HTTP routes and the gRPC service on one router, without authentication
+/// (see [`secure_app`]).
 pub fn app(handle: Handle) -> axum::Router {
     grpc::add_routes(http::router(handle.clone()), handle)
+}
+
+/// [`app`] behind the authentication layer ([`auth::layer`]) and with the body size
+/// limit of `limits`: what [`Server::start`] serves.
+pub fn secure_app(
+    handle: Handle,
+    authenticator: auth::Authenticator,
+    limits: &Limits,
+) -> axum::Router {
+    grpc::add_routes_with_limit(http::router(handle.clone()), handle, limits.max_body_bytes)
+        .layer(axum::Extension(http::BodyLimit(limits.max_body_bytes)))
+        // The same limit for axum's own extractors (the dashboard's forms).
+        .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(
+            authenticator,
+            auth::layer,
+        ))
 }
 
 impl Server {
     /// Recovers the data directory, binds, and starts serving. Must run inside a
     /// tokio runtime.
     pub async fn start(config: ServerConfig) -> Result<Server, ApiError> {
+        let refuse = |message: String| ApiError::new(ApiErrorKind::InvalidArgument, message);
+        auth::check_exposure(config.listen, &config.auth, config.insecure).map_err(refuse)?;
+        config.limits.check().map_err(refuse)?;
+        let authenticator =
+            auth::Authenticator::new(&config.auth, config.limits.acquire_rate).map_err(refuse)?;
+        let tls = config
+            .tls
+            .as_ref()
+            .map(TlsConfig::acceptor)
+            .transpose()
+            .map_err(refuse)?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| {
@@ -80,8 +131,13 @@ impl Server {
             .map_err(|e| ApiError::new(ApiErrorKind::Internal, format!("no local address: {e}")))?;
         let handle = engine::start(config.engine)?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let router = app(handle.clone());
-        let serving = tokio::spawn(serve(listener, router, config.header_read_timeout, stopped));
+        let router = secure_app(handle.clone(), authenticator, &config.limits);
+        let options = ServeOptions {
+            header_read_timeout: config.header_read_timeout,
+            limits: config.limits,
+            tls,
+        };
+        let serving = tokio::spawn(serve(listener, router, options, stopped));
         Ok(Server {
             handle,
             addr,
@@ -114,30 +170,47 @@ impl Server {
     }
 }
 
+/// What the accept loop needs besides the listener and the router.
+struct ServeOptions {
+    header_read_timeout: Duration,
+    limits: Limits,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+}
+
 /// The accept loop: HTTP/1.1 and HTTP/2 (prior knowledge, for gRPC) on one listener,
-/// with a header read timeout and HTTP/2 keepalive pings so that stalled, idle or dead
-/// connections are closed, and a graceful stop (in-flight requests finish).
+/// optionally inside TLS, with a header read timeout and HTTP/2 keepalive pings so
+/// that stalled, idle or dead connections are closed, a cap on connections and on
+/// streams per connection, and a graceful stop (in-flight requests finish).
+///
+/// The loop itself only accepts: the TLS handshake (bounded by
+/// `limits.tls_handshake_timeout`) and everything after it run in the connection's
+/// own task, so one slow client never delays the next.
 async fn serve(
     listener: tokio::net::TcpListener,
     router: axum::Router,
-    header_read_timeout: Duration,
+    options: ServeOptions,
     mut stop: tokio::sync::oneshot::Receiver<()>,
 ) -> std::io::Result<()> {
-    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::rt::{TokioExecutor, TokioTimer};
     use hyper_util::server::conn::auto::Builder;
-    use hyper_util::service::TowerToHyperService;
 
     let mut builder = Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(header_read_timeout);
+        .header_read_timeout(options.header_read_timeout);
     builder
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(HTTP2_KEEPALIVE)
-        .keep_alive_timeout(HTTP2_KEEPALIVE);
+        .keep_alive_timeout(HTTP2_KEEPALIVE)
+        .max_concurrent_streams(options.limits.max_streams_per_connection);
+    let builder = Arc::new(builder);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let max_connections = options.limits.max_connections;
+    let connections = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    // Tells connections still in their TLS handshake to give up.
+    let (stopping, stopping_rx) = tokio::sync::watch::channel(());
     loop {
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -152,18 +225,89 @@ async fn serve(
             _ = &mut stop => break,
         };
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(router.clone());
-        let connection = builder
-            .serve_connection_with_upgrades(TokioIo::new(stream), service)
-            .into_owned();
-        let connection = graceful.watch(connection);
+        let Ok(permit) = connections.clone().try_acquire_owned() else {
+            tracing::debug!(
+                max_connections,
+                "refused a connection: too many connections"
+            );
+            tokio::spawn(refuse_connection(
+                stream,
+                options.tls.is_some(),
+                max_connections,
+            ));
+            continue;
+        };
+        let watcher = graceful.watcher();
+        let builder = builder.clone();
+        let router = router.clone();
+        let tls = options.tls.clone();
+        let handshake_timeout = options.limits.tls_handshake_timeout;
+        let mut stopping = stopping_rx.clone();
         tokio::spawn(async move {
-            // A connection that ends in an I/O or protocol error concerns only its
-            // client.
-            let _ = connection.await;
+            let _permit = permit;
+            let Some(acceptor) = tls else {
+                return serve_connection(&builder, stream, router, watcher).await;
+            };
+            let handshake = tokio::time::timeout(handshake_timeout, acceptor.accept(stream));
+            let stream = tokio::select! {
+                done = handshake => match done {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!("TLS handshake timed out");
+                        return;
+                    }
+                },
+                _ = stopping.changed() => return,
+            };
+            serve_connection(&builder, stream, router, watcher).await
         });
     }
+    let _ = stopping.send(());
     drop(listener);
     graceful.shutdown().await;
     Ok(())
+}
+
+/// Serves HTTP/1.1 or HTTP/2 on one (plain or TLS) connection until it ends.
+async fn serve_connection<I>(
+    builder: &hyper_util::server::conn::auto::Builder<hyper_util::rt::TokioExecutor>,
+    io: I,
+    router: axum::Router,
+    watcher: hyper_util::server::graceful::Watcher,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper_util::service::TowerToHyperService::new(router);
+    let connection = builder
+        .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(io), service)
+        .into_owned();
+    // A connection that ends in an I/O or protocol error concerns only its client.
+    let _ = watcher.watch(connection).await;
+}
+
+/// Answers a connection over the cap: a 503 `unavailable` for plain HTTP/1.1, a
+/// bare close for TLS (there is no session to answer in without a handshake).
+async fn refuse_connection(mut stream: tokio::net::TcpStream, tls: bool, max: usize) {
+    use tokio::io::AsyncWriteExt;
+    if !tls {
+        let body = serde_json::json!({"error": {
+            "code": ApiErrorKind::Unavailable.code(),
+            "message": format!("the server is serving its maximum of {max} connections; retry later"),
+        }})
+        .to_string();
+        let response = format!(
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let write = async {
+            stream.write_all(response.as_bytes()).await?;
+            stream.shutdown().await
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
+    }
 }

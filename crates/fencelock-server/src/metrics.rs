@@ -40,6 +40,30 @@ impl Histogram {
         self.count.load(Ordering::Relaxed)
     }
 
+    /// The mean observation in the histogram's own unit, if there was any.
+    pub fn mean(&self) -> Option<f64> {
+        let count = self.count();
+        (count > 0).then(|| self.sum.load(Ordering::Relaxed) as f64 / count as f64)
+    }
+
+    /// The upper bound of the bucket holding quantile `q` (0..=1), in the
+    /// histogram's own unit; `None` without observations or above the last bound.
+    pub fn quantile_bound(&self, q: f64) -> Option<u64> {
+        let count = self.count();
+        if count == 0 {
+            return None;
+        }
+        let rank = ((count as f64) * q).ceil().max(1.0) as u64;
+        let mut cumulative = 0;
+        for (bound, bucket) in self.bounds.iter().zip(&self.buckets) {
+            cumulative += bucket.load(Ordering::Relaxed);
+            if cumulative >= rank {
+                return Some(*bound);
+            }
+        }
+        None
+    }
+
     fn render(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         let mut cumulative = 0;
@@ -97,6 +121,10 @@ pub struct Metrics {
     pub fsync: Histogram,
     /// Records per log sync.
     pub batch_size: Histogram,
+    /// Duration of each audit log write (the entries of one group commit), µs.
+    pub audit_write: Histogram,
+    /// Gauge: audit entries retained.
+    pub audit_entries: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -117,6 +145,8 @@ impl Default for Metrics {
             hold_time: Histogram::new(MS_BOUNDS, 1_000.0),
             fsync: Histogram::new(MICROS_BOUNDS, 1_000_000.0),
             batch_size: Histogram::new(BATCH_BOUNDS, 1.0),
+            audit_write: Histogram::new(MICROS_BOUNDS, 1_000_000.0),
+            audit_entries: AtomicU64::new(0),
         }
     }
 }
@@ -138,6 +168,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "fencelock_hold_seconds",
     "fencelock_log_sync_seconds",
     "fencelock_log_batch_records",
+    "fencelock_audit_write_seconds",
+    "fencelock_audit_entries",
 ];
 
 impl Metrics {
@@ -222,6 +254,17 @@ impl Metrics {
             &mut out,
             METRIC_NAMES[14],
             "Commands made durable per log sync.",
+        );
+        self.audit_write.render(
+            &mut out,
+            METRIC_NAMES[15],
+            "Duration of an audit log write (the entries of one log sync, before its replies).",
+        );
+        let name = METRIC_NAMES[16];
+        let _ = writeln!(
+            out,
+            "# HELP {name} Audit entries retained.\n# TYPE {name} gauge\n{name} {}",
+            load(&self.audit_entries)
         );
         out
     }

@@ -173,6 +173,29 @@ impl Pending {
         }
     }
 
+    /// Reads raw bytes (head and body, for a stream such as SSE) until they contain
+    /// `needle`; returns them as text. Fails the test after `within`.
+    pub async fn read_until(&mut self, needle: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        let mut seen = Vec::new();
+        let mut buf = vec![0u8; 8192];
+        while find(&seen, needle.as_bytes()).is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.stream.read(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => seen.extend_from_slice(&buf[..n]),
+                Ok(_) => panic!(
+                    "stream ended before {needle:?}: {}",
+                    String::from_utf8_lossy(&seen)
+                ),
+                Err(_) => panic!(
+                    "no {needle:?} within {within:?}: {}",
+                    String::from_utf8_lossy(&seen)
+                ),
+            }
+        }
+        String::from_utf8_lossy(&seen).into_owned()
+    }
+
     /// Closes the connection without reading the response.
     pub fn close(self) {
         drop(self.stream);

@@ -1,0 +1,206 @@
+//! `fencelock audit`: query a running server's audit log (`GET /v1/audit`).
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::Value;
+
+use crate::http_get;
+
+/// Flags of `fencelock audit`.
+#[derive(Debug, Args)]
+pub struct AuditArgs {
+    /// Server base URL.
+    #[arg(
+        long,
+        env = "FENCELOCK_SERVER",
+        default_value = "http://127.0.0.1:7420"
+    )]
+    pub server: String,
+    /// Token with at least the reader role (not needed when the server has no tokens).
+    #[arg(long, env = "FENCELOCK_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Only entries about this lock.
+    #[arg(long)]
+    pub lock: Option<String>,
+    /// Only entries from this long ago until now, e.g. `90s`, `15m`, `1h`, `7d`.
+    #[arg(long, value_parser = parse_age)]
+    pub since: Option<Duration>,
+    /// At most this many entries (the newest; 1..=1000).
+    #[arg(long, default_value_t = 100)]
+    pub limit: usize,
+    /// Print the server's JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parses `90s`, `15m`, `1h`, `7d` (a bare number is seconds).
+pub fn parse_age(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration like 90s, 15m, 1h or 7d"))?;
+    let secs = match unit {
+        "" | "s" => Some(n),
+        "m" => n.checked_mul(60),
+        "h" => n.checked_mul(3600),
+        "d" => n.checked_mul(86_400),
+        _ => None,
+    }
+    .ok_or_else(|| format!("{text:?} is not a duration like 90s, 15m, 1h or 7d"))?;
+    Ok(Duration::from_secs(secs))
+}
+
+fn pct(text: &str) -> String {
+    let mut out = String::new();
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Runs the command.
+pub fn run(args: AuditArgs) -> Result<ExitCode> {
+    let mut query = format!("/v1/audit?limit={}", args.limit);
+    if let Some(lock) = &args.lock {
+        query.push_str(&format!("&lock={}", pct(lock)));
+    }
+    if let Some(age) = args.since {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .context("the system clock is before 1970")?;
+        let since = now.saturating_sub(age).as_millis();
+        query.push_str(&format!("&since_ms={since}"));
+    }
+    let body = http_get::get_as(&args.server, &query, args.token.as_deref())
+        .with_context(|| format!("cannot query the audit log of {}", args.server))?;
+    if args.json {
+        println!("{}", String::from_utf8_lossy(&body).trim_end());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let v: Value = serde_json::from_slice(&body).context("the server sent invalid JSON")?;
+    let Some(entries) = v["entries"].as_array() else {
+        bail!("the server's answer has no entries: {v}");
+    };
+    print!("{}", table(entries));
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The human-readable table, one entry per line, oldest first.
+pub fn table(entries: &[Value]) -> String {
+    let s = |e: &Value, k: &str| e[k].as_str().unwrap_or("").to_owned();
+    let rows: Vec<[String; 6]> = entries
+        .iter()
+        .map(|e| {
+            let mut detail = Vec::new();
+            if let Some(r) = e["reason"].as_str() {
+                detail.push(format!("reason={r:?}"));
+            }
+            if let Some(a) = e["actor"].as_str() {
+                detail.push(format!("actor={a}"));
+            }
+            if let Some(d) = e["detail"].as_str() {
+                detail.push(d.to_owned());
+            }
+            if let Some(r) = e["request_id"].as_str() {
+                detail.push(format!("request_id={r}"));
+            }
+            if let Some(sess) = e["session"].as_str() {
+                detail.push(format!("session={sess}"));
+            }
+            if let Some(ms) = e["duration_ms"].as_u64().filter(|ms| *ms > 0) {
+                detail.push(format!("{ms}ms"));
+            }
+            [
+                s(e, "time")
+                    .replace('T', " ")
+                    .trim_end_matches('Z')
+                    .to_owned(),
+                s(e, "kind"),
+                s(e, "lock"),
+                e["fence"]
+                    .as_u64()
+                    .map(|f| f.to_string())
+                    .unwrap_or_default(),
+                s(e, "owner"),
+                detail.join(" "),
+            ]
+        })
+        .collect();
+    let head = ["TIME (UTC)", "KIND", "LOCK", "FENCE", "OWNER", "DETAIL"];
+    let mut widths = head.map(str::len);
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: [&str; 6]| {
+        let mut l = String::new();
+        for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
+            if i == 5 {
+                l.push_str(cell);
+            } else {
+                l.push_str(&format!("{cell:<w$}  "));
+            }
+        }
+        out.push_str(l.trim_end());
+        out.push('\n');
+    };
+    line(head);
+    for row in &rows {
+        line([&row[0], &row[1], &row[2], &row[3], &row[4], &row[5]]);
+    }
+    if rows.is_empty() {
+        out.push_str("(no entries)\n");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ages() {
+        assert_eq!(parse_age("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_age("15m"), Ok(Duration::from_secs(900)));
+        assert_eq!(parse_age("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_age("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert_eq!(parse_age("42"), Ok(Duration::from_secs(42)));
+        for bad in ["", "h", "1y", "-1h", "1.5h", "99999999999999999999d"] {
+            assert!(parse_age(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn table_lines_up_and_shows_details() {
+        let entries: Vec<Value> = serde_json::from_str(
+            r#"[{"time":"2026-12-02T14:00:00.000Z","kind":"grant","lock":"a","fence":1,"owner":"w1","duration_ms":0},
+                {"time":"2026-12-02T14:00:01.000Z","kind":"forced_release","lock":"a","fence":1,"owner":"w1","actor":"ops","reason":"stuck","duration_ms":1000}]"#,
+        )
+        .unwrap();
+        let t = table(&entries);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 3, "{t}");
+        assert!(lines[0].starts_with("TIME (UTC)"));
+        assert!(lines[2].contains("forced_release"));
+        assert!(
+            lines[2].ends_with("reason=\"stuck\" actor=ops 1000ms"),
+            "{t}"
+        );
+        let kind_col = lines[0].find("KIND").unwrap();
+        assert_eq!(lines[1].find("grant"), Some(kind_col));
+        assert!(table(&[]).contains("(no entries)"));
+    }
+}
