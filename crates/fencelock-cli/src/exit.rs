@@ -8,6 +8,8 @@ pub const FAILURE: u8 = 1;
 pub const USAGE: u8 = 2;
 /// The server could not be reached (sysexits' `EX_UNAVAILABLE`).
 pub const UNAVAILABLE: u8 = 69;
+/// The token is missing, wrong, or not allowed to do this (sysexits' `EX_NOPERM`).
+pub const NO_PERMISSION: u8 = 77;
 /// `run`: the lock was lost while the command ran, so it was stopped
 /// (sysexits' `EX_TEMPFAIL`: try again).
 pub const LOCK_LOST: u8 = 75;
@@ -25,6 +27,7 @@ pub fn for_error(kind: ErrorKind) -> u8 {
         ErrorKind::Unavailable => UNAVAILABLE,
         ErrorKind::LockLost => LOCK_LOST,
         ErrorKind::InvalidArgument => USAGE,
+        ErrorKind::PermissionDenied => NO_PERMISSION,
         _ => FAILURE,
     }
 }

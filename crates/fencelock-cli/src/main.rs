@@ -2,7 +2,8 @@
 //!
 //! Exit codes (see `exit.rs`): 0 success; 1 runtime failure (cannot bind, storage
 //! failed, corrupt backup); 2 usage error (bad flags or config file); 69 server
-//! unreachable; 75 lock lost while `run`'s command ran; 124 lock not acquired within
+//! unreachable; 75 lock lost while `run`'s command ran; 77 not authenticated or not
+//! allowed; 124 lock not acquired within
 //! `--wait`; 126/127 `run`'s command could not be executed / was not found; otherwise
 //! `run` exits with its command's code.
 
@@ -58,8 +59,9 @@ enum Commands {
     /// The command gets FENCELOCK_LOCK and FENCELOCK_FENCE in its environment. Exit
     /// codes: the command's own (128+N if killed by signal N); 124 the lock was not
     /// acquired within --wait; 69 the server is unreachable; 75 the lock was lost and
-    /// the command was stopped (SIGTERM, then SIGKILL after --grace); 126/127 the
-    /// command could not be executed / was not found.
+    /// the command was stopped (SIGTERM, then SIGKILL after --grace); 77 the token is
+    /// missing or not allowed; 126/127 the command could not be executed / was not
+    /// found.
     Run(run::RunArgs),
     /// Take a lock once (no renewal) and print the grant with its owner token.
     Acquire(remote::AcquireArgs),

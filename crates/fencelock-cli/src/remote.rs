@@ -27,6 +27,9 @@ pub struct Connection {
     /// Bearer token, if the server requires one.
     #[arg(long, env = "FENCELOCK_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// For https:// servers with a private CA: the CA certificate (PEM) to trust.
+    #[arg(long, env = "FENCELOCK_CA_CERT")]
+    pub ca_cert: Option<std::path::PathBuf>,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
@@ -37,6 +40,12 @@ impl Connection {
     pub async fn connect(&self) -> Result<FencelockBackend, Failure> {
         let mut config = ServerConfig::new(self.server.clone());
         config.token = self.token.clone();
+        if let Some(path) = &self.ca_cert {
+            config.ca_cert_pem = Some(std::fs::read(path).map_err(|e| Failure {
+                message: format!("cannot read the CA certificate {}: {e}", path.display()),
+                code: exit::USAGE,
+            })?);
+        }
         FencelockBackend::connect(config)
             .await
             .map_err(Failure::from)

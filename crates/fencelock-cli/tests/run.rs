@@ -468,3 +468,51 @@ async fn a_spinner_shows_while_waiting_only_on_a_terminal() {
         "spinner on a pipe"
     );
 }
+
+/// With authentication on: no token is exit 77 (and the command never runs); the right
+/// token runs it.
+#[tokio::test]
+async fn run_sends_the_token_and_refusal_is_exit_77() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = fencelock_server::ServerConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        fencelock_server::EngineConfig::new(dir.path().join("data")),
+    );
+    config.auth = fencelock_server::AuthConfig {
+        tokens: vec![fencelock_server::TokenConfig {
+            name: "jobs".into(),
+            role: fencelock_server::Role::Client,
+            prefixes: vec!["job:".into()],
+            sha256: fencelock_server::auth::hash_token("jobs-secret"),
+            acquire_rate: None,
+        }],
+    };
+    let server = fencelock_server::Server::start(config).await.unwrap();
+    let url = format!("http://{}", server.local_addr());
+    let marker = dir.path().join("ran");
+    let touch = ["--", "touch", marker.to_str().unwrap()];
+
+    let out = finish(fencelock(&url).args(["run", "--lock", "job:a"]).args(touch)).await;
+    assert_eq!(out.status.code(), Some(77), "{}", text(&out.stderr));
+    assert!(!marker.exists());
+
+    let out = finish(
+        fencelock(&url)
+            .env("FENCELOCK_TOKEN", "jobs-secret")
+            .args(["run", "--lock", "other:a"])
+            .args(touch),
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(77), "outside the token's prefixes");
+
+    let out = finish(
+        fencelock(&url)
+            .env("FENCELOCK_TOKEN", "jobs-secret")
+            .args(["run", "--lock", "job:a"])
+            .args(touch),
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(marker.exists());
+    server.shutdown().await.unwrap();
+}

@@ -36,9 +36,11 @@ use std::time::{Duration, Instant};
 
 mod postgres;
 mod redis;
+mod tls;
 
 pub use postgres::Postgres;
 pub use redis::Redis;
+pub use tls::TestCa;
 
 /// How long a server may take to become ready before [`ServerProcess::spawn`] gives up.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(60);

@@ -5,7 +5,7 @@ use std::time::Duration;
 use fencelock_proto as pb;
 use fencelock_proto::locks_client::LocksClient;
 use tonic::metadata::MetadataValue;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Request, Status};
 
 use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
@@ -25,6 +25,9 @@ pub struct ServerConfig {
     pub request_timeout: Duration,
     /// A bearer token sent with every request, if the server requires one.
     pub token: Option<String>,
+    /// For `https://` URLs: the PEM certificate(s) of the CA to trust instead of the
+    /// system's roots (e.g. a private CA).
+    pub ca_cert_pem: Option<Vec<u8>>,
 }
 
 impl ServerConfig {
@@ -35,6 +38,7 @@ impl ServerConfig {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(10),
             token: None,
+            ca_cert_pem: None,
         }
     }
 }
@@ -192,6 +196,28 @@ fn endpoint(config: &ServerConfig) -> Result<Endpoint, Error> {
             format!("invalid server URL {:?}: {e}", config.url),
         )
     })?;
+    let endpoint = if endpoint.uri().scheme_str() == Some("https") {
+        let tls = match &config.ca_cert_pem {
+            Some(pem) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)),
+            None => ClientTlsConfig::new().with_native_roots(),
+        };
+        endpoint.tls_config(tls).map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidArgument,
+                format!("TLS settings for {:?}: {}", config.url, source_chain(&e)),
+            )
+        })?
+    } else if config.ca_cert_pem.is_some() {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "a CA certificate was given, but {:?} is not an https:// URL",
+                config.url
+            ),
+        ));
+    } else {
+        endpoint
+    };
     Ok(endpoint
         .connect_timeout(config.connect_timeout)
         .tcp_nodelay(true)
