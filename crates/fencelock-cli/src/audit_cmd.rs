@@ -22,6 +22,9 @@ pub struct AuditArgs {
     /// Token with at least the reader role (not needed when the server has no tokens).
     #[arg(long, env = "FENCELOCK_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// For an https:// server with a private CA: the CA certificate (PEM).
+    #[arg(long, env = "FENCELOCK_CA_CERT")]
+    pub ca_cert: Option<std::path::PathBuf>,
     /// Only entries about this lock.
     #[arg(long)]
     pub lock: Option<String>,
@@ -82,8 +85,13 @@ pub fn run(args: AuditArgs) -> Result<ExitCode> {
         let since = now.saturating_sub(age).as_millis();
         query.push_str(&format!("&since_ms={since}"));
     }
-    let body = http_get::get_as(&args.server, &query, args.token.as_deref())
-        .with_context(|| format!("cannot query the audit log of {}", args.server))?;
+    let body = http_get::get_as(
+        &args.server,
+        &query,
+        args.token.as_deref(),
+        args.ca_cert.as_deref(),
+    )
+    .with_context(|| format!("cannot query the audit log of {}", args.server))?;
     if args.json {
         println!("{}", String::from_utf8_lossy(&body).trim_end());
         return Ok(ExitCode::SUCCESS);

@@ -52,6 +52,9 @@ enum Commands {
         /// Admin token with the prefix "" (not needed when the server has no tokens).
         #[arg(long, env = "FENCELOCK_TOKEN", hide_env_values = true)]
         token: Option<String>,
+        /// For an https:// server with a private CA: the CA certificate (PEM).
+        #[arg(long, env = "FENCELOCK_CA_CERT")]
+        ca_cert: Option<PathBuf>,
     },
     /// Run a command while holding a lock (renewed while it runs; the command is
     /// stopped if the lock is lost).
@@ -99,7 +102,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Commands::Serve(args) => serve(args),
-        Commands::Backup { server, out, token } => backup(&server, &out, token.as_deref()),
+        Commands::Backup {
+            server,
+            out,
+            token,
+            ca_cert,
+        } => backup(&server, &out, token.as_deref(), ca_cert.as_deref()),
         Commands::Restore { from, data_dir } => restore(&from, &data_dir),
         Commands::Run(args) => return client_runtime(run::run(args)),
         Commands::Acquire(args) => return client_command(remote::acquire(args)),
@@ -267,8 +275,13 @@ impl ShutdownSignals {
     }
 }
 
-fn backup(server: &str, out: &Path, token: Option<&str>) -> Result<ExitCode> {
-    let bytes = http_get::get_as(server, "/v1/admin/snapshot", token)
+fn backup(
+    server: &str,
+    out: &Path,
+    token: Option<&str>,
+    ca_cert: Option<&Path>,
+) -> Result<ExitCode> {
+    let bytes = http_get::get_as(server, "/v1/admin/snapshot", token, ca_cert)
         .with_context(|| format!("cannot fetch a snapshot from {server}"))?;
     // Refuse to write something that would not restore.
     let image = fencelock_server::codec::decode_snapshot(&bytes)

@@ -516,3 +516,55 @@ async fn run_sends_the_token_and_refusal_is_exit_77() {
     assert!(marker.exists());
     server.shutdown().await.unwrap();
 }
+
+/// Every client command speaks TLS to an https:// server with a private CA: the gRPC
+/// ones (`acquire`, `ls`) and the HTTP ones (`audit`, `backup`); without the CA the
+/// certificate is refused.
+#[tokio::test]
+async fn client_commands_over_https_with_a_private_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = fencelock_testkit::TestCa::create(dir.path()).unwrap();
+    let mut config = fencelock_server::ServerConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        fencelock_server::EngineConfig::new(dir.path().join("data")),
+    );
+    config.tls = Some(fencelock_server::TlsConfig {
+        cert_path: ca.server_cert.clone(),
+        key_path: ca.server_key.clone(),
+    });
+    let server = fencelock_server::Server::start(config).await.unwrap();
+    let url = format!("https://localhost:{}", server.local_addr().port());
+    let with_ca = |args: &[&str]| {
+        let mut cmd = fencelock(&url);
+        cmd.env("FENCELOCK_CA_CERT", &ca.ca_cert).args(args);
+        cmd
+    };
+
+    let out = finish(&mut with_ca(&["acquire", "tls:a", "--json"])).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = finish(&mut with_ca(&["ls", "--json"])).await;
+    assert!(text(&out.stdout).contains("tls:a"), "{}", text(&out.stderr));
+    let out = finish(&mut with_ca(&["audit", "--json", "--server", &url])).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("tls:a"));
+    let backup = dir.path().join("backup.flsnap");
+    let out = finish(&mut with_ca(&[
+        "backup",
+        "--server",
+        &url,
+        "--out",
+        backup.to_str().unwrap(),
+    ]))
+    .await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(backup.exists());
+
+    for args in [
+        ["ls", "--json"].as_slice(),
+        ["audit", "--server", &url].as_slice(),
+    ] {
+        let out = finish(fencelock(&url).args(args)).await;
+        assert!(!out.status.success(), "{args:?} trusted an unknown CA");
+    }
+    server.shutdown().await.unwrap();
+}
