@@ -40,6 +40,8 @@ impl IntoResponse for ApiError {
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let body = json!({"error": {"code": self.kind().code(), "message": self.message()}});
         let mut response = (status, Json(body)).into_response();
+        // For the edge's metrics layer (`count_refusals`).
+        response.extensions_mut().insert(self.kind());
         if self.kind() == ApiErrorKind::RateLimited {
             // Buckets refill at least one attempt per second.
             response

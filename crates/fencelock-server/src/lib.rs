@@ -93,14 +93,46 @@ pub fn secure_app(
     authenticator: auth::Authenticator,
     limits: &Limits,
 ) -> axum::Router {
-    grpc::add_routes_with_limit(http::router(handle.clone()), handle, limits.max_body_bytes)
-        .layer(axum::Extension(http::BodyLimit(limits.max_body_bytes)))
-        // The same limit for axum's own extractors (the dashboard's forms).
-        .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
-        .layer(axum::middleware::from_fn_with_state(
-            authenticator,
-            auth::layer,
-        ))
+    grpc::add_routes_with_limit(
+        http::router(handle.clone()),
+        handle.clone(),
+        limits.max_body_bytes,
+    )
+    .layer(axum::Extension(http::BodyLimit(limits.max_body_bytes)))
+    // The same limit for axum's own extractors (the dashboard's forms).
+    .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
+    .layer(axum::middleware::from_fn_with_state(
+        authenticator,
+        auth::layer,
+    ))
+    .layer(axum::middleware::map_response_with_state(
+        handle,
+        count_refusals,
+    ))
+}
+
+/// Counts the requests refused at the edge (401, 403, 429) in the metrics: HTTP
+/// answers carry their [`ApiErrorKind`] as a response extension, gRPC answers their
+/// stable code in the `fencelock-error-code` header (errors are trailers-only
+/// responses).
+async fn count_refusals(
+    axum::extract::State(handle): axum::extract::State<Handle>,
+    response: axum::response::Response,
+) -> axum::response::Response {
+    if let Some(kind) = response.extensions().get::<ApiErrorKind>() {
+        handle.metrics().count_refusal(*kind);
+    } else if let Some(code) = response.headers().get(grpc::ERROR_CODE_METADATA) {
+        let kind = match code.as_bytes() {
+            b"unauthenticated" => Some(ApiErrorKind::Unauthenticated),
+            b"permission_denied" => Some(ApiErrorKind::PermissionDenied),
+            b"rate_limited" => Some(ApiErrorKind::RateLimited),
+            _ => None,
+        };
+        if let Some(kind) = kind {
+            handle.metrics().count_refusal(kind);
+        }
+    }
+    response
 }
 
 impl Server {
@@ -136,6 +168,7 @@ impl Server {
             header_read_timeout: config.header_read_timeout,
             limits: config.limits,
             tls,
+            handle: handle.clone(),
         };
         let serving = tokio::spawn(serve(listener, router, options, stopped));
         Ok(Server {
@@ -175,6 +208,8 @@ struct ServeOptions {
     header_read_timeout: Duration,
     limits: Limits,
     tls: Option<tokio_rustls::TlsAcceptor>,
+    /// For the refused-connection counter.
+    handle: Handle,
 }
 
 /// The accept loop: HTTP/1.1 and HTTP/2 (prior knowledge, for gRPC) on one listener,
@@ -226,6 +261,11 @@ async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let Ok(permit) = connections.clone().try_acquire_owned() else {
+            options
+                .handle
+                .metrics()
+                .refused_connections
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tracing::debug!(
                 max_connections,
                 "refused a connection: too many connections"

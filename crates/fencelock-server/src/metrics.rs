@@ -125,6 +125,14 @@ pub struct Metrics {
     pub audit_write: Histogram,
     /// Gauge: audit entries retained.
     pub audit_entries: AtomicU64,
+    /// Requests refused for a missing or wrong token (401).
+    pub refused_unauthenticated: AtomicU64,
+    /// Requests refused for a token's role or prefixes (403).
+    pub refused_permission_denied: AtomicU64,
+    /// Acquires refused by a token's rate limit (429).
+    pub refused_rate_limited: AtomicU64,
+    /// Connections refused over `max_connections`.
+    pub refused_connections: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -147,6 +155,10 @@ impl Default for Metrics {
             batch_size: Histogram::new(BATCH_BOUNDS, 1.0),
             audit_write: Histogram::new(MICROS_BOUNDS, 1_000_000.0),
             audit_entries: AtomicU64::new(0),
+            refused_unauthenticated: AtomicU64::new(0),
+            refused_permission_denied: AtomicU64::new(0),
+            refused_rate_limited: AtomicU64::new(0),
+            refused_connections: AtomicU64::new(0),
         }
     }
 }
@@ -170,6 +182,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "fencelock_log_batch_records",
     "fencelock_audit_write_seconds",
     "fencelock_audit_entries",
+    "fencelock_requests_refused_total",
+    "fencelock_connections_refused_total",
 ];
 
 impl Metrics {
@@ -266,7 +280,36 @@ impl Metrics {
             "# HELP {name} Audit entries retained.\n# TYPE {name} gauge\n{name} {}",
             load(&self.audit_entries)
         );
+        let name = METRIC_NAMES[17];
+        let _ = writeln!(
+            out,
+            "# HELP {name} Requests refused at the edge, by reason.\n# TYPE {name} counter"
+        );
+        for (reason, value) in [
+            ("unauthenticated", &self.refused_unauthenticated),
+            ("permission_denied", &self.refused_permission_denied),
+            ("rate_limited", &self.refused_rate_limited),
+        ] {
+            let _ = writeln!(out, "{name}{{reason=\"{reason}\"}} {}", load(value));
+        }
+        let name = METRIC_NAMES[18];
+        let _ = writeln!(
+            out,
+            "# HELP {name} Connections refused over max_connections.\n# TYPE {name} counter\n{name} {}",
+            load(&self.refused_connections)
+        );
         out
+    }
+
+    /// Counts a request refused with `kind`, if it is one of the edge refusals.
+    pub fn count_refusal(&self, kind: crate::ApiErrorKind) {
+        let counter = match kind {
+            crate::ApiErrorKind::Unauthenticated => &self.refused_unauthenticated,
+            crate::ApiErrorKind::PermissionDenied => &self.refused_permission_denied,
+            crate::ApiErrorKind::RateLimited => &self.refused_rate_limited,
+            _ => return,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
     }
 }
 

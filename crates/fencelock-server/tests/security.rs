@@ -906,6 +906,94 @@ async fn grpc_rate_limit_is_resource_exhausted_with_code_rate_limited() {
     t.stop().await;
 }
 
+/// The value of `fencelock_requests_refused_total{reason="…"}` (or of a metric without
+/// labels when `reason` is empty), read with the admin token.
+async fn refused(t: &TestServer, metric: &str, reason: &str) -> u64 {
+    let text = call(t, Cred::Bearer(ADMIN), "GET", "/metrics", None).await;
+    assert_eq!(text.status, 200);
+    let body = String::from_utf8_lossy(&text.body).into_owned();
+    let series = if reason.is_empty() {
+        format!("{metric} ")
+    } else {
+        format!("{metric}{{reason=\"{reason}\"}} ")
+    };
+    body.lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .unwrap_or_else(|| panic!("{series} not in /metrics:\n{body}"))
+        .parse()
+        .unwrap()
+}
+
+/// Refusals at the edge are counted by reason, over both protocols, and connections
+/// over the cap are counted too.
+#[tokio::test]
+async fn refusals_are_counted_in_the_metrics() {
+    const REFUSED: &str = "fencelock_requests_refused_total";
+    let t = secure_server(|_| {}).await;
+    assert_eq!(refused(&t, REFUSED, "unauthenticated").await, 0);
+    let body = json!({"name": "b:x", "ttl_ms": 60_000});
+    call(&t, Cred::None, "POST", "/v1/acquire", Some(&body))
+        .await
+        .expect_error(401, "unauthenticated");
+    call(
+        &t,
+        Cred::Bearer(CLIENT_A),
+        "POST",
+        "/v1/acquire",
+        Some(&body),
+    )
+    .await
+    .expect_error(403, "permission_denied");
+    let mut c = grpc_client(&t).await;
+    let acquire = || AcquireRequest {
+        name: "b:x".into(),
+        ttl_ms: Some(60_000),
+        ..Default::default()
+    };
+    let status = c.acquire(req(acquire(), None)).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated);
+    let status = c
+        .acquire(req(acquire(), Some(&format!("Bearer {CLIENT_A}"))))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+    assert_eq!(refused(&t, REFUSED, "unauthenticated").await, 2);
+    assert_eq!(refused(&t, REFUSED, "permission_denied").await, 2);
+
+    let limited = format!("Bearer {LIMITED}");
+    let mut rate_limited = 0;
+    for i in 0..20 {
+        let mut request = acquire();
+        request.name = format!("g:{i}");
+        if c.acquire(req(request, Some(&limited))).await.is_err() {
+            rate_limited += 1;
+        }
+    }
+    assert!(rate_limited > 0);
+    assert_eq!(refused(&t, REFUSED, "rate_limited").await, rate_limited);
+    t.stop().await;
+
+    let t = secure_server(|c| c.limits.max_connections = 1).await;
+    let idle = tokio::net::TcpStream::connect(t.addr()).await.unwrap();
+    let answer = t
+        .client
+        .raw(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", IO_TIMEOUT)
+        .await;
+    assert!(answer.starts_with(b"HTTP/1.1 503"));
+    drop(idle);
+    let count = poll_until("a connection slot to free up", IO_TIMEOUT, || async {
+        let text = call(&t, Cred::Bearer(ADMIN), "GET", "/metrics", None).await;
+        (text.status == 200).then(|| String::from_utf8_lossy(&text.body).into_owned())
+    })
+    .await;
+    let line = count
+        .lines()
+        .find(|l| l.starts_with("fencelock_connections_refused_total "))
+        .unwrap();
+    assert_ne!(line, "fencelock_connections_refused_total 0", "{line}");
+    t.stop().await;
+}
+
 // ---------------------------------------------------------------------------------
 // TLS
 
