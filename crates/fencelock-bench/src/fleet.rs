@@ -265,6 +265,8 @@ pub struct RecoverySpec {
     pub locks: usize,
     /// Held locks whose fence is read back after the restart.
     pub spot_checks: usize,
+    /// Keep the data directory here (for profiling restarts) instead of a temp dir.
+    pub keep_data: Option<std::path::PathBuf>,
 }
 
 /// What W5 measured.
@@ -312,10 +314,17 @@ fn dir_mib(dir: &Path) -> f64 {
 /// SIGKILL, restarts it on the same data directory and times it until it answers;
 /// then checks that held locks kept their fences and new fences are larger.
 pub async fn recovery(binary: &Path, spec: &RecoverySpec) -> anyhow::Result<RecoveryOutcome> {
-    let data = tempfile::Builder::new()
+    let temp = tempfile::Builder::new()
         .prefix("fencelock-bench-w5-")
         .tempdir()?;
-    let server = peers::fencelock(binary, true, Some(data.path()))?;
+    let data = match &spec.keep_data {
+        Some(dir) => {
+            std::fs::create_dir_all(dir)?;
+            dir.clone()
+        }
+        None => temp.path().to_owned(),
+    };
+    let server = peers::fencelock(binary, true, Some(&data))?;
     let url = format!("http://127.0.0.1:{}", server.port());
     let clients = channels(&url, 8).await?;
     let fill = Instant::now();
@@ -338,6 +347,8 @@ pub async fn recovery(binary: &Path, spec: &RecoverySpec) -> anyhow::Result<Reco
                         name: format!("w5/{i:07}"),
                         ttl_ms: Some(3_600_000),
                         limit: 1,
+                        // As the client library sends one with every acquire.
+                        request_id: Some(format!("{:016x}{i:016x}", std::process::id())),
                         ..Default::default()
                     })
                     .await?
@@ -359,10 +370,10 @@ pub async fn recovery(binary: &Path, spec: &RecoverySpec) -> anyhow::Result<Reco
     let rss_before = rss_mib(server.pid())?;
     drop(clients);
     drop(server); // SIGKILL
-    let data_mib = dir_mib(data.path());
+    let data_mib = dir_mib(&data);
 
     let restart = Instant::now();
-    let server: Peer = peers::fencelock(binary, true, Some(data.path()))?;
+    let server: Peer = peers::fencelock(binary, true, Some(&data))?;
     let ready_s = restart.elapsed().as_secs_f64();
     let url = format!("http://127.0.0.1:{}", server.port());
     let mut client = channels(&url, 1).await?.remove(0);

@@ -79,6 +79,9 @@ struct RunArgs {
     /// W5: locks held at the restart.
     #[arg(long, default_value_t = 1_000_000)]
     locks: usize,
+    /// W5: keep the data directory here (to profile restarts) instead of a temp dir.
+    #[arg(long)]
+    keep_data: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -395,6 +398,7 @@ async fn run(args: RunArgs) -> anyhow::Result<bool> {
         let spec = RecoverySpec {
             locks: if args.smoke { 2_000 } else { args.locks },
             spot_checks: 100,
+            keep_data: args.keep_data.clone(),
         };
         eprintln!("fencelock-bench: W5 ({} locks)", spec.locks);
         let o = fleet::recovery(&args.fencelock_bin, &spec).await?;
