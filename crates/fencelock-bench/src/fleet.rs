@@ -75,8 +75,8 @@ pub struct SessionsOutcome {
     pub lost: u64,
     /// Keep-alives answered during the hold, per second.
     pub keepalives_per_s: f64,
-    /// The slowest keep-alive round (every session renewed once), against `ttl`.
-    pub slowest_round_s: f64,
+    /// The longest time a session went unrenewed (it expires past `ttl`).
+    pub max_renew_gap_s: f64,
     /// Server CPU during the hold, in cores (1.0 = one core busy).
     pub server_cpu_cores: f64,
     /// Server RSS at the end.
@@ -93,52 +93,32 @@ const STREAMS: usize = 32;
 pub async fn sessions(url: &str, pid: u32, spec: &SessionsSpec) -> anyhow::Result<SessionsOutcome> {
     let clients = channels(url, 8).await?;
     let ttl_ms = spec.ttl.as_millis() as u64;
-    // Ramp: open every session (STREAMS openers).
+    // STREAMS tasks each open their share of the sessions and keep them alive: a
+    // session is renewed once ttl/2 has passed since it was opened or last renewed,
+    // before opening the next one, so the ramp itself never lets a session expire.
+    // Renewals go over one KeepAlive stream per task, which the server answers in order.
     let ramp = Instant::now();
-    let mut openers = Vec::new();
-    for i in 0..STREAMS {
-        let mut client = clients[i % clients.len()].clone();
-        let n = spec.sessions / STREAMS + usize::from(i < spec.sessions % STREAMS);
-        openers.push(tokio::spawn(async move {
-            let mut ids = Vec::with_capacity(n);
-            for _ in 0..n {
-                let open = client
-                    .open_session(pb::OpenSessionRequest {
-                        ttl_ms,
-                        owner: "w4".into(),
-                    })
-                    .await?
-                    .into_inner();
-                ids.push(open.session);
-            }
-            anyhow::Ok(ids)
-        }));
-    }
-    let mut slices = Vec::new();
-    for opener in openers {
-        slices.push(opener.await??);
-    }
-    let opened: u64 = slices.iter().map(|s| s.len() as u64).sum();
-    let open_s = ramp.elapsed().as_secs_f64();
-
-    // Keep alive: each stream renews its slice every ttl/2, one request at a time
-    // (the server answers a KeepAlive stream in order).
     let stop = Arc::new(tokio::sync::Notify::new());
     let answered = Arc::new(AtomicU64::new(0));
     let lost = Arc::new(AtomicU64::new(0));
-    let slowest_us = Arc::new(AtomicU64::new(0));
+    let opened = Arc::new(AtomicU64::new(0));
+    let max_gap_us = Arc::new(AtomicU64::new(0));
     let interval = spec.ttl / 2;
     let mut keepers = Vec::new();
-    for (i, slice) in slices.into_iter().enumerate() {
+    for i in 0..STREAMS {
         let mut client = clients[i % clients.len()].clone();
-        let (stop, answered, lost, slowest_us) = (
+        let n = spec.sessions / STREAMS + usize::from(i < spec.sessions % STREAMS);
+        let (stop, answered, lost, opened, max_gap_us) = (
             stop.clone(),
             answered.clone(),
             lost.clone(),
-            slowest_us.clone(),
+            opened.clone(),
+            max_gap_us.clone(),
         );
         keepers.push(tokio::spawn(async move {
-            let mut sessions = slice;
+            let mut due: std::collections::VecDeque<(Instant, String)> =
+                std::collections::VecDeque::with_capacity(n);
+            let mut opened_here = 0;
             let stopped = stop.notified();
             tokio::pin!(stopped);
             'reopen: loop {
@@ -148,36 +128,56 @@ pub async fn sessions(url: &str, pid: u32, spec: &SessionsSpec) -> anyhow::Resul
                     .await?
                     .into_inner();
                 loop {
-                    let round = Instant::now();
-                    let mut idx = 0;
-                    while idx < sessions.len() {
+                    let now = Instant::now();
+                    if let Some((last, _)) = due.front().filter(|(t, _)| *t + interval <= now) {
+                        max_gap_us.fetch_max((now - *last).as_micros() as u64, Ordering::Relaxed);
+                        let (_, session) = due.pop_front().expect("front exists");
                         tx.send(pb::KeepAliveRequest {
-                            session: sessions[idx].clone(),
+                            session: session.clone(),
                         })
                         .await?;
                         match responses.message().await {
                             Ok(Some(_)) => {
                                 answered.fetch_add(1, Ordering::Relaxed);
-                                idx += 1;
+                                due.push_back((now, session));
                             }
                             _ => {
-                                // The session is gone (or the stream broke): count it,
-                                // drop it, and carry on with a new stream.
+                                // Gone (expired): count it and carry on on a new stream.
                                 lost.fetch_add(1, Ordering::Relaxed);
-                                sessions.swap_remove(idx);
                                 continue 'reopen;
                             }
                         }
-                    }
-                    slowest_us.fetch_max(round.elapsed().as_micros() as u64, Ordering::Relaxed);
-                    tokio::select! {
-                        _ = &mut stopped => return anyhow::Ok(()),
-                        _ = tokio::time::sleep_until((round + interval).into()) => {}
+                    } else if opened_here < n {
+                        let open = client
+                            .open_session(pb::OpenSessionRequest {
+                                ttl_ms,
+                                owner: "w4".into(),
+                            })
+                            .await?
+                            .into_inner();
+                        opened_here += 1;
+                        opened.fetch_add(1, Ordering::Relaxed);
+                        due.push_back((Instant::now(), open.session));
+                    } else {
+                        let next = due.front().map_or(now + interval, |(t, _)| *t + interval);
+                        tokio::select! {
+                            _ = &mut stopped => return anyhow::Ok(()),
+                            _ = tokio::time::sleep_until(next.into()) => {}
+                        }
                     }
                 }
             }
         }));
     }
+    while opened.load(Ordering::Relaxed) < spec.sessions as u64 {
+        anyhow::ensure!(
+            keepers.iter().all(|k| !k.is_finished()),
+            "a keep-alive task failed during the ramp"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let open_s = ramp.elapsed().as_secs_f64();
+    let opened = opened.load(Ordering::Relaxed);
 
     // Expiry precision: sessions that are never renewed, each holding one lock.
     let mut watch = clients[0]
@@ -242,7 +242,7 @@ pub async fn sessions(url: &str, pid: u32, spec: &SessionsSpec) -> anyhow::Resul
         open_per_s: opened as f64 / open_s,
         lost: lost.load(Ordering::Relaxed),
         keepalives_per_s: answered_in_hold as f64 / held_s,
-        slowest_round_s: slowest_us.load(Ordering::Relaxed) as f64 / 1e6,
+        max_renew_gap_s: max_gap_us.load(Ordering::Relaxed) as f64 / 1e6,
         server_cpu_cores: cpu / held_s,
         server_rss_mib: rss_mib(pid)?,
         expiry_missing: due.len() as u64,
