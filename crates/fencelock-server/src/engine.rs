@@ -255,22 +255,37 @@ pub(crate) fn replay(
     dir: &Path,
 ) -> Result<Core, ApiError> {
     let corrupt = |what: String| ApiError::new(ApiErrorKind::Internal, what);
-    let mut core = match snapshot {
-        Some(bytes) => {
-            let image = codec::decode_snapshot(bytes)
-                .map_err(|e| corrupt(format!("snapshot in {}: {e}", dir.display())))?;
-            Core::import(config.clone(), image).map_err(|e| {
-                corrupt(format!(
-                    "snapshot in {} is inconsistent: {e}",
-                    dir.display()
-                ))
-            })?
-        }
-        None => Core::new(config.clone()),
-    };
-    for (i, record) in records.iter().enumerate() {
-        let (now_ms, command) = codec::decode_record(record)
-            .map_err(|e| corrupt(format!("log record {i} in {}: {e}", dir.display())))?;
+    // The log records are decoded on a second thread while this one decodes and
+    // imports the snapshot: the two are independent, and a restart with a million
+    // locks spends seconds on them.
+    let (core, commands) = std::thread::scope(|scope| {
+        let decoder = scope.spawn(|| {
+            records
+                .iter()
+                .enumerate()
+                .map(|(i, record)| codec::decode_record(record).map_err(|e| (i, e)))
+                .collect::<Result<Vec<_>, _>>()
+        });
+        let core = match snapshot {
+            Some(bytes) => codec::decode_snapshot(bytes)
+                .map_err(|e| corrupt(format!("snapshot in {}: {e}", dir.display())))
+                .and_then(|image| {
+                    Core::import(config.clone(), image).map_err(|e| {
+                        corrupt(format!(
+                            "snapshot in {} is inconsistent: {e}",
+                            dir.display()
+                        ))
+                    })
+                }),
+            None => Ok(Core::new(config.clone())),
+        };
+        let commands = decoder.join().expect("the record decoder never panics");
+        (core, commands)
+    });
+    let mut core = core?;
+    let commands =
+        commands.map_err(|(i, e)| corrupt(format!("log record {i} in {}: {e}", dir.display())))?;
+    for (now_ms, command) in commands {
         // Replies and outcomes were delivered before the crash; only the state matters.
         let _ = core.apply(now_ms.max(core.now_ms()), command);
         core.take_outcomes();
