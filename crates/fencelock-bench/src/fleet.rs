@@ -408,3 +408,126 @@ pub async fn recovery(binary: &Path, spec: &RecoverySpec) -> anyhow::Result<Reco
         fence_decreases: u64::from(first <= max_fence),
     })
 }
+
+/// What the server-side FIFO audit saw.
+#[derive(Debug, Clone, Default)]
+pub struct FifoAudit {
+    /// Grants seen on the event stream.
+    pub grants: u64,
+    /// Grants to a queued request while an earlier-queued one was still waiting.
+    pub inversions: u64,
+    /// The stream ended early (e.g. the watcher fell behind): the audit is partial.
+    pub incomplete: bool,
+}
+
+/// Audits FIFO order on the server's own event stream (`Watch`), for every lock whose
+/// name starts with `prefix`: `QUEUED` events give the arrival order at the server,
+/// `GRANTED` and `WAIT_ENDED` remove requests; a grant to any but the oldest queued
+/// request of its lock is an inversion. Unlike the checker's client-side stamps, this
+/// cannot be fooled by a client that was descheduled between stamping and sending.
+/// Requests are told apart by their owner text, so each client must use its own.
+/// Stops when `stop` is notified.
+pub async fn fifo_audit(
+    url: String,
+    prefix: String,
+    stop: Arc<tokio::sync::Notify>,
+) -> anyhow::Result<tokio::task::JoinHandle<FifoAudit>> {
+    let mut client = channels(&url, 1).await?.remove(0);
+    let mut events = client
+        .watch(pb::WatchRequest { prefix })
+        .await?
+        .into_inner();
+    Ok(tokio::spawn(async move {
+        let mut book = FifoBook::default();
+        let stopped = stop.notified();
+        tokio::pin!(stopped);
+        loop {
+            let event = tokio::select! {
+                _ = &mut stopped => return book.audit,
+                e = events.message() => e,
+            };
+            let Ok(Some(event)) = event else {
+                book.audit.incomplete = true;
+                return book.audit;
+            };
+            if let Ok(kind) = EventKind::try_from(event.kind) {
+                book.observe(kind, event.name, event.owner);
+            }
+        }
+    }))
+}
+
+/// The queues as the server's events describe them (see [`fifo_audit`]).
+#[derive(Debug, Default)]
+pub struct FifoBook {
+    queues: std::collections::HashMap<String, Vec<String>>,
+    /// What has been counted.
+    pub audit: FifoAudit,
+}
+
+impl FifoBook {
+    /// Takes one event of lock `name` for the request of `owner`.
+    pub fn observe(&mut self, kind: EventKind, name: String, owner: String) {
+        let queue = self.queues.entry(name).or_default();
+        match kind {
+            EventKind::Queued => queue.push(owner),
+            EventKind::Granted => {
+                self.audit.grants += 1;
+                if let Some(at) = queue.iter().position(|o| *o == owner) {
+                    self.audit.inversions += u64::from(at > 0);
+                    queue.remove(at);
+                }
+            }
+            EventKind::WaitEnded => queue.retain(|o| *o != owner),
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(events: &[(EventKind, &str, &str)]) -> FifoAudit {
+        let mut book = FifoBook::default();
+        for (kind, name, owner) in events {
+            book.observe(*kind, name.to_string(), owner.to_string());
+        }
+        book.audit
+    }
+
+    #[test]
+    fn fifo_hand_offs_are_not_inversions() {
+        use EventKind::*;
+        let a = run(&[
+            (Granted, "k", "a"),
+            (Queued, "k", "b"),
+            (Queued, "k", "c"),
+            (Released, "k", "a"),
+            (Granted, "k", "b"),
+            (Queued, "k", "a"),
+            (Granted, "k", "c"),
+            (Granted, "k", "a"),
+        ]);
+        assert_eq!((a.grants, a.inversions), (4, 0));
+    }
+
+    #[test]
+    fn catches_a_planted_overtake() {
+        use EventKind::*;
+        let a = run(&[
+            (Granted, "k", "a"),
+            (Queued, "k", "b"),
+            (Queued, "other", "x"),
+            (Queued, "k", "c"),
+            // c is granted while b, queued earlier on the same lock, still waits.
+            (Granted, "k", "c"),
+            (Granted, "other", "x"),
+            // b gave up: no longer ahead of anyone.
+            (WaitEnded, "k", "b"),
+            (Queued, "k", "d"),
+            (Granted, "k", "d"),
+        ]);
+        assert_eq!((a.grants, a.inversions), (4, 1));
+    }
+}

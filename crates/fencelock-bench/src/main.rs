@@ -243,7 +243,31 @@ async fn run_target(
         Target::Fencelock | Target::FencelockNone => {
             let peer = peers::fencelock(&args.fencelock_bin, target == Target::Fencelock, None)?;
             let url = format!("http://127.0.0.1:{}", peer.port());
-            one::<FencelockLocker>(url, runs, target, session).await
+            // W3's FIFO order, audited on the server's own event stream as well.
+            let stop = Arc::new(tokio::sync::Notify::new());
+            let mut audits = Vec::new();
+            for (w, spec) in runs.iter().filter(|(w, _)| *w == Workload::W3) {
+                let audit =
+                    fleet::fifo_audit(url.clone(), spec.key_prefix.clone(), stop.clone()).await?;
+                audits.push((*w, spec.clients, audit));
+            }
+            let result = one::<FencelockLocker>(url, runs, target, session).await;
+            // Let the last events arrive before stopping the audits.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            stop.notify_waiters();
+            for (w, clients, audit) in audits {
+                let a = audit.await?;
+                if a.inversions > 0 || a.incomplete {
+                    session.ok = false;
+                }
+                session.emit(json!({
+                    "target": target.name(), "tier": target.tier(),
+                    "workload": format!("{w:?}-server-fifo"), "clients": clients,
+                    "grants_seen": a.grants, "server_fifo_inversions": a.inversions,
+                    "incomplete": a.incomplete,
+                }))?;
+            }
+            result
         }
         Target::Etcd => {
             let peer = peers::etcd()?;

@@ -8,6 +8,7 @@ use super::{Grant, Locker, MAX_WAIT, TTL};
 /// A `fencelock::Client` with its own connection.
 pub struct FencelockLocker {
     client: Client,
+    owner: String,
     guard: Option<LockGuard>,
 }
 
@@ -15,9 +16,11 @@ impl Locker for FencelockLocker {
     /// The server URL, e.g. `http://127.0.0.1:7420`.
     type Config = String;
 
-    async fn connect(url: &String, _client: usize) -> anyhow::Result<Self> {
+    async fn connect(url: &String, client: usize) -> anyhow::Result<Self> {
         Ok(FencelockLocker {
             client: Client::connect(url).await?,
+            // Lock events carry it, so the server-side FIFO audit can tell clients apart.
+            owner: format!("bench-client-{client}"),
             guard: None,
         })
     }
@@ -28,6 +31,7 @@ impl Locker for FencelockLocker {
             .lock(key)
             .ttl(TTL)
             .wait(MAX_WAIT)
+            .owner(self.owner.clone())
             .acquire()
             .await?;
         let fence = guard.fence();
