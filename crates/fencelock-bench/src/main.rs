@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 
 use fencelock_bench::fleet::{self, RecoverySpec, SessionsSpec};
 use fencelock_bench::targets::etcd::EtcdLocker;
-use fencelock_bench::targets::fencelock::FencelockLocker;
+use fencelock_bench::targets::fencelock::{FencelockGrpcLocker, FencelockLocker};
 use fencelock_bench::targets::pg::{self, PgAdvisoryLocker, PgTableLocker};
 use fencelock_bench::targets::redis::{RedisConfig, RedisLocker};
 use fencelock_bench::targets::zk::ZkLocker;
@@ -87,6 +87,7 @@ struct RunArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Target {
     Fencelock,
+    FencelockGrpc,
     FencelockNone,
     Etcd,
     Zookeeper,
@@ -102,6 +103,7 @@ impl Target {
     fn name(self) -> &'static str {
         match self {
             Target::Fencelock => "fencelock",
+            Target::FencelockGrpc => "fencelock-grpc",
             Target::FencelockNone => "fencelock-none",
             Target::Etcd => "etcd",
             Target::Zookeeper => "zookeeper",
@@ -118,6 +120,7 @@ impl Target {
     fn tier(self) -> &'static str {
         match self {
             Target::Fencelock
+            | Target::FencelockGrpc
             | Target::Etcd
             | Target::Zookeeper
             | Target::RedisAof
@@ -268,6 +271,11 @@ async fn run_target(
                 }))?;
             }
             result
+        }
+        Target::FencelockGrpc => {
+            let peer = peers::fencelock(&args.fencelock_bin, true, None)?;
+            let url = format!("http://127.0.0.1:{}", peer.port());
+            one::<FencelockGrpcLocker>(url, runs, target, session).await
         }
         Target::Etcd => {
             let peer = peers::etcd()?;

@@ -46,3 +46,64 @@ impl Locker for FencelockLocker {
         Ok(())
     }
 }
+
+/// fencelock over its raw gRPC API, without the client library's guard (no renewal
+/// task, no lost-lock signal): shows what the library costs per acquire.
+pub struct FencelockGrpcLocker {
+    client: fencelock::proto::locks_client::LocksClient<tonic::transport::Channel>,
+    owner: String,
+    n: u64,
+    held: Option<(String, String)>,
+}
+
+impl Locker for FencelockGrpcLocker {
+    /// The server URL, e.g. `http://127.0.0.1:7420`.
+    type Config = String;
+
+    async fn connect(url: &String, client: usize) -> anyhow::Result<Self> {
+        let channel = tonic::transport::Endpoint::from_shared(url.clone())?
+            .tcp_nodelay(true)
+            .connect()
+            .await?;
+        Ok(FencelockGrpcLocker {
+            client: fencelock::proto::locks_client::LocksClient::new(channel),
+            owner: format!("bench-client-{client}"),
+            n: 0,
+            held: None,
+        })
+    }
+
+    async fn acquire(&mut self, key: &str) -> anyhow::Result<Grant> {
+        self.n += 1;
+        let grant = self
+            .client
+            .acquire(fencelock::proto::AcquireRequest {
+                name: key.to_owned(),
+                ttl_ms: Some(TTL.as_millis() as u64),
+                wait_ms: MAX_WAIT.as_millis() as u64,
+                owner: self.owner.clone(),
+                request_id: Some(super::token(0, self.n)),
+                limit: 1,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        self.held = Some((grant.name, grant.owner_token));
+        Ok(Grant {
+            fence: Some(grant.fence),
+        })
+    }
+
+    async fn release(&mut self) -> anyhow::Result<()> {
+        if let Some((name, owner_token)) = self.held.take() {
+            let released = self
+                .client
+                .release(fencelock::proto::ReleaseRequest { name, owner_token })
+                .await?
+                .into_inner()
+                .released;
+            anyhow::ensure!(released, "the lock was gone at release");
+        }
+        Ok(())
+    }
+}
