@@ -52,6 +52,7 @@ impl Locker for FencelockLocker {
 pub struct FencelockGrpcLocker {
     client: fencelock::proto::locks_client::LocksClient<tonic::transport::Channel>,
     owner: String,
+    id: usize,
     n: u64,
     held: Option<(String, String)>,
 }
@@ -68,6 +69,7 @@ impl Locker for FencelockGrpcLocker {
         Ok(FencelockGrpcLocker {
             client: fencelock::proto::locks_client::LocksClient::new(channel),
             owner: format!("bench-client-{client}"),
+            id: client,
             n: 0,
             held: None,
         })
@@ -82,7 +84,10 @@ impl Locker for FencelockGrpcLocker {
                 ttl_ms: Some(TTL.as_millis() as u64),
                 wait_ms: MAX_WAIT.as_millis() as u64,
                 owner: self.owner.clone(),
-                request_id: Some(super::token(0, self.n)),
+                // Unique per client: the server scopes request ids to the lock name,
+                // so two clients sharing one would be handed the same grant (the
+                // checker caught exactly that in a first version).
+                request_id: Some(super::token(self.id, self.n)),
                 limit: 1,
                 ..Default::default()
             })
