@@ -8,9 +8,6 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v cc >/dev/null || need_apt+=(gcc)
 command -v curl >/dev/null || need_apt+=(curl)
-# Tests start their own throwaway PostgreSQL and Redis servers (fencelock-testkit).
-ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
-command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v openssl >/dev/null || need_apt+=(openssl)  # TLS tests make a test CA
 # The dashboard's browser test (crates/fencelock-server/tests/e2e_dashboard.rs)
 # drives Debian's Chromium with playwright-core under Node.js.
@@ -25,6 +22,9 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     exit 1
   fi
 fi
+# Tests start their own throwaway PostgreSQL and Redis servers (fencelock-testkit), and
+# the benchmark smoke run below also etcd and ZooKeeper.
+./scripts/install-peers.sh
 if ! command -v cargo >/dev/null; then
   echo "cargo not found: install Rust (https://rustup.rs) first" >&2
   exit 1
@@ -37,3 +37,13 @@ if [ ! -d "$e2e/node_modules" ]; then
 fi
 
 cargo test --workspace --locked "$@"
+
+# The benchmark harness against real peers, tiny and short (seconds): proves it works.
+# Only with no extra arguments (a filtered `cargo test` run skips it).
+if [ $# -eq 0 ]; then
+  cargo build --locked -p fencelock-cli -p fencelock-bench
+  target="${CARGO_TARGET_DIR:-target}"
+  smoke_out="$(mktemp -d)"
+  "$target/debug/fencelock-bench" run --smoke --fencelock-bin "$target/debug/fencelock" --out "$smoke_out" >/dev/null
+  rm -rf "$smoke_out"
+fi

@@ -20,6 +20,7 @@
 #![deny(missing_docs)]
 
 mod command;
+mod idhash;
 mod image;
 mod machine;
 mod types;

@@ -319,23 +319,38 @@ pub(crate) fn replay(
     audit_high_water: Option<(u64, u32)>,
 ) -> Result<(Core, Replayed), ApiError> {
     let corrupt = |what: String| ApiError::new(ApiErrorKind::Internal, what);
-    let mut core = match snapshot {
-        Some(bytes) => {
-            let image = codec::decode_snapshot(bytes)
-                .map_err(|e| corrupt(format!("snapshot in {}: {e}", dir.display())))?;
-            Core::import(config.clone(), image).map_err(|e| {
-                corrupt(format!(
-                    "snapshot in {} is inconsistent: {e}",
-                    dir.display()
-                ))
-            })?
-        }
-        None => Core::new(config.clone()),
-    };
+    // The log records are decoded on a second thread while this one decodes and
+    // imports the snapshot: the two are independent, and a restart with a million
+    // locks spends seconds on them.
+    let (core, decoded) = std::thread::scope(|scope| {
+        let decoder = scope.spawn(|| {
+            records
+                .iter()
+                .enumerate()
+                .map(|(i, record)| codec::decode_record(record).map_err(|e| (i, e)))
+                .collect::<Result<Vec<_>, _>>()
+        });
+        let core = match snapshot {
+            Some(bytes) => codec::decode_snapshot(bytes)
+                .map_err(|e| corrupt(format!("snapshot in {}: {e}", dir.display())))
+                .and_then(|image| {
+                    Core::import(config.clone(), image).map_err(|e| {
+                        corrupt(format!(
+                            "snapshot in {} is inconsistent: {e}",
+                            dir.display()
+                        ))
+                    })
+                }),
+            None => Ok(Core::new(config.clone())),
+        };
+        let decoded = decoder.join().expect("the record decoder never panics");
+        (core, decoded)
+    });
+    let mut core = core?;
+    let decoded =
+        decoded.map_err(|(i, e)| corrupt(format!("log record {i} in {}: {e}", dir.display())))?;
     let mut replayed = Replayed::default();
-    for (i, record) in records.iter().enumerate() {
-        let (meta, command) = codec::decode_record(record)
-            .map_err(|e| corrupt(format!("log record {i} in {}: {e}", dir.display())))?;
+    for (meta, command) in decoded {
         replayed.last_seq = replayed.last_seq.max(meta.seq);
         // Replies and outcomes were delivered before the crash; only the state (and
         // the audit entries a crash may have lost) matters.

@@ -1,0 +1,18 @@
+//! # fencelock-bench
+//!
+//! Benchmarks fencelock side by side with etcd, ZooKeeper, Redis and PostgreSQL on the
+//! same machine, in one run, and checks every peer's safety while it runs. The binary
+//! (`src/main.rs`) starts each peer from its Debian package in a temporary directory
+//! ([`peers`]), drives the workloads ([`workload`] for W1–W3, [`fleet`] for W4–W5)
+//! through one client per target ([`targets`]), feeds every grant to the online
+//! [`checker`], and writes one JSON line per run plus the tables and the chart of
+//! `BENCHMARKS.md` ([`report`]).
+
+#![deny(missing_docs)]
+
+pub mod checker;
+pub mod fleet;
+pub mod peers;
+pub mod report;
+pub mod targets;
+pub mod workload;

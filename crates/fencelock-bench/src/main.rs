@@ -1,0 +1,463 @@
+//! `fencelock-bench`: runs the benchmark (see the crate docs and `BENCHMARKS.md`).
+//!
+//! ```text
+//! fencelock-bench run --fencelock-bin target/release/fencelock --out DIR   # full run
+//! fencelock-bench run --smoke --fencelock-bin target/debug/fencelock       # seconds, for CI
+//! fencelock-bench report --results DIR/results.jsonl --out DIR             # tables + chart again
+//! ```
+//! Exit status: 0 when every run completed and the checker found no violation in
+//! fencelock; 1 otherwise (peers' violations are reported, not failures).
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use serde_json::{json, Value};
+
+use fencelock_bench::fleet::{self, RecoverySpec, SessionsSpec};
+use fencelock_bench::targets::etcd::EtcdLocker;
+use fencelock_bench::targets::fencelock::{FencelockGrpcLocker, FencelockLocker};
+use fencelock_bench::targets::pg::{self, PgAdvisoryLocker, PgTableLocker};
+use fencelock_bench::targets::redis::{RedisConfig, RedisLocker};
+use fencelock_bench::targets::zk::ZkLocker;
+use fencelock_bench::targets::Locker;
+use fencelock_bench::workload::{self, Keys, Outcome, Spec};
+use fencelock_bench::{peers, report};
+
+#[derive(Parser)]
+#[command(about = "Benchmarks fencelock against etcd, ZooKeeper, Redis and PostgreSQL")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start the peers, run the workloads, write results.jsonl, report.md, chart.svg.
+    Run(RunArgs),
+    /// Regenerate report.md and chart.svg from a results.jsonl.
+    Report {
+        /// The JSON lines of a run.
+        #[arg(long)]
+        results: PathBuf,
+        /// Where report.md and chart.svg go.
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// A few seconds in all, tiny sizes: proves the harness works (CI).
+    #[arg(long)]
+    smoke: bool,
+    /// The `fencelock` server binary.
+    #[arg(long, default_value = "target/release/fencelock")]
+    fencelock_bin: PathBuf,
+    /// Output directory (created).
+    #[arg(long, default_value = "bench-out")]
+    out: PathBuf,
+    /// Targets to run (default: all).
+    #[arg(long, value_delimiter = ',')]
+    targets: Vec<Target>,
+    /// Workloads to run (default: all).
+    #[arg(long, value_delimiter = ',')]
+    workloads: Vec<Workload>,
+    /// Measured seconds per W1–W3 run.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Warm-up seconds per W1–W3 run.
+    #[arg(long, default_value_t = 1.0)]
+    warmup: f64,
+    /// W4: sessions kept alive.
+    #[arg(long, default_value_t = 100_000)]
+    sessions: usize,
+    /// W5: locks held at the restart.
+    #[arg(long, default_value_t = 1_000_000)]
+    locks: usize,
+    /// W5: keep the data directory here (to profile restarts) instead of a temp dir.
+    #[arg(long)]
+    keep_data: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Target {
+    Fencelock,
+    FencelockGrpc,
+    FencelockNone,
+    Etcd,
+    Zookeeper,
+    Redis,
+    RedisFenced,
+    RedisAof,
+    RedisFencedAof,
+    PgTable,
+    PgAdvisory,
+}
+
+impl Target {
+    fn name(self) -> &'static str {
+        match self {
+            Target::Fencelock => "fencelock",
+            Target::FencelockGrpc => "fencelock-grpc",
+            Target::FencelockNone => "fencelock-none",
+            Target::Etcd => "etcd",
+            Target::Zookeeper => "zookeeper",
+            Target::Redis => "redis",
+            Target::RedisFenced => "redis-fenced",
+            Target::RedisAof => "redis-aof",
+            Target::RedisFencedAof => "redis-fenced-aof",
+            Target::PgTable => "pg-table",
+            Target::PgAdvisory => "pg-advisory",
+        }
+    }
+
+    /// The durability tier: acknowledged grants survive a crash ("fsync") or not.
+    fn tier(self) -> &'static str {
+        match self {
+            Target::Fencelock
+            | Target::FencelockGrpc
+            | Target::Etcd
+            | Target::Zookeeper
+            | Target::RedisAof
+            | Target::RedisFencedAof
+            | Target::PgTable => "fsync",
+            Target::FencelockNone | Target::Redis | Target::RedisFenced | Target::PgAdvisory => {
+                "memory"
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Workload {
+    W1,
+    W2,
+    W3,
+    W4,
+    W5,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let result = match cli.command {
+        Command::Run(args) => runtime.block_on(run(args)),
+        Command::Report { results, out } => write_report(&results, &out).map(|()| true),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("fencelock-bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+struct Session {
+    out: std::fs::File,
+    started: u64,
+    seq: usize,
+    ok: bool,
+}
+
+impl Session {
+    fn emit(&mut self, mut record: Value) -> anyhow::Result<()> {
+        record["invocation"] = json!(self.started);
+        let line = record.to_string();
+        println!("{line}");
+        writeln!(self.out, "{line}")?;
+        Ok(())
+    }
+}
+
+fn load() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+fn outcome_json(target: Target, workload: Workload, spec: &Spec, o: &Outcome) -> Value {
+    json!({
+        "target": target.name(),
+        "tier": target.tier(),
+        "workload": format!("{workload:?}"),
+        "clients": spec.clients,
+        "keys": if spec.keys == Keys::Shared { "shared" } else { "distinct" },
+        "seconds": o.seconds,
+        "pairs": o.pairs,
+        "pairs_per_s": o.pairs as f64 / o.seconds,
+        "handoffs_per_s": o.checked.handoffs as f64 / o.seconds,
+        "pair_p50_us": o.pair.p50_us, "pair_p99_us": o.pair.p99_us,
+        "pair_p999_us": o.pair.p999_us, "pair_max_us": o.pair.max_us,
+        "wait_p50_us": o.wait.p50_us, "wait_p99_us": o.wait.p99_us,
+        "wait_max_us": o.wait.max_us,
+        "handoffs": o.checked.handoffs,
+        "fifo_inversions": o.checked.fifo_inversions,
+        "overlaps": o.checked.overlaps,
+        "fence_decreases": o.checked.fence_decreases,
+        "violations": o.checked.examples.iter().map(|v| json!({
+            "kind": format!("{:?}", v.kind), "key": v.key, "detail": v.detail,
+        })).collect::<Vec<_>>(),
+        "errors": o.errors,
+        "first_error": o.first_error,
+        "load_avg_1m": load(),
+    })
+}
+
+async fn one<L: Locker>(
+    config: L::Config,
+    runs: &[(Workload, Spec)],
+    target: Target,
+    session: &mut Session,
+) -> anyhow::Result<()> {
+    let config = Arc::new(config);
+    for (workload, spec) in runs {
+        let outcome = workload::run::<L>(config.clone(), spec)
+            .await
+            .with_context(|| format!("{} {workload:?} c={}", target.name(), spec.clients))?;
+        let violated = outcome.checked.overlaps + outcome.checked.fence_decreases > 0;
+        if target.name().starts_with("fencelock")
+            && (violated || outcome.errors > 0 || outcome.pairs == 0)
+        {
+            session.ok = false;
+        }
+        session.emit(outcome_json(target, *workload, spec, &outcome))?;
+    }
+    Ok(())
+}
+
+async fn run_target(
+    target: Target,
+    args: &RunArgs,
+    runs: &[(Workload, Spec)],
+    session: &mut Session,
+) -> anyhow::Result<()> {
+    match target {
+        Target::Fencelock | Target::FencelockNone => {
+            let peer = peers::fencelock(&args.fencelock_bin, target == Target::Fencelock, None)?;
+            let url = format!("http://127.0.0.1:{}", peer.port());
+            // W3's FIFO order, audited on the server's own event stream as well.
+            let stop = Arc::new(tokio::sync::Notify::new());
+            let mut audits = Vec::new();
+            for (w, spec) in runs.iter().filter(|(w, _)| *w == Workload::W3) {
+                let audit =
+                    fleet::fifo_audit(url.clone(), spec.key_prefix.clone(), stop.clone()).await?;
+                audits.push((*w, spec.clients, audit));
+            }
+            let result = one::<FencelockLocker>(url, runs, target, session).await;
+            // Let the last events arrive before stopping the audits.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            stop.notify_waiters();
+            for (w, clients, audit) in audits {
+                let a = audit.await?;
+                if a.inversions > 0 || a.incomplete {
+                    session.ok = false;
+                }
+                session.emit(json!({
+                    "target": target.name(), "tier": target.tier(),
+                    "workload": format!("{w:?}-server-fifo"), "clients": clients,
+                    "grants_seen": a.grants, "server_fifo_inversions": a.inversions,
+                    "incomplete": a.incomplete,
+                }))?;
+            }
+            result
+        }
+        Target::FencelockGrpc => {
+            let peer = peers::fencelock(&args.fencelock_bin, true, None)?;
+            let url = format!("http://127.0.0.1:{}", peer.port());
+            one::<FencelockGrpcLocker>(url, runs, target, session).await
+        }
+        Target::Etcd => {
+            let peer = peers::etcd()?;
+            one::<EtcdLocker>(
+                format!("http://127.0.0.1:{}", peer.port()),
+                runs,
+                target,
+                session,
+            )
+            .await
+        }
+        Target::Zookeeper => {
+            let peer = peers::zookeeper()?;
+            one::<ZkLocker>(peer.port(), runs, target, session).await
+        }
+        Target::Redis | Target::RedisFenced | Target::RedisAof | Target::RedisFencedAof => {
+            let fsync = matches!(target, Target::RedisAof | Target::RedisFencedAof);
+            let peer = peers::redis(fsync)?;
+            let config = RedisConfig {
+                port: peer.port(),
+                fenced: matches!(target, Target::RedisFenced | Target::RedisFencedAof),
+            };
+            one::<RedisLocker>(config, runs, target, session).await
+        }
+        Target::PgTable | Target::PgAdvisory => {
+            let peer = peers::postgres()?;
+            let conninfo = peers::postgres_conninfo(&peer);
+            if target == Target::PgTable {
+                pg::setup(&conninfo).await?;
+                one::<PgTableLocker>(conninfo, runs, target, session).await
+            } else {
+                one::<PgAdvisoryLocker>(conninfo, runs, target, session).await
+            }
+        }
+    }
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<bool> {
+    std::fs::create_dir_all(&args.out)?;
+    anyhow::ensure!(
+        args.fencelock_bin.is_file(),
+        "no fencelock server binary at {} (build it: cargo build --release -p fencelock-cli)",
+        args.fencelock_bin.display()
+    );
+    // Servers run in their own directories: the binary path must not be relative.
+    let mut args = args;
+    args.fencelock_bin = std::fs::canonicalize(&args.fencelock_bin)?;
+    let results = args.out.join("results.jsonl");
+    let mut session = Session {
+        out: std::fs::File::create(&results)?,
+        started: SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs(),
+        seq: 0,
+        ok: true,
+    };
+    let targets = if args.targets.is_empty() {
+        Target::value_variants().to_vec()
+    } else {
+        args.targets.clone()
+    };
+    let workloads = if args.workloads.is_empty() {
+        Workload::value_variants().to_vec()
+    } else {
+        args.workloads.clone()
+    };
+    let (warmup, measure, small, big) = if args.smoke {
+        (Duration::from_millis(100), Duration::from_millis(300), 4, 4)
+    } else {
+        (
+            Duration::from_secs_f64(args.warmup),
+            Duration::from_secs_f64(args.seconds),
+            16,
+            64,
+        )
+    };
+    for target in targets {
+        let mut runs = Vec::new();
+        let mut push = |w: Workload, clients: usize, keys: Keys| {
+            if workloads.contains(&w) {
+                session.seq += 1;
+                runs.push((
+                    w,
+                    Spec {
+                        clients,
+                        keys,
+                        warmup,
+                        measure,
+                        key_prefix: format!("r{}-{}-", session.seq, session.started),
+                    },
+                ));
+            }
+        };
+        push(Workload::W1, 1, Keys::Distinct);
+        for c in if small == big {
+            vec![small]
+        } else {
+            vec![small, big]
+        } {
+            push(Workload::W2, c, Keys::Distinct);
+        }
+        for c in if small == big {
+            vec![small]
+        } else {
+            vec![small, big]
+        } {
+            push(Workload::W3, c, Keys::Shared);
+        }
+        if runs.is_empty() {
+            continue;
+        }
+        eprintln!("fencelock-bench: {} ({} runs)", target.name(), runs.len());
+        if let Err(e) = run_target(target, &args, &runs, &mut session).await {
+            eprintln!("fencelock-bench: {}: {e:#}", target.name());
+            session.ok = false;
+            session.emit(
+                json!({"target": target.name(), "tier": target.tier(), "error": format!("{e:#}")}),
+            )?;
+        }
+    }
+    if workloads.contains(&Workload::W4) {
+        let spec = if args.smoke {
+            SessionsSpec {
+                sessions: 200,
+                ttl: Duration::from_secs(1),
+                hold: Duration::from_secs(2),
+                expiry_sample: 5,
+            }
+        } else {
+            SessionsSpec {
+                sessions: args.sessions,
+                ttl: Duration::from_secs(10),
+                hold: Duration::from_secs(15),
+                expiry_sample: 100,
+            }
+        };
+        eprintln!("fencelock-bench: W4 ({} sessions)", spec.sessions);
+        let peer = peers::fencelock(&args.fencelock_bin, true, None)?;
+        let url = format!("http://127.0.0.1:{}", peer.port());
+        let o = fleet::sessions(&url, peer.pid(), &spec).await?;
+        session.ok &= o.lost == 0 && o.expiry_missing == 0;
+        session.emit(json!({
+            "target": "fencelock", "tier": "fsync", "workload": "W4",
+            "sessions": spec.sessions, "ttl_ms": spec.ttl.as_millis() as u64,
+            "opened": o.opened, "open_per_s": o.open_per_s, "lost": o.lost,
+            "keepalives_per_s": o.keepalives_per_s, "max_renew_gap_s": o.max_renew_gap_s,
+            "server_cpu_cores": o.server_cpu_cores, "server_rss_mib": o.server_rss_mib,
+            "expiry_late_p50_ms": o.expiry_late_ms.p50_us, "expiry_late_p99_ms": o.expiry_late_ms.p99_us,
+            "expiry_late_max_ms": o.expiry_late_ms.max_us, "expiry_missing": o.expiry_missing,
+            "load_avg_1m": load(),
+        }))?;
+    }
+    if workloads.contains(&Workload::W5) {
+        let spec = RecoverySpec {
+            locks: if args.smoke { 2_000 } else { args.locks },
+            spot_checks: 100,
+            keep_data: args.keep_data.clone(),
+        };
+        eprintln!("fencelock-bench: W5 ({} locks)", spec.locks);
+        let o = fleet::recovery(&args.fencelock_bin, &spec).await?;
+        session.ok &= o.lost_or_changed == 0 && o.fence_decreases == 0;
+        session.emit(json!({
+            "target": "fencelock", "tier": "fsync", "workload": "W5",
+            "locks": o.locks, "fill_per_s": o.fill_per_s, "rss_before_mib": o.rss_before_mib,
+            "data_mib": o.data_mib, "ready_s": o.ready_s, "max_fence_before": o.max_fence_before,
+            "first_fence_after": o.first_fence_after, "lost_or_changed": o.lost_or_changed,
+            "fence_decreases": o.fence_decreases, "load_avg_1m": load(),
+        }))?;
+    }
+    drop(session.out);
+    write_report(&results, &args.out)?;
+    Ok(session.ok)
+}
+
+fn write_report(results: &Path, out: &Path) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(results)?;
+    let runs: Vec<Value> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    std::fs::create_dir_all(out)?;
+    std::fs::write(out.join("report.md"), report::markdown(&runs))?;
+    std::fs::write(out.join("chart.svg"), report::svg(&runs))?;
+    eprintln!("fencelock-bench: wrote {}", out.join("report.md").display());
+    Ok(())
+}

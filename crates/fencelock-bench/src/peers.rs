@@ -1,0 +1,309 @@
+//! Starts each lock service as a throwaway process: a random loopback port, a fresh
+//! temporary directory, stopped (and the directory removed) on drop. Nothing depends on
+//! services already running on the machine. Built on `fencelock_testkit::ServerProcess`.
+//!
+//! Every durable peer runs with its default, durable settings: etcd and ZooKeeper
+//! fsync their logs, PostgreSQL has `fsync` and `synchronous_commit` on, and Redis is
+//! started twice, without persistence (its default tier) and with `appendonly yes`
+//! plus `appendfsync always`.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use fencelock_testkit::{probe, running_as_root, RunAs, ServerProcess, ServerSpec};
+
+/// A started peer: its process and its directory.
+#[derive(Debug)]
+pub struct Peer {
+    // Field order: the process stops before its directory is removed.
+    process: ServerProcess,
+    dir: tempfile::TempDir,
+}
+
+impl Peer {
+    /// The loopback port it serves on.
+    pub fn port(&self) -> u16 {
+        self.process.port()
+    }
+
+    /// Its process id (for CPU accounting).
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
+    /// Its temporary directory (data and `server.log`).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+fn tempdir(name: &str) -> anyhow::Result<tempfile::TempDir> {
+    Ok(tempfile::Builder::new()
+        .prefix(&format!("fencelock-bench-{name}-"))
+        .tempdir()?)
+}
+
+fn os(args: &[&str]) -> Vec<OsString> {
+    args.iter().map(OsString::from).collect()
+}
+
+fn program(name: &str, candidates: &[&str], package: &str) -> anyhow::Result<PathBuf> {
+    candidates
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+        .with_context(|| format!("{name} not found: install the Debian package {package}"))
+}
+
+fn http_ready(port: u16) -> bool {
+    probe(
+        port,
+        b"GET /v1/locks/fencelock-bench-probe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        16,
+    )
+    .is_some_and(|reply| reply.starts_with(b"HTTP/1.1"))
+}
+
+/// A fencelock server (`fencelock serve`) on `data_dir` (a fresh one if `None`).
+pub fn fencelock(binary: &Path, durable: bool, data_dir: Option<&Path>) -> anyhow::Result<Peer> {
+    let dir = tempdir("fencelock")?;
+    let data = data_dir.map_or_else(|| dir.path().join("data"), Path::to_owned);
+    let durability = if durable { "fsync" } else { "none" };
+    let args = move |port: u16| {
+        let mut a = os(&["serve", "--listen"]);
+        a.push(format!("127.0.0.1:{port}").into());
+        a.push("--data-dir".into());
+        a.push(data.clone().into());
+        a.extend(os(&["--durability", durability, "--log-level", "warn"]));
+        a
+    };
+    let process = ServerProcess::spawn(&ServerSpec {
+        name: "fencelock",
+        program: binary.to_owned(),
+        args: &args,
+        dir: dir.path(),
+        run_as: None,
+        stop_signal: libc::SIGKILL,
+        ready: &http_ready,
+    })?;
+    Ok(Peer { process, dir })
+}
+
+/// etcd 3.4 (Debian `etcd-server`), a single member.
+pub fn etcd() -> anyhow::Result<Peer> {
+    let bin = program("etcd", &["/usr/bin/etcd"], "etcd-server")?;
+    let dir = tempdir("etcd")?;
+    let data = dir.path().join("data");
+    let peer_port = fencelock_testkit::free_port()?;
+    let args = move |port: u16| {
+        let client = format!("http://127.0.0.1:{port}");
+        let peer = format!("http://127.0.0.1:{peer_port}");
+        let mut a = os(&["--name", "bench", "--data-dir"]);
+        a.push(data.clone().into());
+        for (flag, value) in [
+            ("--listen-client-urls", &client),
+            ("--advertise-client-urls", &client),
+            ("--listen-peer-urls", &peer),
+            ("--initial-advertise-peer-urls", &peer),
+        ] {
+            a.push(flag.into());
+            a.push(value.into());
+        }
+        a.push("--initial-cluster".into());
+        a.push(format!("bench={peer}").into());
+        a.extend(os(&["--log-level", "warn", "--logger", "zap"]));
+        a
+    };
+    let ready = |port: u16| {
+        probe(
+            port,
+            b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            512,
+        )
+        .is_some_and(|reply| String::from_utf8_lossy(&reply).contains("\"health\":\"true\""))
+    };
+    let process = ServerProcess::spawn(&ServerSpec {
+        name: "etcd",
+        program: bin,
+        args: &args,
+        dir: dir.path(),
+        run_as: None,
+        stop_signal: libc::SIGKILL,
+        ready: &ready,
+    })?;
+    Ok(Peer { process, dir })
+}
+
+/// ZooKeeper 3.8 (Debian `zookeeper`), standalone, with its default `forceSync=yes`.
+pub fn zookeeper() -> anyhow::Result<Peer> {
+    let jar = program(
+        "zookeeper.jar",
+        &["/usr/share/java/zookeeper.jar"],
+        "zookeeper",
+    )?;
+    let java = program("java", &["/usr/bin/java"], "default-jre-headless")?;
+    let dir = tempdir("zookeeper")?;
+    let conf = dir.path().join("zoo.cfg");
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data)?;
+    let args = move |port: u16| {
+        let cfg = format!(
+            "tickTime=2000\ndataDir={}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
+             maxClientCnxns=0\nadmin.enableServer=false\nforceSync=yes\n\
+             maxSessionTimeout=60000\n",
+            data.display()
+        );
+        std::fs::write(&conf, cfg).expect("write zoo.cfg");
+        let mut a = os(&["-Xms256m", "-Xmx1g", "-cp"]);
+        a.push(format!("{}:/usr/share/java/slf4j-simple.jar", jar.display()).into());
+        a.push("-Dzookeeper.log.dir=.".into());
+        a.push("-Dorg.slf4j.simpleLogger.defaultLogLevel=warn".into());
+        a.push("org.apache.zookeeper.server.ZooKeeperServerMain".into());
+        a.push(conf.clone().into());
+        a
+    };
+    // Ready = a session handshake succeeds (`ruok` answers before sessions are served).
+    let ready = |port: u16| {
+        let mut hello = vec![0, 0, 0, 45];
+        hello.extend_from_slice(&[0; 4 + 8]); // protocol version, last zxid
+        hello.extend_from_slice(&10_000i32.to_be_bytes()); // session timeout
+        hello.extend_from_slice(&[0; 8]); // session id
+        hello.extend_from_slice(&16i32.to_be_bytes());
+        hello.extend_from_slice(&[0; 16 + 1]); // password, read-only flag
+        probe(port, &hello, 64).is_some_and(|r| r.len() >= 20 && r[12..20] != [0; 8])
+    };
+    let process = ServerProcess::spawn(&ServerSpec {
+        name: "zookeeper",
+        program: java,
+        args: &args,
+        dir: dir.path(),
+        run_as: None,
+        stop_signal: libc::SIGKILL,
+        ready: &ready,
+    })?;
+    Ok(Peer { process, dir })
+}
+
+/// Redis 7 (Debian `redis-server`): no persistence, or an append-only file with
+/// `appendfsync always` (`fsync_always`).
+pub fn redis(fsync_always: bool) -> anyhow::Result<Peer> {
+    let bin = program("redis-server", &["/usr/bin/redis-server"], "redis-server")?;
+    let dir = tempdir("redis")?;
+    let data = dir.path().to_owned();
+    let args = move |port: u16| {
+        let mut a = os(&["--bind", "127.0.0.1", "--port"]);
+        a.push(port.to_string().into());
+        a.push("--dir".into());
+        a.push(data.clone().into());
+        a.extend(os(&[
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+        ]));
+        if fsync_always {
+            a.extend(os(&["--appendonly", "yes", "--appendfsync", "always"]));
+        } else {
+            a.extend(os(&["--appendonly", "no"]));
+        }
+        a
+    };
+    let ready = |port: u16| probe(port, b"PING\r\n", 7).is_some_and(|r| r.starts_with(b"+PONG"));
+    let process = ServerProcess::spawn(&ServerSpec {
+        name: "redis",
+        program: bin,
+        args: &args,
+        dir: dir.path(),
+        run_as: None,
+        stop_signal: libc::SIGKILL,
+        ready: &ready,
+    })?;
+    Ok(Peer { process, dir })
+}
+
+/// PostgreSQL 15 (Debian `postgresql`) with its durable defaults (`fsync`,
+/// `synchronous_commit`, `full_page_writes` on); as root it runs as `postgres`.
+pub fn postgres() -> anyhow::Result<Peer> {
+    let bin = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()
+        .and_then(|entries| {
+            entries
+                .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+                .filter(|b| b.join("postgres").is_file())
+                .max()
+        })
+        .context("no /usr/lib/postgresql/*/bin/postgres: install the Debian package postgresql")?;
+    let run_as = if running_as_root() {
+        Some(RunAs::user("postgres")?)
+    } else {
+        None
+    };
+    let dir = tempdir("postgres")?;
+    if let Some(user) = run_as {
+        user.chown(dir.path())?;
+    }
+    let data = dir.path().join("data");
+    let mut initdb = std::process::Command::new(bin.join("initdb"));
+    initdb
+        .arg("-D")
+        .arg(&data)
+        .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-locale"])
+        .current_dir(dir.path());
+    if let Some(user) = run_as {
+        use std::os::unix::process::CommandExt;
+        initdb.uid(user.uid).gid(user.gid);
+    }
+    let out = initdb.output()?;
+    if !out.status.success() {
+        bail!(
+            "initdb failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let socket_dir = dir.path().to_owned();
+    let args = move |port: u16| {
+        let mut a: Vec<OsString> = vec!["-D".into(), data.clone().into()];
+        a.extend(["-k".into(), socket_dir.clone().into()]);
+        for setting in [
+            format!("port={port}"),
+            "listen_addresses=127.0.0.1".to_owned(),
+            "max_connections=200".to_owned(),
+        ] {
+            a.extend(["-c".into(), setting.into()]);
+        }
+        a
+    };
+    let ready = |port: u16| {
+        let mut body = Vec::new();
+        body.extend_from_slice(&196_608u32.to_be_bytes());
+        for part in ["user", "postgres", "database", "postgres", ""] {
+            body.extend_from_slice(part.as_bytes());
+            body.push(0);
+        }
+        let mut message = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+        message.extend_from_slice(&body);
+        probe(port, &message, 1).is_some_and(|reply| reply[0] == b'R')
+    };
+    let process = ServerProcess::spawn(&ServerSpec {
+        name: "postgres",
+        program: bin.join("postgres"),
+        args: &args,
+        dir: dir.path(),
+        run_as,
+        stop_signal: libc::SIGQUIT,
+        ready: &ready,
+    })?;
+    Ok(Peer { process, dir })
+}
+
+/// The libpq connection string of a [`postgres`] peer.
+pub fn postgres_conninfo(peer: &Peer) -> String {
+    format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres",
+        peer.port()
+    )
+}

@@ -1,0 +1,405 @@
+//! Turns the JSON lines of one invocation into the tables of `BENCHMARKS.md` (ratios
+//! against each peer, the issue's targets, the checker's findings) and an SVG chart
+//! (written by hand: no plotting dependency).
+
+use std::fmt::Write as _;
+
+use serde_json::Value;
+
+/// The target every ratio is taken against.
+pub const BASE: &str = "fencelock";
+/// The same server without fsync.
+pub const BASE_NONE: &str = "fencelock-none";
+
+/// One comparable figure: (workload, clients, field, higher-is-better, label).
+const METRICS: &[(&str, u64, &str, bool, &str)] = &[
+    ("W1", 1, "pair_p50_us", false, "W1 latency p50 (µs)"),
+    ("W1", 1, "pair_p99_us", false, "W1 latency p99 (µs)"),
+    ("W2", 16, "pairs_per_s", true, "W2 c=16 pairs/s"),
+    ("W2", 64, "pairs_per_s", true, "W2 c=64 pairs/s"),
+    ("W3", 16, "handoffs_per_s", true, "W3 c=16 hand-offs/s"),
+    ("W3", 64, "handoffs_per_s", true, "W3 c=64 hand-offs/s"),
+    ("W3", 64, "wait_p99_us", false, "W3 c=64 wait p99 (µs)"),
+];
+
+fn find<'a>(runs: &'a [Value], target: &str, workload: &str, clients: u64) -> Option<&'a Value> {
+    runs.iter().find(|r| {
+        r["target"] == target && r["workload"] == workload && r["clients"].as_u64() == Some(clients)
+    })
+}
+
+fn metric(runs: &[Value], target: &str, workload: &str, clients: u64, field: &str) -> Option<f64> {
+    find(runs, target, workload, clients)?[field].as_f64()
+}
+
+/// `base` relative to `peer`, oriented so that > 1 means fencelock is better.
+fn ratio(base: f64, peer: f64, higher_better: bool) -> Option<f64> {
+    let r = if higher_better {
+        base / peer
+    } else {
+        peer / base
+    };
+    r.is_finite().then_some(r)
+}
+
+fn fmt_num(v: f64) -> String {
+    if v >= 100.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.1}")
+    }
+}
+
+fn targets_in_tier(runs: &[Value], tier: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for r in runs {
+        if r["tier"] == tier && r["workload"].as_str().is_some_and(|w| w < "W4") {
+            let t = r["target"].as_str().unwrap_or_default().to_owned();
+            if !out.contains(&t) {
+                out.push(t);
+            }
+        }
+    }
+    out
+}
+
+/// The comparison table of one durability tier, base first.
+fn tier_table(runs: &[Value], tier: &str, base: &str, out: &mut String) {
+    let targets = targets_in_tier(runs, tier);
+    if targets.is_empty() {
+        return;
+    }
+    let peers: Vec<&String> = targets.iter().filter(|t| *t != base).collect();
+    let _ = write!(out, "| metric | {base} |");
+    for p in &peers {
+        let _ = write!(out, " {p} |");
+    }
+    out.push('\n');
+    out.push_str(&"|---".repeat(peers.len() + 2));
+    out.push_str("|\n");
+    for &(w, c, field, higher, label) in METRICS {
+        let b = metric(runs, base, w, c, field);
+        let _ = write!(out, "| {label} | {} |", b.map_or("–".to_owned(), fmt_num));
+        for p in &peers {
+            let v = metric(runs, p, w, c, field);
+            let cell = match (b, v) {
+                (Some(b), Some(v)) => match ratio(b, v, higher) {
+                    Some(r) => format!("{} (**{r:.1}×**)", fmt_num(v)),
+                    None => fmt_num(v),
+                },
+                (_, Some(v)) => fmt_num(v),
+                _ => "–".to_owned(),
+            };
+            let _ = write!(out, " {cell} |");
+        }
+        out.push('\n');
+    }
+}
+
+/// The issue's targets, each with the measured ratio and whether it is met.
+fn targets_table(runs: &[Value], out: &mut String) {
+    out.push_str("| target | measured | met |\n|---|---|---|\n");
+    let mut row = |name: &str, measured: Option<(f64, String)>, goal: f64| {
+        let (cell, met) = match measured {
+            Some((r, text)) => (text, if r >= goal { "yes" } else { "**no**" }),
+            None => ("not measured".to_owned(), "–"),
+        };
+        let _ = writeln!(out, "| {name} | {cell} | {met} |");
+    };
+    let w2 = |peer: &str| {
+        let b = metric(runs, BASE, "W2", 64, "pairs_per_s")?;
+        let p = metric(runs, peer, "W2", 64, "pairs_per_s")?;
+        Some((
+            b / p,
+            format!(
+                "{:.2}× ({} vs {} pairs/s, c=64)",
+                b / p,
+                fmt_num(b),
+                fmt_num(p)
+            ),
+        ))
+    };
+    row("W2 durable ≥ 10× etcd", w2("etcd"), 10.0);
+    row("W2 durable ≥ 5× ZooKeeper", w2("zookeeper"), 5.0);
+    row("W2 durable ≥ 3× PostgreSQL table", w2("pg-table"), 3.0);
+    row("W2 durable ≥ ½ Redis without fsync", w2("redis"), 0.5);
+    let w3 = (|| {
+        let b = metric(runs, BASE, "W3", 64, "handoffs_per_s")?;
+        let p = metric(runs, "zookeeper", "W3", 64, "handoffs_per_s")?;
+        Some((
+            b / p,
+            format!(
+                "{:.2}× ({} vs {} hand-offs/s, c=64)",
+                b / p,
+                fmt_num(b),
+                fmt_num(p)
+            ),
+        ))
+    })();
+    row("W3 durable ≥ 5× ZooKeeper hand-offs", w3, 5.0);
+    let server: Option<f64> = [16, 64]
+        .iter()
+        .map(|&c| metric(runs, BASE, "W3-server-fifo", c, "server_fifo_inversions"))
+        .sum();
+    let client: f64 = [16, 64]
+        .iter()
+        .filter_map(|&c| metric(runs, BASE, "W3", c, "fifo_inversions"))
+        .sum();
+    row(
+        "W3 zero FIFO inversions",
+        server.map(|n| {
+            (
+                if n == 0.0 { 1.0 } else { 0.0 },
+                format!(
+                    "{n:.0} in the server's event order; {client:.0} by client-side stamps (±{} ms)",
+                    crate::checker::FIFO_SLACK.as_millis()
+                ),
+            )
+        }),
+        1.0,
+    );
+    let w1 = (|| {
+        let b = metric(runs, BASE, "W1", 1, "pair_p50_us")?;
+        let r = metric(runs, "redis", "W1", 1, "pair_p50_us")?;
+        let fsync = metric(runs, "redis-aof", "W1", 1, "pair_p50_us")? - r;
+        // "One fsync above Redis": Redis's own p50 plus what its fsync costs it.
+        let budget = r + fsync.max(0.0);
+        Some((
+            budget / b,
+            format!("{b:.0} µs vs Redis {r:.0} µs + one fsync ({fsync:.0} µs, as Redis AOF-always pays it) = {budget:.0} µs"),
+        ))
+    })();
+    row("W1 p50 ≤ Redis p50 + one fsync", w1, 1.0);
+    let w4 = runs.iter().find(|r| r["workload"] == "W4").and_then(|r| {
+        let alive = r["opened"].as_f64()? - r["lost"].as_f64()?;
+        Some((
+            alive / 100_000.0,
+            format!("{alive:.0} sessions kept alive, {} lost", r["lost"]),
+        ))
+    });
+    row("W4 ≥ 100,000 live sessions", w4, 1.0);
+    let w5 = runs.iter().find(|r| r["workload"] == "W5").and_then(|r| {
+        let s = r["ready_s"].as_f64()?;
+        let locks = r["locks"].as_f64()?;
+        let goal_s = 2.0 * locks / 1_000_000.0;
+        Some((goal_s / s, format!("{s:.2} s with {locks:.0} locks")))
+    });
+    row("W5 ready ≤ 2 s with 1M locks", w5, 1.0);
+}
+
+fn violations_table(runs: &[Value], out: &mut String) {
+    out.push_str("| target | runs | overlaps | fence decreases | FIFO inversions (W3) | errors |\n|---|---|---|---|---|---|\n");
+    let mut targets: Vec<&str> = Vec::new();
+    for r in runs {
+        if let Some(t) = r["target"].as_str() {
+            if !targets.contains(&t) && r["workload"].as_str().is_some_and(|w| w < "W4") {
+                targets.push(t);
+            }
+        }
+    }
+    for t in targets {
+        let mine: Vec<&Value> = runs.iter().filter(|r| r["target"] == t).collect();
+        let sum = |f: &str| mine.iter().filter_map(|r| r[f].as_u64()).sum::<u64>();
+        let _ = writeln!(
+            out,
+            "| {t} | {} | {} | {} | {} | {} |",
+            mine.len(),
+            sum("overlaps"),
+            sum("fence_decreases"),
+            sum("fifo_inversions"),
+            sum("errors")
+        );
+    }
+}
+
+/// The markdown tables for `BENCHMARKS.md`.
+pub fn markdown(runs: &[Value]) -> String {
+    let mut out = String::new();
+    out.push_str("### Durable tier (fsync before acknowledging)\n\nRatios: fencelock's figure against the peer's, > 1 means fencelock is better (more per second, or less latency).\n\n");
+    tier_table(runs, "fsync", BASE, &mut out);
+    out.push_str("\n### Memory tier (no fsync)\n\n");
+    tier_table(runs, "memory", BASE_NONE, &mut out);
+    out.push_str("\n### The issue's targets\n\n");
+    targets_table(runs, &mut out);
+    out.push_str("\n### What the online checker saw (all runs)\n\n");
+    violations_table(runs, &mut out);
+    out.push_str("\n### Every run\n\n| target | tier | workload | clients | pairs/s | hand-offs/s | pair p50 / p99 / p99.9 (µs) | wait p50 / p99 (µs) | errors |\n|---|---|---|---|---|---|---|---|---|\n");
+    for r in runs.iter().filter(|r| r["pairs"].is_u64()) {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {:.0} | {:.0} | {} / {} / {} | {} / {} | {} |",
+            r["target"].as_str().unwrap_or(""),
+            r["tier"].as_str().unwrap_or(""),
+            r["workload"].as_str().unwrap_or(""),
+            r["clients"],
+            r["pairs_per_s"].as_f64().unwrap_or(0.0),
+            r["handoffs_per_s"].as_f64().unwrap_or(0.0),
+            r["pair_p50_us"],
+            r["pair_p99_us"],
+            r["pair_p999_us"],
+            r["wait_p50_us"],
+            r["wait_p99_us"],
+            r["errors"]
+        );
+    }
+    for r in runs.iter().filter(|r| r["error"].is_string()) {
+        let _ = writeln!(out, "\n**{} failed**: {}", r["target"], r["error"]);
+    }
+    let fifo: Vec<&Value> = runs
+        .iter()
+        .filter(|r| r["workload"] == "W3-server-fifo")
+        .collect();
+    if !fifo.is_empty() {
+        out.push_str("\n### W3 FIFO order on the server's event stream (fencelock)\n\n| target | clients | grants seen | inversions | audit complete |\n|---|---|---|---|---|\n");
+        for r in fifo {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} |",
+                r["target"].as_str().unwrap_or(""),
+                r["clients"],
+                r["grants_seen"],
+                r["server_fifo_inversions"],
+                if r["incomplete"] == true { "no" } else { "yes" }
+            );
+        }
+    }
+    if let Some(r) = runs.iter().find(|r| r["workload"] == "W4") {
+        let _ = write!(
+            out,
+            "\n### W4: sessions on one fencelock node\n\n| sessions | TTL | lost | keep-alives/s | longest unrenewed | server CPU | server RSS | expiry lateness p50 / p99 / max | expiries missed |\n|---|---|---|---|---|---|---|---|---|\n| {} | {} ms | {} | {:.0} | {:.2} s | {:.2} cores | {:.0} MiB | {} / {} / {} ms | {} |\n",
+            r["opened"],
+            r["ttl_ms"],
+            r["lost"],
+            r["keepalives_per_s"].as_f64().unwrap_or(0.0),
+            r["max_renew_gap_s"].as_f64().unwrap_or(0.0),
+            r["server_cpu_cores"].as_f64().unwrap_or(0.0),
+            r["server_rss_mib"].as_f64().unwrap_or(0.0),
+            r["expiry_late_p50_ms"],
+            r["expiry_late_p99_ms"],
+            r["expiry_late_max_ms"],
+            r["expiry_missing"]
+        );
+    }
+    if let Some(r) = runs.iter().find(|r| r["workload"] == "W5") {
+        let _ = write!(
+            out,
+            "\n### W5: kill -9 and restart with held locks\n\n| locks held | fill rate | RSS before | data dir | ready after | max fence before | first fence after | spot checks lost/changed |\n|---|---|---|---|---|---|---|---|\n| {} | {:.0}/s | {:.0} MiB | {:.0} MiB | {:.2} s | {} | {} | {} |\n",
+            r["locks"],
+            r["fill_per_s"].as_f64().unwrap_or(0.0),
+            r["rss_before_mib"].as_f64().unwrap_or(0.0),
+            r["data_mib"].as_f64().unwrap_or(0.0),
+            r["ready_s"].as_f64().unwrap_or(0.0),
+            r["max_fence_before"],
+            r["first_fence_after"],
+            r["lost_or_changed"]
+        );
+    }
+    out
+}
+
+/// A horizontal bar chart of W2 c=64 pairs/s and W3 c=64 hand-offs/s per target,
+/// colored by tier.
+pub fn svg(runs: &[Value]) -> String {
+    let panels = [
+        (
+            "W2",
+            64,
+            "pairs_per_s",
+            "W2: acquire+release pairs/s, 64 clients, distinct keys",
+        ),
+        (
+            "W3",
+            64,
+            "handoffs_per_s",
+            "W3: hand-offs/s, 64 clients, one key",
+        ),
+    ];
+    let mut targets: Vec<(String, String)> = Vec::new();
+    for r in runs {
+        if let (Some(t), Some(tier)) = (r["target"].as_str(), r["tier"].as_str()) {
+            if r["workload"] == "W2" && !targets.iter().any(|(x, _)| x == t) {
+                targets.push((t.to_owned(), tier.to_owned()));
+            }
+        }
+    }
+    let (width, label_w, bar_h, gap) = (860.0, 190.0, 18.0, 6.0);
+    let panel_h = 40.0 + targets.len() as f64 * (bar_h + gap);
+    let height = 30.0 + panel_h * panels.len() as f64;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r##"<text x="10" y="18" font-size="11" fill="#555">dark = fsync'd tier, light = memory tier; same machine, same run</text>"##
+    );
+    for (i, (w, c, field, title)) in panels.iter().enumerate() {
+        let top = 30.0 + i as f64 * panel_h;
+        let _ = writeln!(
+            s,
+            r#"<text x="10" y="{}" font-weight="bold">{title}</text>"#,
+            top + 16.0
+        );
+        let values: Vec<f64> = targets
+            .iter()
+            .map(|(t, _)| metric(runs, t, w, *c, field).unwrap_or(0.0))
+            .collect();
+        let max = values.iter().cloned().fold(1.0, f64::max);
+        for (j, ((t, tier), v)) in targets.iter().zip(&values).enumerate() {
+            let y = top + 28.0 + j as f64 * (bar_h + gap);
+            let len = (width - label_w - 90.0) * v / max;
+            let color = match (t.starts_with("fencelock"), tier.as_str()) {
+                (true, "fsync") => "#1f6f3f",
+                (true, _) => "#7cc797",
+                (false, "fsync") => "#34558b",
+                (false, _) => "#9fb6dc",
+            };
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{}" text-anchor="end">{t}</text><rect x="{label_w}" y="{y}" width="{len:.1}" height="{bar_h}" fill="{color}"/><text x="{}" y="{}">{}</text>"#,
+                label_w - 6.0,
+                y + 13.0,
+                label_w + len + 4.0,
+                y + 13.0,
+                fmt_num(*v)
+            );
+        }
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn runs() -> Vec<Value> {
+        vec![
+            json!({"target": "fencelock", "tier": "fsync", "workload": "W2", "clients": 64, "pairs_per_s": 40000.0}),
+            json!({"target": "etcd", "tier": "fsync", "workload": "W2", "clients": 64, "pairs_per_s": 2000.0, "overlaps": 0, "fence_decreases": 3}),
+            json!({"target": "redis", "tier": "memory", "workload": "W2", "clients": 64, "pairs_per_s": 100000.0}),
+        ]
+    }
+
+    #[test]
+    fn ratio_is_oriented_so_that_more_is_better() {
+        let md = markdown(&runs());
+        assert!(md.contains("2000 (**20.0×**)"), "{md}");
+        assert!(
+            md.contains("| W2 durable ≥ 10× etcd | 20.00× (40000 vs 2000 pairs/s, c=64) | yes |"),
+            "{md}"
+        );
+        assert!(md.contains("| W2 durable ≥ ½ Redis without fsync | 0.40× (40000 vs 100000 pairs/s, c=64) | **no** |"), "{md}");
+        assert!(md.contains("| etcd | 1 | 0 | 3 |"), "{md}");
+    }
+
+    #[test]
+    fn svg_has_a_bar_per_target() {
+        let svg = svg(&runs());
+        assert!(svg.starts_with("<svg"));
+        assert_eq!(svg.matches("<rect x=").count(), 6);
+    }
+}
