@@ -310,7 +310,9 @@ pub fn probe(port: u16, request: &[u8], max: usize) -> Option<Vec<u8>> {
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
-    stream.set_write_timeout(Some(Duration::from_secs(1))).ok()?;
+    stream
+        .set_write_timeout(Some(Duration::from_secs(1)))
+        .ok()?;
     stream.write_all(request).ok()?;
     let mut buf = vec![0; max];
     let n = stream.read(&mut buf).ok()?;

@@ -21,7 +21,11 @@ fn redis_serves_then_stops_on_drop() {
     let port = redis.port();
     assert_ne!(port, 6379, "never the machine's own redis port");
     let reply = probe(port, b"SET k v\r\nGET k\r\n", 64).expect("redis answers");
-    assert!(reply.starts_with(b"+OK"), "{:?}", String::from_utf8_lossy(&reply));
+    assert!(
+        reply.starts_with(b"+OK"),
+        "{:?}",
+        String::from_utf8_lossy(&reply)
+    );
     let dir = redis.dir().to_owned();
     assert!(dir.is_dir());
     drop(redis);
@@ -35,7 +39,9 @@ fn two_postgres_servers_are_independent_and_stop_on_drop() {
     let b = Postgres::start().expect("a second postgres starts");
     assert_ne!(a.port(), b.port());
     assert_ne!(a.port(), 5432, "never the machine's own postgres port");
-    assert!(a.connection_string().contains(&format!("port={}", a.port())));
+    assert!(a
+        .connection_string()
+        .contains(&format!("port={}", a.port())));
     assert_eq!(
         a.url(),
         format!("postgresql://postgres@127.0.0.1:{}/postgres", a.port())
@@ -54,5 +60,8 @@ fn two_postgres_servers_are_independent_and_stop_on_drop() {
     assert!(!process_alive(pid), "postmaster {pid} survived drop");
     assert!(!port_open(port), "port {port} still open after drop");
     assert!(!dir.exists(), "{} still exists after drop", dir.display());
-    assert!(port_open(b.port()), "dropping one server must not stop the other");
+    assert!(
+        port_open(b.port()),
+        "dropping one server must not stop the other"
+    );
 }
