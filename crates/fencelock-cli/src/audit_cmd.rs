@@ -8,23 +8,15 @@ use clap::Args;
 use serde_json::Value;
 
 use crate::http_get;
+use crate::remote::Connection;
 
 /// Flags of `fencelock audit`.
 #[derive(Debug, Args)]
 pub struct AuditArgs {
-    /// Server base URL.
-    #[arg(
-        long,
-        env = "FENCELOCK_SERVER",
-        default_value = "http://127.0.0.1:7420"
-    )]
-    pub server: String,
-    /// Token with at least the reader role (not needed when the server has no tokens).
-    #[arg(long, env = "FENCELOCK_TOKEN", hide_env_values = true)]
-    pub token: Option<String>,
-    /// For an https:// server with a private CA: the CA certificate (PEM).
-    #[arg(long, env = "FENCELOCK_CA_CERT")]
-    pub ca_cert: Option<std::path::PathBuf>,
+    /// Server, token (at least the reader role), CA certificate, `--json` (the
+    /// server's JSON instead of a table).
+    #[command(flatten)]
+    pub connection: Connection,
     /// Only entries about this lock.
     #[arg(long)]
     pub lock: Option<String>,
@@ -34,9 +26,6 @@ pub struct AuditArgs {
     /// At most this many entries (the newest; 1..=1000).
     #[arg(long, default_value_t = 100)]
     pub limit: usize,
-    /// Print the server's JSON instead of a table.
-    #[arg(long)]
-    pub json: bool,
 }
 
 /// Parses `90s`, `15m`, `1h`, `7d` (a bare number is seconds).
@@ -86,13 +75,13 @@ pub fn run(args: AuditArgs) -> Result<ExitCode> {
         query.push_str(&format!("&since_ms={since}"));
     }
     let body = http_get::get_as(
-        &args.server,
+        &args.connection.server,
         &query,
-        args.token.as_deref(),
-        args.ca_cert.as_deref(),
+        args.connection.token.as_deref(),
+        args.connection.ca_cert.as_deref(),
     )
-    .with_context(|| format!("cannot query the audit log of {}", args.server))?;
-    if args.json {
+    .with_context(|| format!("cannot query the audit log of {}", args.connection.server))?;
+    if args.connection.json {
         println!("{}", String::from_utf8_lossy(&body).trim_end());
         return Ok(ExitCode::SUCCESS);
     }
