@@ -10,8 +10,8 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
-use fencelock_testkit::{probe, running_as_root, RunAs, ServerProcess, ServerSpec};
+use anyhow::Context;
+use fencelock_testkit::{probe, Postgres, PostgresOptions, ServerProcess, ServerSpec};
 
 /// A started peer: its process and its directory.
 #[derive(Debug)]
@@ -227,76 +227,10 @@ pub fn redis(fsync_always: bool) -> anyhow::Result<Peer> {
 /// PostgreSQL 15 (Debian `postgresql`) with its durable defaults (`fsync`,
 /// `synchronous_commit`, `full_page_writes` on); as root it runs as `postgres`.
 pub fn postgres() -> anyhow::Result<Peer> {
-    let bin = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()
-        .and_then(|entries| {
-            entries
-                .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
-                .filter(|b| b.join("postgres").is_file())
-                .max()
-        })
-        .context("no /usr/lib/postgresql/*/bin/postgres: install the Debian package postgresql")?;
-    let run_as = if running_as_root() {
-        Some(RunAs::user("postgres")?)
-    } else {
-        None
-    };
-    let dir = tempdir("postgres")?;
-    if let Some(user) = run_as {
-        user.chown(dir.path())?;
-    }
-    let data = dir.path().join("data");
-    let mut initdb = std::process::Command::new(bin.join("initdb"));
-    initdb
-        .arg("-D")
-        .arg(&data)
-        .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-locale"])
-        .current_dir(dir.path());
-    if let Some(user) = run_as {
-        use std::os::unix::process::CommandExt;
-        initdb.uid(user.uid).gid(user.gid);
-    }
-    let out = initdb.output()?;
-    if !out.status.success() {
-        bail!(
-            "initdb failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let socket_dir = dir.path().to_owned();
-    let args = move |port: u16| {
-        let mut a: Vec<OsString> = vec!["-D".into(), data.clone().into()];
-        a.extend(["-k".into(), socket_dir.clone().into()]);
-        for setting in [
-            format!("port={port}"),
-            "listen_addresses=127.0.0.1".to_owned(),
-            "max_connections=200".to_owned(),
-        ] {
-            a.extend(["-c".into(), setting.into()]);
-        }
-        a
-    };
-    let ready = |port: u16| {
-        let mut body = Vec::new();
-        body.extend_from_slice(&196_608u32.to_be_bytes());
-        for part in ["user", "postgres", "database", "postgres", ""] {
-            body.extend_from_slice(part.as_bytes());
-            body.push(0);
-        }
-        let mut message = ((body.len() + 4) as u32).to_be_bytes().to_vec();
-        message.extend_from_slice(&body);
-        probe(port, &message, 1).is_some_and(|reply| reply[0] == b'R')
-    };
-    let process = ServerProcess::spawn(&ServerSpec {
-        name: "postgres",
-        program: bin.join("postgres"),
-        args: &args,
-        dir: dir.path(),
-        run_as,
-        stop_signal: libc::SIGQUIT,
-        ready: &ready,
-    })?;
+    let mut options = PostgresOptions::default();
+    options.durable = true;
+    options.max_connections = 200;
+    let (process, dir) = Postgres::start_with(&options)?.into_parts();
     Ok(Peer { process, dir })
 }
 

@@ -38,7 +38,7 @@ mod postgres;
 mod redis;
 mod tls;
 
-pub use postgres::Postgres;
+pub use postgres::{Postgres, PostgresOptions};
 pub use redis::Redis;
 pub use tls::TestCa;
 

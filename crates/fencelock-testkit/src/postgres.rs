@@ -10,10 +10,31 @@ use crate::{probe, running_as_root, Error, ErrorKind, RunAs, ServerProcess, Serv
 /// one directory per major version.
 const DEBIAN_PG_ROOT: &str = "/usr/lib/postgresql";
 
+/// How a throwaway cluster is set up (see [`Postgres::start_with`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PostgresOptions {
+    /// Keep PostgreSQL's durable defaults (`fsync`, `synchronous_commit`,
+    /// `full_page_writes` on), as a benchmark against it needs. Default: off, since
+    /// the data is thrown away.
+    pub durable: bool,
+    /// `max_connections`. Default 50.
+    pub max_connections: u32,
+}
+
+impl Default for PostgresOptions {
+    fn default() -> PostgresOptions {
+        PostgresOptions {
+            durable: false,
+            max_connections: 50,
+        }
+    }
+}
+
 /// A PostgreSQL server on a random loopback port with a fresh cluster in a temporary
 /// directory: superuser `postgres`, database `postgres`, trust authentication on
-/// 127.0.0.1, `fsync` off (the data is thrown away). Stopped (immediate shutdown) and
-/// removed on drop.
+/// 127.0.0.1, `fsync` off unless [`PostgresOptions::durable`]. Stopped (immediate
+/// shutdown) and removed on drop.
 #[derive(Debug)]
 pub struct Postgres {
     // Field order matters: the process stops before its directory is removed.
@@ -28,6 +49,11 @@ impl Postgres {
     /// `/usr/lib/postgresql/*/bin` (Debian package `postgresql`). As root, both run as
     /// the `postgres` system user.
     pub fn start() -> Result<Postgres, Error> {
+        Postgres::start_with(&PostgresOptions::default())
+    }
+
+    /// Like [`Postgres::start`], set up as `options` say.
+    pub fn start_with(options: &PostgresOptions) -> Result<Postgres, Error> {
         let bin = bin_dir()?;
         let run_as = if running_as_root() {
             Some(RunAs::user("postgres").map_err(|e| {
@@ -55,17 +81,11 @@ impl Postgres {
         initdb
             .arg("-D")
             .arg(&data)
-            .args([
-                "-U",
-                "postgres",
-                "-A",
-                "trust",
-                "-E",
-                "UTF8",
-                "--no-locale",
-                "--no-sync",
-            ])
+            .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-locale"])
             .current_dir(dir.path());
+        if !options.durable {
+            initdb.arg("--no-sync");
+        }
         if let Some(user) = run_as {
             use std::os::unix::process::CommandExt;
             initdb.uid(user.uid).gid(user.gid);
@@ -86,18 +106,25 @@ impl Postgres {
         }
 
         let socket_dir = dir.path().to_owned();
+        let mut settings = vec![
+            "listen_addresses=127.0.0.1".to_owned(),
+            format!("max_connections={}", options.max_connections),
+        ];
+        if !options.durable {
+            settings.extend(
+                [
+                    "fsync=off",
+                    "synchronous_commit=off",
+                    "full_page_writes=off",
+                    "shared_buffers=16MB",
+                ]
+                .map(str::to_owned),
+            );
+        }
         let args = move |port: u16| -> Vec<OsString> {
             let mut args: Vec<OsString> = vec!["-D".into(), data.clone().into_os_string()];
             args.extend(["-k".into(), socket_dir.clone().into_os_string()]);
-            for setting in [
-                format!("port={port}"),
-                "listen_addresses=127.0.0.1".to_owned(),
-                "fsync=off".to_owned(),
-                "synchronous_commit=off".to_owned(),
-                "full_page_writes=off".to_owned(),
-                "shared_buffers=16MB".to_owned(),
-                "max_connections=50".to_owned(),
-            ] {
+            for setting in std::iter::once(format!("port={port}")).chain(settings.clone()) {
                 args.extend(["-c".into(), setting.into()]);
             }
             args
@@ -113,6 +140,12 @@ impl Postgres {
             ready: &accepts_connections,
         })?;
         Ok(Postgres { process, dir })
+    }
+
+    /// The server process and its directory, for a caller that manages them itself
+    /// (the benchmark's peers). Dropping them stops the server and removes the cluster.
+    pub fn into_parts(self) -> (ServerProcess, tempfile::TempDir) {
+        (self.process, self.dir)
     }
 
     /// The port it listens on (on 127.0.0.1).
