@@ -11,7 +11,9 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use fencelock_testkit::{probe, Postgres, PostgresOptions, ServerProcess, ServerSpec};
+use fencelock_testkit::{
+    probe, Etcd, Postgres, PostgresOptions, ServerProcess, ServerSpec, ZooKeeper,
+};
 
 /// A started peer: its process and its directory.
 #[derive(Debug)]
@@ -92,96 +94,13 @@ pub fn fencelock(binary: &Path, durable: bool, data_dir: Option<&Path>) -> anyho
 
 /// etcd 3.4 (Debian `etcd-server`), a single member.
 pub fn etcd() -> anyhow::Result<Peer> {
-    let bin = program("etcd", &["/usr/bin/etcd"], "etcd-server")?;
-    let dir = tempdir("etcd")?;
-    let data = dir.path().join("data");
-    let peer_port = fencelock_testkit::free_port()?;
-    let args = move |port: u16| {
-        let client = format!("http://127.0.0.1:{port}");
-        let peer = format!("http://127.0.0.1:{peer_port}");
-        let mut a = os(&["--name", "bench", "--data-dir"]);
-        a.push(data.clone().into());
-        for (flag, value) in [
-            ("--listen-client-urls", &client),
-            ("--advertise-client-urls", &client),
-            ("--listen-peer-urls", &peer),
-            ("--initial-advertise-peer-urls", &peer),
-        ] {
-            a.push(flag.into());
-            a.push(value.into());
-        }
-        a.push("--initial-cluster".into());
-        a.push(format!("bench={peer}").into());
-        a.extend(os(&["--log-level", "warn", "--logger", "zap"]));
-        a
-    };
-    let ready = |port: u16| {
-        probe(
-            port,
-            b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-            512,
-        )
-        .is_some_and(|reply| String::from_utf8_lossy(&reply).contains("\"health\":\"true\""))
-    };
-    let process = ServerProcess::spawn(&ServerSpec {
-        name: "etcd",
-        program: bin,
-        args: &args,
-        dir: dir.path(),
-        run_as: None,
-        stop_signal: libc::SIGKILL,
-        ready: &ready,
-    })?;
+    let (process, dir) = Etcd::start()?.into_parts();
     Ok(Peer { process, dir })
 }
 
 /// ZooKeeper 3.8 (Debian `zookeeper`), standalone, with its default `forceSync=yes`.
 pub fn zookeeper() -> anyhow::Result<Peer> {
-    let jar = program(
-        "zookeeper.jar",
-        &["/usr/share/java/zookeeper.jar"],
-        "zookeeper",
-    )?;
-    let java = program("java", &["/usr/bin/java"], "default-jre-headless")?;
-    let dir = tempdir("zookeeper")?;
-    let conf = dir.path().join("zoo.cfg");
-    let data = dir.path().join("data");
-    std::fs::create_dir_all(&data)?;
-    let args = move |port: u16| {
-        let cfg = format!(
-            "tickTime=2000\ndataDir={}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
-             maxClientCnxns=0\nadmin.enableServer=false\nforceSync=yes\n\
-             maxSessionTimeout=60000\n",
-            data.display()
-        );
-        std::fs::write(&conf, cfg).expect("write zoo.cfg");
-        let mut a = os(&["-Xms256m", "-Xmx1g", "-cp"]);
-        a.push(format!("{}:/usr/share/java/slf4j-simple.jar", jar.display()).into());
-        a.push("-Dzookeeper.log.dir=.".into());
-        a.push("-Dorg.slf4j.simpleLogger.defaultLogLevel=warn".into());
-        a.push("org.apache.zookeeper.server.ZooKeeperServerMain".into());
-        a.push(conf.clone().into());
-        a
-    };
-    // Ready = a session handshake succeeds (`ruok` answers before sessions are served).
-    let ready = |port: u16| {
-        let mut hello = vec![0, 0, 0, 45];
-        hello.extend_from_slice(&[0; 4 + 8]); // protocol version, last zxid
-        hello.extend_from_slice(&10_000i32.to_be_bytes()); // session timeout
-        hello.extend_from_slice(&[0; 8]); // session id
-        hello.extend_from_slice(&16i32.to_be_bytes());
-        hello.extend_from_slice(&[0; 16 + 1]); // password, read-only flag
-        probe(port, &hello, 64).is_some_and(|r| r.len() >= 20 && r[12..20] != [0; 8])
-    };
-    let process = ServerProcess::spawn(&ServerSpec {
-        name: "zookeeper",
-        program: java,
-        args: &args,
-        dir: dir.path(),
-        run_as: None,
-        stop_signal: libc::SIGKILL,
-        ready: &ready,
-    })?;
+    let (process, dir) = ZooKeeper::start()?.into_parts();
     Ok(Peer { process, dir })
 }
 

@@ -1,4 +1,4 @@
-//! Throwaway database servers for fencelock's tests.
+//! Throwaway servers for fencelock's tests: PostgreSQL, Redis, etcd and ZooKeeper.
 //!
 //! Each server is a real binary from a Debian package, started on a random free
 //! loopback port with its data in a fresh temporary directory, and stopped (killed and
@@ -16,7 +16,7 @@
 //!
 //! All servers share one small core, [`ServerProcess`]: spawn a command on a chosen
 //! port, poll a readiness probe (bounded in time), and stop it on drop. Adding another
-//! server (etcd, ZooKeeper) means writing its command line and its probe.
+//! server means writing its command line and its probe.
 //!
 //! PostgreSQL refuses to run as root. When the tests run as root (as CI does), `initdb`
 //! and `postgres` run as the `postgres` system user that Debian's package creates, and
@@ -34,13 +34,19 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod etcd;
 mod postgres;
+mod proxy;
 mod redis;
 mod tls;
+mod zookeeper;
 
+pub use etcd::Etcd;
 pub use postgres::{Postgres, PostgresOptions};
+pub use proxy::Proxy;
 pub use redis::Redis;
 pub use tls::TestCa;
+pub use zookeeper::ZooKeeper;
 
 /// How long a server may take to become ready before [`ServerProcess::spawn`] gives up.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(60);

@@ -65,3 +65,41 @@ fn two_postgres_servers_are_independent_and_stop_on_drop() {
         "dropping one server must not stop the other"
     );
 }
+
+#[test]
+fn etcd_serves_then_stops_on_drop() {
+    let etcd = fencelock_testkit::Etcd::start().expect("etcd starts");
+    let port = etcd.port();
+    assert_ne!(port, 2379, "never etcd's standard port");
+    let reply = probe(
+        port,
+        b"GET /version HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        512,
+    )
+    .expect("etcd answers");
+    assert!(
+        String::from_utf8_lossy(&reply).contains("etcdserver"),
+        "{:?}",
+        String::from_utf8_lossy(&reply)
+    );
+    assert_eq!(etcd.url(), format!("http://127.0.0.1:{port}"));
+    let (pid, dir) = (etcd.pid(), etcd.dir().to_owned());
+    drop(etcd);
+    assert!(!process_alive(pid), "etcd {pid} survived drop");
+    assert!(!port_open(port), "port {port} still open after drop");
+    assert!(!dir.exists(), "{} still exists after drop", dir.display());
+}
+
+#[test]
+fn zookeeper_serves_then_stops_on_drop() {
+    let zk = fencelock_testkit::ZooKeeper::start().expect("zookeeper starts");
+    let port = zk.port();
+    assert_ne!(port, 2181, "never ZooKeeper's standard port");
+    assert_eq!(zk.connect_string(), format!("127.0.0.1:{port}"));
+    let (pid, dir) = (zk.pid(), zk.dir().to_owned());
+    assert!(dir.join("zoo.cfg").is_file());
+    drop(zk);
+    assert!(!process_alive(pid), "zookeeper {pid} survived drop");
+    assert!(!port_open(port), "port {port} still open after drop");
+    assert!(!dir.exists(), "{} still exists after drop", dir.display());
+}

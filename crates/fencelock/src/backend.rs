@@ -53,6 +53,58 @@ impl AcquireSpec {
     }
 }
 
+/// Longest lock name, in bytes (the fencelock server's limit; every backend keeps it,
+/// so a name valid on one store is valid on all).
+pub const MAX_NAME_BYTES: usize = 256;
+/// Longest owner text, in bytes.
+pub const MAX_OWNER_BYTES: usize = 1024;
+/// Longest request id, in bytes.
+pub const MAX_REQUEST_ID_BYTES: usize = 256;
+/// Longest lease a backend accepts (24 h, as the fencelock server).
+pub const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
+
+impl AcquireSpec {
+    /// Checks the request against the rules every backend shares (the fencelock
+    /// server's): a name of 1..=256 bytes without control characters, an owner of at
+    /// most 1024 bytes, a request id of 1..=256 bytes, `ttl` in 1 ms..=24 h, `limit` at
+    /// least 1. Stores with narrower rules (whole-second leases, no semaphores) check
+    /// those themselves. Errors are `InvalidArgument` with a message naming the field.
+    pub fn validate(&self) -> Result<(), Error> {
+        check_text("lock name", &self.name, false, MAX_NAME_BYTES)?;
+        check_text("owner", &self.owner, true, MAX_OWNER_BYTES)?;
+        check_text("request_id", &self.request_id, false, MAX_REQUEST_ID_BYTES)?;
+        if self.ttl < Duration::from_millis(1) || self.ttl > MAX_TTL {
+            return Err(invalid(format!(
+                "ttl must be between 1ms and {}s, got {:?}",
+                MAX_TTL.as_secs(),
+                self.ttl
+            )));
+        }
+        if self.limit == 0 {
+            return Err(invalid("limit must be at least 1".to_owned()));
+        }
+        Ok(())
+    }
+}
+
+fn invalid(message: String) -> Error {
+    Error::new(crate::ErrorKind::InvalidArgument, message)
+}
+
+fn check_text(what: &str, text: &str, allow_empty: bool, max_bytes: usize) -> Result<(), Error> {
+    if text.is_empty() && !allow_empty {
+        Err(invalid(format!("{what} must not be empty")))
+    } else if text.len() > max_bytes {
+        Err(invalid(format!("{what} must be at most {max_bytes} bytes")))
+    } else if text.chars().any(char::is_control) {
+        Err(invalid(format!(
+            "{what} must not contain control characters"
+        )))
+    } else {
+        Ok(())
+    }
+}
+
 /// A grant as the backend reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

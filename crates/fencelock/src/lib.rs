@@ -45,7 +45,10 @@ mod error;
 mod guard;
 mod server;
 
-pub use backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+pub use backend::{
+    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, MAX_NAME_BYTES,
+    MAX_OWNER_BYTES, MAX_REQUEST_ID_BYTES, MAX_TTL,
+};
 pub use backoff::Backoff;
 pub use client::{Client, LockOptions, LockRequest};
 pub use error::{Error, ErrorKind};

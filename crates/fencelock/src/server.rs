@@ -246,6 +246,7 @@ impl LockBackend for FencelockBackend {
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
         Box::pin(async move {
+            spec.validate()?;
             let wait = spec.wait.min(MAX_WAIT_PER_CALL);
             let request = self.request(
                 pb::AcquireRequest {

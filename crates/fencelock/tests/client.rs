@@ -154,7 +154,7 @@ async fn renewal_keeps_the_lock_past_its_ttl() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitioned_holder_is_told_before_the_server_expires_it() {
     let server = TestServer::start().await;
-    let proxy = Proxy::start(server.addr()).await;
+    let proxy = Proxy::start(server.addr()).await.unwrap();
     let mut events = watch_all(&server).await;
     let cut_off = Client::connect(&proxy.url()).await.unwrap();
     let guard = cut_off
@@ -351,7 +351,7 @@ async fn unreachable_server_is_unavailable() {
 #[tokio::test]
 async fn acquire_retries_while_the_server_is_unreachable() {
     let server = TestServer::start().await;
-    let proxy = Proxy::start(server.addr()).await;
+    let proxy = Proxy::start(server.addr()).await.unwrap();
     let mut config = ServerConfig::new(proxy.url());
     config.request_timeout = Duration::from_millis(200);
     let client = Client::connect_with(config).await.unwrap();

@@ -1,5 +1,5 @@
-//! Test helpers: a real fencelock server per test, a TCP proxy that can cut the
-//! client off (a partition), and a backend wrapper that counts the calls that reach
+//! Test helpers: a real fencelock server per test, the testkit's TCP proxy that can
+//! cut the client off (a partition), and a backend wrapper that counts the calls that reach
 //! the real server.
 #![allow(dead_code)] // Each test binary uses a different part of this module.
 
@@ -12,9 +12,6 @@ use fencelock::proto::{self, locks_client::LocksClient};
 use fencelock::{
     AcquireSpec, BoxFuture, Capabilities, Error, FencelockBackend, Lease, LockBackend, ServerConfig,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 
 /// Longest any awaited step may take before a test fails instead of hanging.
 pub const STEP: Duration = Duration::from_secs(20);
@@ -88,72 +85,7 @@ pub async fn next_event(
     .unwrap_or_else(|_| panic!("no {kind:?} event within {STEP:?}"))
 }
 
-/// A TCP proxy in front of the server. While paused, it forwards nothing in either
-/// direction (bytes wait in the kernel buffers): the client is cut off from the server,
-/// as in a partition or a stalled network.
-pub struct Proxy {
-    pub addr: SocketAddr,
-    paused: watch::Sender<bool>,
-}
-
-impl Proxy {
-    pub async fn start(target: SocketAddr) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (paused, _) = watch::channel(false);
-        let gate = paused.clone();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = TcpStream::connect(target).await else {
-                    continue;
-                };
-                let _ = client.set_nodelay(true);
-                let _ = server.set_nodelay(true);
-                let (cr, cw) = client.into_split();
-                let (sr, sw) = server.into_split();
-                tokio::spawn(pump(cr, sw, gate.subscribe()));
-                tokio::spawn(pump(sr, cw, gate.subscribe()));
-            }
-        });
-        Proxy { addr, paused }
-    }
-
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
-    pub fn pause(&self) {
-        self.paused.send_replace(true);
-    }
-
-    pub fn resume(&self) {
-        self.paused.send_replace(false);
-    }
-}
-
-async fn pump(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    mut paused: watch::Receiver<bool>,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        if paused.wait_for(|p| !*p).await.is_err() {
-            return;
-        }
-        let n = tokio::select! {
-            n = from.read(&mut buf) => match n { Ok(0) | Err(_) => return, Ok(n) => n },
-            // Paused while waiting to read: stop before forwarding anything.
-            _ = paused.wait_for(|p| *p) => continue,
-        };
-        if paused.wait_for(|p| !*p).await.is_err() {
-            return;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
-}
+pub use fencelock_testkit::Proxy;
 
 /// A real backend that counts the calls made through it.
 pub struct Counting {
