@@ -1,45 +1,5 @@
-//! The conformance suite against the fencelock server itself: an in-process server
-//! on a random loopback port with its own data directory, reached over gRPC.
+//! The conformance suite against the fencelock server itself.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
+mod support;
 
-use fencelock::{BoxFuture, Error, FencelockBackend, LockBackend, ServerConfig};
-use fencelock_conformance::Fixture;
-
-struct Fencelock {
-    server: fencelock_server::Server,
-    _dir: tempfile::TempDir,
-}
-
-impl Fixture for Fencelock {
-    fn addrs(&self) -> Vec<SocketAddr> {
-        vec![self.server.local_addr()]
-    }
-
-    fn connect<'a>(
-        &'a self,
-        addrs: &'a [SocketAddr],
-    ) -> BoxFuture<'a, Result<Arc<dyn LockBackend>, Error>> {
-        Box::pin(async move {
-            let backend =
-                FencelockBackend::connect(ServerConfig::new(format!("http://{}", addrs[0])))
-                    .await?;
-            Ok(Arc::new(backend) as Arc<dyn LockBackend>)
-        })
-    }
-}
-
-async fn start() -> Fencelock {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let config = fencelock_server::ServerConfig::new(
-        "127.0.0.1:0".parse().expect("address"),
-        fencelock_server::EngineConfig::new(dir.path()),
-    );
-    let server = fencelock_server::Server::start(config)
-        .await
-        .expect("server starts");
-    Fencelock { server, _dir: dir }
-}
-
-fencelock_conformance::conformance_suite!(start());
+fencelock_conformance::conformance_suite!(support::start());
