@@ -1,0 +1,316 @@
+//! The invariant checker: a model of what must hold, kept from what the server and
+//! the resource did, independent of the core's own bookkeeping.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
+
+use fencelock_core::{
+    Command, Core, Error as CoreError, EventKind, Grant, LockName, Outcome, OwnerToken, Reply,
+};
+
+/// The invariants the simulation checks on every step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Invariant {
+    /// Per the server's state, a lock has more holders than its limit.
+    HolderLimit,
+    /// Fences of acknowledged grants are not strictly increasing per lock, or a fence
+    /// was handed out twice (also across restarts).
+    FenceOrder,
+    /// The resource accepted a write whose fence is not newer than one it accepted.
+    StaleWriteAccepted,
+    /// A queued request was granted out of FIFO order, or a request barged past the
+    /// queue.
+    FifoOrder,
+    /// A queued request was granted after its wait was over.
+    ExpiredWaiterGranted,
+    /// An acknowledged grant is missing after a restart, or the fence counter came
+    /// back at or below an acknowledged fence.
+    AckedGrantLost,
+    /// More clients believed (by their own conservative deadline) they held a lock
+    /// than its limit allows.
+    MutualExclusion,
+    /// After the quiet tail a lease is still held, a request still queued, or a
+    /// client still busy: something never freed.
+    Liveness,
+    /// The run panicked (a broken assertion inside the core or the harness).
+    Panic,
+}
+
+impl fmt::Display for Invariant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            Invariant::HolderLimit => "holder-limit",
+            Invariant::FenceOrder => "fence-order",
+            Invariant::StaleWriteAccepted => "stale-write-accepted",
+            Invariant::FifoOrder => "fifo-order",
+            Invariant::ExpiredWaiterGranted => "expired-waiter-granted",
+            Invariant::AckedGrantLost => "acked-grant-lost",
+            Invariant::MutualExclusion => "mutual-exclusion",
+            Invariant::Liveness => "liveness",
+            Invariant::Panic => "panic",
+        };
+        f.write_str(s)
+    }
+}
+
+/// The first broken invariant of a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    /// Which invariant.
+    pub invariant: Invariant,
+    /// Virtual time (ms since the start of the run).
+    pub at_ms: u64,
+    /// What was seen.
+    pub detail: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} at {} ms: {}",
+            self.invariant, self.at_ms, self.detail
+        )
+    }
+}
+
+/// A queued request as the checker saw it: its token and the service time its wait
+/// ends (exclusive).
+type Queued = (OwnerToken, u64);
+
+#[derive(Debug, Default)]
+pub(crate) struct Checker {
+    /// Virtual time of the step being checked.
+    pub(crate) at_ms: u64,
+    limits: BTreeMap<LockName, u32>,
+    /// Server view (from events): fences held per lock, this server lifetime.
+    live: BTreeMap<LockName, BTreeSet<u64>>,
+    /// Highest fence granted in this server lifetime.
+    last_granted: u64,
+    /// Queued requests per lock, FIFO, this server lifetime.
+    queues: BTreeMap<LockName, VecDeque<Queued>>,
+    /// Fences whose grant ended in a command not yet synced.
+    unsynced_ended: Vec<u64>,
+    /// Fences whose grant ended in a synced command.
+    durable_ended: BTreeSet<u64>,
+    /// Every acknowledged grant: fence → (lock, token).
+    acked: BTreeMap<u64, (LockName, OwnerToken)>,
+    /// Acknowledged grants not durably ended: these must survive a crash.
+    acked_open: BTreeMap<u64, LockName>,
+    /// Highest acknowledged fence per lock.
+    acked_max: BTreeMap<LockName, u64>,
+    /// Last accepted fence per resource key.
+    resource_last: BTreeMap<String, u64>,
+    pub(crate) violation: Option<Violation>,
+}
+
+impl Checker {
+    pub(crate) fn new(limits: BTreeMap<LockName, u32>) -> Checker {
+        Checker {
+            limits,
+            ..Checker::default()
+        }
+    }
+
+    pub(crate) fn fail(&mut self, invariant: Invariant, detail: impl Into<String>) {
+        if self.violation.is_none() {
+            self.violation = Some(Violation {
+                invariant,
+                at_ms: self.at_ms,
+                detail: detail.into(),
+            });
+        }
+    }
+
+    fn limit(&self, name: &LockName) -> usize {
+        self.limits.get(name).copied().unwrap_or(1) as usize
+    }
+
+    /// One command applied at service time `now` with its reply and outcomes.
+    pub(crate) fn on_apply(
+        &mut self,
+        now: u64,
+        command: &Command,
+        result: &Result<Reply, CoreError>,
+        outcomes: &[Outcome],
+    ) {
+        for outcome in outcomes {
+            match outcome {
+                Outcome::Event(e) => match e.kind {
+                    EventKind::Granted => {
+                        let fence = e.fence.map_or(0, |f| f.get());
+                        if fence <= self.last_granted {
+                            self.fail(
+                                Invariant::FenceOrder,
+                                format!(
+                                    "{} granted fence {fence} after fence {}",
+                                    e.name, self.last_granted
+                                ),
+                            );
+                        }
+                        self.last_granted = self.last_granted.max(fence);
+                        let limit = self.limit(&e.name);
+                        let held = self.live.entry(e.name.clone()).or_default();
+                        held.insert(fence);
+                        if held.len() > limit {
+                            let detail = format!("{} has holders {held:?}, limit {limit}", e.name);
+                            self.fail(Invariant::HolderLimit, detail);
+                        }
+                    }
+                    EventKind::Ended(_) => {
+                        let fence = e.fence.map_or(0, |f| f.get());
+                        if let Some(held) = self.live.get_mut(&e.name) {
+                            held.remove(&fence);
+                        }
+                        self.unsynced_ended.push(fence);
+                    }
+                    EventKind::Queued | EventKind::WaitEnded(_) => {}
+                },
+                Outcome::Granted(grant) => {
+                    let queue = self.queues.entry(grant.name.clone()).or_default();
+                    match queue.front().copied() {
+                        Some((token, deadline)) if token == grant.token => {
+                            queue.pop_front();
+                            if deadline <= now {
+                                self.fail(
+                                    Invariant::ExpiredWaiterGranted,
+                                    format!(
+                                        "{} granted fence {} at {now} to a request whose wait ended at {deadline}",
+                                        grant.name, grant.fence
+                                    ),
+                                );
+                            }
+                        }
+                        head => {
+                            let detail = format!(
+                                "{} granted fence {} to {} while the head of the queue is {head:?}",
+                                grant.name, grant.fence, grant.token
+                            );
+                            self.fail(Invariant::FifoOrder, detail);
+                        }
+                    }
+                }
+                Outcome::WaitEnded { token, name, .. } => {
+                    if let Some(queue) = self.queues.get_mut(name) {
+                        queue.retain(|(t, _)| t != token);
+                    }
+                }
+            }
+        }
+        let Command::Acquire(acquire) = command else {
+            return;
+        };
+        match result {
+            Ok(Reply::Queued { token, .. }) => {
+                let queue = self.queues.entry(acquire.name.clone()).or_default();
+                if !queue.iter().any(|(t, _)| t == token) {
+                    queue.push_back((*token, now + acquire.wait_ms));
+                }
+            }
+            Ok(Reply::Granted(grant)) if grant.token == acquire.token => {
+                // A fresh direct grant: nobody may be waiting for this lock.
+                if let Some(head) = self.queues.get(&grant.name).and_then(|q| q.front()) {
+                    let detail = format!(
+                        "{} granted fence {} directly while {} is queued",
+                        grant.name, grant.fence, head.0
+                    );
+                    self.fail(Invariant::FifoOrder, detail);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A `Granted` reply left the server (after its batch was synced).
+    pub(crate) fn on_ack(&mut self, grant: &Grant) {
+        let fence = grant.fence.get();
+        match self.acked.get(&fence) {
+            Some((_, token)) if *token == grant.token => return, // an idempotent retry
+            Some((name, _)) => {
+                let detail = format!(
+                    "fence {fence} acknowledged for {} after it was acknowledged for another grant on {name}",
+                    grant.name
+                );
+                return self.fail(Invariant::FenceOrder, detail);
+            }
+            None => {}
+        }
+        let max = self.acked_max.entry(grant.name.clone()).or_default();
+        if fence <= *max {
+            let detail = format!(
+                "{} acknowledged fence {fence} after fence {}",
+                grant.name, *max
+            );
+            *max = (*max).max(fence);
+            return self.fail(Invariant::FenceOrder, detail);
+        }
+        *max = fence;
+        self.acked.insert(fence, (grant.name.clone(), grant.token));
+        if !self.durable_ended.contains(&fence) {
+            self.acked_open.insert(fence, grant.name.clone());
+        }
+    }
+
+    /// The records applied so far are durable.
+    pub(crate) fn on_sync(&mut self) {
+        for fence in self.unsynced_ended.drain(..) {
+            self.acked_open.remove(&fence);
+            self.durable_ended.insert(fence);
+        }
+    }
+
+    /// The server crashed: what was not synced is gone, and so is its view.
+    pub(crate) fn on_crash(&mut self) {
+        self.unsynced_ended.clear();
+        self.live.clear();
+        self.queues.clear();
+        self.last_granted = 0;
+    }
+
+    /// The server recovered (replay and the `Recover` command, synced): every
+    /// acknowledged grant must still be there, and no acknowledged fence may be issued
+    /// again.
+    pub(crate) fn on_recovered(&mut self, core: &Core) {
+        let next_fence = core.stats().next_fence;
+        let top = self.acked.keys().next_back().copied().unwrap_or(0);
+        if next_fence <= top {
+            self.fail(
+                Invariant::AckedGrantLost,
+                format!("after restart the next fence is {next_fence}, but fence {top} was acknowledged"),
+            );
+        }
+        let views = core.locks("", None, usize::MAX);
+        let lost: Vec<u64> = self
+            .acked_open
+            .iter()
+            .filter(|(fence, name)| {
+                !views
+                    .iter()
+                    .any(|v| v.name == **name && v.holders.iter().any(|h| h.fence.get() == **fence))
+            })
+            .map(|(f, _)| *f)
+            .collect();
+        if let Some(fence) = lost.first() {
+            self.fail(
+                Invariant::AckedGrantLost,
+                format!("acknowledged grant with fence {fence} is gone after restart"),
+            );
+        }
+        for v in views {
+            let fences: BTreeSet<u64> = v.holders.iter().map(|h| h.fence.get()).collect();
+            self.last_granted = self.last_granted.max(fences.last().copied().unwrap_or(0));
+            self.live.insert(v.name, fences);
+        }
+    }
+
+    /// The resource accepted a write.
+    pub(crate) fn on_write_accepted(&mut self, key: &str, fence: u64) {
+        let last = self.resource_last.entry(key.to_owned()).or_default();
+        if fence <= *last {
+            let detail = format!("{key} accepted fence {fence} after fence {}", *last);
+            *last = (*last).max(fence);
+            return self.fail(Invariant::StaleWriteAccepted, detail);
+        }
+        *last = fence;
+    }
+}
