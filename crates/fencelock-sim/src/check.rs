@@ -6,6 +6,7 @@ use std::fmt;
 
 use fencelock_core::{
     Command, Core, Error as CoreError, EventKind, Grant, LockName, Outcome, OwnerToken, Reply,
+    SessionId,
 };
 
 /// The invariants the simulation checks on every step.
@@ -21,7 +22,7 @@ pub enum Invariant {
     /// A queued request was granted out of FIFO order, or a request barged past the
     /// queue.
     FifoOrder,
-    /// A queued request was granted after its wait was over.
+    /// A queued request was granted after its wait or its session was over.
     ExpiredWaiterGranted,
     /// An acknowledged grant is missing after a restart, or the fence counter came
     /// back at or below an acknowledged fence.
@@ -74,9 +75,9 @@ impl fmt::Display for Violation {
     }
 }
 
-/// A queued request as the checker saw it: its token and the service time its wait
-/// ends (exclusive).
-type Queued = (OwnerToken, u64);
+/// A queued request as the checker saw it: its token, the service time its wait
+/// ends (exclusive), and its session.
+type Queued = (OwnerToken, u64, Option<SessionId>);
 
 #[derive(Debug, Default)]
 pub(crate) struct Checker {
@@ -89,6 +90,8 @@ pub(crate) struct Checker {
     last_granted: u64,
     /// Queued requests per lock, FIFO, this server lifetime.
     queues: BTreeMap<LockName, VecDeque<Queued>>,
+    /// Sessions and the service time their lease ends (exclusive).
+    sessions: BTreeMap<SessionId, u64>,
     /// Fences whose grant ended in a command not yet synced.
     unsynced_ended: Vec<u64>,
     /// Fences whose grant ended in a synced command.
@@ -169,16 +172,28 @@ impl Checker {
                 Outcome::Granted(grant) => {
                     let queue = self.queues.entry(grant.name.clone()).or_default();
                     match queue.front().copied() {
-                        Some((token, deadline)) if token == grant.token => {
+                        Some((token, deadline, session)) if token == grant.token => {
                             queue.pop_front();
                             if deadline <= now {
                                 self.fail(
                                     Invariant::ExpiredWaiterGranted,
                                     format!(
-                                        "{} granted fence {} at {now} to a request whose wait ended at {deadline}",
+                                        "{} granted fence {} at service time {now} to a request whose wait ended at {deadline}",
                                         grant.name, grant.fence
                                     ),
                                 );
+                            }
+                            if let Some(id) = session {
+                                match self.sessions.get(&id) {
+                                    Some(end) if *end > now => {}
+                                    end => {
+                                        let detail = format!(
+                                            "{} granted fence {} at service time {now} to a request of session {id}, whose lease ended at {end:?}",
+                                            grant.name, grant.fence
+                                        );
+                                        self.fail(Invariant::ExpiredWaiterGranted, detail);
+                                    }
+                                }
                             }
                         }
                         head => {
@@ -192,10 +207,32 @@ impl Checker {
                 }
                 Outcome::WaitEnded { token, name, .. } => {
                     if let Some(queue) = self.queues.get_mut(name) {
-                        queue.retain(|(t, _)| t != token);
+                        queue.retain(|(t, _, _)| t != token);
                     }
                 }
             }
+        }
+        match (command, result) {
+            (Command::OpenSession { id, ttl_ms, .. }, Ok(_)) => {
+                self.sessions.insert(*id, now + ttl_ms);
+            }
+            (Command::KeepAlive { id }, Ok(Reply::KeptAlive { ttl_ms })) => {
+                self.sessions.insert(*id, now + ttl_ms);
+            }
+            (Command::Renew { .. }, Ok(Reply::Renewed(grant))) => {
+                if let Some(id) = grant.session {
+                    self.sessions.insert(id, now + grant.ttl_ms);
+                }
+            }
+            (Command::CloseSession { id }, Ok(_)) => {
+                self.sessions.remove(id);
+            }
+            (Command::Recover, Ok(_)) => {
+                // Every session restarts with its full lease (checked against the
+                // recovered state in `on_recovered`).
+                self.sessions.clear();
+            }
+            _ => {}
         }
         let Command::Acquire(acquire) = command else {
             return;
@@ -203,8 +240,8 @@ impl Checker {
         match result {
             Ok(Reply::Queued { token, .. }) => {
                 let queue = self.queues.entry(acquire.name.clone()).or_default();
-                if !queue.iter().any(|(t, _)| t == token) {
-                    queue.push_back((*token, now + acquire.wait_ms));
+                if !queue.iter().any(|(t, _, _)| t == token) {
+                    queue.push_back((*token, now + acquire.wait_ms, acquire.session));
                 }
             }
             Ok(Reply::Granted(grant)) if grant.token == acquire.token => {
@@ -264,7 +301,33 @@ impl Checker {
         self.unsynced_ended.clear();
         self.live.clear();
         self.queues.clear();
+        self.sessions.clear();
         self.last_granted = 0;
+    }
+
+    /// The log was replayed (before the `Recover` command): the checker's view of
+    /// the server starts again from the durable state, which it then follows.
+    pub(crate) fn on_replayed(&mut self, core: &Core) {
+        let image = core.export();
+        self.live.clear();
+        self.queues.clear();
+        self.last_granted = 0;
+        for lock in image.locks {
+            let fences: BTreeSet<u64> = lock.holders.iter().map(|h| h.fence.get()).collect();
+            self.last_granted = self.last_granted.max(fences.last().copied().unwrap_or(0));
+            self.live.insert(lock.name.clone(), fences);
+            let queue = lock
+                .waiters
+                .iter()
+                .map(|w| (w.token, w.wait_deadline_ms, w.session))
+                .collect();
+            self.queues.insert(lock.name, queue);
+        }
+        self.sessions = image
+            .sessions
+            .iter()
+            .map(|s| (s.id, s.deadline_ms))
+            .collect();
     }
 
     /// The server recovered (replay and the `Recover` command, synced): every
@@ -296,11 +359,12 @@ impl Checker {
                 format!("acknowledged grant with fence {fence} is gone after restart"),
             );
         }
-        for v in views {
-            let fences: BTreeSet<u64> = v.holders.iter().map(|h| h.fence.get()).collect();
-            self.last_granted = self.last_granted.max(fences.last().copied().unwrap_or(0));
-            self.live.insert(v.name, fences);
-        }
+        self.sessions = core
+            .export()
+            .sessions
+            .iter()
+            .map(|s| (s.id, s.deadline_ms))
+            .collect();
     }
 
     /// The resource accepted a write.

@@ -164,6 +164,10 @@ pub struct Stats {
     pub commands: u64,
     /// Grants the clients received.
     pub grants_seen: u64,
+    /// Of those, grants held on a session.
+    pub session_grants: u64,
+    /// Server restarts that loaded a snapshot before replaying the log.
+    pub snapshot_restarts: u64,
     /// Holds a client ended because its own deadline passed.
     pub deadline_losses: u64,
     /// Writes sent to the resource.
@@ -182,6 +186,8 @@ impl Stats {
         self.ops += other.ops;
         self.commands += other.commands;
         self.grants_seen += other.grants_seen;
+        self.session_grants += other.session_grants;
+        self.snapshot_restarts += other.snapshot_restarts;
         self.deadline_losses += other.deadline_losses;
         self.writes += other.writes;
         self.writes_accepted += other.writes_accepted;
@@ -267,12 +273,14 @@ impl fmt::Display for Totals {
         let s = &self.stats;
         write!(
             f,
-            "seeds={} events={} ops={} server_commands={} grants={} writes={} (accepted={} stale_rejected={}) faults={} [{}] violations={}",
+            "seeds={} events={} ops={} server_commands={} grants={} (on_sessions={}) restarts_from_snapshot={} writes={} (accepted={} stale_rejected={}) faults={} [{}] violations={}",
             self.seeds,
             s.events,
             s.ops,
             s.commands,
             s.grants_seen,
+            s.session_grants,
+            s.snapshot_restarts,
             s.writes,
             s.writes_accepted,
             s.writes_rejected,

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BinaryHeap};
 
 use fencelock_core::{
     Acquire, Command, Config, Core, ErrorKind, Grant, LockName, Outcome, Owner, OwnerToken,
-    PlantedBugs, Reply, RequestId, StateImage, WaitEnd,
+    PlantedBugs, Reply, RequestId, SessionId, StateImage, WaitEnd,
 };
 use fencelock_fence::MemoryGate;
 
@@ -39,6 +39,8 @@ enum Request {
         wait_ms: u64,
         request_id: RequestId,
         limit: u32,
+        lock_delay_ms: u64,
+        session: Option<SessionId>,
     },
     Renew {
         name: LockName,
@@ -48,6 +50,15 @@ enum Request {
     Release {
         name: LockName,
         token: OwnerToken,
+    },
+    OpenSession {
+        ttl_ms: u64,
+    },
+    KeepAlive {
+        id: SessionId,
+    },
+    CloseSession {
+        id: SessionId,
     },
 }
 
@@ -74,6 +85,14 @@ enum Answer {
         ttl_ms: u64,
     },
     Released,
+    SessionOpened {
+        id: SessionId,
+        ttl_ms: u64,
+    },
+    KeptAlive {
+        ttl_ms: u64,
+    },
+    SessionClosed,
     Failed(Failure),
 }
 
@@ -175,6 +194,10 @@ struct Rpc {
 #[derive(Debug, Clone)]
 struct Acquiring {
     lock: usize,
+    /// Chubby's lock-delay after this holder's lease expires (usually 0).
+    lock_delay_ms: u64,
+    /// The session the request is made on (session clients).
+    session: Option<SessionId>,
     ttl_ms: u64,
     request_id: RequestId,
     first_sent: Option<u64>,
@@ -186,6 +209,8 @@ struct Acquiring {
 #[derive(Debug, Clone)]
 struct Holding {
     lock: usize,
+    /// Held on this session of the client's: valid while the session is.
+    session: Option<SessionId>,
     ttl_ms: u64,
     fence: u64,
     token: OwnerToken,
@@ -213,8 +238,28 @@ enum State {
     Releasing { give_up: u64 },
 }
 
+/// A client's session (the server's session API): one lease for all its locks,
+/// kept alive every third of its TTL.
+#[derive(Debug, Clone)]
+struct Session {
+    id: SessionId,
+    ttl_ms: u64,
+    /// Conservative: send instant of the last confirmed keep-alive + ttl − margin.
+    deadline: u64,
+    last_sent: u64,
+    attempt: u32,
+    retry_at: u64,
+}
+
 struct Client {
     rng: Rng,
+    /// Holds its locks on a session instead of leases of their own.
+    uses_session: bool,
+    session: Option<Session>,
+    /// The session's own request (open, keep-alive, close), beside `rpc`.
+    session_rpc: Option<Rpc>,
+    /// When to try opening a session again after a failure.
+    open_retry_at: u64,
     owner: Owner,
     dead: bool,
     paused_until: u64,
@@ -306,6 +351,10 @@ impl Sim {
         }
         let clients = (0..setup.range(2, 5))
             .map(|i| Client {
+                uses_session: setup.chance(300),
+                session: None,
+                session_rpc: None,
+                open_retry_at: 0,
                 rng: root.fork(),
                 owner: Owner::new(&format!("client-{i}")).expect("valid"),
                 dead: false,
@@ -695,6 +744,8 @@ impl Sim {
                 wait_ms,
                 request_id,
                 limit,
+                lock_delay_ms,
+                session,
             } => {
                 let token = OwnerToken::from_u128(
                     u128::from(self.server.rng.next_u64()) << 64
@@ -704,13 +755,13 @@ impl Sim {
                 let result = self.server_apply(Command::Acquire(Acquire {
                     name,
                     token,
-                    ttl_ms: Some(ttl_ms),
+                    ttl_ms: session.is_none().then_some(ttl_ms),
                     wait_ms,
                     owner,
                     request_id: Some(request_id),
                     limit,
-                    lock_delay_ms: 0,
-                    session: None,
+                    lock_delay_ms,
+                    session,
                 }));
                 match result {
                     Ok(Reply::Granted(grant)) => {
@@ -762,6 +813,33 @@ impl Sim {
                 };
                 self.server.pending.push((from, rpc, answer, None));
             }
+            Request::OpenSession { ttl_ms } => {
+                let id = SessionId::from_u128(
+                    u128::from(self.server.rng.next_u64()) << 64
+                        | u128::from(self.server.rng.next_u64()),
+                );
+                let owner = self.clients[from].owner.clone();
+                let answer = match self.server_apply(Command::OpenSession { id, ttl_ms, owner }) {
+                    Ok(_) => Answer::SessionOpened { id, ttl_ms },
+                    Err(e) => Answer::Failed(failure_of(e.kind())),
+                };
+                self.server.pending.push((from, rpc, answer, None));
+            }
+            Request::KeepAlive { id } => {
+                let answer = match self.server_apply(Command::KeepAlive { id }) {
+                    Ok(Reply::KeptAlive { ttl_ms }) => Answer::KeptAlive { ttl_ms },
+                    Ok(other) => unreachable!("keep-alive replied {other:?}"),
+                    Err(e) => Answer::Failed(failure_of(e.kind())),
+                };
+                self.server.pending.push((from, rpc, answer, None));
+            }
+            Request::CloseSession { id } => {
+                let answer = match self.server_apply(Command::CloseSession { id }) {
+                    Ok(_) => Answer::SessionClosed,
+                    Err(e) => Answer::Failed(failure_of(e.kind())),
+                };
+                self.server.pending.push((from, rpc, answer, None));
+            }
         }
         self.schedule_sync();
     }
@@ -806,8 +884,11 @@ impl Sim {
     fn restart_server(&mut self) {
         let config = Sim::core_config();
         let mut core = match &self.server.snapshot {
-            Some(image) => Core::import(config.clone(), image.clone())
-                .unwrap_or_else(|e| panic!("snapshot refused on recovery: {e}")),
+            Some(image) => {
+                self.stats.snapshot_restarts += 1;
+                Core::import(config.clone(), image.clone())
+                    .unwrap_or_else(|e| panic!("snapshot refused on recovery: {e}"))
+            }
             None => Core::new(config.clone()),
         };
         // The same code replays the log as ran it (a planted bug included).
@@ -829,6 +910,7 @@ impl Sim {
             core = Core::import(config, image).expect("a consistent image");
         }
         core.plant_bugs(self.planted_core_bugs());
+        self.checker.on_replayed(&core);
         let base_ms = if self.server.epoch == 0 && self.server.synced.is_empty() {
             0
         } else {
@@ -927,12 +1009,15 @@ impl Sim {
         a.first_sent.get_or_insert(sent);
         let wait_ms = a.budget_end.saturating_sub(sent);
         let lock = &self.locks[a.lock];
+        let session = a.session;
         let request = Request::Acquire {
             name: lock.name.clone(),
             ttl_ms: a.ttl_ms,
             wait_ms,
             request_id: a.request_id.clone(),
             limit: lock.limit,
+            lock_delay_ms: a.lock_delay_ms,
+            session,
         };
         self.send_request(i, request, wait_ms + RPC_TIMEOUT_MS);
     }
@@ -964,6 +1049,10 @@ impl Sim {
     }
 
     fn client_answer(&mut self, i: usize, rpc: u64, answer: Answer) {
+        if let Some(outstanding) = self.clients[i].session_rpc.clone().filter(|r| r.id == rpc) {
+            self.mix(8 << 32 | (i as u64) << 8 | rpc);
+            return self.session_answer(i, outstanding, answer);
+        }
         let Some(outstanding) = self.clients[i].rpc.clone().filter(|r| r.id == rpc) else {
             return; // a duplicate, or the answer to a request given up on
         };
@@ -988,8 +1077,10 @@ impl Sim {
                 };
                 let hold = grid(c.rng.range(0, ttl_ms));
                 self.stats.grants_seen += 1;
+                self.stats.session_grants += u64::from(a.session.is_some());
                 c.state = State::Holding(Holding {
                     lock: a.lock,
+                    session: a.session,
                     ttl_ms,
                     fence,
                     token,
@@ -999,7 +1090,9 @@ impl Sim {
                     last_sent: base,
                     // After a long wait the send instant proves little: confirm
                     // with a renewal before using the lock (as the client does).
-                    confirmed: self.now - base <= ttl_ms / 4,
+                    // (A session-held lock lives on the session's lease, whose
+                    // deadline the keep-alives keep.)
+                    confirmed: a.session.is_some() || self.now - base <= ttl_ms / 4,
                     confirm_until: a.budget_end,
                     writes_done: 0,
                     writes_total,
@@ -1042,6 +1135,120 @@ impl Sim {
         }
     }
 
+    fn session_answer(&mut self, i: usize, outstanding: Rpc, answer: Answer) {
+        let now = self.now;
+        let delay = self.backoff(i, 1);
+        let c = &mut self.clients[i];
+        c.session_rpc = None;
+        match answer {
+            Answer::SessionOpened { id, ttl_ms } => {
+                let sent = outstanding.sent;
+                c.session = Some(Session {
+                    id,
+                    ttl_ms,
+                    deadline: (sent + ttl_ms).saturating_sub(Sim::margin(ttl_ms)),
+                    last_sent: sent,
+                    attempt: 0,
+                    retry_at: now,
+                });
+            }
+            Answer::KeptAlive { ttl_ms } => {
+                if let Some(s) = c.session.as_mut().filter(|s| now < s.deadline) {
+                    let sent = outstanding.sent;
+                    s.deadline = s
+                        .deadline
+                        .max((sent + ttl_ms).saturating_sub(Sim::margin(ttl_ms)));
+                    s.last_sent = sent;
+                    s.attempt = 0;
+                }
+            }
+            Answer::Failed(Failure::NotHeld) => {
+                // The server no longer knows the session: everything on it is gone.
+                c.session = None;
+            }
+            Answer::Failed(_) => match c.session.as_mut() {
+                Some(s) => {
+                    s.attempt += 1;
+                    s.retry_at = now + delay;
+                }
+                None => c.open_retry_at = now + delay,
+            },
+            Answer::SessionClosed => {}
+            other => unreachable!("client {i} got {other:?} for a session request"),
+        }
+    }
+
+    fn send_session_request(&mut self, i: usize, request: Request, timeout_ms: u64) {
+        let c = &mut self.clients[i];
+        c.rpc_seq += 1;
+        let rpc = c.rpc_seq;
+        c.session_rpc = Some(Rpc {
+            id: rpc,
+            sent: self.now,
+            timeout_at: self.now + timeout_ms,
+        });
+        self.stats.ops += 1;
+        self.send(Ev::ToServer {
+            from: i,
+            rpc,
+            request,
+        });
+    }
+
+    /// The session task of a session client: open, keep alive every third of the
+    /// TTL, give up at the conservative deadline, close when done.
+    fn session_step(&mut self, i: usize) {
+        let now = self.now;
+        let active = self.in_fault_phase();
+        let delay = self.backoff(i, 2);
+        let c = &mut self.clients[i];
+        if !c.uses_session || c.dead {
+            return;
+        }
+        if c.session_rpc.as_ref().is_some_and(|r| now >= r.timeout_at) {
+            c.session_rpc = None;
+            match c.session.as_mut() {
+                Some(s) => s.retry_at = now + delay,
+                None => c.open_retry_at = now + delay,
+            }
+        }
+        if c.session_rpc.is_some() {
+            return;
+        }
+        match c.session.clone() {
+            None => {
+                if active && now >= c.open_retry_at && matches!(c.state, State::Idle { .. }) {
+                    let ttl_ms = self.ttls[c.rng.index(self.ttls.len())];
+                    self.send_session_request(i, Request::OpenSession { ttl_ms }, RPC_TIMEOUT_MS);
+                }
+            }
+            Some(s) if now >= s.deadline => c.session = None,
+            Some(s) if !active && matches!(c.state, State::Idle { .. }) => {
+                c.session = None;
+                self.send_session_request(i, Request::CloseSession { id: s.id }, RPC_TIMEOUT_MS);
+            }
+            Some(s) => {
+                if now >= s.last_sent + s.ttl_ms / 3 && now >= s.retry_at {
+                    let timeout = s.deadline - now;
+                    self.send_session_request(i, Request::KeepAlive { id: s.id }, timeout);
+                }
+            }
+        }
+    }
+
+    /// The instant a hold stops being valid for its client: its own deadline, or its
+    /// session's (0 once the session is gone).
+    fn hold_deadline(c: &Client, h: &Holding) -> u64 {
+        match h.session {
+            None => h.deadline,
+            Some(id) => c
+                .session
+                .as_ref()
+                .filter(|s| s.id == id)
+                .map_or(0, |s| s.deadline),
+        }
+    }
+
     /// A renewal failed transiently: retry after a backoff (a confirmed hold until
     /// its deadline, a confirmation within the wait budget).
     fn renew_transient(&mut self, i: usize) {
@@ -1075,6 +1282,7 @@ impl Sim {
     fn client_step(&mut self, i: usize) {
         let now = self.now;
         let active = self.in_fault_phase();
+        self.session_step(i);
         for _ in 0..4 {
             let c = &mut self.clients[i];
             if c.dead {
@@ -1083,17 +1291,21 @@ impl Sim {
             let timed_out = c.rpc.as_ref().is_some_and(|r| now >= r.timeout_at);
             match c.state.clone() {
                 State::Idle { next_at } => {
-                    if now < next_at || !active {
+                    if now < next_at || !active || c.uses_session && c.session.is_none() {
                         break;
                     }
+                    let session = c.session.as_ref().map(|s| s.id);
                     let lock = c.rng.index(self.locks.len());
                     let ttl_ms = self.ttls[c.rng.index(self.ttls.len())];
                     let wait_ms = self.waits[c.rng.index(self.waits.len())];
                     c.requests += 1;
                     let request_id =
                         RequestId::new(&format!("c{i}-{}", c.requests)).expect("valid");
+                    let lock_delay_ms = [0, 0, 0, 50, 100][c.rng.index(5)];
                     c.state = State::Acquiring(Acquiring {
                         lock,
+                        lock_delay_ms,
+                        session,
                         ttl_ms,
                         request_id,
                         first_sent: None,
@@ -1105,6 +1317,11 @@ impl Sim {
                     break;
                 }
                 State::Acquiring(a) => {
+                    if a.session.is_some() && a.session != c.session.as_ref().map(|s| s.id) {
+                        // The session ended under the request: start over.
+                        self.go_idle(i);
+                        continue;
+                    }
                     if timed_out {
                         c.rpc = None;
                         self.acquire_retry(i, a);
@@ -1116,7 +1333,7 @@ impl Sim {
                     break;
                 }
                 State::Holding(mut h) => {
-                    if h.confirmed && now >= h.deadline {
+                    if h.confirmed && now >= Sim::hold_deadline(c, &h) {
                         self.stats.deadline_losses += 1;
                         self.give_up(i, &h);
                         continue;
@@ -1128,7 +1345,8 @@ impl Sim {
                         self.renew_transient(i);
                         continue;
                     }
-                    let renew_due = !h.confirmed || now >= h.last_sent + h.ttl_ms / 3;
+                    let renew_due =
+                        h.session.is_none() && (!h.confirmed || now >= h.last_sent + h.ttl_ms / 3);
                     if c.rpc.is_none() && renew_due && now >= h.renew_retry_at {
                         let request = Request::Renew {
                             name: self.locks[h.lock].name.clone(),
@@ -1208,9 +1426,28 @@ impl Sim {
         }
         let mut next = c.rpc.as_ref().map(|r| r.timeout_at);
         let mut at = |t: u64| next = Some(next.map_or(t, |n: u64| n.min(t)));
+        let idle = matches!(c.state, State::Idle { .. });
+        let active = self.now < self.fault_end;
+        if c.uses_session {
+            match (&c.session_rpc, &c.session) {
+                (Some(r), _) => at(r.timeout_at),
+                (None, Some(s)) => {
+                    at(s.deadline);
+                    at((s.last_sent + s.ttl_ms / 3).max(s.retry_at).max(self.now));
+                    if idle && !active {
+                        at(self.now); // time to close it
+                    }
+                }
+                (None, None) => {
+                    if idle && active {
+                        at(c.open_retry_at.max(self.now));
+                    }
+                }
+            }
+        }
         match &c.state {
             State::Idle { next_at } => {
-                if self.now < self.fault_end {
+                if active && (!c.uses_session || c.session.is_some()) {
                     at((*next_at).max(self.now));
                 }
             }
@@ -1221,9 +1458,9 @@ impl Sim {
             }
             State::Holding(h) => {
                 if h.confirmed {
-                    at(h.deadline);
+                    at(Sim::hold_deadline(c, h));
                 }
-                if c.rpc.is_none() {
+                if c.rpc.is_none() && h.session.is_none() {
                     at((h.last_sent + h.ttl_ms / 3)
                         .max(h.renew_retry_at)
                         .max(self.now));
@@ -1254,7 +1491,10 @@ impl Sim {
                 .enumerate()
                 .filter_map(|(i, c)| match &c.state {
                     State::Holding(h)
-                        if !c.dead && h.confirmed && h.lock == l && self.now < h.deadline =>
+                        if !c.dead
+                            && h.confirmed
+                            && h.lock == l
+                            && self.now < Sim::hold_deadline(c, h) =>
                     {
                         Some((i, h.fence))
                     }
@@ -1279,10 +1519,10 @@ impl Sim {
         }
         let _ = self.server_apply(Command::Tick);
         let stats = self.server.core.as_ref().expect("up").stats();
-        if stats.holders > 0 || stats.waiters > 0 {
+        if stats.holders > 0 || stats.waiters > 0 || stats.sessions > 0 {
             let detail = format!(
-                "after a quiet tail of {TAIL_MS} ms: {} holders, {} waiters remain",
-                stats.holders, stats.waiters
+                "after a quiet tail of {TAIL_MS} ms: {} holders, {} waiters, {} sessions remain",
+                stats.holders, stats.waiters, stats.sessions
             );
             return self.checker.fail(Invariant::Liveness, detail);
         }
@@ -1372,7 +1612,7 @@ impl Sim {
 fn failure_of(kind: ErrorKind) -> Failure {
     match kind {
         ErrorKind::Held => Failure::Held,
-        ErrorKind::NotHeld | ErrorKind::Expired => Failure::NotHeld,
+        ErrorKind::NotHeld | ErrorKind::Expired | ErrorKind::SessionNotFound => Failure::NotHeld,
         _ => Failure::Other,
     }
 }
