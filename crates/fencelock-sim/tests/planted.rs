@@ -15,12 +15,12 @@ fn caught(bug: PlantedBug, expected: &[Invariant]) {
     };
     for seed in 0..MAX_SEEDS {
         if let Some(v) = run_seed(seed, options).violation {
-            println!(
+            show(&format!(
                 "planted {}: caught at seed {seed} ({} seeds tried): {v}\n  replay: {}",
                 bug.name(),
                 seed + 1,
                 replay_command(seed, Some(bug))
-            );
+            ));
             assert!(
                 expected.contains(&v.invariant),
                 "planted {}: seed {seed} broke {v}, expected one of {expected:?}",
@@ -30,6 +30,13 @@ fn caught(bug: PlantedBug, expected: &[Invariant]) {
         }
     }
     panic!("planted {} was not caught in {MAX_SEEDS} seeds", bug.name());
+}
+
+/// Prints a line past the test harness's output capture, so the figures show in
+/// every run (CI logs included), not only with `--nocapture`.
+fn show(line: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 #[test]

@@ -64,6 +64,13 @@ fn sum(a: fencelock_sim::Stats, b: fencelock_sim::Stats) -> fencelock_sim::Stats
     t.stats
 }
 
+/// Prints a line past the test harness's output capture, so the figures show in
+/// every run (CI logs included), not only with `--nocapture`.
+fn show(line: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 #[test]
 fn every_seed_holds_every_invariant() {
     let planted = std::env::var("FENCELOCK_SIM_PLANT").ok().map(|name| {
@@ -80,7 +87,7 @@ fn every_seed_holds_every_invariant() {
         );
         let mut totals = Totals::default();
         totals.add(&report);
-        println!("fencelock-sim seed {seed}: {totals}");
+        show(&format!("fencelock-sim seed {seed}: {totals}"));
         if let Some(v) = &report.violation {
             panic!(
                 "seed {seed}: {v}\nreplay: {}",
@@ -100,10 +107,10 @@ fn every_seed_holds_every_invariant() {
             ..Options::default()
         },
     );
-    println!(
+    show(&format!(
         "fencelock-sim: {totals} ({:.1} s)",
         started.elapsed().as_secs_f64()
-    );
+    ));
     for (seed, v) in &totals.failures {
         println!(
             "FAILED seed {seed}: {v}\n  replay: {}",
