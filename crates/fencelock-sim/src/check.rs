@@ -378,3 +378,165 @@ impl Checker {
         *last = fence;
     }
 }
+
+/// Each check fires on a planted history (the simulation's planted-bug tests cover
+/// the others end to end).
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use fencelock_core::{
+        Acquire, Command, Event, EventKind, Fence, Grant, GrantEnd, LockName, Outcome, Owner,
+        OwnerToken, Reply,
+    };
+
+    use super::{Checker, Invariant};
+
+    fn name() -> LockName {
+        LockName::new("l").expect("valid")
+    }
+
+    fn checker() -> Checker {
+        Checker::new(BTreeMap::from([(name(), 1)]))
+    }
+
+    fn event(kind: EventKind, fence: u64) -> Outcome {
+        Outcome::Event(Event {
+            kind,
+            name: name(),
+            fence: Fence::new(fence),
+            owner: Owner::new("o").expect("valid"),
+            session: None,
+            at_ms: 0,
+            duration_ms: 0,
+            reason: None,
+        })
+    }
+
+    fn grant(token: u128, fence: u64) -> Grant {
+        Grant {
+            name: name(),
+            fence: Fence::new(fence).expect("non-zero"),
+            token: OwnerToken::from_u128(token),
+            ttl_ms: 100,
+            session: None,
+        }
+    }
+
+    fn acquire(token: u128, wait_ms: u64) -> Command {
+        Command::Acquire(Acquire {
+            name: name(),
+            token: OwnerToken::from_u128(token),
+            ttl_ms: Some(100),
+            wait_ms,
+            owner: Owner::new("o").expect("valid"),
+            request_id: None,
+            limit: 1,
+            lock_delay_ms: 0,
+            session: None,
+        })
+    }
+
+    fn broken(c: &Checker) -> Option<Invariant> {
+        c.violation.as_ref().map(|v| v.invariant)
+    }
+
+    #[test]
+    fn a_clean_history_passes() {
+        let mut c = checker();
+        c.on_apply(
+            1,
+            &Command::Tick,
+            &Ok(Reply::Ticked),
+            &[event(EventKind::Granted, 1)],
+        );
+        c.on_ack(&grant(1, 1));
+        c.on_apply(
+            2,
+            &Command::Tick,
+            &Ok(Reply::Ticked),
+            &[
+                event(EventKind::Ended(GrantEnd::Released), 1),
+                event(EventKind::Granted, 2),
+            ],
+        );
+        c.on_ack(&grant(2, 2));
+        c.on_sync();
+        c.on_write_accepted("k", 1);
+        c.on_write_accepted("k", 2);
+        assert_eq!(broken(&c), None);
+    }
+
+    #[test]
+    fn two_holders_of_a_mutex_break_the_limit() {
+        let mut c = checker();
+        let both = [event(EventKind::Granted, 1), event(EventKind::Granted, 2)];
+        c.on_apply(1, &Command::Tick, &Ok(Reply::Ticked), &both);
+        assert_eq!(broken(&c), Some(Invariant::HolderLimit));
+    }
+
+    #[test]
+    fn a_fence_acknowledged_twice_or_backwards_breaks_fence_order() {
+        let mut c = checker();
+        c.on_ack(&grant(1, 5));
+        c.on_ack(&grant(1, 5)); // the same grant again: an idempotent retry
+        assert_eq!(broken(&c), None);
+        c.on_ack(&grant(2, 5));
+        assert_eq!(broken(&c), Some(Invariant::FenceOrder));
+        let mut c = checker();
+        c.on_ack(&grant(1, 5));
+        c.on_ack(&grant(2, 4));
+        assert_eq!(broken(&c), Some(Invariant::FenceOrder));
+    }
+
+    #[test]
+    fn a_grant_past_the_queue_breaks_fifo() {
+        let mut c = checker();
+        let queued = |token| {
+            Ok(Reply::Queued {
+                token: OwnerToken::from_u128(token),
+                position: 0,
+            })
+        };
+        c.on_apply(1, &acquire(1, 50), &queued(1), &[]);
+        c.on_apply(2, &acquire(2, 50), &queued(2), &[]);
+        c.on_apply(
+            3,
+            &Command::Tick,
+            &Ok(Reply::Ticked),
+            &[Outcome::Granted(grant(2, 1))],
+        );
+        assert_eq!(broken(&c), Some(Invariant::FifoOrder));
+        // Barging: a direct grant while a request is queued.
+        let mut c = checker();
+        c.on_apply(1, &acquire(1, 50), &queued(1), &[]);
+        c.on_apply(2, &acquire(3, 0), &Ok(Reply::Granted(grant(3, 1))), &[]);
+        assert_eq!(broken(&c), Some(Invariant::FifoOrder));
+    }
+
+    #[test]
+    fn a_grant_at_the_end_of_the_wait_is_too_late() {
+        let mut c = checker();
+        let queued = Ok(Reply::Queued {
+            token: OwnerToken::from_u128(1),
+            position: 0,
+        });
+        c.on_apply(10, &acquire(1, 50), &queued, &[]);
+        c.on_apply(
+            60,
+            &Command::Tick,
+            &Ok(Reply::Ticked),
+            &[Outcome::Granted(grant(1, 1))],
+        );
+        assert_eq!(broken(&c), Some(Invariant::ExpiredWaiterGranted));
+    }
+
+    #[test]
+    fn a_stale_write_accepted_is_caught() {
+        let mut c = checker();
+        c.on_write_accepted("k", 3);
+        c.on_write_accepted("other", 1);
+        c.on_write_accepted("k", 3);
+        assert_eq!(broken(&c), Some(Invariant::StaleWriteAccepted));
+    }
+}

@@ -16,8 +16,39 @@
 //! no acknowledged grant lost across a crash; no more clients believing they hold a
 //! lock than its limit; and, at the end, every lease freed.
 //!
-//! The same seed gives the same run, bit for bit: `FENCELOCK_SIM_SEED=S cargo test -p
-//! fencelock-sim --test seeds` replays one seed with a step trace.
+//! The same seed gives the same run, bit for bit (one SplitMix64 seed, forked into
+//! independent streams; only ordered maps; no wall clock, threads or I/O).
+//!
+//! # Running
+//!
+//! - `cargo test -p fencelock-sim`: 1,000 seeds, the planted-bug tests, replay and
+//!   wall-clock checks. Each run prints a summary line (seeds, operations, faults by
+//!   kind, violations).
+//! - `FENCELOCK_SIM_SEEDS=N` runs N seeds (`FENCELOCK_SIM_FIRST_SEED=S` from S);
+//!   `FENCELOCK_SIM_SEED=S cargo test -p fencelock-sim --test seeds -- --nocapture`
+//!   replays seed S with a step trace (`FENCELOCK_SIM_PLANT=NAME` with a planted bug).
+//! - `cargo run -p fencelock-sim --release -- --seeds 100000` for long runs.
+//!
+//! # The model
+//!
+//! - **Server**: [`fencelock_core::Core`] driven as the engine drives it: every command
+//!   at the monotonic service time, logged if it changed state, replies held until
+//!   the group commit syncs; a snapshot (`Core::export`) now and then at a sync point.
+//!   A crash loses the unsynced records and the replies waiting for them; recovery
+//!   imports the snapshot, replays the synced records, continues the service clock
+//!   from the last logged time and logs a `Recover`.
+//! - **Clients**: the client library's rules: a request id per acquire, retried with
+//!   backoff within the wait budget; a conservative deadline of *first send + ttl −
+//!   ttl/10*, and a confirming renewal when the grant came after a long wait; renewal
+//!   every ttl/3; lost at the deadline (then a best-effort release with the owner
+//!   token); writes only while the deadline has not passed. Some clients hold their
+//!   locks on a session instead (open, keep-alive every ttl/3, close).
+//! - **Resource**: [`fencelock_fence::MemoryGate`], reached directly by the clients
+//!   (also while they are partitioned from the server); each grant writes each key at
+//!   most once, as the gate requires.
+//!
+//! Not modelled: forced releases (they take a lock from a holder that still believes
+//! it holds it, by design), a replicated server, client clocks that drift.
 #![deny(missing_docs)]
 
 mod check;
@@ -44,6 +75,10 @@ pub enum PlantedBug {
     /// The core's hand-off grants a request whose wait is over
     /// (`PlantedBugs::grant_expired_waiters`).
     GrantExpiredWaiters,
+    /// The server never arms its deadline timer, so expiries wait for the next
+    /// command: safe, but a dead holder's lease never frees on a quiet server (shows
+    /// the liveness check works).
+    NoExpiryTimer,
 }
 
 impl PlantedBug {
@@ -54,6 +89,7 @@ impl PlantedBug {
             PlantedBug::FenceCounterNotDurable => "fence-counter-not-durable",
             PlantedBug::ReleaseByNameOnly => "release-by-name-only",
             PlantedBug::GrantExpiredWaiters => "grant-expired-waiters",
+            PlantedBug::NoExpiryTimer => "no-expiry-timer",
         }
     }
 
@@ -63,11 +99,12 @@ impl PlantedBug {
     }
 
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 4] = [
+    pub const ALL: [PlantedBug; 5] = [
         PlantedBug::NoFenceCheckAtResource,
         PlantedBug::FenceCounterNotDurable,
         PlantedBug::ReleaseByNameOnly,
         PlantedBug::GrantExpiredWaiters,
+        PlantedBug::NoExpiryTimer,
     ];
 }
 

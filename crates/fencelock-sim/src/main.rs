@@ -3,7 +3,8 @@
 //! Options: `--seeds N` (default 10,000), `--first S` (first seed, default 0),
 //! `--threads T` (default 2), `--seed S` (replay one seed with a step trace),
 //! `--plant NAME` (switch off one protection: no-fence-check,
-//! fence-counter-not-durable, release-by-name-only, grant-expired-waiters).
+//! fence-counter-not-durable, release-by-name-only, grant-expired-waiters,
+//! no-expiry-timer).
 //! Prints one summary line; exits 1 if any seed broke an invariant, 2 on bad usage.
 
 use std::process::ExitCode;

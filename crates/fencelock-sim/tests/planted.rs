@@ -67,3 +67,8 @@ fn granting_an_expired_waiter_is_caught() {
         &[Invariant::ExpiredWaiterGranted],
     );
 }
+
+#[test]
+fn a_server_that_never_arms_its_timer_is_caught_by_the_liveness_check() {
+    caught(PlantedBug::NoExpiryTimer, &[Invariant::Liveness]);
+}

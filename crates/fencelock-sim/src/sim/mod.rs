@@ -665,7 +665,6 @@ impl Sim {
                 .checker
                 .fail(Invariant::Liveness, "server still down at the end");
         }
-        let _ = self.server_apply(Command::Tick);
         let stats = self.server.core.as_ref().expect("up").stats();
         if stats.holders > 0 || stats.waiters > 0 || stats.sessions > 0 {
             let detail = format!(

@@ -103,6 +103,9 @@ impl Sim {
     }
 
     fn schedule_tick(&mut self) {
+        if self.options.planted == Some(PlantedBug::NoExpiryTimer) {
+            return;
+        }
         let Some(deadline) = self.server.core.as_ref().and_then(|c| c.next_deadline_ms()) else {
             return;
         };
