@@ -21,7 +21,7 @@
 //!
 //! # Running
 //!
-//! - `cargo test -p fencelock-sim`: 1,000 seeds, the planted-bug tests, replay and
+//! - `cargo test -p fencelock-sim`: 5,000 seeds, the planted-bug tests, replay and
 //!   wall-clock checks. Each run prints a summary line (seeds, operations, faults by
 //!   kind, violations).
 //! - `FENCELOCK_SIM_SEEDS=N` runs N seeds (`FENCELOCK_SIM_FIRST_SEED=S` from S);
