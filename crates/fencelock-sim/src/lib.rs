@@ -6,7 +6,8 @@
 //! Faults come from the seed: client pauses longer than the TTL (also between the
 //! deadline check and the write), one-way and two-way partitions between a client and
 //! the server (the resource stays reachable), message delay, loss and duplication,
-//! server crashes that lose what was not fsynced, wall-clock jumps, and client deaths.
+//! server crashes that lose what was not fsynced, server pauses, wall-clock jumps,
+//! and client deaths.
 //! After the faults stop, a quiet tail lets every lease free.
 //!
 //! Invariants checked on every step (see [`Invariant`]): at most `limit` holders per
@@ -147,6 +148,8 @@ pub struct FaultCounts {
     pub wall_jump: u64,
     /// Clients that died (possibly holding a lock).
     pub client_death: u64,
+    /// Stop-the-world pauses of the server (its monotonic clock runs on).
+    pub server_pause: u64,
     /// Messages lost.
     pub msg_lost: u64,
     /// Messages delivered twice.
@@ -165,6 +168,7 @@ impl FaultCounts {
             + self.crash
             + self.wall_jump
             + self.client_death
+            + self.server_pause
             + self.msg_lost
             + self.msg_duplicated
             + self.msg_delayed
@@ -175,7 +179,7 @@ impl fmt::Display for FaultCounts {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "pause={} stall={} partition_one_way={} partition_two_way={} crash={} wall_jump={} client_death={} msg_lost={} msg_duplicated={} msg_delayed={}",
+            "pause={} stall={} partition_one_way={} partition_two_way={} crash={} wall_jump={} client_death={} server_pause={} msg_lost={} msg_duplicated={} msg_delayed={}",
             self.pause,
             self.stall,
             self.partition_one_way,
@@ -183,6 +187,7 @@ impl fmt::Display for FaultCounts {
             self.crash,
             self.wall_jump,
             self.client_death,
+            self.server_pause,
             self.msg_lost,
             self.msg_duplicated,
             self.msg_delayed

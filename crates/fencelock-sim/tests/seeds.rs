@@ -134,6 +134,7 @@ fn every_seed_holds_every_invariant() {
             ("crash", f.crash),
             ("wall_jump", f.wall_jump),
             ("client_death", f.client_death),
+            ("server_pause", f.server_pause),
             ("msg_lost", f.msg_lost),
             ("msg_duplicated", f.msg_duplicated),
             ("msg_delayed", f.msg_delayed),

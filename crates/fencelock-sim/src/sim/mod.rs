@@ -182,6 +182,9 @@ struct Server {
     /// Clients waiting for a queued request, by its token.
     listeners: BTreeMap<OwnerToken, Vec<(usize, u64)>>,
     wall_offset_ms: i64,
+    /// A stop-the-world pause (GC, swapping): requests, syncs and timers wait until
+    /// then, while the monotonic clock runs on.
+    paused_until: u64,
     snapshot_every: usize,
     rng: Rng,
 }
@@ -299,6 +302,7 @@ enum FaultKind {
     Crash,
     WallJump,
     ClientDeath,
+    ServerPause,
 }
 
 pub(crate) struct Sim {
@@ -378,6 +382,7 @@ impl Sim {
             FaultKind::Crash,
             FaultKind::WallJump,
             FaultKind::ClientDeath,
+            FaultKind::ServerPause,
         ];
         let mut kinds: Vec<FaultKind> =
             all.iter().copied().filter(|_| faults.chance(700)).collect();
@@ -429,6 +434,7 @@ impl Sim {
                 started_at: 0,
                 listeners: BTreeMap::new(),
                 wall_offset_ms: 1_780_000_000_000,
+                paused_until: 0,
                 snapshot_every: setup.range(10, 200) as usize,
                 rng: server_rng,
             },
@@ -518,6 +524,11 @@ impl Sim {
                     self.trace(|| format!("drop (server down) c{from} → server: {request:?}"));
                     return;
                 }
+                if self.server.paused_until > self.now {
+                    let at = self.server.paused_until;
+                    self.schedule(at, Ev::ToServer { from, rpc, request });
+                    return;
+                }
                 self.trace(|| format!("server ← c{from} rpc {rpc}: {request:?}"));
                 self.server_request(from, rpc, request);
             }
@@ -555,6 +566,10 @@ impl Sim {
             }
             Ev::ServerSync { epoch } => {
                 if epoch == self.server.epoch && self.server.core.is_some() {
+                    if self.server.paused_until > self.now {
+                        let at = self.server.paused_until;
+                        return self.schedule(at, Ev::ServerSync { epoch });
+                    }
                     self.server.sync_at = None;
                     self.sync();
                 }
@@ -564,6 +579,11 @@ impl Sim {
                     && self.server.core.is_some()
                     && self.server.tick_at == Some(self.now)
                 {
+                    if self.server.paused_until > self.now {
+                        let at = self.server.paused_until;
+                        self.server.tick_at = Some(at);
+                        return self.schedule(at, Ev::ServerTick { epoch });
+                    }
                     self.server.tick_at = None;
                     let _ = self.server_apply(Command::Tick);
                 }
@@ -727,6 +747,14 @@ impl Sim {
                 });
             }
             FaultKind::Crash => self.crash_server(),
+            FaultKind::ServerPause => {
+                if self.server.core.is_some() {
+                    let d = grid(self.faults.range(50, 2 * max_ttl));
+                    self.server.paused_until = self.server.paused_until.max(self.now + d);
+                    self.stats.faults.server_pause += 1;
+                    self.trace(|| format!("FAULT: server paused for {d} ms"));
+                }
+            }
             FaultKind::WallJump => {
                 let jump = self.wall.range(1, 7_200_000) as i64;
                 let back = self.wall.chance(500);
@@ -774,6 +802,7 @@ impl FaultCounts {
         self.crash += other.crash;
         self.wall_jump += other.wall_jump;
         self.client_death += other.client_death;
+        self.server_pause += other.server_pause;
         self.msg_lost += other.msg_lost;
         self.msg_duplicated += other.msg_duplicated;
         self.msg_delayed += other.msg_delayed;

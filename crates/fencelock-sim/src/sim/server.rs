@@ -95,7 +95,8 @@ impl Sim {
     fn schedule_sync(&mut self) {
         let s = &self.server;
         if s.sync_at.is_none() && (!s.unsynced.is_empty() || !s.pending.is_empty()) {
-            let at = self.now + GRID_MS;
+            // fsync latency varies: the longer it takes, the more commands share it.
+            let at = self.now + grid(self.net.range(GRID_MS, 8 * GRID_MS));
             self.server.sync_at = Some(at);
             let epoch = self.server.epoch;
             self.schedule(at, Ev::ServerSync { epoch });
@@ -324,6 +325,7 @@ impl Sim {
             core.now_ms() + 1
         };
         self.server.base_ms = base_ms;
+        self.server.paused_until = 0;
         self.server.started_at = self.now;
         self.server.core = Some(core);
         self.trace(|| format!("server up: service clock at {base_ms}"));
