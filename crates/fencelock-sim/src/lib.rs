@@ -329,7 +329,15 @@ impl fmt::Display for Totals {
             s.faults.total(),
             s.faults,
             self.failures.len()
-        )
+        )?;
+        if !self.failures.is_empty() {
+            let mut by_kind = std::collections::BTreeMap::new();
+            for (_, v) in &self.failures {
+                *by_kind.entry(v.invariant.to_string()).or_insert(0u64) += 1;
+            }
+            write!(f, " {by_kind:?}")?;
+        }
+        Ok(())
     }
 }
 
