@@ -92,8 +92,9 @@ pub(crate) struct Checker {
     queues: BTreeMap<LockName, VecDeque<Queued>>,
     /// Sessions and the service time their lease ends (exclusive).
     sessions: BTreeMap<SessionId, u64>,
-    /// Fences whose grant ended in a command not yet synced.
-    unsynced_ended: Vec<u64>,
+    /// Fences whose grant ended in a command not yet synced, with that command's
+    /// record number.
+    unsynced_ended: Vec<(u64, u64)>,
     /// Fences whose grant ended in a synced command.
     durable_ended: BTreeSet<u64>,
     /// Every acknowledged grant: fence → (lock, token).
@@ -129,10 +130,12 @@ impl Checker {
         self.limits.get(name).copied().unwrap_or(1) as usize
     }
 
-    /// One command applied at service time `now` with its reply and outcomes.
+    /// One command applied at service time `now` with its reply and outcomes; if it
+    /// is logged, its record number is `record`.
     pub(crate) fn on_apply(
         &mut self,
         now: u64,
+        record: u64,
         command: &Command,
         result: &Result<Reply, CoreError>,
         outcomes: &[Outcome],
@@ -165,7 +168,7 @@ impl Checker {
                         if let Some(held) = self.live.get_mut(&e.name) {
                             held.remove(&fence);
                         }
-                        self.unsynced_ended.push(fence);
+                        self.unsynced_ended.push((record, fence));
                     }
                     EventKind::Queued | EventKind::WaitEnded(_) => {}
                 },
@@ -290,15 +293,25 @@ impl Checker {
 
     /// The records applied so far are durable.
     pub(crate) fn on_sync(&mut self) {
-        for fence in self.unsynced_ended.drain(..) {
-            self.acked_open.remove(&fence);
-            self.durable_ended.insert(fence);
+        for (_, fence) in std::mem::take(&mut self.unsynced_ended) {
+            self.durable_ended(fence);
         }
     }
 
-    /// The server crashed: what was not synced is gone, and so is its view.
-    pub(crate) fn on_crash(&mut self) {
-        self.unsynced_ended.clear();
+    fn durable_ended(&mut self, fence: u64) {
+        self.acked_open.remove(&fence);
+        self.durable_ended.insert(fence);
+    }
+
+    /// The server crashed: the records numbered `kept_below` and later were not
+    /// synced and are gone (earlier ones reached the disk before the crash), and so
+    /// is the server's view.
+    pub(crate) fn on_crash(&mut self, kept_below: u64) {
+        for (record, fence) in std::mem::take(&mut self.unsynced_ended) {
+            if record < kept_below {
+                self.durable_ended(fence);
+            }
+        }
         self.live.clear();
         self.queues.clear();
         self.sessions.clear();
@@ -446,6 +459,7 @@ mod tests {
         let mut c = checker();
         c.on_apply(
             1,
+            0,
             &Command::Tick,
             &Ok(Reply::Ticked),
             &[event(EventKind::Granted, 1)],
@@ -453,6 +467,7 @@ mod tests {
         c.on_ack(&grant(1, 1));
         c.on_apply(
             2,
+            1,
             &Command::Tick,
             &Ok(Reply::Ticked),
             &[
@@ -471,7 +486,7 @@ mod tests {
     fn two_holders_of_a_mutex_break_the_limit() {
         let mut c = checker();
         let both = [event(EventKind::Granted, 1), event(EventKind::Granted, 2)];
-        c.on_apply(1, &Command::Tick, &Ok(Reply::Ticked), &both);
+        c.on_apply(1, 0, &Command::Tick, &Ok(Reply::Ticked), &both);
         assert_eq!(broken(&c), Some(Invariant::HolderLimit));
     }
 
@@ -498,10 +513,11 @@ mod tests {
                 position: 0,
             })
         };
-        c.on_apply(1, &acquire(1, 50), &queued(1), &[]);
-        c.on_apply(2, &acquire(2, 50), &queued(2), &[]);
+        c.on_apply(1, 0, &acquire(1, 50), &queued(1), &[]);
+        c.on_apply(2, 1, &acquire(2, 50), &queued(2), &[]);
         c.on_apply(
             3,
+            2,
             &Command::Tick,
             &Ok(Reply::Ticked),
             &[Outcome::Granted(grant(2, 1))],
@@ -509,8 +525,8 @@ mod tests {
         assert_eq!(broken(&c), Some(Invariant::FifoOrder));
         // Barging: a direct grant while a request is queued.
         let mut c = checker();
-        c.on_apply(1, &acquire(1, 50), &queued(1), &[]);
-        c.on_apply(2, &acquire(3, 0), &Ok(Reply::Granted(grant(3, 1))), &[]);
+        c.on_apply(1, 0, &acquire(1, 50), &queued(1), &[]);
+        c.on_apply(2, 1, &acquire(3, 0), &Ok(Reply::Granted(grant(3, 1))), &[]);
         assert_eq!(broken(&c), Some(Invariant::FifoOrder));
     }
 
@@ -521,9 +537,10 @@ mod tests {
             token: OwnerToken::from_u128(1),
             position: 0,
         });
-        c.on_apply(10, &acquire(1, 50), &queued, &[]);
+        c.on_apply(10, 0, &acquire(1, 50), &queued, &[]);
         c.on_apply(
             60,
+            1,
             &Command::Tick,
             &Ok(Reply::Ticked),
             &[Outcome::Granted(grant(1, 1))],
@@ -538,5 +555,29 @@ mod tests {
         c.on_write_accepted("other", 1);
         c.on_write_accepted("k", 3);
         assert_eq!(broken(&c), Some(Invariant::StaleWriteAccepted));
+    }
+
+    /// After a crash, an acknowledged grant must still be held unless the record
+    /// that ended it reached the disk.
+    #[test]
+    fn an_acknowledged_grant_may_only_vanish_with_a_durable_end() {
+        // A core that granted fence 1 and released it: no holders, next fence 2.
+        let mut core = fencelock_core::Core::new(fencelock_core::Config::default());
+        core.apply(1, acquire(1, 0)).expect("granted");
+        let release = Command::Release {
+            name: name(),
+            token: OwnerToken::from_u128(1),
+        };
+        core.apply(2, release).expect("released");
+        let ended = [event(EventKind::Ended(GrantEnd::Released), 1)];
+        for (kept_below, lost) in [(1, false), (0, true)] {
+            let mut c = checker();
+            c.on_ack(&grant(1, 1));
+            c.on_apply(2, 0, &Command::Tick, &Ok(Reply::Ticked), &ended);
+            c.on_crash(kept_below);
+            c.on_recovered(&core);
+            let expected = lost.then_some(Invariant::AckedGrantLost);
+            assert_eq!(broken(&c), expected, "release record kept: {}", !lost);
+        }
     }
 }

@@ -144,6 +144,9 @@ pub struct FaultCounts {
     pub partition_two_way: u64,
     /// Server crashes (unsynced records and replies lost).
     pub crash: u64,
+    /// Of those, crashes of the process alone, where part of the unsynced log had
+    /// already been written and survived.
+    pub crash_kept_unsynced: u64,
     /// Wall-clock jumps.
     pub wall_jump: u64,
     /// Clients that died (possibly holding a lock).
@@ -179,12 +182,13 @@ impl fmt::Display for FaultCounts {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "pause={} stall={} partition_one_way={} partition_two_way={} crash={} wall_jump={} client_death={} server_pause={} msg_lost={} msg_duplicated={} msg_delayed={}",
+            "pause={} stall={} partition_one_way={} partition_two_way={} crash={} (kept_unsynced={}) wall_jump={} client_death={} server_pause={} msg_lost={} msg_duplicated={} msg_delayed={}",
             self.pause,
             self.stall,
             self.partition_one_way,
             self.partition_two_way,
             self.crash,
+            self.crash_kept_unsynced,
             self.wall_jump,
             self.client_death,
             self.server_pause,

@@ -132,6 +132,7 @@ fn every_seed_holds_every_invariant() {
             ("partition_one_way", f.partition_one_way),
             ("partition_two_way", f.partition_two_way),
             ("crash", f.crash),
+            ("crash_kept_unsynced", f.crash_kept_unsynced),
             ("wall_jump", f.wall_jump),
             ("client_death", f.client_death),
             ("server_pause", f.server_pause),

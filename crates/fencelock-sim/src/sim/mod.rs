@@ -170,8 +170,11 @@ struct Server {
     /// The durable state: a snapshot and the synced records after it.
     snapshot: Option<StateImage>,
     synced: Vec<Record>,
-    /// Appended, not yet fsynced: lost in a crash.
+    /// Appended, not yet fsynced: lost in a power loss, partly kept when only the
+    /// process dies.
     unsynced: Vec<Record>,
+    /// Records appended so far (the next record's number).
+    appended: u64,
     /// Replies held until the records they depend on are synced.
     pending: Vec<(usize, u64, Answer, Option<Grant>)>,
     sync_at: Option<u64>,
@@ -427,6 +430,7 @@ impl Sim {
                 snapshot: None,
                 synced: Vec::new(),
                 unsynced: Vec::new(),
+                appended: 0,
                 pending: Vec::new(),
                 sync_at: None,
                 tick_at: None,
@@ -800,6 +804,7 @@ impl FaultCounts {
         self.partition_one_way += other.partition_one_way;
         self.partition_two_way += other.partition_two_way;
         self.crash += other.crash;
+        self.crash_kept_unsynced += other.crash_kept_unsynced;
         self.wall_jump += other.wall_jump;
         self.client_death += other.client_death;
         self.server_pause += other.server_pause;

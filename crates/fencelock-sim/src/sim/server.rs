@@ -31,13 +31,16 @@ impl Sim {
         let result = core.apply(now, command.clone());
         let outcomes = core.take_outcomes();
         self.stats.commands += 1;
-        self.checker.on_apply(now, &command, &result, &outcomes);
+        let record = self.server.appended;
+        self.checker
+            .on_apply(now, record, &command, &result, &outcomes);
         if due || (result.is_ok() && !is_tick) {
             self.server.unsynced.push(Record {
                 now_ms: now,
                 wall_ms,
                 command: command.clone(),
             });
+            self.server.appended += 1;
         }
         self.mix(now);
         self.mix(match &result {
@@ -257,9 +260,24 @@ impl Sim {
             return;
         }
         self.stats.faults.crash += 1;
-        let lost = self.server.unsynced.len();
-        self.trace(|| format!("CRASH: {lost} unsynced records and their replies lost"));
+        // Power loss keeps nothing that was not synced; a killed process leaves what
+        // it had already written (a prefix of the unsynced log) in the page cache.
+        let unsynced = self.server.unsynced.len();
+        let kept = if self.faults.chance(500) {
+            0
+        } else {
+            self.faults.range(0, unsynced as u64) as usize
+        };
+        if kept > 0 {
+            self.stats.faults.crash_kept_unsynced += 1;
+        }
+        self.trace(|| {
+            format!("CRASH: {kept} of {unsynced} unsynced records survive; waiting replies lost")
+        });
+        let kept_below = self.server.appended - (unsynced - kept) as u64;
         let s = &mut self.server;
+        let survivors: Vec<Record> = s.unsynced.drain(..kept).collect();
+        s.synced.extend(survivors);
         s.core = None;
         s.epoch += 1;
         s.unsynced.clear();
@@ -267,7 +285,7 @@ impl Sim {
         s.listeners.clear();
         s.sync_at = None;
         s.tick_at = None;
-        self.checker.on_crash();
+        self.checker.on_crash(kept_below);
         let down = grid(self.faults.range(10, 400));
         self.schedule(self.now + down, Ev::ServerRestart);
     }
