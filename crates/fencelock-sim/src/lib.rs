@@ -13,7 +13,8 @@
 //! Invariants checked on every step (see [`Invariant`]): at most `limit` holders per
 //! lock; fences of acknowledged grants strictly increasing per lock and never handed
 //! out twice, across crashes; the resource never accepts a write whose fence is not
-//! newer than one it accepted; FIFO grants; no grant to a request whose wait ended;
+//! newer than one it accepted; FIFO grants; no grant to a request whose wait or
+//! session ended;
 //! no acknowledged grant lost across a crash; no more clients believing they hold a
 //! lock than its limit; and, at the end, every lease freed.
 //!
@@ -35,9 +36,11 @@
 //! - **Server**: [`fencelock_core::Core`] driven as the engine drives it: every command
 //!   at the monotonic service time, logged if it changed state, replies held until
 //!   the group commit syncs; a snapshot (`Core::export`) now and then at a sync point.
-//!   A crash loses the unsynced records and the replies waiting for them; recovery
-//!   imports the snapshot, replays the synced records, continues the service clock
-//!   from the last logged time and logs a `Recover`.
+//!   A crash loses the replies waiting for a sync and the unsynced records (all of
+//!   them on a power loss; a killed process keeps the prefix it had written);
+//!   recovery imports the snapshot, replays the durable records, continues the
+//!   service clock from the last logged time and logs a `Recover`. A paused server
+//!   (GC, swapping) handles nothing while its monotonic clock runs on.
 //! - **Clients**: the client library's rules: a request id per acquire, retried with
 //!   backoff within the wait budget; a conservative deadline of *first send + ttl −
 //!   ttl/10*, and a confirming renewal when the grant came after a long wait; renewal
