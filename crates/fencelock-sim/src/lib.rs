@@ -14,9 +14,8 @@
 //! lock; fences of acknowledged grants strictly increasing per lock and never handed
 //! out twice, across crashes; the resource never accepts a write whose fence is not
 //! newer than one it accepted; FIFO grants; no grant to a request whose wait or
-//! session ended;
-//! no acknowledged grant lost across a crash; no more clients believing they hold a
-//! lock than its limit; and, at the end, every lease freed.
+//! session ended; no acknowledged grant lost across a crash; no more clients
+//! believing they hold a lock than its limit; and, at the end, every lease freed.
 //!
 //! The same seed gives the same run, bit for bit (one SplitMix64 seed, forked into
 //! independent streams; only ordered maps; no wall clock, threads or I/O).
