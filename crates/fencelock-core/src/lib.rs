@@ -29,6 +29,9 @@ pub use command::{
     Acquire, Command, Error, ErrorKind, Event, EventKind, Grant, GrantEnd, Outcome, Reply, WaitEnd,
 };
 pub use image::{HolderImage, LeaseImage, LockImage, SessionImage, StateImage, WaiterImage};
+#[cfg(feature = "planted-bugs")]
+#[doc(hidden)]
+pub use machine::PlantedBugs;
 pub use machine::{Config, Core, HolderView, LockView, Stats, MAX_FENCE_FLOOR};
 pub use types::{
     Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId, TextError, TextProblem,

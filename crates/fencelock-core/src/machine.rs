@@ -190,6 +190,23 @@ pub struct Core {
     recent_ends: IdMap<OwnerToken, (LockName, GrantEnd)>,
     recent_order: VecDeque<OwnerToken>,
     outcomes: Vec<Outcome>,
+    #[cfg(feature = "planted-bugs")]
+    planted: PlantedBugs,
+}
+
+/// Protections a simulation test switches off, one at a time, to show that its checker
+/// catches their absence. Compiled in only with the `planted-bugs` feature (enabled by
+/// `fencelock-sim` alone, never by the server or the CLI), and all off unless
+/// [`Core::plant_bugs`] is called.
+#[cfg(feature = "planted-bugs")]
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlantedBugs {
+    /// Release checks the lock name only: a token that does not hold `name` releases
+    /// the first holder of `name` instead of getting `not_held`.
+    pub release_by_name_only: bool,
+    /// Hand-off grants the head waiter even when its wait or its session is over.
+    pub grant_expired_waiters: bool,
 }
 
 fn err(kind: ErrorKind, message: impl Into<String>) -> Error {
@@ -222,7 +239,17 @@ impl Core {
             recent_ends: IdMap::default(),
             recent_order: VecDeque::new(),
             outcomes: Vec::new(),
+            #[cfg(feature = "planted-bugs")]
+            planted: PlantedBugs::default(),
         }
+    }
+
+    /// Switches off the protections `bugs` names (for the simulation's planted-bug
+    /// tests only). Not carried by [`Core::export`]: a recovered core has none.
+    #[cfg(feature = "planted-bugs")]
+    #[doc(hidden)]
+    pub fn plant_bugs(&mut self, bugs: PlantedBugs) {
+        self.planted = bugs;
     }
 
     /// The bounds in force.
@@ -620,7 +647,10 @@ impl Core {
             let session_over = w
                 .session
                 .is_some_and(|id| self.sessions.get(&id).is_none_or(|s| s.deadline_ms <= now));
-            if session_over || w.wait_deadline_ms <= now {
+            let over = session_over || w.wait_deadline_ms <= now;
+            #[cfg(feature = "planted-bugs")]
+            let over = over && !self.planted.grant_expired_waiters;
+            if over {
                 let reason = if session_over {
                     WaitEnd::SessionEnded
                 } else {
@@ -830,6 +860,15 @@ impl Core {
     }
 
     fn release(&mut self, name: LockName, token: OwnerToken) -> Result<Reply, Error> {
+        #[cfg(feature = "planted-bugs")]
+        let token = match self.locks.get(&name) {
+            Some(lock)
+                if self.planted.release_by_name_only && self.holder_of(&name, token).is_none() =>
+            {
+                lock.holders.first().copied().unwrap_or(token)
+            }
+            _ => token,
+        };
         if self.holder_of(&name, token).is_some() {
             self.end_grant(token, GrantEnd::Released, None);
             self.hand_off(&name);
