@@ -79,12 +79,20 @@ pub fn core_commands(data: &[u8]) {
                 granted.push(g.fence);
             }
         }
+        // Deadlines due at `now_ms` may hand locks off before the command itself
+        // grants, so within one step fences come in any order; each new one must be
+        // above every fence of earlier steps. An idempotent retry gets its old one.
+        let before = max_fence;
+        let mut this_step = std::collections::BTreeSet::new();
         for fence in granted {
             let f = fence.get();
-            // A new grant gets a larger fence; an idempotent retry gets its old one.
             assert!(
-                f > max_fence || seen_fences.contains(&f),
-                "fence {f} at step {step} is not above {max_fence} and was never granted"
+                this_step.insert(f),
+                "fence {f} granted twice at step {step}"
+            );
+            assert!(
+                f > before || seen_fences.contains(&f),
+                "fence {f} at step {step} is not above {before} and was never granted"
             );
             max_fence = max_fence.max(f);
             seen_fences.insert(f);

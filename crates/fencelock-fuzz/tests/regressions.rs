@@ -1,0 +1,51 @@
+//! Inputs the fuzzers found, each kept as a test once its bug was fixed. Each test
+//! names the bug it guards against.
+
+/// fencelock-server's codec accepted a log record at service time near `u64::MAX`;
+/// replaying it overflowed `now_ms + ttl_ms` in the core (a panic at start-up in a
+/// debug build, a wrapped lease deadline in a release build). Now the decoder
+/// refuses times above `codec::MAX_TIME_MS`.
+#[test]
+fn log_record_at_the_end_of_time_is_refused_not_overflowed() {
+    let input = [
+        2, 255, 255, 255, 255, 255, 255, 255, 255, 2, 0, 0, 0, 0, 0, 0, 0, 0, 104, 229, 207, 139,
+        1, 0, 0, 1, 3, 0, 0, 0, 111, 112, 115, 1, 1, 0, 0, 0, 98, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 1, 232, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 119, 49, 0,
+        1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    ];
+    assert!(fencelock_server::codec::decode_record(&input).is_err());
+    fencelock_fuzz::codec::log_record(&input);
+}
+
+/// Harness bug (not the server's): `Core::import` reads a fence counter of 0 as 1,
+/// so an imported image may export `next_fence: 1` for a stored 0.
+#[test]
+fn snapshot_with_a_zero_fence_counter_imports_as_one() {
+    let input = [
+        70, 76, 83, 78, 65, 80, 48, 49, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 0, 0, 0, 0,
+    ];
+    fencelock_fuzz::codec::snapshot(&input);
+}
+
+/// Harness bug (not the core's): a hand-off due at `now_ms` happens before the
+/// command's own grant in the same step, so fences of one step come in any order.
+#[test]
+fn handoff_before_a_direct_grant_in_one_step() {
+    let input = [
+        255, 255, 255, 255, 255, 126, 255, 255, 255, 255, 255, 183, 184, 185, 186, 187, 188, 189,
+        190, 191, 192, 178, 178, 178, 178, 178, 178, 178, 178, 30, 0, 0, 0, 178, 178, 178, 178,
+        178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178,
+        178, 178, 178, 178, 178, 178, 178, 86, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178,
+        178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 176, 178,
+        178, 178, 178, 178, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 255, 255, 255, 27, 28, 29,
+        30, 31, 32, 224, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 178, 178, 178, 178, 178, 178,
+        178, 178, 178, 178, 178, 178, 77, 77, 77, 77, 77, 77, 77, 224, 34, 35, 36, 37, 38, 39, 40,
+        178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 193, 194, 195, 208, 209,
+        82, 211, 212, 178, 178, 178, 178, 178, 178, 178, 178, 30, 0, 0, 0, 178, 178, 178, 178, 178,
+        178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178,
+        178, 178, 213, 0, 0, 5, 127, 128, 129, 130, 32, 255, 255, 255, 255, 255, 255, 255, 255,
+        255, 255, 255,
+    ];
+    fencelock_fuzz::core_seq::core_commands(&input);
+}
