@@ -65,11 +65,13 @@ pub fn snapshot(data: &[u8]) {
             "a snapshot with a shared semaphore was imported",
         );
     }
-    // Import starts the fence counter at 1 at least (a stored 0 means 1).
-    let expected = fencelock_core::StateImage {
+    // Import starts the fence counter at 1 at least (a stored 0 means 1), and
+    // export lists sessions in id order whatever order they were stored in.
+    let mut expected = fencelock_core::StateImage {
         next_fence: image.next_fence.max(1),
         ..image
     };
+    expected.sessions.sort_by_key(|s| s.id);
     assert_eq!(
         core.export(),
         expected,

@@ -51,3 +51,16 @@ fn handoff_before_a_direct_grant_in_one_step() {
     ];
     fencelock_fuzz::core_seq::core_commands(&input);
 }
+
+/// Harness bug (not the core's): `Core::import` accepts sessions in any order and
+/// `export` lists them by id, so the round trip compares sessions sorted.
+#[test]
+fn snapshot_with_sessions_out_of_id_order() {
+    let input = [
+        70, 76, 83, 78, 65, 80, 48, 49, 1, 1, 0, 0, 0, 0, 0, 0, 0, 3, 0, 255, 255, 255, 0, 0, 0, 2,
+        0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0,
+        0, 0, 0, 0, 0, 2, 0, 0, 0, 119, 48, 0, 0, 232, 3, 0, 0, 0, 0, 233, 0, 3, 0, 0, 0, 0, 0, 0,
+        0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 255, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    ];
+    fencelock_fuzz::codec::snapshot(&input);
+}
