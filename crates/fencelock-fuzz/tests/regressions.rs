@@ -64,3 +64,21 @@ fn snapshot_with_sessions_out_of_id_order() {
     ];
     fencelock_fuzz::codec::snapshot(&input);
 }
+
+/// `Core::import` accepted a session with `ttl_ms` 0 from a (checksummed) snapshot;
+/// the `Recover` at start-up then gave it a deadline of `now`, breaking the
+/// invariant "no session past its lease" (a panic in a debug build). Now import
+/// refuses a zero TTL on sessions, holders and waiters.
+#[test]
+fn snapshot_with_a_zero_ttl_session_is_refused() {
+    let input = [
+        70, 76, 83, 78, 65, 80, 48, 49, 1, 1, 0, 0, 0, 0, 0, 0, 0, 3, 0, 255, 255, 255, 0, 0, 0, 2,
+        0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0,
+        0, 0, 0, 0, 0, 2, 0, 0, 0, 119, 48, 0, 0, 232, 3, 0, 0, 0, 0, 0, 0, 233, 3, 0, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    ];
+    let image = fencelock_server::codec::decode_snapshot(&input).unwrap();
+    let refused = fencelock_core::Core::import(Default::default(), image).unwrap_err();
+    assert!(refused.contains("ttl_ms 0"), "{refused}");
+    fencelock_fuzz::codec::snapshot(&input);
+}
