@@ -9,7 +9,7 @@
 #   scripts/fuzz.sh --planted 20 # each target with its planted bug on: every one
 #                                # must be found (a crash) within the time
 #
-# Each target starts from fuzz/seeds/<target> (committed; written by
+# Each target starts from fuzz/seeds/<target> (and uses fuzz/dicts/<target>.dict) (committed; written by
 # `FENCELOCK_FUZZ_WRITE_SEEDS=1 cargo test -p fencelock-fuzz --test seeds`) and
 # keeps what it learns in fuzz/corpus/<target> (not committed). A crash leaves its
 # input in fuzz/artifacts/<target>/; replay it with
@@ -52,10 +52,15 @@ summary=()
 failed=0
 for t in "${targets[@]}"; do
     corpus="$fuzz_dir/corpus/$t"
+    # A planted bug must be found from the seeds alone, not from what earlier runs
+    # learnt: start from an empty corpus.
+    [[ $planted == 1 ]] && corpus="$(mktemp -d)"
     artifacts="$fuzz_dir/artifacts/$t"
     mkdir -p "$corpus" "$artifacts"
     seeds=()
     [[ -d "$fuzz_dir/seeds/$t" ]] && seeds=("$fuzz_dir/seeds/$t")
+    dict=()
+    [[ -f "$fuzz_dir/dicts/$t.dict" ]] && dict=(-dict="$fuzz_dir/dicts/$t.dict")
     log="$(mktemp)"
     t0=$(date +%s)
     set +e
@@ -64,7 +69,7 @@ for t in "${targets[@]}"; do
         if [[ $planted == 1 ]]; then export FENCELOCK_FUZZ_PLANT="$t"; fi
         cargo +nightly fuzz run "${build_flags[@]}" "$t" "$corpus" "${seeds[@]}" -- \
             -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
-            -print_final_stats=1 -artifact_prefix="$artifacts/"
+            -print_final_stats=1 -artifact_prefix="$artifacts/" "${dict[@]}"
     ) >"$log" 2>&1
     rc=$?
     set -e
@@ -95,6 +100,7 @@ for t in "${targets[@]}"; do
     fi
     summary+=("$(printf '%-14s %10s %8s %8s  %s' "$t" "${runs:-?}" "$took" "$crashes" "$status")")
     rm -f "$log"
+    [[ $planted == 1 ]] && rm -rf "$corpus"
 done
 
 echo

@@ -301,7 +301,7 @@ pub fn audit_records(data: &[u8]) {
     let dir = tmp.path().join("audit");
     {
         let opts = LogOptions {
-            segment_bytes: 1 << 16,
+            segment_bytes: 4096,
             fsync: false,
         };
         let (mut log, _) = Log::open(&dir, opts).expect("open an empty dir");
@@ -319,8 +319,17 @@ pub fn audit_records(data: &[u8]) {
     };
     match AuditStore::open(&dir, config, false) {
         Ok(store) => {
-            if store.len() >= 4 {
-                plant("audit_records", "four audit entries decoded");
+            let query = fencelock_server::audit::AuditQuery {
+                lock: None,
+                since_wall_ms: 0,
+                limit: usize::MAX,
+            };
+            let entries = store.shared_index().lock().expect("index").query(&query);
+            if entries.iter().any(|e| e.fence.is_some_and(|f| f >= 256)) {
+                plant(
+                    "audit_records",
+                    "an entry with a fence of 256 or more decoded",
+                );
             }
         }
         Err(e) => assert!(

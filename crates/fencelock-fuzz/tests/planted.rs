@@ -4,6 +4,8 @@
 //!   for it (`scripts/fuzz.sh --planted 20` must crash every target).
 //! - The inputs such a run found, committed in `fuzz/planted/<target>/`, still
 //!   reach it: a harness that stopped getting through its decoder fails here.
+//!   (`config/hand-written-*` was written by hand: in 20 s runs libFuzzer did not
+//!   find the config target's planted bug.)
 
 mod support;
 
@@ -26,12 +28,9 @@ fn seeds_miss_every_planted_bug_and_the_fuzzers_finds_still_reach_it() {
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let mut problems = Vec::new();
+    // The found inputs first: the api targets share one engine per process, and
+    // a seed holding a lock could make a found acquire of it fail.
     for (target, harness) in TARGETS {
-        for (i, seed) in seeds(target).iter().enumerate() {
-            if let Some(msg) = panics(harness, seed) {
-                problems.push(format!("{target} seed {i} panics: {msg}"));
-            }
-        }
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../fuzz/planted")
             .join(target);
@@ -53,6 +52,13 @@ fn seeds_miss_every_planted_bug_and_the_fuzzers_finds_still_reach_it() {
                     "{} no longer reaches the planted bug",
                     path.display()
                 )),
+            }
+        }
+    }
+    for (target, harness) in TARGETS {
+        for (i, seed) in seeds(target).iter().enumerate() {
+            if let Some(msg) = panics(harness, seed) {
+                problems.push(format!("{target} seed {i} panics: {msg}"));
             }
         }
     }

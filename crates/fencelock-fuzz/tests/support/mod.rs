@@ -45,7 +45,7 @@ pub fn commands() -> Vec<Command> {
             wait_ms: 0,
             owner: Owner::new("w1").unwrap(),
             request_id: None,
-            limit: 2,
+            limit: 1,
             lock_delay_ms: 5,
             session: None,
         }),
@@ -141,7 +141,7 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
         "config" => vec![
             std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/fencelock.toml"))
                 .expect("the example config"),
-            b"listen = \"127.0.0.1:9000\"\n[limits]\nmax_locks = 7\n".to_vec(),
+            b"listen = \"127.0.0.1:9000\"\nlog_level = \"info\"\n[limits]\nmax_locks = 7\n".to_vec(),
             b"[storage]\nsegment_bytes = 1048576\n[audit]\nmax_age_hours = 1\n".to_vec(),
             b"[[auth.tokens]]\nname = \"ops\"\nrole = \"admin\"\nprefixes = [\"\"]\nsha256 = \"0000000000000000000000000000000000000000000000000000000000000000\"\n".to_vec(),
             b"[limits]\nmin_ttl_ms = 0\n".to_vec(),
@@ -210,10 +210,7 @@ fn audit_seed() -> Vec<u8> {
         };
         store.append(vec![entry(1, AuditKind::Grant)]).unwrap();
         store
-            .append(vec![
-                entry(2, AuditKind::Release),
-                entry(2, AuditKind::Expiry),
-            ])
+            .append(vec![entry(2, AuditKind::Grant), entry(3, AuditKind::Grant)])
             .unwrap();
         store.sync().unwrap();
     }
