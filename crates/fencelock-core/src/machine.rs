@@ -1329,6 +1329,11 @@ impl Core {
         core.now_ms = image.now_ms;
         core.next_fence = image.next_fence.max(1);
         for s in image.sessions {
+            // `Recover` restarts every lease at `now + ttl_ms`: a zero TTL would
+            // make it expire at once, which no live core can have written.
+            if s.ttl_ms == 0 {
+                return Err(format!("session {} has ttl_ms 0", s.id));
+            }
             timers.push((s.deadline_ms, Timer::Session(s.id)));
             let dup = core.sessions.insert(
                 s.id,
@@ -1365,6 +1370,9 @@ impl Core {
                         ttl_ms,
                         deadline_ms,
                     } => {
+                        if ttl_ms == 0 {
+                            return Err(format!("holder {} has ttl_ms 0", h.token));
+                        }
                         timers.push((deadline_ms, Timer::Lease(h.token)));
                         Lease::Own {
                             ttl_ms,
@@ -1411,6 +1419,9 @@ impl Core {
                 }
             }
             for w in l.waiters {
+                if w.ttl_ms == Some(0) {
+                    return Err(format!("waiter {} has ttl_ms 0", w.token));
+                }
                 if w.ttl_ms.is_some() == w.session.is_some() {
                     return Err(format!(
                         "waiter {} needs exactly one of ttl_ms and session",

@@ -19,6 +19,12 @@ const SNAPSHOT_VERSION: u8 = 1;
 /// A snapshot starts with these bytes (inside the log layer's checksummed envelope).
 const SNAPSHOT_MAGIC: &[u8; 8] = b"FLSNAP01";
 
+/// The largest service time or duration a record or snapshot may carry: 2^53 ms
+/// (285,000 years). The core adds a time and a duration (a deadline is `now_ms +
+/// ttl_ms`), so bounding both keeps every sum far from `u64::MAX`: a checksummed
+/// but nonsensical value is refused here instead of overflowing in the core.
+pub const MAX_TIME_MS: u64 = 1 << 53;
+
 /// Why bytes could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DecodeError(pub String);
@@ -124,6 +130,24 @@ impl<'a> Dec<'a> {
     pub(crate) fn str(&mut self) -> Result<&'a str, DecodeError> {
         let len = self.u32()? as usize;
         std::str::from_utf8(self.take(len)?).map_err(|_| bad("invalid UTF-8"))
+    }
+    /// A service time or duration, at most [`MAX_TIME_MS`].
+    pub(crate) fn time(&mut self) -> Result<u64, DecodeError> {
+        let at = self.pos;
+        let v = self.u64()?;
+        if v > MAX_TIME_MS {
+            return Err(bad(format!(
+                "time {v} ms at byte {at} is above the limit of {MAX_TIME_MS} ms"
+            )));
+        }
+        Ok(v)
+    }
+    pub(crate) fn opt_time(&mut self) -> Result<Option<u64>, DecodeError> {
+        Ok(if self.flag()? {
+            Some(self.time()?)
+        } else {
+            None
+        })
     }
     pub(crate) fn flag(&mut self) -> Result<bool, DecodeError> {
         match self.u8()? {
@@ -294,11 +318,11 @@ pub fn decode_record(bytes: &[u8]) -> Result<(RecordMeta, Command), DecodeError>
     let version = d.u8()?;
     let meta = match version {
         RECORD_VERSION_1 => RecordMeta {
-            now_ms: d.u64()?,
+            now_ms: d.time()?,
             ..RecordMeta::default()
         },
         RECORD_VERSION => RecordMeta {
-            now_ms: d.u64()?,
+            now_ms: d.time()?,
             seq: d.u64()?,
             wall_ms: d.u64()?,
             actor: d.opt_str()?.map(str::to_owned),
@@ -439,22 +463,22 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
     if version != SNAPSHOT_VERSION {
         return Err(bad(format!("unknown snapshot version {version}")));
     }
-    let now_ms = d.u64()?;
+    let now_ms = d.time()?;
     let next_fence = d.u64()?;
     let mut sessions = Vec::new();
     for _ in 0..d.count()? {
         sessions.push(SessionImage {
             id: SessionId::from_u128(d.u128()?),
             owner: d.owner()?,
-            ttl_ms: d.u64()?,
-            deadline_ms: d.u64()?,
+            ttl_ms: d.time()?,
+            deadline_ms: d.time()?,
         });
     }
     let mut locks = Vec::new();
     for _ in 0..d.count()? {
         let name = d.name()?;
         let limit = d.u32()?;
-        let blocked_until_ms = d.u64()?;
+        let blocked_until_ms = d.time()?;
         let mut holders = Vec::new();
         for _ in 0..d.count()? {
             holders.push(HolderImage {
@@ -464,14 +488,14 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
                 request_id: d.request_id()?,
                 lease: match d.u8()? {
                     0 => LeaseImage::Own {
-                        ttl_ms: d.u64()?,
-                        deadline_ms: d.u64()?,
+                        ttl_ms: d.time()?,
+                        deadline_ms: d.time()?,
                     },
                     1 => LeaseImage::Session(SessionId::from_u128(d.u128()?)),
                     b => return Err(bad(format!("bad lease kind {b}"))),
                 },
-                granted_at_ms: d.u64()?,
-                lock_delay_ms: d.u64()?,
+                granted_at_ms: d.time()?,
+                lock_delay_ms: d.time()?,
             });
         }
         let mut waiters = Vec::new();
@@ -480,11 +504,11 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
                 token: OwnerToken::from_u128(d.u128()?),
                 owner: d.owner()?,
                 request_id: d.request_id()?,
-                ttl_ms: d.opt_u64()?,
+                ttl_ms: d.opt_time()?,
                 session: d.opt_u128()?.map(SessionId::from_u128),
-                lock_delay_ms: d.u64()?,
-                enqueued_at_ms: d.u64()?,
-                wait_deadline_ms: d.u64()?,
+                lock_delay_ms: d.time()?,
+                enqueued_at_ms: d.time()?,
+                wait_deadline_ms: d.time()?,
             });
         }
         locks.push(LockImage {

@@ -1,0 +1,279 @@
+//! `fencelock serve` on damaged data: a checksum failure anywhere but a torn tail
+//! (in the command log, a snapshot or the audit log) stops the server before it
+//! serves, with exit status 1 and a message naming the file and offset; a torn
+//! tail at the end of the newest segment is discarded with a warning and the
+//! acknowledged state comes back.
+//!
+//! Offsets follow the log's documented format: a 32-byte segment header, then
+//! records `[len u32][crc u32][payload]`; a snapshot has a 32-byte header.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_fencelock");
+
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+    log: std::sync::mpsc::Receiver<String>,
+}
+
+fn serve_cmd(data_dir: &Path, config: Option<&Path>) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--log-format", "json"])
+        .arg("--data-dir")
+        .arg(data_dir);
+    if let Some(config) = config {
+        cmd.arg("--config").arg(config);
+    }
+    cmd
+}
+
+fn start(data_dir: &Path, config: Option<&Path>) -> Server {
+    let mut child = serve_cmd(data_dir, config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn fencelock serve");
+    let (tx, log) = std::sync::mpsc::channel();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .expect("server exited before it was serving")
+            .unwrap();
+        let _ = tx.send(line.clone());
+        let v: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+        if let Some(listen) = v.get("listen").and_then(Value::as_str) {
+            break listen.parse().unwrap();
+        }
+    };
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    Server { child, addr, log }
+}
+
+impl Server {
+    fn post(&self, path: &str, body: &str) -> (u16, String) {
+        let mut s = TcpStream::connect(self.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (status, out)
+    }
+
+    fn acquire(&self, name: &str) -> u16 {
+        self.post(
+            "/v1/acquire",
+            &format!(r#"{{"name":"{name}","ttl_ms":600000}}"#),
+        )
+        .0
+    }
+
+    /// Stops with SIGTERM (which syncs the audit log) and returns the log lines.
+    fn stop(mut self) -> Vec<String> {
+        let sent = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.child.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "no exit 20 s after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.log.try_iter().collect()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `fencelock serve` on `data_dir` must refuse to start: exit 1, and stderr
+/// naming each of `needles`.
+fn check_refused(data_dir: &Path, config: Option<&Path>, needles: &[&str]) {
+    let out = serve_cmd(data_dir, config)
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("fencelock serving"), "it served: {stderr}");
+    for needle in needles {
+        assert!(
+            stderr.contains(needle),
+            "stderr does not say {needle:?}: {stderr}"
+        );
+    }
+}
+
+fn flip(path: &Path, offset: u64) {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, offset).unwrap();
+    f.write_all_at(&[b[0] ^ 0x01], offset).unwrap();
+}
+
+/// Where a segment's records end: walk the frames from the header to the eight
+/// zero bytes that end the data.
+fn data_end(segment: &[u8]) -> u64 {
+    let mut off = 32;
+    loop {
+        let header = &segment[off..off + 8];
+        if header == [0; 8] {
+            return off as u64;
+        }
+        let word = u32::from_le_bytes(header[..4].try_into().unwrap());
+        off += 8 + (word & 0x7fff_ffff) as usize;
+    }
+}
+
+fn segment(dir: &Path, seq: u64) -> PathBuf {
+    dir.join(format!("log-{seq:016}.seg"))
+}
+
+#[test]
+fn a_flipped_bit_in_a_synced_record_stops_serve_naming_file_and_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path(), None);
+    // Each acquire is its own batch, so the first record has later batches.
+    for name in ["a", "b", "c"] {
+        assert_eq!(server.acquire(name), 200);
+    }
+    server.stop();
+    let seg = segment(dir.path(), 0);
+    flip(&seg, 32 + 8 + 1); // the payload of the first record
+    check_refused(
+        dir.path(),
+        None,
+        &[
+            "corrupt log data",
+            &seg.display().to_string(),
+            "at offset 32",
+            "checksum",
+        ],
+    );
+}
+
+#[test]
+fn a_damaged_segment_header_stops_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path(), None);
+    assert_eq!(server.acquire("a"), 200);
+    server.stop();
+    let seg = segment(dir.path(), 0);
+    flip(&seg, 17); // the sequence number
+    check_refused(
+        dir.path(),
+        None,
+        &[
+            "corrupt log data",
+            &seg.display().to_string(),
+            "at offset 0",
+        ],
+    );
+}
+
+#[test]
+fn a_torn_tail_is_discarded_with_a_warning_and_the_state_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path(), None);
+    assert_eq!(server.acquire("a"), 200);
+    server.stop();
+    // Half a record after the last one: a write cut short by a crash.
+    let seg = segment(dir.path(), 0);
+    let end = data_end(&std::fs::read(&seg).unwrap());
+    let f = std::fs::OpenOptions::new().write(true).open(&seg).unwrap();
+    f.write_all_at(&[40, 0, 0, 0x80, 1, 2, 3, 4, b'x', b'y'], end)
+        .unwrap();
+    drop(f);
+    let server = start(dir.path(), None);
+    assert_eq!(server.acquire("a"), 409, "the acknowledged lock was lost");
+    assert_eq!(server.acquire("b"), 200);
+    let log = server.stop().join("\n");
+    assert!(log.contains("\"truncated_tail_bytes\":10"), "{log}");
+    assert!(log.contains("discarded a torn record"), "{log}");
+}
+
+#[test]
+fn a_damaged_snapshot_stops_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fencelock.toml");
+    std::fs::write(&config, "[storage]\nsnapshot_after_bytes = 1\n").unwrap();
+    let data = dir.path().join("data");
+    let server = start(&data, Some(&config));
+    let snapshots = || -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(&data)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "snap"))
+            .collect();
+        v.sort();
+        v
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut n = 0;
+    while snapshots().is_empty() {
+        n += 1;
+        assert_eq!(server.acquire(&format!("l{n}")), 200);
+        assert!(Instant::now() < deadline, "no snapshot was taken");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    server.stop();
+    // The newest one is what a start loads (older ones may linger until then).
+    let snap = snapshots().pop().unwrap();
+    flip(&snap, 32 + 3);
+    check_refused(
+        &data,
+        Some(&config),
+        &["corrupt log data", &snap.display().to_string(), "checksum"],
+    );
+}
+
+#[test]
+fn a_damaged_audit_log_stops_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    // Two runs: each stop syncs the audit log, so its first record is followed by
+    // a later sync batch and cannot be a torn tail.
+    for name in ["a", "b"] {
+        let server = start(dir.path(), None);
+        assert_eq!(server.acquire(name), 200);
+        server.stop();
+    }
+    let seg = segment(&dir.path().join("audit"), 0);
+    flip(&seg, 32 + 8 + 2);
+    check_refused(
+        dir.path(),
+        None,
+        &[
+            "audit log",
+            "corrupt",
+            &seg.display().to_string(),
+            "at offset 32",
+        ],
+    );
+}

@@ -1,0 +1,98 @@
+//! Inputs the fuzzers found, each kept as a test once its bug was fixed. Each test
+//! names the bug it guards against.
+
+/// fencelock-server's codec accepted a log record at service time near `u64::MAX`;
+/// replaying it overflowed `now_ms + ttl_ms` in the core (a panic at start-up in a
+/// debug build, a wrapped lease deadline in a release build). Now the decoder
+/// refuses times above `codec::MAX_TIME_MS`.
+#[test]
+fn log_record_at_the_end_of_time_is_refused_not_overflowed() {
+    let input = [
+        2, 255, 255, 255, 255, 255, 255, 255, 255, 2, 0, 0, 0, 0, 0, 0, 0, 0, 104, 229, 207, 139,
+        1, 0, 0, 1, 3, 0, 0, 0, 111, 112, 115, 1, 1, 0, 0, 0, 98, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 1, 232, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 119, 49, 0,
+        1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    ];
+    assert!(fencelock_server::codec::decode_record(&input).is_err());
+    fencelock_fuzz::codec::log_record(&input);
+}
+
+/// Harness bug (not the server's): `Core::import` reads a fence counter of 0 as 1,
+/// so an imported image may export `next_fence: 1` for a stored 0.
+#[test]
+fn snapshot_with_a_zero_fence_counter_imports_as_one() {
+    // An empty state at service time 1 with a fence counter of 0.
+    let mut input = b"FLSNAP01\x01".to_vec();
+    input.extend_from_slice(&1u64.to_le_bytes()); // now_ms
+    input.extend_from_slice(&0u64.to_le_bytes()); // next_fence
+    input.extend_from_slice(&[0; 12]); // no sessions, locks or recent ends
+    assert!(fencelock_server::codec::decode_snapshot(&input).is_ok());
+    fencelock_fuzz::codec::snapshot(&input);
+}
+
+/// Harness bug (not the core's): a hand-off due at `now_ms` happens before the
+/// command's own grant in the same step, so fences of one step come in any order.
+#[test]
+fn handoff_before_a_direct_grant_in_one_step() {
+    let input = [
+        255, 255, 255, 255, 255, 126, 255, 255, 255, 255, 255, 183, 184, 185, 186, 187, 188, 189,
+        190, 191, 192, 178, 178, 178, 178, 178, 178, 178, 178, 30, 0, 0, 0, 178, 178, 178, 178,
+        178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178,
+        178, 178, 178, 178, 178, 178, 178, 86, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178,
+        178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 176, 178,
+        178, 178, 178, 178, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 255, 255, 255, 27, 28, 29,
+        30, 31, 32, 224, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 178, 178, 178, 178, 178, 178,
+        178, 178, 178, 178, 178, 178, 77, 77, 77, 77, 77, 77, 77, 224, 34, 35, 36, 37, 38, 39, 40,
+        178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 193, 194, 195, 208, 209,
+        82, 211, 212, 178, 178, 178, 178, 178, 178, 178, 178, 30, 0, 0, 0, 178, 178, 178, 178, 178,
+        178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178, 178,
+        178, 178, 213, 0, 0, 5, 127, 128, 129, 130, 32, 255, 255, 255, 255, 255, 255, 255, 255,
+        255, 255, 255,
+    ];
+    fencelock_fuzz::core_seq::core_commands(&input);
+}
+
+/// Harness bug (not the core's): `Core::import` accepts sessions in any order and
+/// `export` lists them by id, so the round trip compares sessions sorted.
+#[test]
+fn snapshot_with_sessions_out_of_id_order() {
+    let input = [
+        70, 76, 83, 78, 65, 80, 48, 49, 1, 1, 0, 0, 0, 0, 0, 0, 0, 3, 0, 255, 255, 255, 0, 0, 0, 2,
+        0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0,
+        0, 0, 0, 0, 0, 2, 0, 0, 0, 119, 48, 0, 0, 232, 3, 0, 0, 0, 0, 233, 0, 3, 0, 0, 0, 0, 0, 0,
+        0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 255, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    ];
+    fencelock_fuzz::codec::snapshot(&input);
+}
+
+/// `Core::import` accepted a session with `ttl_ms` 0 from a (checksummed) snapshot;
+/// the `Recover` at start-up then gave it a deadline of `now`, breaking the
+/// invariant "no session past its lease" (a panic in a debug build). Now import
+/// refuses a zero TTL on sessions, holders and waiters.
+#[test]
+fn snapshot_with_a_zero_ttl_session_is_refused() {
+    let input = [
+        70, 76, 83, 78, 65, 80, 48, 49, 1, 1, 0, 0, 0, 0, 0, 0, 0, 3, 0, 255, 255, 255, 0, 0, 0, 2,
+        0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0,
+        0, 0, 0, 0, 0, 2, 0, 0, 0, 119, 48, 0, 0, 232, 3, 0, 0, 0, 0, 0, 0, 233, 3, 0, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    ];
+    let image = fencelock_server::codec::decode_snapshot(&input).unwrap();
+    let refused = fencelock_core::Core::import(Default::default(), image).unwrap_err();
+    assert!(refused.contains("ttl_ms 0"), "{refused}");
+    fencelock_fuzz::codec::snapshot(&input);
+}
+
+/// Not fixed, a known limitation of the log format (issue 4 report): a segment that
+/// is not the newest, truncated inside an empty record's header so that only zero
+/// bytes remain, reads as a clean end; its record is dropped without an error and
+/// the next segment's records follow (a gap, not a prefix). The harness accepts a
+/// subsequence after such damage; this input must keep passing it.
+#[test]
+fn older_segment_cut_to_zero_bytes_loses_a_record_silently() {
+    let input = [
+        9, 2, 5, 0, 6, 2, 137, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 68, 199, 157, 223, 157, 199, 157, 75,
+        75, 75, 75, 75, 33, 0, 5, 255,
+    ];
+    fencelock_fuzz::disk::log_dir(&input);
+}
