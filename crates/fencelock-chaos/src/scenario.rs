@@ -24,6 +24,8 @@ use crate::{monotonic_ns, WORKER_ENV};
 
 /// How long the server may take to become ready after a (re)start.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long after a restart some worker must have acquired a lock.
+const RECOVERY_BOUND: Duration = Duration::from_secs(60);
 /// How long a `SIGSTOP` may last while waiting for another worker to write.
 const STOP_BOUND: Duration = Duration::from_secs(20);
 /// How long to look for a worker that holds a lock before giving up on one `SIGSTOP`.
@@ -416,6 +418,9 @@ pub fn run(config: &ChaosConfig) -> Result<Summary, String> {
         kept_dir: None,
     };
     let mut kills_ns = Vec::new();
+    let mut tails: Vec<Tail> = (0..config.workers)
+        .map(|id| Tail::new(history_dir.join(format!("w{id}.jsonl"))))
+        .collect();
     let pause = |rng: &mut Rng| Duration::from_millis(100 + rng.below_or_eq(300));
     std::thread::sleep(Duration::from_millis(500));
     for _ in 0..config.rounds {
@@ -443,6 +448,20 @@ pub fn run(config: &ChaosConfig) -> Result<Summary, String> {
         server.restart()?;
         summary.ready_after.push(killed.elapsed());
         summary.restarts += 1;
+        // Liveness: some worker must get a lock from the restarted server.
+        let kill_ns = *kills_ns.last().expect("pushed above");
+        let recovery_end = Instant::now() + RECOVERY_BOUND;
+        while !tails.iter_mut().any(|t| t.acquired_after(kill_ns)) {
+            if Instant::now() >= recovery_end {
+                return Err(format!(
+                    "no worker acquired a lock within {RECOVERY_BOUND:?} of restart {}; \
+                     see {}",
+                    summary.restarts,
+                    dir.keep().display()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
         std::thread::sleep(pause(&mut rng));
     }
 
@@ -549,6 +568,58 @@ fn stop_a_holder(
     Some(outcome)
 }
 
+/// Follows a history file as it grows, remembering the latest successful acquire.
+struct Tail {
+    path: PathBuf,
+    offset: u64,
+    /// An unfinished last line, kept until its newline arrives.
+    partial: Vec<u8>,
+    last_acquired_ns: u64,
+}
+
+impl Tail {
+    fn new(path: PathBuf) -> Tail {
+        Tail {
+            path,
+            offset: 0,
+            partial: Vec::new(),
+            last_acquired_ns: 0,
+        }
+    }
+
+    /// Reads what was appended since the last call; true if the worker completed a
+    /// successful acquire after `since_ns`.
+    fn acquired_after(&mut self, since_ns: u64) -> bool {
+        use std::io::{Seek, SeekFrom};
+        let mut fresh = Vec::new();
+        if let Ok(mut file) = File::open(&self.path) {
+            if file.seek(SeekFrom::Start(self.offset)).is_ok() {
+                let _ = file.read_to_end(&mut fresh);
+            }
+        }
+        self.offset += fresh.len() as u64;
+        self.partial.extend_from_slice(&fresh);
+        let complete = self
+            .partial
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map_or(0, |i| i + 1);
+        for line in self.partial[..complete].split(|&b| b == b'\n') {
+            let Ok(e) = serde_json::from_slice::<history::Event>(line) else {
+                continue;
+            };
+            if e.kind == OpKind::Acquire
+                && e.phase == Phase::Complete
+                && e.outcome == Some(Outcome::Ok)
+            {
+                self.last_acquired_ns = self.last_acquired_ns.max(e.time_ns);
+            }
+        }
+        self.partial.drain(..complete);
+        self.last_acquired_ns > since_ns
+    }
+}
+
 /// Whether a (stopped) worker's last event is the invoke of a write.
 fn inside_write(history: &Path) -> bool {
     history::read_file(history)
@@ -613,6 +684,27 @@ mod tests {
         }
         let r = recoveries(&events, &[200, 400]);
         assert_eq!(r, vec![Duration::from_nanos(100)]);
+    }
+
+    #[test]
+    fn a_tail_sees_acquires_as_they_are_appended() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w0.jsonl");
+        let mut tail = Tail::new(path.clone());
+        assert!(!tail.acquired_after(0), "no file yet");
+        let mut acquired = history::Event::new(0, 0, OpKind::Acquire, Phase::Complete, 500, "l");
+        acquired.outcome = Some(Outcome::Ok);
+        let line = serde_json::to_string(&acquired).unwrap() + "\n";
+        let (first, rest) = line.split_at(10);
+        std::fs::write(&path, first).unwrap();
+        assert!(!tail.acquired_after(100), "half a line");
+        let mut file = OpenOptions::new().append(true).open(&path).unwrap();
+        file.write_all(rest.as_bytes()).unwrap();
+        assert!(tail.acquired_after(100));
+        assert!(
+            !tail.acquired_after(500),
+            "only acquires after the kill count"
+        );
     }
 
     #[test]
