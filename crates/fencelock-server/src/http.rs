@@ -64,6 +64,16 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
             .extensions()
             .get::<BodyLimit>()
             .map_or(MAX_BODY_BYTES, |l| l.0);
+        // A body announced larger than the limit is refused before any of it is read
+        // (the client may be waiting for an answer before it sends it).
+        let announced = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if announced.is_some_and(|len| len > max_body_bytes as u64) {
+            return Err(too_large(max_body_bytes));
+        }
         let mut body = req.into_body().into_data_stream();
         let mut bytes = Vec::new();
         // A client that announces a body and then stalls must not hold a task forever.
@@ -90,10 +100,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
                 )
             })?;
             if bytes.len() + chunk.len() > max_body_bytes {
-                return Err(ApiError::new(
-                    ApiErrorKind::PayloadTooLarge,
-                    format!("request body is larger than {max_body_bytes} bytes"),
-                ));
+                return Err(too_large(max_body_bytes));
             }
             bytes.extend_from_slice(&chunk);
         }
@@ -107,6 +114,13 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
             ApiError::new(ApiErrorKind::InvalidJson, format!("invalid JSON body: {e}"))
         })
     }
+}
+
+fn too_large(max_body_bytes: usize) -> ApiError {
+    ApiError::new(
+        ApiErrorKind::PayloadTooLarge,
+        format!("request body is larger than {max_body_bytes} bytes"),
+    )
 }
 
 #[derive(Deserialize)]

@@ -17,6 +17,7 @@ pub mod http;
 mod input;
 pub mod limits;
 pub mod metrics;
+mod preface;
 pub mod tls;
 
 use std::net::SocketAddr;
@@ -282,10 +283,18 @@ async fn serve(
         let router = router.clone();
         let tls = options.tls.clone();
         let handshake_timeout = options.limits.tls_handshake_timeout;
+        let header_read_timeout = options.header_read_timeout;
         let mut stopping = stopping_rx.clone();
         tokio::spawn(async move {
             let _permit = permit;
             let Some(acceptor) = tls else {
+                let mut stream = stream;
+                let start = tokio::select! {
+                    start = preface::read_start(&mut stream, header_read_timeout) => start,
+                    _ = stopping.changed() => None,
+                };
+                let Some(start) = start else { return };
+                let stream = preface::Prefixed::new(start, stream);
                 return serve_connection(&builder, stream, router, watcher).await;
             };
             let handshake = tokio::time::timeout(handshake_timeout, acceptor.accept(stream));
@@ -303,7 +312,19 @@ async fn serve(
                 },
                 _ = stopping.changed() => return,
             };
-            serve_connection(&builder, stream, router, watcher).await
+            let mut stream = stream;
+            let start = tokio::select! {
+                start = preface::read_start(&mut stream, header_read_timeout) => start,
+                _ = stopping.changed() => None,
+            };
+            let Some(start) = start else { return };
+            serve_connection(
+                &builder,
+                preface::Prefixed::new(start, stream),
+                router,
+                watcher,
+            )
+            .await
         });
     }
     let _ = stopping.send(());
