@@ -1,6 +1,25 @@
 //! Locks on Redis: a single instance ([`RedisBackend`]) or Redlock over several
 //! independent instances ([`RedlockBackend`]). Behind the cargo feature `redis`.
 //!
+//! ```no_run
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use fencelock::redis::{RedisBackend, RedisConfig};
+//! use fencelock::Client;
+//!
+//! # async fn demo() -> Result<(), fencelock::Error> {
+//! let backend = RedisBackend::connect(RedisConfig::new("127.0.0.1:6379")).await?;
+//! let client = Client::from_backend(Arc::new(backend));
+//! let guard = client.lock("job:nightly").ttl(Duration::from_secs(30)).acquire().await?;
+//! println!("fence {}", guard.fence());
+//! guard.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! The client speaks RESP2 itself (no Redis crate): plain TCP, optional `AUTH` and
+//! `SELECT`; no TLS, and no Redis Cluster (a lock's two keys may live in different
+//! slots) or Sentinel discovery.
+//!
 //! # How a lock is kept
 //!
 //! Lock `NAME` is a hash at `{prefix}lock:NAME` (`token`, `fence`, `request`, `owner`)

@@ -133,9 +133,11 @@ struct Remembered {
 /// How one attempt went.
 enum Outcome {
     Granted(Lease),
-    /// Another holder was seen; retry after its remaining lease (if known).
+    /// Another holder was seen; retry after its remaining lease (if known). `split`:
+    /// this attempt also won some instances (contenders divided them).
     Contended {
         pttl: Option<Duration>,
+        split: bool,
     },
 }
 
@@ -378,6 +380,7 @@ impl RedlockBackend {
         }
         Ok(Outcome::Contended {
             pttl: held.into_iter().flatten().min(),
+            split: !ours.is_empty(),
         })
     }
 
@@ -485,9 +488,9 @@ impl LockBackend for RedlockBackend {
                 if !spec.wait.is_zero() {
                     self.subscribe_all(&spec.name, &mut subscriptions).await;
                 }
-                let pttl = match self.attempt(&shared_spec, &token).await? {
+                let (pttl, split) = match self.attempt(&shared_spec, &token).await? {
                     Outcome::Granted(lease) => return Ok(lease),
-                    Outcome::Contended { pttl } => pttl,
+                    Outcome::Contended { pttl, split } => (pttl, split),
                 };
                 let now = Instant::now();
                 if now >= deadline {
@@ -499,10 +502,13 @@ impl LockBackend for RedlockBackend {
                     _ = tokio::time::sleep(nap) => {}
                     _ = any_message(&mut subscriptions) => {}
                 }
-                // Contenders woken together would split the instances again.
-                let pause = jitter(self.retry_jitter)
-                    .min(deadline.saturating_duration_since(Instant::now()));
-                tokio::time::sleep(pause).await;
+                // Contenders that split the instances would split them again if they
+                // retried in step.
+                if split {
+                    let pause = jitter(self.retry_jitter)
+                        .min(deadline.saturating_duration_since(Instant::now()));
+                    tokio::time::sleep(pause).await;
+                }
             }
         })
     }
