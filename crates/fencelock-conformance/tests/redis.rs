@@ -313,3 +313,125 @@ async fn lock_delay_is_refused() {
         "fencelock:lock:delayed"
     ));
 }
+
+/// A semaphore's slot frees when its holder's lease runs out (no release, so no
+/// message): a waiter gets it on the slot's expiry. Retries of a slot's request get the
+/// same slot; a mutex and a semaphore, or two limits, exclude each other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn semaphore_slots_expire_retry_and_refuse_other_limits() {
+    let redis = start().await;
+    let backend = backend(&redis).await;
+    let name = "pool";
+    let slot = |ttl: Duration, wait: Duration| {
+        let mut spec = waiting(name, ttl, wait);
+        spec.limit = 2;
+        spec
+    };
+    let short = slot(Duration::from_millis(1500), Duration::ZERO);
+    let first = step(backend.acquire(&short)).await.expect("first slot");
+    let long = slot(Duration::from_secs(60), Duration::ZERO);
+    let second = step(backend.acquire(&long)).await.expect("second slot");
+    let again = step(backend.acquire(&long))
+        .await
+        .expect("retry of the second");
+    assert_eq!(
+        (&again.owner_token, again.fence),
+        (&second.owner_token, second.fence)
+    );
+    assert!(second.fence > first.fence);
+
+    let e = step(backend.acquire(&slot(Duration::from_secs(60), Duration::ZERO)))
+        .await
+        .expect_err("both slots taken");
+    assert_eq!(e.kind(), ErrorKind::Held, "{e}");
+    let mut other_limit = slot(Duration::from_secs(60), Duration::ZERO);
+    other_limit.limit = 3;
+    let e = step(backend.acquire(&other_limit))
+        .await
+        .expect_err("limit 3");
+    assert_eq!(e.kind(), ErrorKind::LimitMismatch, "{e}");
+    let e = step(backend.acquire(&AcquireSpec::new(name, Duration::from_secs(60))))
+        .await
+        .expect_err("a mutex on a semaphore");
+    assert_eq!(e.kind(), ErrorKind::LimitMismatch, "{e}");
+
+    let started = Instant::now();
+    let third = step(backend.acquire(&slot(Duration::from_secs(60), Duration::from_secs(25))))
+        .await
+        .expect("granted when the first slot expires");
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(12),
+        "woken only after {waited:?}"
+    );
+    assert!(third.fence > second.fence);
+    assert!(!step(backend.release(&first)).await.expect("expired slot"));
+    let e = step(backend.renew(&first, Duration::from_secs(60)))
+        .await
+        .expect_err("renew of an expired slot");
+    assert_eq!(e.kind(), ErrorKind::NotHeld, "{e}");
+    assert_eq!(
+        step(backend.renew(&second, Duration::from_secs(60)))
+            .await
+            .expect("renew"),
+        Duration::from_secs(60)
+    );
+    for lease in [&second, &third] {
+        assert!(step(backend.release(lease)).await.expect("release"));
+    }
+    // All slots gone: nothing of the semaphore is left, and a mutex may take the name.
+    let port = redis.server.port();
+    assert!(!raw_redis::exists(port, "fencelock:sem:pool"));
+    assert!(!raw_redis::exists(port, "fencelock:sem-data:pool"));
+    let mutex = step(backend.acquire(&AcquireSpec::new(name, Duration::from_secs(60))))
+        .await
+        .expect("a mutex after the semaphore");
+    let mut semaphore = slot(Duration::from_secs(60), Duration::ZERO);
+    semaphore.request_id = "another".to_owned();
+    let e = step(backend.acquire(&semaphore))
+        .await
+        .expect_err("a semaphore on a mutex");
+    assert_eq!(e.kind(), ErrorKind::LimitMismatch, "{e}");
+    assert!(step(backend.release(&mutex)).await.expect("release"));
+}
+
+/// Many tasks contend for a semaphore of 3: never more than 3 holders at once, and
+/// every grant has its own fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contended_semaphore_never_exceeds_its_limit() {
+    let redis = start().await;
+    let backends = [backend(&redis).await, backend(&redis).await];
+    let holders = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let most = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let fences = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for task in 0..9 {
+        let backend = backends[task % backends.len()].clone();
+        let (holders, most, fences) = (holders.clone(), most.clone(), fences.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..4 {
+                let mut spec = waiting("slots", Duration::from_secs(30), Duration::from_secs(60));
+                spec.limit = 3;
+                let lease = backend
+                    .acquire(&spec)
+                    .await
+                    .expect("granted within the wait");
+                let now = holders.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                fences.lock().expect("fences").push(lease.fence);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                holders.fetch_sub(1, Ordering::SeqCst);
+                assert!(backend.release(&lease).await.expect("release"));
+            }
+        }));
+    }
+    for task in tasks {
+        step(task).await.expect("contender");
+    }
+    let most = most.load(Ordering::SeqCst);
+    assert!(most <= 3, "{most} holders at once");
+    let mut fences = fences.lock().expect("fences").clone();
+    fences.sort_unstable();
+    fences.dedup();
+    assert_eq!(fences.len(), 36, "fences were reused");
+}

@@ -17,7 +17,7 @@
 //! ```
 //!
 //! The client speaks RESP2 itself (no Redis crate): plain TCP, optional `AUTH` and
-//! `SELECT`; no TLS, and no Redis Cluster (a lock's two keys may live in different
+//! `SELECT`; no TLS, and no Redis Cluster (a lock's keys may live in different
 //! slots) or Sentinel discovery.
 //!
 //! # How a lock is kept
@@ -31,6 +31,14 @@
 //! and fence back instead of `Held`. Renew and release are compare-and-`PEXPIRE` /
 //! compare-and-`DEL` scripts on the owner token, so they never touch another holder's
 //! grant; release `PUBLISH`es on `{prefix}wake:NAME`.
+//!
+//! A semaphore (`limit` > 1, at most [`MAX_SEMAPHORE_LIMIT`]) keeps its holders in the
+//! sorted set `{prefix}sem:NAME` (owner token scored by its lease's expiry, in ms of
+//! the Redis server's `TIME`) and their fences and request ids in the hash
+//! `{prefix}sem-data:NAME`; every script first drops the holders whose expiry has
+//! passed, so a slot frees when its lease runs out. Each holder draws its own fence
+//! from the same counter. A lock held as a mutex refuses a semaphore request and vice
+//! versa, as does a semaphore held with another `limit` (`LimitMismatch`).
 //!
 //! A waiter subscribes to that channel *before* each attempt (on one pub/sub
 //! connection per backend, shared by all its waits), then sleeps until a release is
@@ -52,8 +60,8 @@
 //! - **Leases follow the Redis server's wall clock.** Redis stores expiries as absolute
 //!   Unix times, so a clock step on the Redis host (NTP, an operator) expires leases
 //!   early or late (`monotonic_leases: false`). Only fences protect the resource then.
-//! - **No FIFO, no lock-delay, no sessions, no semaphores:** `limit > 1` and a non-zero
-//!   `lock_delay` are refused with `InvalidArgument`.
+//! - **No FIFO, no lock-delay, no sessions:** a non-zero `lock_delay` is refused with
+//!   `InvalidArgument`.
 //! - Single instance means a single point of failure: while Redis is unreachable every
 //!   call fails with `Unavailable` (each call reconnects), and holders lose their locks
 //!   when their leases run out.
@@ -73,12 +81,33 @@ use crate::{Error, ErrorKind};
 use pubsub::{Subscriber, Subscription};
 use resp::{Endpoint, Pool, Reply, Script};
 
-/// Takes a free lock and draws its next fence, atomically; or reports the holder (and
-/// the grant itself if the holder is this request id). Returns
-/// `{status, token, fence, pttl}` with status 2 = new grant, 1 = this request's
-/// grant, 0 = held by another.
+/// Lua: `now` in milliseconds on the Redis server's clock (scripts may read `TIME`:
+/// Redis 7 replicates a script's effects, not the script).
+macro_rules! now_lua {
+    () => {
+        "local clock = redis.call('TIME')\n\
+         local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)\n"
+    };
+}
+
+/// A script: `now_lua!()` followed by the given parts.
+macro_rules! concat_script {
+    ($($part:expr),* $(,)?) => {
+        concat!(now_lua!(), $($part),*)
+    };
+}
+
+/// Takes a free mutex and draws its next fence, atomically; or reports the holder
+/// (and the grant itself if the holder is this request id). KEYS: lock hash, fence
+/// counter, semaphore holders. Returns `{status, token, fence, pttl}` with status
+/// 2 = new grant, 1 = this request's grant, 0 = held by another, 3 = the lock is held
+/// as a semaphore.
 static ACQUIRE: Script = Script {
-    source: r#"
+    source: concat_script!(
+        r#"
+if redis.call('ZCOUNT', KEYS[3], '(' .. now, '+inf') > 0 then
+  return {3, '', '0', 0}
+end
 local held = redis.call('HMGET', KEYS[1], 'token', 'fence', 'request')
 if held[1] then
   local pttl = redis.call('PTTL', KEYS[1])
@@ -92,31 +121,121 @@ local fence = redis.call('GET', KEYS[2])
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'request', ARGV[3], 'owner', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {2, ARGV[1], fence, tonumber(ARGV[2])}
-"#,
+"#
+    ),
 };
 
-/// Extends the lease if the grant is still the caller's.
+/// Drops a semaphore's holders whose lease ran out (at most `limit` of them), then
+/// (`keep`) makes the holders set and its data live exactly as long as the last holder.
+/// KEYS: holders (token → expiry ms), data (`limit`; `f:`/`q:`/`o:` + token: fence,
+/// request id, owner; `r:` + request id: token).
+macro_rules! semaphore_expire_lua {
+    () => {
+        r#"
+local function forget(token)
+  local request = redis.call('HGET', KEYS[2], 'q:' .. token)
+  if request then
+    redis.call('HDEL', KEYS[2], 'r:' .. request)
+  end
+  redis.call('HDEL', KEYS[2], 'f:' .. token, 'q:' .. token, 'o:' .. token)
+  redis.call('ZREM', KEYS[1], token)
+end
+local function keep()
+  local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+  if last[2] then
+    local left = tonumber(last[2]) - now
+    redis.call('PEXPIRE', KEYS[1], left)
+    redis.call('PEXPIRE', KEYS[2], left)
+  else
+    redis.call('DEL', KEYS[2])
+  end
+end
+for _, token in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+  forget(token)
+end
+"#
+    };
+}
+
+/// A semaphore slot: like `ACQUIRE`, for `limit` holders. KEYS: holders, data, fence
+/// counter, mutex lock hash. ARGV: token, ttl ms, request id, owner, limit.
+static SEMAPHORE_ACQUIRE: Script = Script {
+    source: concat_script!(
+        semaphore_expire_lua!(),
+        r#"
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  return {3, '', '0', 0}
+end
+local holders = redis.call('ZCARD', KEYS[1])
+if holders > 0 and redis.call('HGET', KEYS[2], 'limit') ~= ARGV[5] then
+  return {3, '', '0', 0}
+end
+local mine = redis.call('HGET', KEYS[2], 'r:' .. ARGV[3])
+if mine then
+  local expiry = redis.call('ZSCORE', KEYS[1], mine)
+  if expiry then
+    return {1, mine, redis.call('HGET', KEYS[2], 'f:' .. mine), tonumber(expiry) - now}
+  end
+end
+if holders >= tonumber(ARGV[5]) then
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return {0, '', '0', tonumber(first[2]) - now}
+end
+redis.call('INCR', KEYS[3])
+local fence = redis.call('GET', KEYS[3])
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('HSET', KEYS[2], 'limit', ARGV[5], 'f:' .. ARGV[1], fence, 'q:' .. ARGV[1], ARGV[3],
+  'o:' .. ARGV[1], ARGV[4], 'r:' .. ARGV[3], ARGV[1])
+keep()
+return {2, ARGV[1], fence, tonumber(ARGV[2])}
+"#
+    ),
+};
+
+/// Extends the lease if the grant (mutex or semaphore slot) is still the caller's.
+/// KEYS: holders, data, lock hash. ARGV: token, ttl ms.
 static RENEW: Script = Script {
-    source: r#"
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    source: concat_script!(
+        semaphore_expire_lua!(),
+        r#"
+if redis.call('HGET', KEYS[3], 'token') == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+  return 1
+end
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+  keep()
   return 1
 end
 return 0
-"#,
+"#
+    ),
 };
 
-/// Deletes the grant if it is still the caller's, and wakes the lock's waiters.
+/// Deletes the grant (mutex or semaphore slot) if it is still the caller's, and wakes
+/// the lock's waiters. KEYS: holders, data, lock hash. ARGV: token, channel.
 static RELEASE: Script = Script {
-    source: r#"
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
-  redis.call('DEL', KEYS[1])
+    source: concat_script!(
+        semaphore_expire_lua!(),
+        r#"
+if redis.call('HGET', KEYS[3], 'token') == ARGV[1] then
+  redis.call('DEL', KEYS[3])
+  redis.call('PUBLISH', ARGV[2], 'released')
+  return 1
+end
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  forget(ARGV[1])
+  keep()
   redis.call('PUBLISH', ARGV[2], 'released')
   return 1
 end
 return 0
-"#,
+"#
+    ),
 };
+
+/// Most holders of one semaphore (as the fencelock server).
+pub const MAX_SEMAPHORE_LIMIT: u32 = 1024;
 
 /// How to reach one Redis server.
 #[derive(Debug, Clone)]
@@ -203,14 +322,14 @@ impl LockBackend for RedisBackend {
             push_wakeups: true,
             lock_delay: false,
             sessions: false,
-            semaphores: false,
+            semaphores: true,
             monotonic_leases: false,
         }
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
         Box::pin(async move {
-            check_spec(spec)?;
+            check_spec(spec, MAX_SEMAPHORE_LIMIT)?;
             let deadline = Instant::now() + spec.wait;
             let token = new_token();
             let channel = self.instance.channel(&spec.name);
@@ -274,17 +393,20 @@ impl LockBackend for RedisBackend {
     }
 }
 
-/// The checks every Redis acquire makes before touching the store.
-fn check_spec(spec: &AcquireSpec) -> Result<(), Error> {
+/// The checks every Redis acquire makes before touching the store; `max_limit` 1 for
+/// a backend without semaphores.
+fn check_spec(spec: &AcquireSpec, max_limit: u32) -> Result<(), Error> {
     spec.validate()?;
-    if spec.limit != 1 {
-        return Err(Error::new(
-            ErrorKind::InvalidArgument,
+    if spec.limit > max_limit {
+        let message = if max_limit == 1 {
             format!(
-                "the redis backend has no semaphores: limit must be 1, got {}",
+                "redlock has no semaphores: limit must be 1, got {}",
                 spec.limit
-            ),
-        ));
+            )
+        } else {
+            format!("limit must be at most {max_limit}, got {}", spec.limit)
+        };
+        return Err(Error::new(ErrorKind::InvalidArgument, message));
     }
     if !spec.lock_delay.is_zero() {
         return Err(Error::new(
@@ -388,6 +510,14 @@ impl Instance {
         format!("{}fence:{name}", self.prefix).into_bytes()
     }
 
+    fn holders_key(&self, name: &str) -> Vec<u8> {
+        format!("{}sem:{name}", self.prefix).into_bytes()
+    }
+
+    fn holders_data_key(&self, name: &str) -> Vec<u8> {
+        format!("{}sem-data:{name}", self.prefix).into_bytes()
+    }
+
     fn channel(&self, name: &str) -> Vec<u8> {
         format!("{}wake:{name}", self.prefix).into_bytes()
     }
@@ -395,19 +525,24 @@ impl Instance {
     /// One attempt: a grant (new, or this request's earlier one) or the holder's PTTL.
     async fn try_acquire(&self, spec: &AcquireSpec, token: &str) -> Result<Attempt, Error> {
         let ttl_ms = ms(spec.ttl);
-        let reply = self
-            .pool
-            .eval(
-                &ACQUIRE,
-                &[&self.lock_key(&spec.name), &self.fence_key(&spec.name)],
-                &[
-                    token.as_bytes(),
-                    ttl_ms.as_bytes(),
-                    spec.request_id.as_bytes(),
-                    spec.owner.as_bytes(),
-                ],
-            )
-            .await?;
+        let limit = spec.limit.to_string();
+        let (lock, fence) = (self.lock_key(&spec.name), self.fence_key(&spec.name));
+        let holders = self.holders_key(&spec.name);
+        let args: [&[u8]; 5] = [
+            token.as_bytes(),
+            ttl_ms.as_bytes(),
+            spec.request_id.as_bytes(),
+            spec.owner.as_bytes(),
+            limit.as_bytes(),
+        ];
+        let reply = if spec.limit == 1 {
+            let keys: [&[u8]; 3] = [&lock, &fence, &holders];
+            self.pool.eval(&ACQUIRE, &keys, &args[..4]).await?
+        } else {
+            let data = self.holders_data_key(&spec.name);
+            let keys: [&[u8]; 4] = [&holders, &data, &fence, &lock];
+            self.pool.eval(&SEMAPHORE_ACQUIRE, &keys, &args).await?
+        };
         let items = reply.into_array()?;
         let [status, token, fence, pttl] = items.as_slice() else {
             return Err(Error::new(
@@ -420,6 +555,13 @@ impl Instance {
         // else's PERSIST): then only a release or the wait's end wakes a waiter.
         let remaining = u64::try_from(pttl).ok().map(Duration::from_millis);
         match status.as_int()? {
+            3 => Err(Error::new(
+                ErrorKind::LimitMismatch,
+                format!(
+                    "{:?} is held with another limit than {}",
+                    spec.name, spec.limit
+                ),
+            )),
             0 => Ok(Attempt::Held {
                 pttl: remaining.map(|p| p.max(Duration::from_millis(1))),
             }),
@@ -436,7 +578,7 @@ impl Instance {
                     remaining: remaining.unwrap_or(spec.ttl).min(spec.ttl),
                 }))
             }
-            _ => Err(resp::unexpected("status 0, 1 or 2", status)),
+            _ => Err(resp::unexpected("status 0, 1, 2 or 3", status)),
         }
     }
 
@@ -446,7 +588,11 @@ impl Instance {
             .pool
             .eval(
                 &RENEW,
-                &[&self.lock_key(&lease.name)],
+                &[
+                    &self.holders_key(&lease.name),
+                    &self.holders_data_key(&lease.name),
+                    &self.lock_key(&lease.name),
+                ],
                 &[lease.owner_token.as_bytes(), ttl_ms.as_bytes()],
             )
             .await?;
@@ -458,7 +604,11 @@ impl Instance {
             .pool
             .eval(
                 &RELEASE,
-                &[&self.lock_key(&lease.name)],
+                &[
+                    &self.holders_key(&lease.name),
+                    &self.holders_data_key(&lease.name),
+                    &self.lock_key(&lease.name),
+                ],
                 &[lease.owner_token.as_bytes(), &self.channel(&lease.name)],
             )
             .await?;

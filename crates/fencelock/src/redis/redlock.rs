@@ -475,7 +475,7 @@ impl LockBackend for RedlockBackend {
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
         Box::pin(async move {
-            check_spec(spec)?;
+            check_spec(spec, 1)?;
             let deadline = Instant::now() + spec.wait;
             let token = self.token_for(spec)?;
             let token: Arc<str> = token.into();
