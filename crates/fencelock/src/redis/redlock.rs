@@ -112,6 +112,9 @@ impl RedlockConfig {
 ///   through this `RedlockBackend` returns the same grant (it remembers the owner
 ///   token of the last 4096 requests); the same request id sent through another
 ///   backend object counts as another holder.
+/// - **Late answers.** An instance too slow for `instance_timeout` may still apply a
+///   failed attempt's acquire after the attempt's release reached it (they travel on
+///   different connections); that key blocks the lock there until its ttl runs out.
 /// - No FIFO (contenders race; a random pause breaks ties), no lock-delay, no
 ///   sessions, no semaphores.
 #[derive(Debug)]
@@ -365,8 +368,14 @@ impl RedlockBackend {
         // was lost), so no instance keeps a partial grant until it expires.
         self.release_everywhere(&lease).await;
         if held.is_empty() {
+            // A permanent error (no permission, a foreign value under the key) keeps
+            // its kind: retrying cannot help.
+            let kind = match &first_error {
+                Some(e) if !e.is_transient() => e.kind(),
+                _ => ErrorKind::Unavailable,
+            };
             return Err(Error::new(
-                ErrorKind::Unavailable,
+                kind,
                 format!(
                     "{:?}: only {} of {} redis instances granted it ({})",
                     spec.name,
