@@ -145,6 +145,7 @@ async fn a_waiter_is_woken_by_release_without_polling() {
     let held = step(holder.acquire(&AcquireSpec::new("quiet", Duration::from_secs(60))))
         .await
         .expect("acquire");
+    let started = raw_redis::evalsha_calls(port);
     let task = {
         let waiter = waiter.clone();
         tokio::spawn(async move {
@@ -153,9 +154,15 @@ async fn a_waiter_is_woken_by_release_without_polling() {
             (result, Instant::now())
         })
     };
-    // Let it subscribe and make its first attempt.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let before = raw_redis::evalsha_calls(port);
+    // Its first attempt (after subscribing) is the one script it may run.
+    let first_attempt_by = Instant::now() + Duration::from_secs(10);
+    let mut before = raw_redis::evalsha_calls(port);
+    while before == started {
+        assert!(Instant::now() < first_attempt_by, "the waiter never tried");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        before = raw_redis::evalsha_calls(port);
+    }
+    assert_eq!(before, started + 1, "the waiter tried more than once");
     tokio::time::sleep(Duration::from_secs(2)).await;
     let during = raw_redis::evalsha_calls(port) - before;
     assert_eq!(during, 0, "the waiter ran {during} scripts while it waited");
