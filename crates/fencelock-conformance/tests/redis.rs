@@ -442,3 +442,29 @@ async fn a_contended_semaphore_never_exceeds_its_limit() {
     fences.dedup();
     assert_eq!(fences.len(), 36, "fences were reused");
 }
+
+/// Connections the server closed (a restart, `CLIENT KILL`) fail one call as
+/// `Unavailable`; the backend then drops its idle connections and the next call
+/// reconnects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_connections_fail_one_call_and_the_next_reconnects() {
+    let redis = start().await;
+    let backend = backend(&redis).await;
+    let lease = step(backend.acquire(&AcquireSpec::new("killed", Duration::from_secs(60))))
+        .await
+        .expect("acquire");
+    let killed = raw_redis::command(redis.server.port(), &["CLIENT", "KILL", "TYPE", "normal"]);
+    assert!(
+        matches!(killed, raw_redis::Value::Int(n) if n >= 1),
+        "{killed:?}"
+    );
+    let e = step(backend.renew(&lease, Duration::from_secs(60)))
+        .await
+        .expect_err("the pooled connection is gone");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    let granted = step(backend.renew(&lease, Duration::from_secs(60)))
+        .await
+        .expect("a fresh connection");
+    assert_eq!(granted, Duration::from_secs(60));
+    assert!(step(backend.release(&lease)).await.expect("release"));
+}

@@ -473,11 +473,13 @@ impl std::ops::DerefMut for Pooled<'_> {
 impl Drop for Pooled<'_> {
     fn drop(&mut self) {
         if let Some(conn) = self.conn.take() {
-            if !conn.busy {
-                if let Ok(mut idle) = self.pool.idle.lock() {
-                    if idle.len() < MAX_IDLE {
-                        idle.push(conn);
-                    }
+            if let Ok(mut idle) = self.pool.idle.lock() {
+                if conn.busy {
+                    // It broke (or was abandoned mid-command). The idle ones likely
+                    // share its fate (a server restart): reconnect afresh.
+                    idle.clear();
+                } else if idle.len() < MAX_IDLE {
+                    idle.push(conn);
                 }
             }
         }
