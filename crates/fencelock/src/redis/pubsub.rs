@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::sync::{watch, Notify};
+use tokio::time::Instant;
 
 use super::resp::{encode, read_reply, Endpoint, Reply};
 use crate::{Error, ErrorKind};
@@ -67,6 +68,8 @@ struct Channel {
     confirmed: watch::Sender<bool>,
     /// Count of messages received (only its changes matter).
     messages: watch::Sender<u64>,
+    /// When the last `SUBSCRIBE` for it was queued.
+    subscribe_sent: Instant,
 }
 
 impl State {
@@ -150,6 +153,7 @@ impl Subscriber {
                     Channel {
                         users: 0,
                         phase: Phase::Subscribing,
+                        subscribe_sent: Instant::now(),
                         confirmed: watch::channel(false).0,
                         messages: watch::channel(0).0,
                     },
@@ -175,10 +179,16 @@ impl Subscriber {
                 "the redis pub/sub connection failed",
             )),
             Err(_) => {
-                // No confirmation in time: the connection is stalled or broken. Give
-                // it up, so the next waiter connects afresh.
+                // A SUBSCRIBE unconfirmed for a whole request timeout means a stalled
+                // or broken connection: give it up, so the next waiter connects afresh.
+                // (A short wait running out says nothing yet; other waiters share the
+                // connection.)
                 if let Ok(mut state) = self.shared.lock() {
-                    if state.epoch == subscription.epoch {
+                    let stalled = state.channels.get(channel).is_some_and(|c| {
+                        c.phase == Phase::Subscribing
+                            && c.subscribe_sent.elapsed() >= self.shared.endpoint.request_timeout
+                    });
+                    if state.epoch == subscription.epoch && stalled {
                         state.reset();
                     }
                 }
@@ -362,6 +372,7 @@ fn handle(shared: &Shared, epoch: u64, reply: Reply) -> bool {
                 state.channels.remove(channel.as_slice());
             } else {
                 entry.phase = Phase::Subscribing;
+                entry.subscribe_sent = Instant::now();
                 let channel = channel.clone();
                 state.send(b"SUBSCRIBE", &channel);
             }
@@ -448,8 +459,9 @@ mod tests {
     }
 
     /// A server that accepts connections and never answers: subscriptions stay
-    /// unconfirmed, the channel bound refuses more, and the confirmation timeout gives
-    /// the stalled connection up.
+    /// unconfirmed, the channel bound refuses more, a short wait running out leaves
+    /// the shared connection alone, and a SUBSCRIBE unconfirmed for a whole request
+    /// timeout gives it up.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_channel_bound_holds_and_a_silent_server_is_given_up() {
         let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -462,26 +474,28 @@ mod tests {
                 held.push(socket);
             }
         });
-        let subscriber = Arc::new(Subscriber::new(endpoint(port), 1));
-        let pending = {
-            let subscriber = subscriber.clone();
-            tokio::spawn(async move {
-                subscriber
-                    .subscribe(b"a", Duration::from_millis(500))
-                    .await
-                    .map(|_| ())
-            })
-        };
-        eventually("the first channel is registered", || {
-            subscriber.channels() == 1
-        })
-        .await;
+        let mut stalled = endpoint(port);
+        stalled.request_timeout = Duration::from_millis(600);
+        let subscriber = Subscriber::new(stalled, 1);
+        let e = subscriber
+            .subscribe(b"a", Duration::from_millis(100))
+            .await
+            .expect_err("never confirmed");
+        assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+        assert_eq!(
+            subscriber.channels(),
+            1,
+            "a short wait reset the connection"
+        );
         let e = subscriber
             .subscribe(b"b", Duration::from_secs(5))
             .await
             .expect_err("over the bound");
         assert_eq!(e.kind(), ErrorKind::ResourceExhausted, "{e}");
-        let e = pending.await.expect("task").expect_err("never confirmed");
+        let e = subscriber
+            .subscribe(b"a", Duration::from_secs(1))
+            .await
+            .expect_err("never confirmed");
         assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
         assert_eq!(
             subscriber.channels(),
