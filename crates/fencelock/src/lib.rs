@@ -35,7 +35,7 @@
 //!
 //! The store is a [`LockBackend`]; the fencelock server ([`FencelockBackend`]) is the
 //! first one, and [`Client::capabilities`] says what a store guarantees. With the cargo
-//! feature `redis`, [`redis`] adds Redis (one instance, or Redlock over several).
+//! feature `redis`, the module `redis` adds Redis (one instance, or Redlock over several).
 
 #![deny(missing_docs)]
 
