@@ -34,7 +34,8 @@
 //! ```
 //!
 //! The store is a [`LockBackend`]; the fencelock server ([`FencelockBackend`]) is the
-//! first one, and [`Client::capabilities`] says what a store guarantees.
+//! first one, and [`Client::capabilities`] says what a store guarantees. With the cargo
+//! feature `redis`, the module `redis` adds Redis (one instance, or Redlock over several).
 
 #![deny(missing_docs)]
 
@@ -43,6 +44,8 @@ mod backoff;
 mod client;
 mod error;
 mod guard;
+#[cfg(feature = "redis")]
+pub mod redis;
 mod server;
 
 pub use backend::{
