@@ -35,6 +35,8 @@
 //!
 //! The store is a [`LockBackend`]; the fencelock server ([`FencelockBackend`]) is the
 //! first one, and [`Client::capabilities`] says what a store guarantees.
+//! PostgreSQL (a lock table, or advisory locks) is `fencelock::postgres`, behind the
+//! `postgres` feature.
 
 #![deny(missing_docs)]
 
@@ -43,6 +45,8 @@ mod backoff;
 mod client;
 mod error;
 mod guard;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 mod server;
 
 pub use backend::{
