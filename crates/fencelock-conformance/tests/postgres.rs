@@ -1,17 +1,15 @@
 //! The conformance suite against PostgreSQL in table mode
-//! (`fencelock::postgres::PostgresBackend`), each case on its own throwaway cluster,
-//! plus the table mode's own tests: fences drawn after the row is won never go back,
-//! while the naive recipe (a sequence value drawn before the row is won) can.
+//! (`fencelock::postgres::PostgresBackend`), each case on its own throwaway cluster.
+//! Table-mode-only tests (the fence measurement against the naive recipe) are in
+//! `postgres_specific.rs`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use fencelock::postgres::{PostgresBackend, PostgresConfig};
-use fencelock::{AcquireSpec, BoxFuture, Error, ErrorKind, LockBackend};
-use fencelock_conformance::{step, Fixture};
+use fencelock::{BoxFuture, Error, LockBackend};
+use fencelock_conformance::Fixture;
 use fencelock_testkit::Postgres;
-use tokio_postgres::NoTls;
 
 struct Pg {
     server: Postgres,

@@ -28,7 +28,7 @@ const CLIENT_CHECK_MS: u32 = 1000;
 /// by an adversary can collide on purpose. Other applications using advisory locks in
 /// the same database share the key space too. An operator finds a holder with
 /// `SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND
-/// classid = (key >> 32) AND objid = (key & 0xffffffff)`; the holding session's
+/// classid = (key >> 32) & 4294967295 AND objid = key & 4294967295` (as `oid`s); the holding session's
 /// `application_name` starts with `fencelock:` and the lock name.
 pub fn advisory_key(name: &str) -> i64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
@@ -478,12 +478,13 @@ mod tests {
     #[test]
     fn advisory_keys_are_stable() {
         // Pinned: changing the hash would split every deployed lock in two.
-        assert_eq!(advisory_key(""), advisory_key(""));
         assert_ne!(advisory_key("a"), advisory_key("b"));
         assert_eq!(advisory_key("job:daily-settlement"), PINNED_KEY);
     }
 
-    const PINNED_KEY: i64 = 0;
+    /// Computed independently (Python: FNV-1a 64 over the UTF-8 bytes, then the
+    /// SplitMix64 finalizer).
+    const PINNED_KEY: i64 = 8_164_265_855_136_074_449;
 
     #[test]
     fn application_names_fit() {
