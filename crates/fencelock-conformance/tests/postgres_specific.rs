@@ -454,3 +454,101 @@ async fn an_advisory_lock_is_visible_under_its_key() {
     assert_eq!(holders, [format!("fencelock:{name}")]);
     assert!(step(backend.release(&lease)).await.expect("release"));
 }
+
+/// Waiters are woken by the release's notification, not by polling: while the
+/// backend's listening session is up, a lock freed behind its back (no `NOTIFY`) with
+/// the old lease still far in the future does not wake the waiter; the notification
+/// does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_wake_on_the_notification_not_by_polling() {
+    let server = start().await;
+    let config = PostgresConfig::new(server.connection_string());
+    let holder = PostgresBackend::connect(config.clone())
+        .await
+        .expect("connect");
+    let waiter = Arc::new(PostgresBackend::connect(config).await.expect("connect"));
+    let (admin, _) = raw(&server).await;
+    let name = "push:wake";
+    let held = step(holder.acquire(&spec(name, Duration::from_secs(60), Duration::ZERO)))
+        .await
+        .expect("acquire");
+    let task = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move {
+            waiter
+                .acquire(&spec(
+                    name,
+                    Duration::from_secs(60),
+                    Duration::from_secs(25),
+                ))
+                .await
+        })
+    };
+    // Until the waiter's backend is listening (it starts listening on its first wait).
+    step(async {
+        loop {
+            let listening: i64 = admin
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE query = 'LISTEN \"fencelock_release\"'",
+                    &[],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get(0);
+            if listening == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // Free the row without a notification: a polling waiter would take it now.
+    let freed = admin
+        .execute(
+            "UPDATE distributed_lock SET owner_token = NULL, request_id = NULL, \
+               lease_until = '-infinity' WHERE lock_name = $1",
+            &[&name],
+        )
+        .await
+        .expect("free the row");
+    assert_eq!(freed, 1);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        !task.is_finished(),
+        "the waiter noticed a free lock without a notification (it polls)"
+    );
+    admin
+        .execute("SELECT pg_notify('fencelock_release', $1)", &[&name])
+        .await
+        .expect("notify");
+    let lease = step(task)
+        .await
+        .expect("waiter task")
+        .expect("granted after the notification");
+    assert_eq!(lease.fence, held.fence + 1);
+    assert!(step(waiter.release(&lease)).await.expect("release"));
+}
+
+/// Regression: an advisory acquire cancelled while waiting (its future dropped) must
+/// not leave its request id marked "in progress", or every retry with that id would be
+/// refused as `Unavailable` for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_advisory_acquire_can_be_retried() {
+    let server = start().await;
+    let holder = advisory(&server).await;
+    let waiter = advisory(&server).await;
+    let name = "advisory:cancelled";
+    let held = step(holder.acquire(&spec(name, Duration::from_secs(60), Duration::ZERO)))
+        .await
+        .expect("acquire");
+    let request = spec(name, Duration::from_secs(60), Duration::from_secs(20));
+    let cancelled =
+        tokio::time::timeout(Duration::from_millis(300), waiter.acquire(&request)).await;
+    assert!(cancelled.is_err(), "granted while held: {cancelled:?}");
+    assert!(step(holder.release(&held)).await.expect("release"));
+    let lease = step(waiter.acquire(&request))
+        .await
+        .expect("the retry is served");
+    assert!(step(waiter.release(&lease)).await.expect("release"));
+}

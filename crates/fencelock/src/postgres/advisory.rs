@@ -174,13 +174,17 @@ impl Inner {
         }
     }
 
-    /// The grant already made for `request_id`, if its session is alive.
-    fn existing(&self, request_id: &str) -> Option<Lease> {
+    /// The grant already made for this request (same request id and name), if its
+    /// session is alive.
+    fn existing(&self, spec: &AcquireSpec) -> Option<Lease> {
         let held = {
             let state = self.state();
-            let token = state.by_request.get(request_id)?;
+            let token = state.by_request.get(&spec.request_id)?;
             state.held.get(token)?.clone()
         };
+        if held.lease.name != spec.name {
+            return None;
+        }
         if held.client.is_closed() {
             self.forget(&held);
             return None;
@@ -270,6 +274,18 @@ impl Inner {
             .get(&lease.owner_token)
             .filter(|h| h.lease.name == lease.name)
             .cloned()
+    }
+}
+
+/// Removes a request id from the in-progress set when dropped.
+struct InFlight<'a> {
+    inner: &'a Inner,
+    request_id: &'a str,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.inner.state().in_flight.remove(self.request_id);
     }
 }
 
@@ -363,7 +379,7 @@ impl LockBackend for PostgresAdvisoryBackend {
             spec.validate()?;
             refuse_unsupported(spec, "postgres-advisory")?;
             let inner = &*self.inner;
-            if let Some(lease) = inner.existing(&spec.request_id) {
+            if let Some(lease) = inner.existing(spec) {
                 return Ok(lease);
             }
             if !inner.state().in_flight.insert(spec.request_id.clone()) {
@@ -372,9 +388,12 @@ impl LockBackend for PostgresAdvisoryBackend {
                     "an acquire with this request id is still in progress",
                 ));
             }
-            let result = inner.grant(spec).await;
-            inner.state().in_flight.remove(&spec.request_id);
-            result
+            // Cleared however the attempt ends, cancellation included.
+            let _in_flight = InFlight {
+                inner,
+                request_id: &spec.request_id,
+            };
+            inner.grant(spec).await
         })
     }
 

@@ -415,7 +415,11 @@ impl LockBackend for PostgresBackend {
             let ttl_ms = ttl_ms(spec.ttl)?;
             let inner = &*self.inner;
             let token = new_owner_token();
-            let deadline = Instant::now() + spec.wait;
+            let now = Instant::now();
+            // A wait too long to represent is as good as forever (30 years).
+            let deadline = now
+                .checked_add(spec.wait)
+                .unwrap_or_else(|| now + Duration::from_secs(30 * 365 * 24 * 3600));
             let waits = !spec.wait.is_zero();
             // Subscribe before the first attempt, so that a release committed after
             // the attempt saw the lock held is never missed.
