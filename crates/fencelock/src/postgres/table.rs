@@ -50,7 +50,8 @@ const DDL_LOCK_KEY: i64 = 0x6665_6e63_656c_6f63;
 /// role without `CREATE` can use a table created beforehand. Rows are never deleted:
 /// a release marks the row free and keeps `fencing_seq`, so fences never go back.
 /// **Do not delete rows** (or truncate the table) while any grant's fence may still be
-/// checked by a resource: the lock's fences would restart at 1.
+/// checked by a resource: the lock's fences would restart at 1. Restoring the
+/// database from a backup older than the last grant rolls fences back the same way.
 ///
 /// # What it promises
 ///
@@ -79,9 +80,11 @@ const DDL_LOCK_KEY: i64 = 0x6665_6e63_656c_6f63;
 /// - No semaphores (`limit > 1`), no lock-delay, no sessions: such requests are
 ///   refused with [`ErrorKind::InvalidArgument`].
 ///
-/// Every call is a single statement, so the command connection may go through a
-/// transaction-pooling proxy (PgBouncer `pool_mode = transaction`, with prepared
-/// statements supported); the listening connection needs a real session (`LISTEN`).
+/// Every call is a single statement, but the backend relies on its sessions: the
+/// command connection sets `synchronous_commit = on` once and prepares its
+/// statements, and the listening connection needs `LISTEN`. Connect directly or
+/// through a session-pooling proxy, not a transaction-pooling one (PgBouncer
+/// `pool_mode = transaction`), where neither would follow the statements.
 #[derive(Debug, Clone)]
 pub struct PostgresBackend {
     inner: Arc<Inner>,
@@ -236,8 +239,6 @@ async fn ensure_table(
            lease_until timestamptz NOT NULL,
            updated_at  timestamptz NOT NULL
          );
-         COMMENT ON TABLE {qualified} IS
-           'fencelock locks: one row per lock name, never deleted (fencing_seq must not go back)';
          COMMIT;"
     );
     client.batch_execute(&ddl).await.map_err(|e| {
