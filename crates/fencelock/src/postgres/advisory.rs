@@ -174,22 +174,31 @@ impl Inner {
         }
     }
 
-    /// The grant already made for this request (same request id and name), if its
-    /// session is alive.
-    fn existing(&self, spec: &AcquireSpec) -> Option<Lease> {
-        let held = {
-            let state = self.state();
-            let token = state.by_request.get(&spec.request_id)?;
-            state.held.get(token)?.clone()
-        };
-        if held.lease.name != spec.name {
-            return None;
+    /// The grant already made for this request (same request id and name) if its
+    /// session is alive; otherwise marks the request id in progress (one check, under
+    /// one lock, so two concurrent attempts with one id cannot both grant).
+    fn existing_or_begin(&self, spec: &AcquireSpec) -> Result<Option<Lease>, Error> {
+        let mut state = self.state();
+        let found = state
+            .by_request
+            .get(&spec.request_id)
+            .and_then(|token| state.held.get(token))
+            .filter(|held| held.lease.name == spec.name)
+            .cloned();
+        if let Some(held) = found {
+            if !held.client.is_closed() {
+                return Ok(Some(held.lease.clone()));
+            }
+            state.held.remove(&held.lease.owner_token);
+            state.by_request.remove(&held.request_id);
         }
-        if held.client.is_closed() {
-            self.forget(&held);
-            return None;
+        if !state.in_flight.insert(spec.request_id.clone()) {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "an acquire with this request id is still in progress",
+            ));
         }
-        Some(held.lease.clone())
+        Ok(None)
     }
 
     async fn grant(&self, spec: &AcquireSpec) -> Result<Lease, Error> {
@@ -379,14 +388,8 @@ impl LockBackend for PostgresAdvisoryBackend {
             spec.validate()?;
             refuse_unsupported(spec, "postgres-advisory")?;
             let inner = &*self.inner;
-            if let Some(lease) = inner.existing(spec) {
+            if let Some(lease) = inner.existing_or_begin(spec)? {
                 return Ok(lease);
-            }
-            if !inner.state().in_flight.insert(spec.request_id.clone()) {
-                return Err(Error::new(
-                    ErrorKind::Unavailable,
-                    "an acquire with this request id is still in progress",
-                ));
             }
             // Cleared however the attempt ends, cancellation included.
             let _in_flight = InFlight {

@@ -12,7 +12,9 @@ use super::{
     error_chain, new_owner_token, open, pg_error, quote_identifier, refuse_unsupported, timed_out,
     ttl_ms, PostgresConfig,
 };
-use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use crate::backend::{
+    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, MAX_TTL,
+};
 use crate::{Backoff, Error, ErrorKind};
 
 /// While the listening connection is down, waiters re-check this often (a release's
@@ -96,7 +98,7 @@ struct Inner {
     config: PostgresConfig,
     sql: Sql,
     /// The command connection, opened again after it breaks or times out.
-    conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+    conn: tokio::sync::Mutex<Slot>,
     waiters: Arc<Waiters>,
     /// The listening task, started by the first acquire that waits.
     listener: Mutex<Option<AbortOnDrop>>,
@@ -156,6 +158,13 @@ impl Sql {
     }
 }
 
+/// The command connection, or the last failure to open it.
+#[derive(Debug, Default)]
+struct Slot {
+    conn: Option<Arc<Conn>>,
+    failure: Option<(Instant, Error)>,
+}
+
 /// The command connection and its prepared statements.
 #[derive(Debug)]
 struct Conn {
@@ -182,7 +191,7 @@ impl PostgresBackend {
                 pg,
                 sql: Sql::new(&qualified),
                 config,
-                conn: tokio::sync::Mutex::new(None),
+                conn: tokio::sync::Mutex::new(Slot::default()),
                 waiters: Arc::new(Waiters::default()),
                 listener: Mutex::new(None),
             }),
@@ -253,15 +262,38 @@ async fn ensure_table(
 }
 
 impl Inner {
-    /// The command connection, opened if there is none or it broke.
+    /// The command connection, opened if there is none or it broke. Calls that queued
+    /// behind a failed attempt share its error instead of each trying (and waiting)
+    /// again.
     async fn conn(&self) -> Result<Arc<Conn>, Error> {
+        let queued_at = Instant::now();
         let mut slot = self.conn.lock().await;
-        if let Some(conn) = &*slot {
+        if let Some(conn) = &slot.conn {
             if !conn.client.is_closed() {
                 return Ok(conn.clone());
             }
         }
-        *slot = None;
+        slot.conn = None;
+        if let Some((failed_at, error)) = &slot.failure {
+            if *failed_at >= queued_at {
+                return Err(error.clone());
+            }
+        }
+        match self.open_conn().await {
+            Ok(conn) => {
+                let conn = Arc::new(conn);
+                slot.conn = Some(conn.clone());
+                slot.failure = None;
+                Ok(conn)
+            }
+            Err(error) => {
+                slot.failure = Some((Instant::now(), error.clone()));
+                Err(error)
+            }
+        }
+    }
+
+    async fn open_conn(&self) -> Result<Conn, Error> {
         let (client, _ended) = open(&self.pg, self.config.connect_timeout).await?;
         let prepare = async {
             // Grants are acknowledged only after their commit is flushed, whatever the
@@ -294,16 +326,14 @@ impl Inner {
                 }
                 error
             })?;
-        let conn = Arc::new(conn);
-        *slot = Some(conn.clone());
         Ok(conn)
     }
 
     /// Forgets `conn` (after a timeout: a stalled connection is not trusted again).
     async fn discard(&self, conn: &Arc<Conn>) {
         let mut slot = self.conn.lock().await;
-        if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
-            *slot = None;
+        if slot.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
+            slot.conn = None;
         }
     }
 
@@ -370,8 +400,10 @@ impl Inner {
             .query("read the lock", |c| &c.holder, &[&spec.name])
             .await?;
         let remaining_ms = rows.first().map_or(0, |row| row.get::<_, i64>(0));
+        // Clamped: a row edited by hand may claim any lease.
+        let remaining = Duration::from_millis(u64::try_from(remaining_ms).unwrap_or(0));
         Ok(Attempt::Held {
-            remaining: Duration::from_millis(u64::try_from(remaining_ms).unwrap_or(0)),
+            remaining: remaining.min(MAX_TTL),
         })
     }
 
