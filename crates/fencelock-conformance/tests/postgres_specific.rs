@@ -552,3 +552,134 @@ async fn a_cancelled_advisory_acquire_can_be_retried() {
         .expect("the retry is served");
     assert!(step(waiter.release(&lease)).await.expect("release"));
 }
+
+/// The schema, table and channel are configurable: a second lock table in its own
+/// schema works alongside the default one, with its own fences and notifications.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configured_table_and_channel_are_used() {
+    let server = start().await;
+    let mut config = PostgresConfig::new(server.connection_string());
+    config.schema = "locks".to_owned();
+    config.table = "leases".to_owned();
+    config.channel = "leases_released".to_owned();
+    let holder = PostgresBackend::connect(config.clone())
+        .await
+        .expect("connect");
+    let waiter = Arc::new(PostgresBackend::connect(config).await.expect("connect"));
+    let default = PostgresBackend::connect(PostgresConfig::new(server.connection_string()))
+        .await
+        .expect("connect");
+    let name = "shared-name";
+    let held = step(holder.acquire(&spec(name, Duration::from_secs(60), Duration::ZERO)))
+        .await
+        .expect("acquire in locks.leases");
+    // The default table is another namespace: the same name is free there.
+    let elsewhere = step(default.acquire(&spec(name, Duration::from_secs(60), Duration::ZERO)))
+        .await
+        .expect("acquire in public.distributed_lock");
+    let task = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move {
+            waiter
+                .acquire(&spec(
+                    name,
+                    Duration::from_secs(60),
+                    Duration::from_secs(25),
+                ))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!task.is_finished(), "granted while held");
+    assert!(step(holder.release(&held)).await.expect("release"));
+    let lease = step(task)
+        .await
+        .expect("task")
+        .expect("granted after release");
+    assert_eq!(lease.fence, held.fence + 1);
+    let (admin, _) = raw(&server).await;
+    let fence: i64 = admin
+        .query_one(
+            "SELECT fencing_seq FROM locks.leases WHERE lock_name = $1",
+            &[&name],
+        )
+        .await
+        .expect("the configured table holds the lock")
+        .get(0);
+    assert_eq!(fence as u64, lease.fence);
+    assert!(step(waiter.release(&lease)).await.expect("release"));
+    assert!(step(default.release(&elsewhere)).await.expect("release"));
+}
+
+/// A pre-existing table of another shape (the reference article's, say) is not
+/// silently misused: connecting fails with `InvalidArgument` naming the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_of_another_shape_is_refused() {
+    let server = start().await;
+    let (admin, _) = raw(&server).await;
+    admin
+        .batch_execute(
+            "CREATE TABLE distributed_lock (
+               lock_name    VARCHAR(200) PRIMARY KEY,
+               owner_token  VARCHAR(100) NOT NULL,
+               fencing_seq  BIGINT NOT NULL,
+               lease_until  TIMESTAMP NOT NULL,
+               updated_at   TIMESTAMP NOT NULL)",
+        )
+        .await
+        .expect("create the reference table");
+    let e = PostgresBackend::connect(PostgresConfig::new(server.connection_string()))
+        .await
+        .expect_err("connect to a table without request_id and owner columns");
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert!(e.message().contains("distributed_lock"), "{e}");
+}
+
+/// An unreachable server is a transient `Unavailable` for both modes (so the client
+/// library retries), not a permanent error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_server_is_unavailable() {
+    let port = fencelock_testkit::free_port().expect("a free port");
+    let config = PostgresConfig::new(format!(
+        "host=127.0.0.1 port={port} user=postgres dbname=postgres"
+    ));
+    let e = PostgresBackend::connect(config.clone())
+        .await
+        .expect_err("nothing listens there");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    let e = PostgresAdvisoryBackend::connect(config)
+        .await
+        .expect_err("nothing listens there");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+}
+
+/// Advisory mode bounds its connections: one per held lock or acquire in progress, at
+/// most `max_connections`; the next acquire is `ResourceExhausted` (transient) until
+/// one is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advisory_connections_are_bounded() {
+    let server = start().await;
+    let mut config = PostgresConfig::new(server.connection_string());
+    config.max_connections = 2;
+    let backend = PostgresAdvisoryBackend::connect(config)
+        .await
+        .expect("connect");
+    let ttl = Duration::from_secs(60);
+    let a = step(backend.acquire(&spec("bounded:a", ttl, Duration::ZERO)))
+        .await
+        .expect("first");
+    let b = step(backend.acquire(&spec("bounded:b", ttl, Duration::ZERO)))
+        .await
+        .expect("second");
+    let e = step(backend.acquire(&spec("bounded:c", ttl, Duration::ZERO)))
+        .await
+        .expect_err("a third connection");
+    assert_eq!(e.kind(), ErrorKind::ResourceExhausted, "{e}");
+    assert!(step(backend.release(&a)).await.expect("release"));
+    let c = step(backend.acquire(&spec("bounded:c", ttl, Duration::ZERO)))
+        .await
+        .expect("a slot is free again");
+    for lease in [b, c] {
+        assert!(step(backend.release(&lease)).await.expect("release"));
+    }
+}
