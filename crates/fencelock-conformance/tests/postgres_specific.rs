@@ -683,3 +683,78 @@ async fn advisory_connections_are_bounded() {
         assert!(step(backend.release(&lease)).await.expect("release"));
     }
 }
+
+/// The PIDs of sessions listening on the default channel.
+async fn listeners(admin: &Client) -> Vec<i32> {
+    admin
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE query = 'LISTEN \"fencelock_release\"'",
+            &[],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+/// The listening session comes back after the server ends it, and a waiter that
+/// waited through the outage is still woken by the release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listener_reconnects() {
+    let server = start().await;
+    let config = PostgresConfig::new(server.connection_string());
+    let holder = PostgresBackend::connect(config.clone())
+        .await
+        .expect("connect");
+    let waiter = Arc::new(PostgresBackend::connect(config).await.expect("connect"));
+    let (admin, _) = raw(&server).await;
+    let name = "listener:reconnect";
+    let held = step(holder.acquire(&spec(name, Duration::from_secs(60), Duration::ZERO)))
+        .await
+        .expect("acquire");
+    let task = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move {
+            waiter
+                .acquire(&spec(
+                    name,
+                    Duration::from_secs(60),
+                    Duration::from_secs(25),
+                ))
+                .await
+        })
+    };
+    let first = step(async {
+        loop {
+            if let [pid] = listeners(&admin).await[..] {
+                break pid;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&first])
+        .await
+        .expect("terminate the listening session");
+    step(async {
+        loop {
+            if let [pid] = listeners(&admin).await[..] {
+                if pid != first {
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(!task.is_finished(), "granted while held");
+    assert!(step(holder.release(&held)).await.expect("release"));
+    let lease = step(task)
+        .await
+        .expect("task")
+        .expect("granted after release");
+    assert_eq!(lease.fence, held.fence + 1);
+    assert!(step(waiter.release(&lease)).await.expect("release"));
+}
