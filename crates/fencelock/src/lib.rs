@@ -34,8 +34,9 @@
 //! ```
 //!
 //! The store is a [`LockBackend`]; the fencelock server ([`FencelockBackend`]) is the
-//! first one, and [`Client::capabilities`] says what a store guarantees. With the cargo
-//! feature `redis`, the module `redis` adds Redis (one instance, or Redlock over several).
+//! first one, and [`Client::capabilities`] says what a store guarantees. Other stores,
+//! each behind a cargo feature of the same name: `redis` (one instance, or Redlock
+//! over several), `postgres` (a lock table, or advisory locks).
 
 #![deny(missing_docs)]
 
@@ -46,6 +47,8 @@ mod error;
 mod guard;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 mod server;
 
 pub use backend::{

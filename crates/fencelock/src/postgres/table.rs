@@ -1,0 +1,675 @@
+//! Table mode: [`PostgresBackend`].
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_postgres::{AsyncMessage, Client, Statement};
+
+use super::{
+    new_owner_token, open, pg_error, quote_identifier, refuse_unsupported, timed_out, ttl_ms,
+    PostgresConfig,
+};
+use crate::backend::{
+    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, MAX_TTL,
+};
+use crate::{Backoff, Error, ErrorKind};
+
+/// While the listening connection is down, waiters re-check this often (a release's
+/// notification may be lost meanwhile).
+const FALLBACK_POLL: Duration = Duration::from_millis(250);
+
+/// The shortest pause between two attempts of one waiter (a lease that ends "now" by
+/// the server's clock may still be a few microseconds away).
+const MIN_PAUSE: Duration = Duration::from_millis(1);
+
+/// Key of the transaction-level advisory lock that serialises concurrent `CREATE
+/// TABLE IF NOT EXISTS` (which can otherwise fail with a unique violation on the
+/// catalog). "fencelock" in ASCII.
+const DDL_LOCK_KEY: i64 = 0x6665_6e63_656c_6f63;
+
+/// PostgreSQL through a lock table: durable per-lock fences, push wake-ups, leases
+/// on the database server's clock.
+///
+/// # The table
+///
+/// ```sql
+/// CREATE TABLE distributed_lock (
+///   lock_name   text PRIMARY KEY,      -- 1..=256 bytes
+///   owner_token text,                  -- NULL while free
+///   owner       text NOT NULL,         -- who holds it (free text)
+///   request_id  text,                  -- the holder's idempotency key
+///   fencing_seq bigint NOT NULL,       -- the last fence of this lock
+///   lease_until timestamptz NOT NULL,  -- by the server's clock; -infinity when free
+///   updated_at  timestamptz NOT NULL
+/// );
+/// ```
+///
+/// [`connect`](PostgresBackend::connect) creates it (and the schema) if missing, under
+/// a transaction-level advisory lock so concurrent first connects do not collide; a
+/// role without `CREATE` can use a table created beforehand. Rows are never deleted:
+/// a release marks the row free and keeps `fencing_seq`, so fences never go back.
+/// **Do not delete rows** (or truncate the table) while any grant's fence may still be
+/// checked by a resource: the lock's fences would restart at 1. Restoring the
+/// database from a backup older than the last grant rolls fences back the same way.
+///
+/// # What it promises
+///
+/// - **Exclusion and expiry by the server's clock.** A grant is one `INSERT … ON
+///   CONFLICT (lock_name) DO UPDATE … WHERE lease_until < now()`: the row lock makes
+///   concurrent attempts on one lock take turns, and `now()` is the database's
+///   transaction time, never the client's clock. It is a *wall* clock, though: if the
+///   server's clock jumps forward, leases end early (`monotonic_leases` is false).
+/// - **Durable, per-lock increasing fences.** The fence (`fencing_seq + 1`) is
+///   computed in the statement that wins the row, under its row lock, and commits with
+///   the grant; the connection sets `synchronous_commit = on`, so a grant is
+///   acknowledged after its WAL record is flushed (on a server running with
+///   `fsync = on`; a streaming standby promoted by failover may lack commits that
+///   were not replicated synchronously). Fences are per lock, not global.
+/// - **Idempotent retries.** The grant stores its request id; an acquire retried with
+///   the same request id while that grant is held returns the same grant. Request
+///   ids are not scoped to a caller: keep them secret and random (the client library
+///   does).
+/// - **Owner-checked renew and release**, each one statement. A release marks the
+///   row free and sends `pg_notify(channel, lock_name)` in the same transaction.
+/// - **Push wake-ups, not FIFO.** Each backend keeps one extra connection that
+///   `LISTEN`s on the channel and wakes its waiters for that lock name; a waiter also
+///   sleeps only until the holder's `lease_until` (an expiry sends nothing). Woken
+///   waiters race for the row: no arrival order is kept. While the listening
+///   connection is down a waiter re-checks every 250 ms.
+/// - No semaphores (`limit > 1`), no lock-delay, no sessions: such requests are
+///   refused with [`ErrorKind::InvalidArgument`].
+///
+/// Every call is a single statement, but the backend relies on its sessions: the
+/// command connection sets `synchronous_commit = on` once and prepares its
+/// statements, and the listening connection needs `LISTEN`. Connect directly or
+/// through a session-pooling proxy, not a transaction-pooling one (PgBouncer
+/// `pool_mode = transaction`), where neither would follow the statements.
+#[derive(Debug, Clone)]
+pub struct PostgresBackend {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    pg: tokio_postgres::Config,
+    config: PostgresConfig,
+    sql: Sql,
+    /// The command connection, opened again after it breaks or times out.
+    conn: tokio::sync::Mutex<Slot>,
+    waiters: Arc<Waiters>,
+    /// The listening task, started by the first acquire that waits.
+    listener: Mutex<Option<AbortOnDrop>>,
+}
+
+#[derive(Debug)]
+struct Sql {
+    acquire: String,
+    holder: String,
+    renew: String,
+    release: String,
+}
+
+impl Sql {
+    fn new(table: &str) -> Sql {
+        Sql {
+            // The fence is drawn here, after the row is won (the conflict arm runs
+            // under the row lock, after a concurrent winner committed). On a retry of
+            // a held grant (same request id, lease not over) every column keeps its
+            // value and the existing grant is returned.
+            acquire: format!(
+                "INSERT INTO {table} AS l \
+                   (lock_name, owner_token, owner, request_id, fencing_seq, lease_until, updated_at) \
+                 VALUES ($1, $2, $3, $4, 1, now() + $5::bigint * interval '1 millisecond', now()) \
+                 ON CONFLICT (lock_name) DO UPDATE SET \
+                   owner_token = CASE WHEN l.lease_until < now() THEN EXCLUDED.owner_token ELSE l.owner_token END, \
+                   owner       = CASE WHEN l.lease_until < now() THEN EXCLUDED.owner ELSE l.owner END, \
+                   request_id  = CASE WHEN l.lease_until < now() THEN EXCLUDED.request_id ELSE l.request_id END, \
+                   fencing_seq = CASE WHEN l.lease_until < now() THEN l.fencing_seq + 1 ELSE l.fencing_seq END, \
+                   lease_until = CASE WHEN l.lease_until < now() THEN EXCLUDED.lease_until ELSE l.lease_until END, \
+                   updated_at  = now() \
+                 WHERE l.lease_until < now() OR l.request_id = EXCLUDED.request_id \
+                 RETURNING fencing_seq, owner_token"
+            ),
+            // Milliseconds until the current lease ends (0 if it has), for a waiter's
+            // timer.
+            holder: format!(
+                "SELECT CASE WHEN lease_until <= clock_timestamp() THEN 0::bigint \
+                   ELSE ceil(extract(epoch FROM lease_until - clock_timestamp()) * 1000)::bigint END \
+                 FROM {table} WHERE lock_name = $1"
+            ),
+            renew: format!(
+                "UPDATE {table} SET lease_until = now() + $3::bigint * interval '1 millisecond', \
+                   updated_at = now() \
+                 WHERE lock_name = $1 AND owner_token = $2 AND lease_until >= now() \
+                 RETURNING fencing_seq"
+            ),
+            release: format!(
+                "WITH released AS ( \
+                   UPDATE {table} SET owner_token = NULL, request_id = NULL, \
+                     lease_until = '-infinity', updated_at = now() \
+                   WHERE lock_name = $1 AND owner_token = $2 AND lease_until >= now() \
+                   RETURNING lock_name) \
+                 SELECT pg_notify($3, lock_name) FROM released"
+            ),
+        }
+    }
+}
+
+/// The command connection, or the last failure to open it.
+#[derive(Debug, Default)]
+struct Slot {
+    conn: Option<Arc<Conn>>,
+    failure: Option<(Instant, Error)>,
+}
+
+/// The command connection and its prepared statements.
+#[derive(Debug)]
+struct Conn {
+    client: Client,
+    acquire: Statement,
+    holder: Statement,
+    renew: Statement,
+    release: Statement,
+}
+
+impl PostgresBackend {
+    /// Connects, creates the schema and table if missing, and prepares the
+    /// statements. Fails with [`ErrorKind::InvalidArgument`] for a bad connection
+    /// string or identifier, [`ErrorKind::Unavailable`] if the server cannot be
+    /// reached within `connect_timeout`.
+    pub async fn connect(config: PostgresConfig) -> Result<PostgresBackend, Error> {
+        let pg = config.pg_config()?;
+        let schema = quote_identifier("schema", &config.schema)?;
+        let table = quote_identifier("table", &config.table)?;
+        quote_identifier("channel", &config.channel)?;
+        let qualified = format!("{schema}.{table}");
+        let backend = PostgresBackend {
+            inner: Arc::new(Inner {
+                pg,
+                sql: Sql::new(&qualified),
+                config,
+                conn: tokio::sync::Mutex::new(Slot::default()),
+                waiters: Arc::new(Waiters::default()),
+                listener: Mutex::new(None),
+            }),
+        };
+        let (client, _ended) =
+            open(&backend.inner.pg, backend.inner.config.connect_timeout).await?;
+        let create =
+            async { ensure_table(&client, &backend.inner.config, &schema, &qualified).await };
+        tokio::time::timeout(backend.inner.config.request_timeout, create)
+            .await
+            .map_err(|_| {
+                timed_out(
+                    "create the lock table",
+                    backend.inner.config.request_timeout,
+                )
+            })??;
+        drop(client);
+        backend.inner.conn().await?;
+        Ok(backend)
+    }
+
+    /// The lock table's qualified, quoted name (`"public"."distributed_lock"`).
+    pub fn table(&self) -> String {
+        format!(
+            "\"{}\".\"{}\"",
+            self.inner.config.schema, self.inner.config.table
+        )
+    }
+}
+
+async fn ensure_table(
+    client: &Client,
+    config: &PostgresConfig,
+    schema: &str,
+    qualified: &str,
+) -> Result<(), Error> {
+    let exists = client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
+        .await
+        .map_err(|e| pg_error(&e, "look up the lock table"))?;
+    if exists.get::<_, bool>(0) {
+        return Ok(());
+    }
+    let ddl = format!(
+        "BEGIN;
+         SELECT pg_advisory_xact_lock({DDL_LOCK_KEY});
+         CREATE SCHEMA IF NOT EXISTS {schema};
+         CREATE TABLE IF NOT EXISTS {qualified} (
+           lock_name   text PRIMARY KEY CHECK (octet_length(lock_name) BETWEEN 1 AND 256),
+           owner_token text,
+           owner       text NOT NULL DEFAULT '',
+           request_id  text,
+           fencing_seq bigint NOT NULL CHECK (fencing_seq > 0),
+           lease_until timestamptz NOT NULL,
+           updated_at  timestamptz NOT NULL
+         );
+         COMMIT;"
+    );
+    client.batch_execute(&ddl).await.map_err(|e| {
+        pg_error(
+            &e,
+            &format!(
+                "create the lock table {}.{} (create it beforehand if this role may not)",
+                config.schema, config.table
+            ),
+        )
+    })
+}
+
+impl Inner {
+    /// The command connection, opened if there is none or it broke. Calls that queued
+    /// behind a failed attempt share its error instead of each trying (and waiting)
+    /// again.
+    async fn conn(&self) -> Result<Arc<Conn>, Error> {
+        let queued_at = Instant::now();
+        let mut slot = self.conn.lock().await;
+        if let Some(conn) = &slot.conn {
+            if !conn.client.is_closed() {
+                return Ok(conn.clone());
+            }
+        }
+        slot.conn = None;
+        if let Some((failed_at, error)) = &slot.failure {
+            if *failed_at >= queued_at {
+                return Err(error.clone());
+            }
+        }
+        match self.open_conn().await {
+            Ok(conn) => {
+                let conn = Arc::new(conn);
+                slot.conn = Some(conn.clone());
+                slot.failure = None;
+                Ok(conn)
+            }
+            Err(error) => {
+                slot.failure = Some((Instant::now(), error.clone()));
+                Err(error)
+            }
+        }
+    }
+
+    async fn open_conn(&self) -> Result<Conn, Error> {
+        let (client, _ended) = open(&self.pg, self.config.connect_timeout).await?;
+        let prepare = async {
+            // Grants are acknowledged only after their commit is flushed, whatever the
+            // server's default.
+            client.batch_execute("SET synchronous_commit = on").await?;
+            Ok::<_, tokio_postgres::Error>(Conn {
+                acquire: client.prepare(&self.sql.acquire).await?,
+                holder: client.prepare(&self.sql.holder).await?,
+                renew: client.prepare(&self.sql.renew).await?,
+                release: client.prepare(&self.sql.release).await?,
+                client,
+            })
+        };
+        let conn = tokio::time::timeout(self.config.request_timeout, prepare)
+            .await
+            .map_err(|_| timed_out("prepare statements", self.config.request_timeout))?
+            .map_err(|e| {
+                let mut error = pg_error(&e, "prepare statements on the lock table");
+                if e.code().is_some_and(|c| c.code().starts_with("42")) {
+                    error = Error::new(
+                        ErrorKind::InvalidArgument,
+                        format!(
+                            "{} (does {}.{} have the columns fencelock expects? see \
+                             PostgresBackend's docs)",
+                            error.message(),
+                            self.config.schema,
+                            self.config.table
+                        ),
+                    );
+                }
+                error
+            })?;
+        Ok(conn)
+    }
+
+    /// Forgets `conn` (after a timeout: a stalled connection is not trusted again).
+    async fn discard(&self, conn: &Arc<Conn>) {
+        let mut slot = self.conn.lock().await;
+        if slot.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
+            slot.conn = None;
+        }
+    }
+
+    /// Runs one statement on the command connection within `request_timeout`.
+    async fn query(
+        &self,
+        what: &str,
+        pick: impl Fn(&Conn) -> &Statement,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Vec<tokio_postgres::Row>, Error> {
+        let conn = self.conn().await?;
+        match tokio::time::timeout(
+            self.config.request_timeout,
+            conn.client.query(pick(&conn), params),
+        )
+        .await
+        {
+            Ok(Ok(rows)) => Ok(rows),
+            Ok(Err(e)) => Err(pg_error(&e, what)),
+            Err(_) => {
+                self.discard(&conn).await;
+                Err(timed_out(what, self.config.request_timeout))
+            }
+        }
+    }
+
+    /// One attempt: the grant, or how long the current lease has left.
+    async fn attempt(
+        &self,
+        spec: &AcquireSpec,
+        token: &str,
+        ttl_ms: i64,
+        want_holder: bool,
+    ) -> Result<Attempt, Error> {
+        let rows = self
+            .query(
+                "acquire",
+                |c| &c.acquire,
+                &[&spec.name, &token, &spec.owner, &spec.request_id, &ttl_ms],
+            )
+            .await?;
+        if let Some(row) = rows.first() {
+            let fence: i64 = row.get(0);
+            let owner_token: String = row.get(1);
+            let fence = u64::try_from(fence).map_err(|_| {
+                Error::new(
+                    ErrorKind::Internal,
+                    format!("the lock table holds fence {fence}"),
+                )
+            })?;
+            return Ok(Attempt::Granted(Lease::new(
+                spec.name.clone(),
+                fence,
+                owner_token,
+                spec.ttl,
+            )));
+        }
+        if !want_holder {
+            return Ok(Attempt::Held {
+                remaining: Duration::ZERO,
+            });
+        }
+        let rows = self
+            .query("read the lock", |c| &c.holder, &[&spec.name])
+            .await?;
+        let remaining_ms = rows.first().map_or(0, |row| row.get::<_, i64>(0));
+        // Clamped: a row edited by hand may claim any lease.
+        let remaining = Duration::from_millis(u64::try_from(remaining_ms).unwrap_or(0));
+        Ok(Attempt::Held {
+            remaining: remaining.min(MAX_TTL),
+        })
+    }
+
+    /// Starts the listening task unless it runs.
+    fn ensure_listener(&self) {
+        let mut listener = self.listener.lock().unwrap_or_else(|p| p.into_inner());
+        if listener.is_none() {
+            let task = tokio::spawn(listen(
+                self.pg.clone(),
+                self.config.connect_timeout,
+                self.config.channel.clone(),
+                self.waiters.clone(),
+            ));
+            *listener = Some(AbortOnDrop(task));
+        }
+    }
+}
+
+enum Attempt {
+    Granted(Lease),
+    Held { remaining: Duration },
+}
+
+impl LockBackend for PostgresBackend {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            backend: "postgres",
+            fences: FenceGuarantee::Durable,
+            fifo: false,
+            push_wakeups: true,
+            lock_delay: false,
+            sessions: false,
+            semaphores: false,
+            monotonic_leases: false,
+        }
+    }
+
+    fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
+        Box::pin(async move {
+            spec.validate()?;
+            refuse_unsupported(spec, "postgres")?;
+            let ttl_ms = ttl_ms(spec.ttl)?;
+            let inner = &*self.inner;
+            let token = new_owner_token();
+            let now = Instant::now();
+            // A wait too long to represent is as good as forever (30 years).
+            let deadline = now
+                .checked_add(spec.wait)
+                .unwrap_or_else(|| now + Duration::from_secs(30 * 365 * 24 * 3600));
+            let waits = !spec.wait.is_zero();
+            // Subscribe before the first attempt, so that a release committed after
+            // the attempt saw the lock held is never missed.
+            let mut subscription = waits.then(|| {
+                inner.ensure_listener();
+                inner.waiters.subscribe(&spec.name)
+            });
+            // Bounded by the deadline: every round waits for a wake-up or a timer.
+            loop {
+                if let Some(s) = &mut subscription {
+                    s.rx.borrow_and_update();
+                }
+                let remaining = match inner.attempt(spec, &token, ttl_ms, waits).await? {
+                    Attempt::Granted(lease) => return Ok(lease),
+                    Attempt::Held { remaining } => remaining,
+                };
+                let now = Instant::now();
+                let Some(subscription) = subscription.as_mut().filter(|_| now < deadline) else {
+                    return Err(if waits {
+                        Error::new(
+                            ErrorKind::Timeout,
+                            format!("{:?} was not granted within {:?}", spec.name, spec.wait),
+                        )
+                    } else {
+                        Error::new(ErrorKind::Held, format!("{:?} is held", spec.name))
+                    });
+                };
+                let mut wake = deadline.min(now + remaining.max(MIN_PAUSE));
+                if !inner.waiters.listening() {
+                    wake = wake.min(now + FALLBACK_POLL);
+                }
+                tokio::select! {
+                    _ = subscription.rx.changed() => {}
+                    _ = tokio::time::sleep_until(wake) => {}
+                }
+            }
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Duration, Error>> {
+        Box::pin(async move {
+            let ttl_ms = ttl_ms(ttl)?;
+            let rows = self
+                .inner
+                .query(
+                    "renew",
+                    |c| &c.renew,
+                    &[&lease.name, &lease.owner_token, &ttl_ms],
+                )
+                .await?;
+            if rows.is_empty() {
+                return Err(Error::new(
+                    ErrorKind::NotHeld,
+                    format!(
+                        "{:?} is not held with this owner token (released or expired)",
+                        lease.name
+                    ),
+                ));
+            }
+            Ok(ttl)
+        })
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            let rows = self
+                .inner
+                .query(
+                    "release",
+                    |c| &c.release,
+                    &[&lease.name, &lease.owner_token, &self.inner.config.channel],
+                )
+                .await?;
+            Ok(!rows.is_empty())
+        })
+    }
+}
+
+/// Waiters of this backend, by lock name, and whether the listener is listening.
+#[derive(Debug, Default)]
+struct Waiters {
+    state: Mutex<WaitersState>,
+}
+
+#[derive(Debug, Default)]
+struct WaitersState {
+    /// One entry per lock name some acquire of this backend waits for (so bounded by
+    /// the acquires in progress); removed by the last waiter.
+    by_name: HashMap<String, watch::Sender<u64>>,
+    listening: bool,
+}
+
+impl Waiters {
+    fn lock(&self) -> std::sync::MutexGuard<'_, WaitersState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn subscribe(self: &Arc<Self>, name: &str) -> Subscription {
+        let mut state = self.lock();
+        let sender = state
+            .by_name
+            .entry(name.to_owned())
+            .or_insert_with(|| watch::channel(0).0);
+        Subscription {
+            rx: sender.subscribe(),
+            name: name.to_owned(),
+            waiters: self.clone(),
+        }
+    }
+
+    fn wake(&self, name: &str) {
+        if let Some(sender) = self.lock().by_name.get(name) {
+            sender.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    fn listening(&self) -> bool {
+        self.lock().listening
+    }
+
+    /// Records the listener's state and wakes every waiter: notifications may have
+    /// been missed while it was down.
+    fn set_listening(&self, listening: bool) {
+        let mut state = self.lock();
+        state.listening = listening;
+        for sender in state.by_name.values() {
+            sender.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+}
+
+struct Subscription {
+    rx: watch::Receiver<u64>,
+    name: String,
+    waiters: Arc<Waiters>,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let mut state = self.waiters.lock();
+        // `self.rx` still counts: remove the entry if it is the last receiver.
+        if state
+            .by_name
+            .get(&self.name)
+            .is_some_and(|sender| sender.receiver_count() <= 1)
+        {
+            state.by_name.remove(&self.name);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The listening task: `LISTEN channel` on its own connection, wake the waiters of
+/// each notified lock name; reconnect (with backoff) when the connection ends. Runs
+/// until the backend is dropped.
+async fn listen(
+    pg: tokio_postgres::Config,
+    connect_timeout: Duration,
+    channel: String,
+    waiters: Arc<Waiters>,
+) {
+    let backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+    let mut failures = 0u32;
+    loop {
+        if listen_once(&pg, connect_timeout, &channel, &waiters).await {
+            failures = 0;
+        }
+        waiters.set_listening(false);
+        tokio::time::sleep(backoff.delay(failures)).await;
+        failures = failures.saturating_add(1);
+    }
+}
+
+/// One listening connection, until it ends. Returns whether it was listening at some
+/// point (then the backoff starts over).
+async fn listen_once(
+    pg: &tokio_postgres::Config,
+    connect_timeout: Duration,
+    channel: &str,
+    waiters: &Waiters,
+) -> bool {
+    let connecting = pg.connect(tokio_postgres::NoTls);
+    let Ok(Ok((client, mut connection))) = tokio::time::timeout(connect_timeout, connecting).await
+    else {
+        return false;
+    };
+    // The channel was checked to be a plain identifier.
+    let statement = format!("LISTEN \"{channel}\"");
+    let listen = client.batch_execute(&statement);
+    tokio::pin!(listen);
+    let mut listened = false;
+    loop {
+        tokio::select! {
+            done = &mut listen, if !listened => match done {
+                Ok(()) => {
+                    listened = true;
+                    waiters.set_listening(true);
+                }
+                Err(_) => return false,
+            },
+            message = std::future::poll_fn(|cx| connection.poll_message(cx)) => match message {
+                Some(Ok(AsyncMessage::Notification(n))) => waiters.wake(n.payload()),
+                Some(Ok(_)) => {}
+                Some(Err(_)) | None => return listened,
+            },
+        }
+    }
+}
