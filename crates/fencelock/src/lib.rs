@@ -35,6 +35,9 @@
 //!
 //! The store is a [`LockBackend`]; the fencelock server ([`FencelockBackend`]) is the
 //! first one, and [`Client::capabilities`] says what a store guarantees.
+//!
+//! Other stores, each behind a cargo feature of the same name:
+//! - `etcd`: [`etcd::EtcdBackend`], etcd v3 (durable fences, FIFO, watches, semaphores).
 
 #![deny(missing_docs)]
 
@@ -42,6 +45,8 @@ mod backend;
 mod backoff;
 mod client;
 mod error;
+#[cfg(feature = "etcd")]
+pub mod etcd;
 mod guard;
 mod server;
 
