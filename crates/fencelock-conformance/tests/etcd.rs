@@ -329,3 +329,41 @@ async fn unsupported_requests_are_refused() {
         assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
     }
 }
+
+/// Several endpoints are one backend that moves to the next member when one fails:
+/// a port nobody listens on is skipped at connect, and a member that stalls (a paused
+/// proxy) fails one request as `Unavailable` — the next goes to the next member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_member_hands_requests_to_the_next() {
+    let fixture = start().await;
+    let proxy = fencelock_testkit::Proxy::start(fixture.addrs()[0])
+        .await
+        .expect("proxy");
+    let dead = fencelock_testkit::free_port().expect("a free port");
+    let mut config = EtcdConfig::new(format!("http://127.0.0.1:{dead}"));
+    config.endpoints.push(proxy.url());
+    config.endpoints.push(fixture.etcd.url());
+    config.request_timeout = Duration::from_secs(1);
+    let backend = step(EtcdBackend::connect(config))
+        .await
+        .expect("connect past the dead endpoint");
+    let name = "etcd:endpoints";
+    let mut last = 0;
+    for _ in 0..5 {
+        let lease = acquire(&backend, &waiting(name, Duration::ZERO)).await;
+        assert!(lease.fence > last);
+        last = lease.fence;
+        step(backend.renew(&lease, LONG_TTL)).await.expect("renew");
+        assert!(step(backend.release(&lease)).await.expect("release"));
+    }
+    proxy.pause();
+    let spec = waiting(name, Duration::ZERO);
+    let e = step(backend.acquire(&spec))
+        .await
+        .expect_err("a request through the stalled member");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    // The retry (same request id) goes to the live member.
+    let lease = acquire(&backend, &spec).await;
+    assert!(lease.fence > last);
+    assert!(step(backend.release(&lease)).await.expect("release"));
+}

@@ -38,9 +38,10 @@
 //! - Lease expiry is decided by the leader on its monotonic clock (Go's `time.Now`
 //!   readings carry one), never a client's clock. But a leader change *extends* every
 //!   lease: the new leader gives each the full ttl again (plus an election timeout)
-//!   because etcd 3.4 does not checkpoint remaining ttls by default. So a lease never
-//!   ends before the client's deadline (the lost-lock signal stays correct), but a
-//!   crashed holder may keep others waiting up to about twice its ttl across a failover.
+//!   because etcd 3.4 does not checkpoint remaining ttls by default (a restarted
+//!   single member does the same). So a lease never ends before the client's deadline
+//!   (the lost-lock signal stays correct), but a crashed holder may keep others waiting
+//!   up to about twice its ttl across a failover or restart.
 //! - Fences are durable and never reused, unless the cluster is restored from a backup
 //!   (`etcdctl snapshot restore` rewinds the revision to the snapshot's): after a
 //!   restore, bump the revision past any fence ever issued (`etcdutl snapshot restore
@@ -56,7 +57,8 @@
 
 mod keys;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -122,9 +124,7 @@ impl EtcdConfig {
 /// Cheap to clone; clones share the connections.
 #[derive(Debug, Clone)]
 pub struct EtcdBackend {
-    kv: pb::kv_client::KvClient<Channel>,
-    watch: pb::watch_client::WatchClient<Channel>,
-    leases: pb::lease_client::LeaseClient<Channel>,
+    members: Arc<Members>,
     prefix: String,
     request_timeout: Duration,
     wakeups: Arc<AtomicU64>,
@@ -154,18 +154,28 @@ impl EtcdBackend {
     pub async fn connect(config: EtcdConfig) -> Result<EtcdBackend, Error> {
         let backend = EtcdBackend::connect_lazy(config)?;
         let (dir, _) = keys::lock_dir(&backend.prefix, "");
-        backend
-            .range(pb::RangeRequest {
-                key: dir,
+        // A member that cannot be reached passes the requests to the next one.
+        let mut tries = backend.members.channels.len();
+        loop {
+            let probe = pb::RangeRequest {
+                key: dir.clone(),
                 count_only: true,
                 ..Default::default()
-            })
-            .await?;
-        Ok(backend)
+            };
+            match backend.range(probe).await {
+                Ok(_) => return Ok(backend),
+                Err(e) if e.kind() == ErrorKind::Unavailable && tries > 1 => tries -= 1,
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Like [`connect`](EtcdBackend::connect), but connects on first use (requests
     /// fail instead). Must be called within a tokio runtime.
+    ///
+    /// Requests go to one member at a time, the first endpoint to start with; a
+    /// request that fails as [`ErrorKind::Unavailable`] (a member down, stalled or cut
+    /// off from the leader) moves the next request to the next endpoint, in a circle.
     pub fn connect_lazy(config: EtcdConfig) -> Result<EtcdBackend, Error> {
         if config.endpoints.is_empty() || config.endpoints.len() > MAX_ENDPOINTS {
             return Err(invalid(format!(
@@ -196,15 +206,11 @@ impl EtcdBackend {
                     .keep_alive_while_idle(true),
             );
         }
-        let channel = if endpoints.len() == 1 {
-            endpoints.remove(0).connect_lazy()
-        } else {
-            Channel::balance_list(endpoints.into_iter())
-        };
         Ok(EtcdBackend {
-            kv: pb::kv_client::KvClient::new(channel.clone()),
-            watch: pb::watch_client::WatchClient::new(channel.clone()),
-            leases: pb::lease_client::LeaseClient::new(channel),
+            members: Arc::new(Members {
+                channels: endpoints.iter().map(Endpoint::connect_lazy).collect(),
+                current: AtomicUsize::new(0),
+            }),
             prefix: config.prefix.trim_end_matches('/').to_owned(),
             request_timeout: config.request_timeout,
             wakeups: Arc::new(AtomicU64::new(0)),
@@ -263,21 +269,48 @@ impl EtcdBackend {
         request
     }
 
+    /// Runs one call on the current member; an `Unavailable` failure moves later
+    /// calls to the next member.
+    async fn call<T, F, Fut>(&self, call: F) -> Result<T, Error>
+    where
+        F: FnOnce(Channel) -> Fut,
+        Fut: Future<Output = Result<T, Error>>,
+    {
+        let (index, channel) = self.members.current();
+        call(channel)
+            .await
+            .map_err(|e| self.members.failed(index, e))
+    }
+
     async fn range(&self, request: pb::RangeRequest) -> Result<pb::RangeResponse, Error> {
-        let reply = self.kv.clone().range(self.request(request)).await;
-        Ok(reply.map_err(status_error)?.into_inner())
+        let request = self.request(request);
+        self.call(|channel| async move {
+            let reply = pb::kv_client::KvClient::new(channel).range(request).await;
+            Ok(reply.map_err(status_error)?.into_inner())
+        })
+        .await
     }
 
     async fn txn(&self, request: pb::TxnRequest) -> Result<pb::TxnResponse, Error> {
-        let reply = self.kv.clone().txn(self.request(request)).await;
-        Ok(reply.map_err(status_error)?.into_inner())
+        let request = self.request(request);
+        self.call(|channel| async move {
+            let reply = pb::kv_client::KvClient::new(channel).txn(request).await;
+            Ok(reply.map_err(status_error)?.into_inner())
+        })
+        .await
     }
 
     /// A new lease of `ttl_s` seconds: its id and the ttl etcd granted.
     async fn grant_lease(&self, ttl_s: i64) -> Result<(i64, i64), Error> {
         let request = self.request(pb::LeaseGrantRequest { ttl: ttl_s, id: 0 });
-        let reply = self.leases.clone().lease_grant(request).await;
-        let reply = reply.map_err(status_error)?.into_inner();
+        let reply = self
+            .call(|channel| async move {
+                let reply = pb::lease_client::LeaseClient::new(channel)
+                    .lease_grant(request)
+                    .await;
+                Ok(reply.map_err(status_error)?.into_inner())
+            })
+            .await?;
         if !reply.error.is_empty() {
             return Err(Error::new(
                 ErrorKind::Unavailable,
@@ -299,11 +332,13 @@ impl EtcdBackend {
     /// One `LeaseKeepAlive` round trip: the lease's ttl from now, in seconds, or
     /// `NotHeld` if it has expired or been revoked.
     async fn keep_alive(&self, lease_id: i64) -> Result<i64, Error> {
-        let round_trip = async {
-            let request = self.request(tokio_stream::once(pb::LeaseKeepAliveRequest {
-                id: lease_id,
-            }));
-            let reply = self.leases.clone().lease_keep_alive(request).await;
+        let request = self.request(tokio_stream::once(pb::LeaseKeepAliveRequest {
+            id: lease_id,
+        }));
+        let round_trip = |channel| async move {
+            let reply = pb::lease_client::LeaseClient::new(channel)
+                .lease_keep_alive(request)
+                .await;
             let mut replies = reply.map_err(status_error)?.into_inner();
             match replies.message().await.map_err(status_error)? {
                 Some(reply) if reply.id == lease_id => Ok(reply.ttl),
@@ -317,9 +352,14 @@ impl EtcdBackend {
                 )),
             }
         };
-        let ttl = tokio::time::timeout(self.request_timeout, round_trip)
-            .await
-            .map_err(|_| Error::new(ErrorKind::Unavailable, "etcd keep-alive timed out"))??;
+        let timeout = self.request_timeout;
+        let ttl = self
+            .call(|channel| async move {
+                tokio::time::timeout(timeout, round_trip(channel))
+                    .await
+                    .map_err(|_| Error::new(ErrorKind::Unavailable, "etcd keep-alive timed out"))?
+            })
+            .await?;
         if ttl <= 0 {
             return Err(Error::new(
                 ErrorKind::NotHeld,
@@ -332,10 +372,18 @@ impl EtcdBackend {
     /// Revokes a lease (deleting its keys); a lease already gone is fine.
     async fn revoke(&self, lease_id: i64) -> Result<(), Error> {
         let request = self.request(pb::LeaseRevokeRequest { id: lease_id });
-        match self.leases.clone().lease_revoke(request).await {
-            Ok(_) => Ok(()),
-            Err(status) if status.code() == Code::NotFound => Ok(()),
-            Err(status) => Err(status_error(status)),
+        let revoked = self
+            .call(|channel| async move {
+                let reply = pb::lease_client::LeaseClient::new(channel)
+                    .lease_revoke(request)
+                    .await;
+                reply.map(drop).map_err(status_error)
+            })
+            .await;
+        match revoked {
+            // etcd's "requested lease not found".
+            Err(e) if e.kind() == ErrorKind::NotHeld => Ok(()),
+            other => other,
         }
     }
 
@@ -544,9 +592,9 @@ impl EtcdBackend {
         Turn::wait(limit, predecessor, dir, dir_end, now)
     }
 
-    /// Watches `target` for a deletion: `true` when one happened (or the watch was
-    /// cancelled: look again), `false` when `deadline` passed first. Keeps the
-    /// waiter's lease alive meanwhile.
+    /// Watches `target` for a deletion: `true` when one happened (or the history it
+    /// would be in was compacted: look again), `false` when `deadline` passed first.
+    /// Keeps the waiter's lease alive meanwhile.
     async fn wait_for_deletion(
         &self,
         target: &WatchTarget,
@@ -572,11 +620,13 @@ impl EtcdBackend {
         requests
             .try_send(create)
             .map_err(|_| unexpected("watch request queue"))?;
-        let mut client = self.watch.clone();
+        let (member, channel) = self.members.current();
+        let failed = |status| self.members.failed(member, status_error(status));
+        let mut client = pb::watch_client::WatchClient::new(channel);
         let open = client.watch(tokio_stream::wrappers::ReceiverStream::new(receiver));
         let mut events = match tokio::time::timeout_at(deadline, open).await {
             Err(_) => return Ok(false),
-            Ok(reply) => reply.map_err(status_error)?.into_inner(),
+            Ok(reply) => reply.map_err(failed)?.into_inner(),
         };
         loop {
             tokio::select! {
@@ -594,13 +644,18 @@ impl EtcdBackend {
                     };
                     *next_keepalive = Instant::now() + keepalive_every;
                 }
-                message = events.message() => match message.map_err(status_error)? {
+                message = events.message() => match message.map_err(failed)? {
                     None => {
                         return Err(Error::new(ErrorKind::Unavailable, "etcd ended the watch"));
                     }
-                    // Cancelled (e.g. its start revision was compacted): look again.
-                    Some(reply) if reply.canceled || reply.compact_revision != 0 => {
-                        return Ok(true);
+                    // Its start revision was compacted away: look again (the next
+                    // watch starts at a newer revision).
+                    Some(reply) if reply.compact_revision != 0 => return Ok(true),
+                    Some(reply) if reply.canceled => {
+                        return Err(Error::new(
+                            ErrorKind::Unavailable,
+                            format!("etcd cancelled the watch: {}", reply.cancel_reason),
+                        ));
                     }
                     // Only deletions pass the filter.
                     Some(reply) if !reply.events.is_empty() => return Ok(true),
@@ -705,6 +760,34 @@ impl LockBackend for EtcdBackend {
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(self.release_inner(lease))
+    }
+}
+
+/// One connection per cluster member, and the member requests go to now.
+#[derive(Debug)]
+struct Members {
+    channels: Vec<Channel>,
+    current: AtomicUsize,
+}
+
+impl Members {
+    /// The member to send to, and its connection.
+    fn current(&self) -> (usize, Channel) {
+        let index = self.current.load(Ordering::Relaxed) % self.channels.len();
+        (index, self.channels[index].clone())
+    }
+
+    /// Notes that a call to member `index` failed with `error`: if the member may be
+    /// down or cut off, later calls go to the next one (unless another call moved on
+    /// already). Returns `error`.
+    fn failed(&self, index: usize, error: Error) -> Error {
+        if error.kind() == ErrorKind::Unavailable && self.channels.len() > 1 {
+            let next = (index + 1) % self.channels.len();
+            let _ =
+                self.current
+                    .compare_exchange(index, next, Ordering::Relaxed, Ordering::Relaxed);
+        }
+        error
     }
 }
 
