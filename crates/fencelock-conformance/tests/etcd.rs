@@ -367,3 +367,28 @@ async fn a_failed_member_hands_requests_to_the_next() {
     assert!(lease.fence > last);
     assert!(step(backend.release(&lease)).await.expect("release"));
 }
+
+/// The client library over etcd: a guard renews its 2 s lease in the background and
+/// keeps the lock for several ttls, then releases it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guard_keeps_the_lock_past_its_ttl() {
+    let fixture = start().await;
+    let client = fencelock::Client::from_backend(Arc::new(fixture.client().await));
+    let other = fixture.client().await;
+    let name = "etcd:guard";
+    let ttl = Duration::from_secs(2);
+    let guard = step(client.lock(name).ttl(ttl).acquire())
+        .await
+        .expect("acquire a guard");
+    tokio::time::sleep(ttl * 2 + ttl / 2).await;
+    assert!(!guard.is_lost(), "the guard lost its lock while renewing");
+    let refused = step(other.acquire(&waiting(name, Duration::ZERO)))
+        .await
+        .expect_err("another client was granted a renewed lock");
+    assert_eq!(refused.kind(), ErrorKind::Held, "{refused}");
+    let fence = guard.fence();
+    step(guard.release()).await.expect("release");
+    let next = acquire(&other, &waiting(name, Duration::ZERO)).await;
+    assert!(next.fence > fence);
+    assert!(step(other.release(&next)).await.expect("release"));
+}

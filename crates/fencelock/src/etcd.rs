@@ -400,86 +400,18 @@ impl EtcdBackend {
         let deadline = start
             .checked_add(spec.wait)
             .unwrap_or(start + Duration::from_secs(100 * 365 * 24 * 3600));
-        let (dir, dir_end) = keys::lock_dir(&self.prefix, &spec.name);
-        let escaped_request_id = keys::escape(&spec.request_id);
-        let key = [dir.as_slice(), escaped_request_id.as_bytes()].concat();
+        let place = Place::new(&self.prefix, spec);
 
         let (new_lease, granted_ttl_s) = self.grant_lease(whole_seconds(spec.ttl)).await?;
         // From here until the grant is returned, giving up revokes the lease (and with
         // it the key), also when this future is dropped.
         let mut pending = PendingGrant::new(self.clone(), new_lease);
-        let created = self
-            .txn(create_txn(&dir, &dir_end, &key, spec, new_lease))
+        let queued = self
+            .enqueue(&place, spec, &mut pending, granted_ttl_s)
             .await?;
-        let (revision, lease_id, ttl_s, mut turn) = if created.succeeded {
-            let revision = header_revision(created.header.as_ref())?;
-            let [OpResponse::ResponseRange(oldest), OpResponse::ResponseRange(newest), OpResponse::ResponsePut(_)] =
-                responses(created, "create transaction")?
-            else {
-                return Err(unexpected("create transaction"));
-            };
-            if let Some(first) = oldest.kvs.first() {
-                match keys::parse_value(&first.value) {
-                    Some((limit, _)) if limit == spec.limit => {}
-                    Some((limit, _)) => {
-                        pending.give_up().await;
-                        return Err(Error::new(
-                            ErrorKind::LimitMismatch,
-                            format!(
-                                "{:?} is held with limit {limit}, not {}",
-                                spec.name, spec.limit
-                            ),
-                        ));
-                    }
-                    None => {
-                        pending.give_up().await;
-                        return Err(foreign_key(&String::from_utf8_lossy(&first.key)));
-                    }
-                }
-            }
-            // Every key already there was created before ours.
-            let turn = if oldest.count < i64::from(spec.limit) {
-                Turn::Granted
-            } else {
-                let predecessor = newest.kvs.into_iter().next().map(|kv| kv.key);
-                Turn::wait(spec.limit, predecessor, &dir, &dir_end, revision)?
-            };
-            (revision, new_lease, granted_ttl_s, turn)
-        } else {
-            // A retry: the key this request made before, with its lease. The lease
-            // granted just now is not needed.
-            let found = created
-                .responses
-                .into_iter()
-                .find_map(|r| match r.response {
-                    Some(OpResponse::ResponseRange(range)) => range.kvs.into_iter().next(),
-                    _ => None,
-                });
-            let Some(found) = found else {
-                return Err(Error::new(
-                    ErrorKind::Unavailable,
-                    "the grant's key vanished during the retry; try again",
-                ));
-            };
-            let old_lease = std::mem::replace(&mut pending.lease_id, found.lease);
-            let _ = self.revoke(old_lease).await;
-            let revision = found.create_revision;
-            let ttl_s = match self.keep_alive(found.lease).await {
-                Err(e) if e.kind() == ErrorKind::NotHeld => {
-                    return Err(Error::new(
-                        ErrorKind::Unavailable,
-                        "the grant made for an earlier try has expired; try again",
-                    ))
-                }
-                other => other?,
-            };
-            let turn = self
-                .turn(&key, &dir, &dir_end, revision, spec.limit)
-                .await?;
-            (revision, found.lease, ttl_s, turn)
-        };
+        let mut turn = queued.turn;
 
-        let keepalive_every = Duration::from_secs(u64::try_from(ttl_s).unwrap_or(1)) / 3;
+        let keepalive_every = Duration::from_secs(u64::try_from(queued.ttl_s).unwrap_or(1)) / 3;
         let mut next_keepalive = Instant::now() + keepalive_every;
         // Each pass waits for a deletion ahead of us, and every deletion brings the
         // grant closer: the loop ends by the deadline at the latest.
@@ -499,7 +431,7 @@ impl EtcdBackend {
                 .wait_for_deletion(
                     &target,
                     deadline,
-                    lease_id,
+                    pending.lease_id,
                     keepalive_every,
                     &mut next_keepalive,
                 )
@@ -512,34 +444,114 @@ impl EtcdBackend {
                 ));
             }
             self.wakeups.fetch_add(1, Ordering::Relaxed);
-            turn = self
-                .turn(&key, &dir, &dir_end, revision, spec.limit)
-                .await?;
+            turn = self.turn(&place, queued.revision, spec.limit).await?;
         }
-        pending.keep();
         let token = Token {
-            lease_id,
-            revision,
-            escaped_request_id,
+            lease_id: pending.lease_id,
+            revision: queued.revision,
+            escaped_request_id: place.escaped_request_id,
         };
+        pending.keep();
         Ok(Lease {
             name: spec.name.clone(),
-            fence: revision_u64(revision)?,
+            fence: revision_u64(queued.revision)?,
             owner_token: token.encode(),
-            ttl: Duration::from_secs(u64::try_from(ttl_s).unwrap_or(0)),
+            ttl: Duration::from_secs(u64::try_from(queued.ttl_s).unwrap_or(0)),
         })
     }
 
-    /// Where the key `key` (created at `revision`) stands now: a holder, or the key(s)
-    /// to watch.
-    async fn turn(
+    /// Puts the request's key in the lock's queue on the pending lease — or, for a
+    /// retry, finds the key an earlier try made and takes over its lease instead.
+    async fn enqueue(
         &self,
-        key: &[u8],
-        dir: &[u8],
-        dir_end: &[u8],
-        revision: i64,
-        limit: u32,
-    ) -> Result<Turn, Error> {
+        place: &Place,
+        spec: &AcquireSpec,
+        pending: &mut PendingGrant,
+        granted_ttl_s: i64,
+    ) -> Result<Queued, Error> {
+        let created = self.txn(create_txn(place, spec, pending.lease_id)).await?;
+        if !created.succeeded {
+            return self.requeue(place, spec, pending, created).await;
+        }
+        let revision = header_revision(created.header.as_ref())?;
+        let [OpResponse::ResponseRange(oldest), OpResponse::ResponseRange(newest), OpResponse::ResponsePut(_)] =
+            responses(created, "create transaction")?
+        else {
+            return Err(unexpected("create transaction"));
+        };
+        // A mutex and a semaphore must not share a name: a limit-1 holder would share
+        // its lock. (Every key agrees with the oldest, by induction.)
+        if let Some(first) = oldest.kvs.first() {
+            let refused = match keys::parse_value(&first.value) {
+                Some((limit, _)) if limit == spec.limit => None,
+                Some((limit, _)) => Some(Error::new(
+                    ErrorKind::LimitMismatch,
+                    format!(
+                        "{:?} is held with limit {limit}, not {}",
+                        spec.name, spec.limit
+                    ),
+                )),
+                None => Some(foreign_key(&String::from_utf8_lossy(&first.key))),
+            };
+            if let Some(e) = refused {
+                pending.give_up().await;
+                return Err(e);
+            }
+        }
+        // Every key already there was created before ours.
+        let turn = if oldest.count < i64::from(spec.limit) {
+            Turn::Granted
+        } else {
+            let predecessor = newest.kvs.into_iter().next().map(|kv| kv.key);
+            Turn::wait(spec.limit, predecessor, place, revision)?
+        };
+        Ok(Queued {
+            revision,
+            ttl_s: granted_ttl_s,
+            turn,
+        })
+    }
+
+    /// A retry whose key exists already (`created` failed its compare and read the
+    /// key): adopt that key's lease, drop the one granted for this try.
+    async fn requeue(
+        &self,
+        place: &Place,
+        spec: &AcquireSpec,
+        pending: &mut PendingGrant,
+        created: pb::TxnResponse,
+    ) -> Result<Queued, Error> {
+        let [OpResponse::ResponseRange(read)] = responses(created, "create transaction")? else {
+            return Err(unexpected("create transaction"));
+        };
+        let Some(found) = read.kvs.into_iter().next() else {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "the grant's key vanished during the retry; try again",
+            ));
+        };
+        let unused = std::mem::replace(&mut pending.lease_id, found.lease);
+        let _ = self.revoke(unused).await;
+        let ttl_s = match self.keep_alive(found.lease).await {
+            Err(e) if e.kind() == ErrorKind::NotHeld => {
+                return Err(Error::new(
+                    ErrorKind::Unavailable,
+                    "the grant made for an earlier try has expired; try again",
+                ))
+            }
+            other => other?,
+        };
+        let turn = self.turn(place, found.create_revision, spec.limit).await?;
+        Ok(Queued {
+            revision: found.create_revision,
+            ttl_s,
+            turn,
+        })
+    }
+
+    /// Where the request's key (created at `revision`) stands now: a holder, or the
+    /// key(s) to watch.
+    async fn turn(&self, place: &Place, revision: i64, limit: u32) -> Result<Turn, Error> {
         if revision < 2 {
             // etcd's first write is revision 2; 0 would switch the filter below off.
             return Err(unexpected("create revision"));
@@ -549,14 +561,14 @@ impl EtcdBackend {
                 compare: Vec::new(),
                 success: vec![
                     range_op(pb::RangeRequest {
-                        key: key.to_vec(),
+                        key: place.key.clone(),
                         keys_only: true,
                         ..Default::default()
                     }),
                     // The `limit` keys nearest ahead of ours, nearest first.
                     range_op(pb::RangeRequest {
-                        key: dir.to_vec(),
-                        range_end: dir_end.to_vec(),
+                        key: place.dir.clone(),
+                        range_end: place.dir_end.clone(),
                         max_create_revision: revision - 1,
                         sort_order: SortOrder::Descend as i32,
                         sort_target: SortTarget::Create as i32,
@@ -589,7 +601,7 @@ impl EtcdBackend {
             return Ok(Turn::Granted);
         }
         let predecessor = ahead.kvs.into_iter().next().map(|kv| kv.key);
-        Turn::wait(limit, predecessor, dir, dir_end, now)
+        Turn::wait(limit, predecessor, place, now)
     }
 
     /// Watches `target` for a deletion: `true` when one happened (or the history it
@@ -791,6 +803,41 @@ impl Members {
     }
 }
 
+/// Where one request lives in the key space: its lock's range and its own key.
+struct Place {
+    /// `<prefix>/<escaped name>/`.
+    dir: Vec<u8>,
+    /// The end of the lock's range.
+    dir_end: Vec<u8>,
+    /// The request's key: `dir` + the escaped request id.
+    key: Vec<u8>,
+    escaped_request_id: String,
+}
+
+impl Place {
+    fn new(prefix: &str, spec: &AcquireSpec) -> Place {
+        let (dir, dir_end) = keys::lock_dir(prefix, &spec.name);
+        let escaped_request_id = keys::escape(&spec.request_id);
+        let key = [dir.as_slice(), escaped_request_id.as_bytes()].concat();
+        Place {
+            dir,
+            dir_end,
+            key,
+            escaped_request_id,
+        }
+    }
+}
+
+/// A request's key in its lock's queue.
+struct Queued {
+    /// The key's create revision (the fence).
+    revision: i64,
+    /// The length of its lease, in seconds.
+    ttl_s: i64,
+    /// Holder or waiter, as of when it was queued.
+    turn: Turn,
+}
+
 /// What a queued grant waits for.
 enum Turn {
     /// It is among the first `limit` keys: it holds the lock.
@@ -812,8 +859,7 @@ impl Turn {
     fn wait(
         limit: u32,
         predecessor: Option<Vec<u8>>,
-        dir: &[u8],
-        dir_end: &[u8],
+        place: &Place,
         after_revision: i64,
     ) -> Result<Turn, Error> {
         let target = if limit == 1 {
@@ -824,8 +870,8 @@ impl Turn {
             }
         } else {
             WatchTarget {
-                key: dir.to_vec(),
-                range_end: dir_end.to_vec(),
+                key: place.dir.clone(),
+                range_end: place.dir_end.clone(),
                 after_revision,
             }
         };
@@ -853,14 +899,15 @@ impl PendingGrant {
     }
 
     /// The grant is returned: keep the lease.
-    fn keep(mut self) {
+    fn keep(&mut self) {
         self.armed = false;
     }
 
-    /// Revokes the lease now. If etcd cannot be reached the lease runs out by itself.
-    async fn give_up(mut self) {
-        self.armed = false;
+    /// Revokes the lease now. If etcd cannot be reached the lease runs out by itself;
+    /// if this is cancelled half-way, the drop tries again in the background.
+    async fn give_up(&mut self) {
         let _ = self.backend.revoke(self.lease_id).await;
+        self.armed = false;
     }
 }
 
@@ -879,20 +926,15 @@ impl Drop for PendingGrant {
     }
 }
 
-/// The transaction that queues a new grant: if `key` does not exist, read the oldest
-/// and the newest key of the lock (with the count), then put `key` on `lease_id`;
-/// else read `key` (a retry).
-fn create_txn(
-    dir: &[u8],
-    dir_end: &[u8],
-    key: &[u8],
-    spec: &AcquireSpec,
-    lease_id: i64,
-) -> pb::TxnRequest {
+/// The transaction that queues a new grant: if the request's key does not exist, read
+/// the oldest and the newest key of the lock (with the count), then put the key on
+/// `lease_id`; else read the key (a retry).
+fn create_txn(place: &Place, spec: &AcquireSpec, lease_id: i64) -> pb::TxnRequest {
+    let key = place.key.as_slice();
     let edge = |order: SortOrder| {
         range_op(pb::RangeRequest {
-            key: dir.to_vec(),
-            range_end: dir_end.to_vec(),
+            key: place.dir.clone(),
+            range_end: place.dir_end.clone(),
             sort_order: order as i32,
             sort_target: SortTarget::Create as i32,
             limit: 1,
