@@ -392,3 +392,36 @@ async fn a_guard_keeps_the_lock_past_its_ttl() {
     assert!(next.fence > fence);
     assert!(step(other.release(&next)).await.expect("release"));
 }
+
+/// A semaphore waiter (which watches the whole lock, not one key) is woken when any
+/// holder ahead of it goes — here the older of two — and is granted with a larger
+/// fence than both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_semaphore_waiter_is_woken_by_any_holder_leaving() {
+    let fixture = start().await;
+    let backend = fixture.client().await;
+    let name = "etcd:semaphore-wait";
+    let semaphore = |wait| {
+        let mut spec = waiting(name, wait);
+        spec.limit = 2;
+        spec
+    };
+    let older = acquire(&backend, &semaphore(Duration::ZERO)).await;
+    let newer = acquire(&backend, &semaphore(Duration::ZERO)).await;
+    let waiter = fixture.client().await;
+    let task = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move { waiter.acquire(&semaphore(STEP / 2)).await })
+    };
+    until("the waiter is queued", || async {
+        queue_len(&backend, name).await == 3
+    })
+    .await;
+    assert!(step(backend.release(&older)).await.expect("release"));
+    let lease = step(task).await.expect("task").expect("granted");
+    assert!(lease.fence > newer.fence && newer.fence > older.fence);
+    assert_eq!(waiter.wakeups(), 1);
+    for (client, lease) in [(&backend, &newer), (&waiter, &lease)] {
+        assert!(step(client.release(lease)).await.expect("release"));
+    }
+}
