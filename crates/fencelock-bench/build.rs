@@ -1,9 +1,16 @@
-//! Compiles the vendored etcd v3 protos (`proto/etcd/`) without a system `protoc`:
-//! `protox` parses them, `tonic-prost-build` generates clients only.
+//! Compiles the etcd v3 protos without a system `protoc`: `protox` parses them,
+//! `tonic-prost-build` generates clients only. `etcd/etcd.proto` (KV, Watch, Lease) is
+//! the client crate's vendored copy (`crates/fencelock/proto/`), `etcd/v3lock.proto`
+//! (the Lock service, which only the benchmark uses) is ours.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    const CLIENT_PROTO: &str = "../fencelock/proto";
     println!("cargo:rerun-if-changed=proto");
-    let files = protox::compile(["etcd/etcd.proto", "etcd/v3lock.proto"], ["proto"])?;
+    println!("cargo:rerun-if-changed={CLIENT_PROTO}");
+    let files = protox::compile(
+        ["etcd/etcd.proto", "etcd/v3lock.proto"],
+        ["proto", CLIENT_PROTO],
+    )?;
     tonic_prost_build::configure()
         .build_server(false)
         .build_client(true)

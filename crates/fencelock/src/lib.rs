@@ -34,9 +34,16 @@
 //! ```
 //!
 //! The store is a [`LockBackend`]; the fencelock server ([`FencelockBackend`]) is the
-//! first one, and [`Client::capabilities`] says what a store guarantees. Other stores,
-//! each behind a cargo feature of the same name: `redis` (one instance, or Redlock
-//! over several), `postgres` (a lock table, or advisory locks).
+//! first one, and [`Client::capabilities`] says what a store guarantees.
+//!
+//! Other stores, each behind a cargo feature of the same name (see each module's docs
+//! for what the store can and cannot promise):
+//! - `redis`: `redis::RedisBackend` (one instance) and `redis::RedlockBackend`.
+//! - `postgres`: `postgres::PostgresBackend` (a lock table with durable fences) and
+//!   `postgres::PostgresAdvisoryBackend` (advisory locks, no fences).
+//! - `etcd`: `etcd::EtcdBackend`, etcd v3 (durable fences, FIFO, watches, semaphores).
+//! - `zookeeper`: `zookeeper::ZooKeeperBackend` (durable fences, FIFO, watches,
+//!   semaphores).
 
 #![deny(missing_docs)]
 
@@ -44,11 +51,13 @@ mod backend;
 mod backoff;
 mod client;
 mod error;
+#[cfg(feature = "etcd")]
+pub mod etcd;
 mod guard;
-#[cfg(feature = "redis")]
-pub mod redis;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis;
 mod server;
 
 pub use backend::{

@@ -13,7 +13,8 @@ use tonic::transport::{Channel, Endpoint};
 
 use super::{Grant, Locker, TTL};
 
-/// The vendored etcd messages and clients (see `proto/etcd/`).
+/// The vendored etcd messages and clients (`crates/fencelock/proto/etcd/etcd.proto`
+/// and `proto/etcd/v3lock.proto`).
 #[allow(missing_docs, clippy::all)]
 pub mod pb {
     /// `etcdserverpb`: leases.

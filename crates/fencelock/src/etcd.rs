@@ -1,0 +1,1073 @@
+//! etcd v3 as a [`LockBackend`] (feature `etcd`): [`EtcdBackend`].
+//!
+//! # The recipe
+//!
+//! The lock is etcd's own `concurrency.Mutex` recipe, spoken over gRPC (KV, Watch and
+//! Lease services; no `v3lock` service, so key names stay ours):
+//!
+//! - Every grant has **its own etcd lease**, with the requested ttl rounded **up** to
+//!   whole seconds (etcd leases are whole seconds, and etcd raises leases below its
+//!   minimum — 1.5 × the election timeout, rounded up: 2 s with default settings). The
+//!   [`Lease::ttl`] returned is the length etcd granted, never the one asked for.
+//! - The grant is the key `<prefix>/<lock name>/<request id>` (both escaped, so names
+//!   may contain `/` or any other character without colliding), attached to that
+//!   lease, created in one transaction: *if the key does not exist, put it*. A retry
+//!   with the same request id finds its own key: the same create revision, the same
+//!   fence, the same owner token.
+//! - The holders are the first `limit` keys under `<prefix>/<lock name>/` in create
+//!   revision order; the others wait, in that order (FIFO). A mutex waiter watches only
+//!   the key just ahead of it (no thundering herd on release); a semaphore waiter
+//!   (`limit` > 1) watches the lock's range for deletions, since any of the holders
+//!   ahead can free its place. While it waits, a waiter keeps its lease alive.
+//! - A waiter whose wait runs out, or whose `acquire` future is dropped, revokes its
+//!   lease, which deletes its key.
+//! - The **fence** is the key's create revision: etcd's cluster-wide revision,
+//!   strictly increasing and persisted through raft before the grant is answered.
+//!   Holders are granted in create revision order, so each lock's fences grow.
+//! - `renew` checks that the key still exists with this grant's lease and create
+//!   revision, then sends one `LeaseKeepAlive` on the lease; `NotHeld` when either is
+//!   gone. `release` deletes the key in a transaction that compares its create
+//!   revision and lease (so it never touches another grant), then revokes the lease.
+//!
+//! # What etcd cannot promise
+//!
+//! - Leases are whole seconds, and never shorter than etcd's minimum: a 300 ms ttl is
+//!   granted (and reported) as 2 s on a default cluster. `renew` cannot change a
+//!   lease's length: it restores the length granted at `acquire`, whatever ttl it is
+//!   given, and returns that.
+//! - Lease expiry is decided by the leader on its monotonic clock (Go's `time.Now`
+//!   readings carry one), never a client's clock. But a leader change *extends* every
+//!   lease: the new leader gives each the full ttl again (plus an election timeout)
+//!   because etcd 3.4 does not checkpoint remaining ttls by default (a restarted
+//!   single member does the same). So a lease never ends before the client's deadline
+//!   (the lost-lock signal stays correct), but a crashed holder may keep others waiting
+//!   up to about twice its ttl across a failover or restart.
+//! - Fences are durable and never reused, unless the cluster is restored from a backup
+//!   (`etcdctl snapshot restore` rewinds the revision to the snapshot's): after a
+//!   restore, bump the revision past any fence ever issued (`etcdutl snapshot restore
+//!   --bump-revision` in etcd ≥ 3.5).
+//! - No lock-delay (a `lock_delay` is refused) and no sessions. A waiter cut off from
+//!   etcd for its whole ttl loses its place (its key expires); the next attempt queues
+//!   again at the back.
+//! - A holder that stops without releasing, or a waiter whose cleanup cannot reach
+//!   etcd, blocks the lock until its lease runs out (at most its ttl, plus the lessor's
+//!   500 ms check interval).
+//! - Anyone with write access to the prefix can delete a grant's key; fencelock does
+//!   not use etcd's auth (no username/password, no TLS in this backend yet).
+
+mod keys;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Request, Status};
+
+use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use crate::{Error, ErrorKind};
+use keys::Token;
+
+/// The generated etcd v3 client (KV, Watch, Lease) from the vendored
+/// `proto/etcd/etcd.proto`.
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+mod pb {
+    tonic::include_proto!("etcdserverpb");
+}
+
+use pb::compare::{CompareResult, CompareTarget, TargetUnion};
+use pb::range_request::{SortOrder, SortTarget};
+use pb::request_op::Request as Op;
+use pb::response_op::Response as OpResponse;
+
+/// Most cluster members one backend is configured with.
+pub const MAX_ENDPOINTS: usize = 16;
+
+/// Most keys [`EtcdBackend::queue`] lists.
+pub const MAX_QUEUE_LISTED: usize = 10_000;
+
+/// How to reach an etcd cluster, and where in its key space locks live.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct EtcdConfig {
+    /// Client URLs of the cluster's members (`http://127.0.0.1:2379`), 1 to
+    /// [`MAX_ENDPOINTS`]; requests are spread over them. Plain `http://` only.
+    pub endpoints: Vec<String>,
+    /// The key prefix of every lock: a grant is `<prefix>/<lock name>/<request id>`.
+    /// Default `fencelock`. Clients that share locks must share the prefix.
+    pub prefix: String,
+    /// How long to wait for a TCP connection. Default 5 s.
+    pub connect_timeout: Duration,
+    /// How long one request to etcd may take (waits on a lock are bounded by the
+    /// request's own wait instead). Default 10 s.
+    pub request_timeout: Duration,
+}
+
+impl EtcdConfig {
+    /// The defaults for one member at `endpoint`.
+    pub fn new(endpoint: impl Into<String>) -> EtcdConfig {
+        EtcdConfig {
+            endpoints: vec![endpoint.into()],
+            prefix: "fencelock".to_owned(),
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Locks in etcd v3 (see the [module docs](self) for the recipe and what etcd can and
+/// cannot promise): durable fences (create revisions), FIFO waiters woken by watches,
+/// semaphores, leases on the etcd leader's monotonic clock in whole seconds.
+///
+/// Cheap to clone; clones share the connections.
+#[derive(Debug, Clone)]
+pub struct EtcdBackend {
+    members: Arc<Members>,
+    prefix: String,
+    request_timeout: Duration,
+    wakeups: Arc<AtomicU64>,
+}
+
+/// One key under a lock, as [`EtcdBackend::queue`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QueueEntry {
+    /// The etcd key.
+    pub key: String,
+    /// The request id of the acquire that made it.
+    pub request_id: String,
+    /// Its create revision: the fence of the grant, once it holds.
+    pub fence: u64,
+    /// The etcd lease it is attached to.
+    pub lease_id: i64,
+    /// The limit it asked for.
+    pub limit: u32,
+    /// Who asked.
+    pub owner: String,
+}
+
+impl EtcdBackend {
+    /// Connects to the cluster, failing with [`ErrorKind::Unavailable`] if no member
+    /// answers a linearizable read within `request_timeout`.
+    pub async fn connect(config: EtcdConfig) -> Result<EtcdBackend, Error> {
+        let backend = EtcdBackend::connect_lazy(config)?;
+        let (dir, _) = keys::lock_dir(&backend.prefix, "");
+        // A member that cannot be reached passes the requests to the next one.
+        let mut tries = backend.members.channels.len();
+        loop {
+            let probe = pb::RangeRequest {
+                key: dir.clone(),
+                count_only: true,
+                ..Default::default()
+            };
+            match backend.range(probe).await {
+                Ok(_) => return Ok(backend),
+                Err(e) if e.kind() == ErrorKind::Unavailable && tries > 1 => tries -= 1,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Like [`connect`](EtcdBackend::connect), but connects on first use (requests
+    /// fail instead). Must be called within a tokio runtime.
+    ///
+    /// Requests go to one member at a time, the first endpoint to start with; a
+    /// request that fails as [`ErrorKind::Unavailable`] (a member down, stalled or cut
+    /// off from the leader) moves the next request to the next endpoint, in a circle.
+    pub fn connect_lazy(config: EtcdConfig) -> Result<EtcdBackend, Error> {
+        if config.endpoints.is_empty() || config.endpoints.len() > MAX_ENDPOINTS {
+            return Err(invalid(format!(
+                "give 1 to {MAX_ENDPOINTS} etcd endpoints, not {}",
+                config.endpoints.len()
+            )));
+        }
+        if config.prefix.chars().any(char::is_control) {
+            return Err(invalid(
+                "the key prefix must not contain control characters".to_owned(),
+            ));
+        }
+        let mut endpoints = Vec::with_capacity(config.endpoints.len());
+        for url in &config.endpoints {
+            let endpoint = Endpoint::from_shared(url.clone())
+                .map_err(|e| invalid(format!("invalid etcd endpoint {url:?}: {e}")))?;
+            if endpoint.uri().scheme_str() != Some("http") {
+                return Err(invalid(format!(
+                    "etcd endpoint {url:?}: only http:// is supported (no TLS yet)"
+                )));
+            }
+            endpoints.push(
+                endpoint
+                    .connect_timeout(config.connect_timeout)
+                    .tcp_nodelay(true)
+                    .http2_keep_alive_interval(Duration::from_secs(10))
+                    .keep_alive_timeout(Duration::from_secs(5))
+                    .keep_alive_while_idle(true),
+            );
+        }
+        Ok(EtcdBackend {
+            members: Arc::new(Members {
+                channels: endpoints.iter().map(Endpoint::connect_lazy).collect(),
+                current: AtomicUsize::new(0),
+            }),
+            prefix: config.prefix.trim_end_matches('/').to_owned(),
+            request_timeout: config.request_timeout,
+            wakeups: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    /// The keys under lock `name` in create revision order (at most
+    /// [`MAX_QUEUE_LISTED`]): the first `limit` hold it, the rest wait in this order.
+    pub async fn queue(&self, name: &str) -> Result<Vec<QueueEntry>, Error> {
+        let (dir, end) = keys::lock_dir(&self.prefix, name);
+        let reply = self
+            .range(pb::RangeRequest {
+                key: dir.clone(),
+                range_end: end,
+                sort_order: SortOrder::Ascend as i32,
+                sort_target: SortTarget::Create as i32,
+                limit: MAX_QUEUE_LISTED as i64,
+                ..Default::default()
+            })
+            .await?;
+        reply
+            .kvs
+            .into_iter()
+            .map(|kv| {
+                let key = String::from_utf8_lossy(&kv.key).into_owned();
+                let request_id = kv
+                    .key
+                    .strip_prefix(dir.as_slice())
+                    .and_then(|rest| std::str::from_utf8(rest).ok())
+                    .and_then(keys::unescape);
+                match (request_id, keys::parse_value(&kv.value)) {
+                    (Some(request_id), Some((limit, owner))) => Ok(QueueEntry {
+                        key,
+                        request_id,
+                        fence: revision_u64(kv.create_revision)?,
+                        lease_id: kv.lease,
+                        limit,
+                        owner,
+                    }),
+                    _ => Err(foreign_key(&key)),
+                }
+            })
+            .collect()
+    }
+
+    /// How many times a waiter of this backend (and its clones) was woken by a watch
+    /// event and looked at the queue again. A mutex waiter is woken only when the key
+    /// just ahead of it goes, so this counts hand-offs, not every release.
+    pub fn wakeups(&self) -> u64 {
+        self.wakeups.load(Ordering::Relaxed)
+    }
+
+    fn request<T>(&self, message: T) -> Request<T> {
+        let mut request = Request::new(message);
+        request.set_timeout(self.request_timeout);
+        request
+    }
+
+    /// Runs one call on the current member; an `Unavailable` failure moves later
+    /// calls to the next member.
+    async fn call<T, F, Fut>(&self, call: F) -> Result<T, Error>
+    where
+        F: FnOnce(Channel) -> Fut,
+        Fut: Future<Output = Result<T, Error>>,
+    {
+        let (index, channel) = self.members.current();
+        call(channel)
+            .await
+            .map_err(|e| self.members.failed(index, e))
+    }
+
+    async fn range(&self, request: pb::RangeRequest) -> Result<pb::RangeResponse, Error> {
+        let request = self.request(request);
+        self.call(|channel| async move {
+            let reply = pb::kv_client::KvClient::new(channel).range(request).await;
+            Ok(reply.map_err(status_error)?.into_inner())
+        })
+        .await
+    }
+
+    async fn txn(&self, request: pb::TxnRequest) -> Result<pb::TxnResponse, Error> {
+        let request = self.request(request);
+        self.call(|channel| async move {
+            let reply = pb::kv_client::KvClient::new(channel).txn(request).await;
+            Ok(reply.map_err(status_error)?.into_inner())
+        })
+        .await
+    }
+
+    /// A new lease of `ttl_s` seconds: its id and the ttl etcd granted.
+    async fn grant_lease(&self, ttl_s: i64) -> Result<(i64, i64), Error> {
+        let request = self.request(pb::LeaseGrantRequest { ttl: ttl_s, id: 0 });
+        let reply = self
+            .call(|channel| async move {
+                let reply = pb::lease_client::LeaseClient::new(channel)
+                    .lease_grant(request)
+                    .await;
+                Ok(reply.map_err(status_error)?.into_inner())
+            })
+            .await?;
+        if !reply.error.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                format!("etcd refused a lease: {}", reply.error),
+            ));
+        }
+        if reply.id <= 0 || reply.ttl < ttl_s {
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "etcd granted lease {} for {} s, asked for {ttl_s} s",
+                    reply.id, reply.ttl
+                ),
+            ));
+        }
+        Ok((reply.id, reply.ttl))
+    }
+
+    /// One `LeaseKeepAlive` round trip: the lease's ttl from now, in seconds, or
+    /// `NotHeld` if it has expired or been revoked.
+    async fn keep_alive(&self, lease_id: i64) -> Result<i64, Error> {
+        let request = self.request(tokio_stream::once(pb::LeaseKeepAliveRequest {
+            id: lease_id,
+        }));
+        let round_trip = |channel| async move {
+            let reply = pb::lease_client::LeaseClient::new(channel)
+                .lease_keep_alive(request)
+                .await;
+            let mut replies = reply.map_err(status_error)?.into_inner();
+            match replies.message().await.map_err(status_error)? {
+                Some(reply) if reply.id == lease_id => Ok(reply.ttl),
+                Some(reply) => Err(Error::new(
+                    ErrorKind::Protocol,
+                    format!("keep-alive of lease {lease_id} answered for {}", reply.id),
+                )),
+                None => Err(Error::new(
+                    ErrorKind::Unavailable,
+                    "etcd ended a keep-alive without an answer",
+                )),
+            }
+        };
+        let timeout = self.request_timeout;
+        let ttl = self
+            .call(|channel| async move {
+                tokio::time::timeout(timeout, round_trip(channel))
+                    .await
+                    .map_err(|_| Error::new(ErrorKind::Unavailable, "etcd keep-alive timed out"))?
+            })
+            .await?;
+        if ttl <= 0 {
+            return Err(Error::new(
+                ErrorKind::NotHeld,
+                format!("lease {lease_id} has expired or was revoked"),
+            ));
+        }
+        Ok(ttl)
+    }
+
+    /// Revokes a lease (deleting its keys); a lease already gone is fine.
+    async fn revoke(&self, lease_id: i64) -> Result<(), Error> {
+        let request = self.request(pb::LeaseRevokeRequest { id: lease_id });
+        let revoked = self
+            .call(|channel| async move {
+                let reply = pb::lease_client::LeaseClient::new(channel)
+                    .lease_revoke(request)
+                    .await;
+                reply.map(drop).map_err(status_error)
+            })
+            .await;
+        match revoked {
+            // etcd's "requested lease not found".
+            Err(e) if e.kind() == ErrorKind::NotHeld => Ok(()),
+            other => other,
+        }
+    }
+
+    async fn acquire_inner(&self, spec: &AcquireSpec) -> Result<Lease, Error> {
+        spec.validate()?;
+        if !spec.lock_delay.is_zero() {
+            return Err(invalid(
+                "the etcd backend has no lock-delay; use fences (lock_delay must be zero)"
+                    .to_owned(),
+            ));
+        }
+        let start = Instant::now();
+        // An unrepresentable deadline is as good as none.
+        let deadline = start
+            .checked_add(spec.wait)
+            .unwrap_or(start + Duration::from_secs(100 * 365 * 24 * 3600));
+        let place = Place::new(&self.prefix, spec);
+
+        let (new_lease, granted_ttl_s) = self.grant_lease(whole_seconds(spec.ttl)).await?;
+        // From here until the grant is returned, giving up revokes the lease (and with
+        // it the key), also when this future is dropped.
+        let mut pending = PendingGrant::new(self.clone(), new_lease);
+        let queued = self
+            .enqueue(&place, spec, &mut pending, granted_ttl_s)
+            .await?;
+        let mut turn = queued.turn;
+
+        let keepalive_every = Duration::from_secs(u64::try_from(queued.ttl_s).unwrap_or(1)) / 3;
+        let mut next_keepalive = Instant::now() + keepalive_every;
+        // Each pass waits for a deletion ahead of us, and every deletion brings the
+        // grant closer: the loop ends by the deadline at the latest.
+        loop {
+            let target = match turn {
+                Turn::Granted => break,
+                Turn::Wait(target) => target,
+            };
+            if spec.wait.is_zero() {
+                pending.give_up().await;
+                return Err(Error::new(
+                    ErrorKind::Held,
+                    format!("{:?} is held", spec.name),
+                ));
+            }
+            let woken = self
+                .wait_for_deletion(
+                    &target,
+                    deadline,
+                    pending.lease_id,
+                    keepalive_every,
+                    &mut next_keepalive,
+                )
+                .await?;
+            if !woken {
+                pending.give_up().await;
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("{:?} not acquired within {:?}", spec.name, spec.wait),
+                ));
+            }
+            self.wakeups.fetch_add(1, Ordering::Relaxed);
+            turn = self.turn(&place, queued.revision, spec.limit).await?;
+        }
+        let token = Token {
+            lease_id: pending.lease_id,
+            revision: queued.revision,
+            escaped_request_id: place.escaped_request_id,
+        };
+        pending.keep();
+        Ok(Lease {
+            name: spec.name.clone(),
+            fence: revision_u64(queued.revision)?,
+            owner_token: token.encode(),
+            ttl: Duration::from_secs(u64::try_from(queued.ttl_s).unwrap_or(0)),
+        })
+    }
+
+    /// Puts the request's key in the lock's queue on the pending lease — or, for a
+    /// retry, finds the key an earlier try made and takes over its lease instead.
+    async fn enqueue(
+        &self,
+        place: &Place,
+        spec: &AcquireSpec,
+        pending: &mut PendingGrant,
+        granted_ttl_s: i64,
+    ) -> Result<Queued, Error> {
+        let created = self.txn(create_txn(place, spec, pending.lease_id)).await?;
+        if !created.succeeded {
+            return self.requeue(place, spec, pending, created).await;
+        }
+        let revision = header_revision(created.header.as_ref())?;
+        let [OpResponse::ResponseRange(oldest), OpResponse::ResponseRange(newest), OpResponse::ResponsePut(_)] =
+            responses(created, "create transaction")?
+        else {
+            return Err(unexpected("create transaction"));
+        };
+        // A mutex and a semaphore must not share a name: a limit-1 holder would share
+        // its lock. (Every key agrees with the oldest, by induction.)
+        if let Some(first) = oldest.kvs.first() {
+            let refused = match keys::parse_value(&first.value) {
+                Some((limit, _)) if limit == spec.limit => None,
+                Some((limit, _)) => Some(Error::new(
+                    ErrorKind::LimitMismatch,
+                    format!(
+                        "{:?} is held with limit {limit}, not {}",
+                        spec.name, spec.limit
+                    ),
+                )),
+                None => Some(foreign_key(&String::from_utf8_lossy(&first.key))),
+            };
+            if let Some(e) = refused {
+                pending.give_up().await;
+                return Err(e);
+            }
+        }
+        // Every key already there was created before ours.
+        let turn = if oldest.count < i64::from(spec.limit) {
+            Turn::Granted
+        } else {
+            let predecessor = newest.kvs.into_iter().next().map(|kv| kv.key);
+            Turn::wait(spec.limit, predecessor, place, revision)?
+        };
+        Ok(Queued {
+            revision,
+            ttl_s: granted_ttl_s,
+            turn,
+        })
+    }
+
+    /// A retry whose key exists already (`created` failed its compare and read the
+    /// key): adopt that key's lease, drop the one granted for this try.
+    async fn requeue(
+        &self,
+        place: &Place,
+        spec: &AcquireSpec,
+        pending: &mut PendingGrant,
+        created: pb::TxnResponse,
+    ) -> Result<Queued, Error> {
+        let [OpResponse::ResponseRange(read)] = responses(created, "create transaction")? else {
+            return Err(unexpected("create transaction"));
+        };
+        let Some(found) = read.kvs.into_iter().next() else {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "the grant's key vanished during the retry; try again",
+            ));
+        };
+        let unused = std::mem::replace(&mut pending.lease_id, found.lease);
+        let _ = self.revoke(unused).await;
+        let ttl_s = match self.keep_alive(found.lease).await {
+            Err(e) if e.kind() == ErrorKind::NotHeld => {
+                return Err(Error::new(
+                    ErrorKind::Unavailable,
+                    "the grant made for an earlier try has expired; try again",
+                ))
+            }
+            other => other?,
+        };
+        let turn = self.turn(place, found.create_revision, spec.limit).await?;
+        Ok(Queued {
+            revision: found.create_revision,
+            ttl_s,
+            turn,
+        })
+    }
+
+    /// Where the request's key (created at `revision`) stands now: a holder, or the
+    /// key(s) to watch.
+    async fn turn(&self, place: &Place, revision: i64, limit: u32) -> Result<Turn, Error> {
+        if revision < 2 {
+            // etcd's first write is revision 2; 0 would switch the filter below off.
+            return Err(unexpected("create revision"));
+        }
+        let reply = self
+            .txn(pb::TxnRequest {
+                compare: Vec::new(),
+                success: vec![
+                    range_op(pb::RangeRequest {
+                        key: place.key.clone(),
+                        keys_only: true,
+                        ..Default::default()
+                    }),
+                    // The `limit` keys nearest ahead of ours, nearest first.
+                    range_op(pb::RangeRequest {
+                        key: place.dir.clone(),
+                        range_end: place.dir_end.clone(),
+                        max_create_revision: revision - 1,
+                        sort_order: SortOrder::Descend as i32,
+                        sort_target: SortTarget::Create as i32,
+                        limit: i64::from(limit),
+                        keys_only: true,
+                        ..Default::default()
+                    }),
+                ],
+                failure: Vec::new(),
+            })
+            .await?;
+        let now = header_revision(reply.header.as_ref())?;
+        let [OpResponse::ResponseRange(mine), OpResponse::ResponseRange(ahead)] =
+            responses(reply, "queue read")?
+        else {
+            return Err(unexpected("queue read"));
+        };
+        let still_queued = mine
+            .kvs
+            .first()
+            .is_some_and(|kv| kv.create_revision == revision);
+        if !still_queued {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "the waiting request's lease expired (etcd unreachable for its ttl); try again",
+            ));
+        }
+        // The filter applies to `kvs`, not to `count`.
+        if ahead.kvs.len() < limit as usize {
+            return Ok(Turn::Granted);
+        }
+        let predecessor = ahead.kvs.into_iter().next().map(|kv| kv.key);
+        Turn::wait(limit, predecessor, place, now)
+    }
+
+    /// Watches `target` for a deletion: `true` when one happened (or the history it
+    /// would be in was compacted: look again), `false` when `deadline` passed first.
+    /// Keeps the waiter's lease alive meanwhile.
+    async fn wait_for_deletion(
+        &self,
+        target: &WatchTarget,
+        deadline: Instant,
+        lease_id: i64,
+        keepalive_every: Duration,
+        next_keepalive: &mut Instant,
+    ) -> Result<bool, Error> {
+        let create = pb::WatchRequest {
+            request_union: Some(pb::watch_request::RequestUnion::CreateRequest(
+                pb::WatchCreateRequest {
+                    key: target.key.clone(),
+                    range_end: target.range_end.clone(),
+                    start_revision: target.after_revision + 1,
+                    filters: vec![pb::watch_create_request::FilterType::Noput as i32],
+                    ..Default::default()
+                },
+            )),
+        };
+        // The request side stays open while we wait: etcd ends the watch when it
+        // closes. Dropping both ends cancels the watch.
+        let (requests, receiver) = tokio::sync::mpsc::channel(1);
+        requests
+            .try_send(create)
+            .map_err(|_| unexpected("watch request queue"))?;
+        let (member, channel) = self.members.current();
+        let failed = |status| self.members.failed(member, status_error(status));
+        let mut client = pb::watch_client::WatchClient::new(channel);
+        let open = client.watch(tokio_stream::wrappers::ReceiverStream::new(receiver));
+        let mut events = match tokio::time::timeout_at(deadline, open).await {
+            Err(_) => return Ok(false),
+            Ok(reply) => reply.map_err(failed)?.into_inner(),
+        };
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => return Ok(false),
+                _ = tokio::time::sleep_until(*next_keepalive) => {
+                    match tokio::time::timeout_at(deadline, self.keep_alive(lease_id)).await {
+                        Err(_) => return Ok(false),
+                        Ok(Err(e)) if e.kind() == ErrorKind::NotHeld => {
+                            return Err(Error::new(
+                                ErrorKind::Unavailable,
+                                "the waiting request's lease expired; try again",
+                            ));
+                        }
+                        Ok(result) => result?,
+                    };
+                    *next_keepalive = Instant::now() + keepalive_every;
+                }
+                message = events.message() => match message.map_err(failed)? {
+                    None => {
+                        return Err(Error::new(ErrorKind::Unavailable, "etcd ended the watch"));
+                    }
+                    // Its start revision was compacted away: look again (the next
+                    // watch starts at a newer revision).
+                    Some(reply) if reply.compact_revision != 0 => return Ok(true),
+                    Some(reply) if reply.canceled => {
+                        return Err(Error::new(
+                            ErrorKind::Unavailable,
+                            format!("etcd cancelled the watch: {}", reply.cancel_reason),
+                        ));
+                    }
+                    // Only deletions pass the filter.
+                    Some(reply) if !reply.events.is_empty() => return Ok(true),
+                    // Created, or progress.
+                    Some(_) => {}
+                },
+            }
+        }
+    }
+
+    async fn renew_inner(&self, lease: &Lease) -> Result<Duration, Error> {
+        let token = Token::parse(&lease.owner_token)?;
+        let key = token.key(&self.prefix, &lease.name);
+        // First the key, so that another grant's lease is never kept alive by a token
+        // that does not belong to this lock.
+        let reply = self
+            .range(pb::RangeRequest {
+                key,
+                keys_only: true,
+                ..Default::default()
+            })
+            .await?;
+        let ours = reply
+            .kvs
+            .first()
+            .is_some_and(|kv| kv.create_revision == token.revision && kv.lease == token.lease_id);
+        if !ours {
+            return Err(Error::new(
+                ErrorKind::NotHeld,
+                format!("{:?} is not held by this grant", lease.name),
+            ));
+        }
+        // A lease that was alive when its key was read and answers this keep-alive was
+        // alive throughout (etcd never revives a lease), so the key is still there.
+        let ttl_s = self.keep_alive(token.lease_id).await?;
+        Ok(Duration::from_secs(u64::try_from(ttl_s).unwrap_or(0)))
+    }
+
+    async fn release_inner(&self, lease: &Lease) -> Result<bool, Error> {
+        let token = Token::parse(&lease.owner_token)?;
+        let key = token.key(&self.prefix, &lease.name);
+        let reply = self
+            .txn(pb::TxnRequest {
+                compare: vec![
+                    compare(
+                        &key,
+                        CompareTarget::Create,
+                        TargetUnion::CreateRevision(token.revision),
+                    ),
+                    compare(
+                        &key,
+                        CompareTarget::Lease,
+                        TargetUnion::Lease(token.lease_id),
+                    ),
+                ],
+                success: vec![pb::RequestOp {
+                    request: Some(Op::RequestDeleteRange(pb::DeleteRangeRequest {
+                        key,
+                        ..Default::default()
+                    })),
+                }],
+                failure: Vec::new(),
+            })
+            .await?;
+        if !reply.succeeded {
+            return Ok(false);
+        }
+        // The key is gone, so the lock is released; an unrevoked lease holds nothing
+        // and runs out by itself.
+        let _ = self.revoke(token.lease_id).await;
+        Ok(true)
+    }
+}
+
+impl LockBackend for EtcdBackend {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            backend: "etcd",
+            fences: FenceGuarantee::Durable,
+            fifo: true,
+            push_wakeups: true,
+            lock_delay: false,
+            sessions: false,
+            semaphores: true,
+            monotonic_leases: true,
+        }
+    }
+
+    fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
+        Box::pin(self.acquire_inner(spec))
+    }
+
+    /// Keeps the grant's lease alive for the length granted at `acquire` (etcd cannot
+    /// change a lease's length, so `ttl` is not used) and returns that length.
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        _ttl: Duration,
+    ) -> BoxFuture<'a, Result<Duration, Error>> {
+        Box::pin(self.renew_inner(lease))
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(self.release_inner(lease))
+    }
+}
+
+/// One connection per cluster member, and the member requests go to now.
+#[derive(Debug)]
+struct Members {
+    channels: Vec<Channel>,
+    current: AtomicUsize,
+}
+
+impl Members {
+    /// The member to send to, and its connection.
+    fn current(&self) -> (usize, Channel) {
+        let index = self.current.load(Ordering::Relaxed) % self.channels.len();
+        (index, self.channels[index].clone())
+    }
+
+    /// Notes that a call to member `index` failed with `error`: if the member may be
+    /// down or cut off, later calls go to the next one (unless another call moved on
+    /// already). Returns `error`.
+    fn failed(&self, index: usize, error: Error) -> Error {
+        if error.kind() == ErrorKind::Unavailable && self.channels.len() > 1 {
+            let next = (index + 1) % self.channels.len();
+            let _ =
+                self.current
+                    .compare_exchange(index, next, Ordering::Relaxed, Ordering::Relaxed);
+        }
+        error
+    }
+}
+
+/// Where one request lives in the key space: its lock's range and its own key.
+struct Place {
+    /// `<prefix>/<escaped name>/`.
+    dir: Vec<u8>,
+    /// The end of the lock's range.
+    dir_end: Vec<u8>,
+    /// The request's key: `dir` + the escaped request id.
+    key: Vec<u8>,
+    escaped_request_id: String,
+}
+
+impl Place {
+    fn new(prefix: &str, spec: &AcquireSpec) -> Place {
+        let (dir, dir_end) = keys::lock_dir(prefix, &spec.name);
+        let escaped_request_id = keys::escape(&spec.request_id);
+        let key = [dir.as_slice(), escaped_request_id.as_bytes()].concat();
+        Place {
+            dir,
+            dir_end,
+            key,
+            escaped_request_id,
+        }
+    }
+}
+
+/// A request's key in its lock's queue.
+struct Queued {
+    /// The key's create revision (the fence).
+    revision: i64,
+    /// The length of its lease, in seconds.
+    ttl_s: i64,
+    /// Holder or waiter, as of when it was queued.
+    turn: Turn,
+}
+
+/// What a queued grant waits for.
+enum Turn {
+    /// It is among the first `limit` keys: it holds the lock.
+    Granted,
+    /// It waits for a deletion in this key range.
+    Wait(WatchTarget),
+}
+
+/// A key (or range) to watch for deletions after a revision.
+struct WatchTarget {
+    key: Vec<u8>,
+    range_end: Vec<u8>,
+    after_revision: i64,
+}
+
+impl Turn {
+    /// A mutex waiter watches only its predecessor; a semaphore waiter watches the
+    /// lock's whole range (any holder ahead going frees a place).
+    fn wait(
+        limit: u32,
+        predecessor: Option<Vec<u8>>,
+        place: &Place,
+        after_revision: i64,
+    ) -> Result<Turn, Error> {
+        let target = if limit == 1 {
+            WatchTarget {
+                key: predecessor.ok_or_else(|| unexpected("queue read"))?,
+                range_end: Vec::new(),
+                after_revision,
+            }
+        } else {
+            WatchTarget {
+                key: place.dir.clone(),
+                range_end: place.dir_end.clone(),
+                after_revision,
+            }
+        };
+        Ok(Turn::Wait(target))
+    }
+}
+
+/// A lease granted for an acquire that has not answered yet. Dropped armed (the
+/// acquire failed or was cancelled), it revokes the lease in the background;
+/// [`PendingGrant::give_up`] revokes it before returning, so that a `Held` or `Timeout`
+/// answer leaves nothing behind.
+struct PendingGrant {
+    backend: EtcdBackend,
+    lease_id: i64,
+    armed: bool,
+}
+
+impl PendingGrant {
+    fn new(backend: EtcdBackend, lease_id: i64) -> PendingGrant {
+        PendingGrant {
+            backend,
+            lease_id,
+            armed: true,
+        }
+    }
+
+    /// The grant is returned: keep the lease.
+    fn keep(&mut self) {
+        self.armed = false;
+    }
+
+    /// Revokes the lease now. If etcd cannot be reached the lease runs out by itself;
+    /// if this is cancelled half-way, the drop tries again in the background.
+    async fn give_up(&mut self) {
+        let _ = self.backend.revoke(self.lease_id).await;
+        self.armed = false;
+    }
+}
+
+impl Drop for PendingGrant {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let backend = self.backend.clone();
+            let lease_id = self.lease_id;
+            runtime.spawn(async move {
+                let _ = backend.revoke(lease_id).await;
+            });
+        }
+    }
+}
+
+/// The transaction that queues a new grant: if the request's key does not exist, read
+/// the oldest and the newest key of the lock (with the count), then put the key on
+/// `lease_id`; else read the key (a retry).
+fn create_txn(place: &Place, spec: &AcquireSpec, lease_id: i64) -> pb::TxnRequest {
+    let key = place.key.as_slice();
+    let edge = |order: SortOrder| {
+        range_op(pb::RangeRequest {
+            key: place.dir.clone(),
+            range_end: place.dir_end.clone(),
+            sort_order: order as i32,
+            sort_target: SortTarget::Create as i32,
+            limit: 1,
+            ..Default::default()
+        })
+    };
+    pb::TxnRequest {
+        compare: vec![compare(
+            key,
+            CompareTarget::Create,
+            TargetUnion::CreateRevision(0),
+        )],
+        success: vec![
+            edge(SortOrder::Ascend),
+            edge(SortOrder::Descend),
+            pb::RequestOp {
+                request: Some(Op::RequestPut(pb::PutRequest {
+                    key: key.to_vec(),
+                    value: keys::value(spec.limit, &spec.owner),
+                    lease: lease_id,
+                    ..Default::default()
+                })),
+            },
+        ],
+        failure: vec![range_op(pb::RangeRequest {
+            key: key.to_vec(),
+            ..Default::default()
+        })],
+    }
+}
+
+/// The `N` operation results of a transaction.
+fn responses<const N: usize>(reply: pb::TxnResponse, what: &str) -> Result<[OpResponse; N], Error> {
+    let results: Vec<OpResponse> = reply
+        .responses
+        .into_iter()
+        .filter_map(|r| r.response)
+        .collect();
+    results.try_into().map_err(|_| unexpected(what))
+}
+
+fn range_op(range: pb::RangeRequest) -> pb::RequestOp {
+    pb::RequestOp {
+        request: Some(Op::RequestRange(range)),
+    }
+}
+
+/// `key`'s `target` equals `value`.
+fn compare(key: &[u8], target: CompareTarget, value: TargetUnion) -> pb::Compare {
+    pb::Compare {
+        result: CompareResult::Equal as i32,
+        target: target as i32,
+        key: key.to_vec(),
+        target_union: Some(value),
+        range_end: Vec::new(),
+    }
+}
+
+/// `ttl` in whole seconds, rounded up (etcd leases are whole seconds).
+fn whole_seconds(ttl: Duration) -> i64 {
+    let seconds = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+    i64::try_from(seconds).unwrap_or(i64::MAX)
+}
+
+fn header_revision(header: Option<&pb::ResponseHeader>) -> Result<i64, Error> {
+    header
+        .map(|h| h.revision)
+        .filter(|&r| r > 0)
+        .ok_or_else(|| unexpected("response header"))
+}
+
+fn revision_u64(revision: i64) -> Result<u64, Error> {
+    u64::try_from(revision).map_err(|_| unexpected("create revision"))
+}
+
+fn invalid(message: String) -> Error {
+    Error::new(ErrorKind::InvalidArgument, message)
+}
+
+fn unexpected(what: &str) -> Error {
+    Error::new(
+        ErrorKind::Protocol,
+        format!("etcd answered an unexpected {what}"),
+    )
+}
+
+fn foreign_key(key: &str) -> Error {
+    Error::new(
+        ErrorKind::Protocol,
+        format!("{key:?} is under the lock prefix but was not written by fencelock"),
+    )
+}
+
+/// Maps an etcd gRPC status to an [`Error`]. etcd reports a lost leader, a request
+/// timeout and a leader change as `Unavailable`, too many requests as
+/// `ResourceExhausted`, a lease that is gone as `NotFound`.
+fn status_error(status: Status) -> Error {
+    let kind = match status.code() {
+        Code::Unavailable
+        | Code::DeadlineExceeded
+        | Code::Cancelled
+        | Code::Aborted
+        | Code::Unknown => ErrorKind::Unavailable,
+        Code::ResourceExhausted => ErrorKind::ResourceExhausted,
+        Code::Unauthenticated | Code::PermissionDenied => ErrorKind::PermissionDenied,
+        Code::NotFound => ErrorKind::NotHeld,
+        Code::InvalidArgument => ErrorKind::InvalidArgument,
+        Code::Internal | Code::DataLoss => ErrorKind::Internal,
+        _ => ErrorKind::Protocol,
+    };
+    let message = if status.message().is_empty() {
+        format!("etcd: {:?}", status.code())
+    } else {
+        format!("etcd: {}", status.message())
+    };
+    Error::new(kind, message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttls_round_up_to_whole_seconds() {
+        for (ttl, seconds) in [
+            (Duration::from_millis(1), 1),
+            (Duration::from_millis(300), 1),
+            (Duration::from_secs(1), 1),
+            (Duration::from_millis(1001), 2),
+            (Duration::from_secs(2), 2),
+            (Duration::from_secs(24 * 3600), 24 * 3600),
+        ] {
+            assert_eq!(whole_seconds(ttl), seconds, "{ttl:?}");
+        }
+    }
+}
