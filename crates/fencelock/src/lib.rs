@@ -35,6 +35,7 @@
 //!
 //! The store is a [`LockBackend`]; the fencelock server ([`FencelockBackend`]) is the
 //! first one, and [`Client::capabilities`] says what a store guarantees.
+//! With the `zookeeper` feature, [`zookeeper`] locks on a ZooKeeper ensemble.
 
 #![deny(missing_docs)]
 
@@ -44,6 +45,8 @@ mod client;
 mod error;
 mod guard;
 mod server;
+#[cfg(feature = "zookeeper")]
+pub mod zookeeper;
 
 pub use backend::{
     AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, MAX_NAME_BYTES,

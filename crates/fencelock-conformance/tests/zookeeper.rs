@@ -1,0 +1,145 @@
+//! The conformance suite against ZooKeeper: a throwaway standalone server
+//! (`fencelock_testkit::ZooKeeper`: tickTime 2 s, sessions of 1–60 s, durable log),
+//! reached by `fencelock::zookeeper::ZooKeeperBackend`; then what is particular to
+//! ZooKeeper: the ttl-to-session mapping and renewal across a partition.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fencelock::zookeeper::{ZooKeeperBackend, ZooKeeperConfig};
+use fencelock::{AcquireSpec, BoxFuture, Error, ErrorKind, LockBackend};
+use fencelock_conformance::{connect, step, Fixture, Partitioned, STEP};
+
+struct ZooKeeper {
+    server: fencelock_testkit::ZooKeeper,
+}
+
+impl Fixture for ZooKeeper {
+    fn addrs(&self) -> Vec<SocketAddr> {
+        vec![SocketAddr::from(([127, 0, 0, 1], self.server.port()))]
+    }
+
+    fn connect<'a>(
+        &'a self,
+        addrs: &'a [SocketAddr],
+    ) -> BoxFuture<'a, Result<Arc<dyn LockBackend>, Error>> {
+        Box::pin(async move {
+            let servers: Vec<String> = addrs.iter().map(SocketAddr::to_string).collect();
+            let backend = ZooKeeperBackend::new(ZooKeeperConfig::new(&servers.join(",")))?;
+            Ok(Arc::new(backend) as Arc<dyn LockBackend>)
+        })
+    }
+}
+
+async fn start() -> ZooKeeper {
+    let server = tokio::task::spawn_blocking(fencelock_testkit::ZooKeeper::start)
+        .await
+        .expect("start task")
+        .expect("zookeeper starts");
+    ZooKeeper { server }
+}
+
+fencelock_conformance::conformance_suite!(start());
+
+fn spec(name: &str, ttl: Duration) -> AcquireSpec {
+    let mut spec = AcquireSpec::new(name, ttl);
+    spec.owner = "zookeeper-test".to_owned();
+    spec
+}
+
+/// The lease is the session: a ttl below the server's minSessionTimeout (1 s here)
+/// is granted as the minimum and reported so; one above maxSessionTimeout (60 s) is
+/// refused rather than silently shortened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttl_is_the_negotiated_session_timeout() {
+    let zk = start().await;
+    let backend = connect(&zk).await;
+    let short = step(backend.acquire(&spec("zk:ttl-short", Duration::from_millis(300))))
+        .await
+        .expect("a short ttl is granted");
+    assert_eq!(
+        short.ttl,
+        Duration::from_secs(1),
+        "granted ttl must be the server's minimum"
+    );
+    let renewed = step(backend.renew(&short, Duration::from_millis(300)))
+        .await
+        .expect("renew");
+    assert_eq!(renewed, Duration::from_secs(1));
+    assert!(step(backend.release(&short)).await.expect("release"));
+
+    let e = step(backend.acquire(&spec("zk:ttl-long", Duration::from_secs(120))))
+        .await
+        .expect_err("a ttl above maxSessionTimeout");
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    let exact = step(backend.acquire(&spec("zk:ttl-long", Duration::from_secs(60))))
+        .await
+        .expect("the maximum itself is granted");
+    assert_eq!(exact.ttl, Duration::from_secs(60));
+    assert!(step(backend.release(&exact)).await.expect("release"));
+
+    let mut delayed = spec("zk:ttl-short", Duration::from_secs(2));
+    delayed.lock_delay = Duration::from_secs(1);
+    let e = step(backend.acquire(&delayed))
+        .await
+        .expect_err("lock-delay is not supported");
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+}
+
+/// A holder cut off from the server: while the connection is merely down
+/// (suspended) renew is `Unavailable`; once the server expired the session (proved by
+/// another client being granted the lock) renew is `NotHeld` and release `false`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_expiry_while_holding_makes_renew_not_held() {
+    let zk = start().await;
+    let ttl = Duration::from_secs(6);
+    let holder = Partitioned::connect(&zk).await;
+    let other = connect(&zk).await;
+    let name = "zk:expiry";
+    let lease = step(holder.backend.acquire(&spec(name, ttl)))
+        .await
+        .expect("acquire");
+    assert_eq!(
+        step(holder.backend.renew(&lease, ttl))
+            .await
+            .expect("renew"),
+        ttl
+    );
+    holder.cut();
+    // The renewal goes into the stalled proxy; the backend gives up on the connection
+    // after two thirds of the timeout (4 s), before it could consider the session
+    // lost (6 s after the last reply).
+    let e = step(holder.backend.renew(&lease, ttl))
+        .await
+        .expect_err("renew while cut off");
+    assert_eq!(
+        e.kind(),
+        ErrorKind::Unavailable,
+        "renew while suspended: {e}"
+    );
+    let mut waiting = spec(name, Duration::from_secs(60));
+    waiting.wait = STEP;
+    let next = step(other.acquire(&waiting))
+        .await
+        .expect("granted after the holder's session expired");
+    assert!(next.fence > lease.fence);
+    holder.heal();
+    let e = step(holder.backend.renew(&lease, ttl))
+        .await
+        .expect_err("renew after expiry");
+    assert_eq!(e.kind(), ErrorKind::NotHeld, "renew after expiry: {e}");
+    assert!(!step(holder.backend.release(&lease)).await.expect("release"));
+    // The backend opens a fresh session for new work.
+    let mut again = spec(name, ttl);
+    again.wait = Duration::ZERO;
+    let e = step(holder.backend.acquire(&again))
+        .await
+        .expect_err("still held by the other client");
+    assert_eq!(e.kind(), ErrorKind::Held, "{e}");
+    assert!(step(other.release(&next)).await.expect("release"));
+    let lease = step(holder.backend.acquire(&again))
+        .await
+        .expect("acquire on a new session");
+    assert!(step(holder.backend.release(&lease)).await.expect("release"));
+}
