@@ -143,3 +143,53 @@ async fn session_expiry_while_holding_makes_renew_not_held() {
         .expect("acquire on a new session");
     assert!(step(holder.backend.release(&lease)).await.expect("release"));
 }
+
+/// Any lock name is one znode: names with `/`, unicode or percent signs are distinct
+/// locks (the encoding is injective), and each is exclusive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_are_encoded_safely() {
+    let zk = start().await;
+    let a = connect(&zk).await;
+    let b = connect(&zk).await;
+    let names = ["a/b", "a%2Fb", "a-b", "ünï/çødé/..", ".", ".."];
+    let mut leases = Vec::new();
+    for name in names {
+        leases.push(
+            step(a.acquire(&spec(name, Duration::from_secs(10))))
+                .await
+                .unwrap_or_else(|e| panic!("acquire {name:?}: {e}")),
+        );
+        let e = step(b.acquire(&spec(name, Duration::from_secs(10))))
+            .await
+            .expect_err("held");
+        assert_eq!(e.kind(), ErrorKind::Held, "{name:?}: {e}");
+    }
+    for lease in &leases {
+        assert!(step(a.release(lease)).await.expect("release"));
+    }
+}
+
+/// A lock in use as a semaphore of one limit refuses a request with another limit
+/// (`LimitMismatch`), and the refused request leaves nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_different_limit_is_refused() {
+    let zk = start().await;
+    let a = connect(&zk).await;
+    let b = connect(&zk).await;
+    let name = "zk:limits";
+    let mut two = spec(name, Duration::from_secs(10));
+    two.limit = 2;
+    let first = step(a.acquire(&two)).await.expect("limit 2");
+    let e = step(b.acquire(&spec(name, Duration::from_secs(10))))
+        .await
+        .expect_err("limit 1 while in use with limit 2");
+    assert_eq!(e.kind(), ErrorKind::LimitMismatch, "{e}");
+    two.request_id = AcquireSpec::new(name, Duration::from_secs(10)).request_id;
+    let second = step(b.acquire(&two)).await.expect("the second of two");
+    assert!(step(a.release(&first)).await.expect("release"));
+    assert!(step(b.release(&second)).await.expect("release"));
+    let mutex = step(b.acquire(&spec(name, Duration::from_secs(10))))
+        .await
+        .expect("a free lock takes any limit");
+    assert!(step(b.release(&mutex)).await.expect("release"));
+}

@@ -75,6 +75,13 @@
 //!   renewal, after another client may already hold the lock).
 //! - A lock used with different `limit`s at once is refused with `LimitMismatch` for
 //!   the later arrivals while a node with another limit is ahead of them.
+//! - `acquire` can overrun its wait by up to two thirds of the ttl when the connection
+//!   dies silently mid-request (that is when the backend declares it dead), and
+//!   opening a session may take up to `connect_timeout` per server.
+//! - `renew` cannot change a session's timeout: it returns the session's, whatever
+//!   ttl it is asked for.
+//! - After a reconnect, server-side watches are not re-registered (no `SetWatches`):
+//!   every waiter simply lists its queue again.
 
 mod jute;
 mod session;
