@@ -80,6 +80,8 @@
 //!   opening a session may take up to `connect_timeout` per server.
 //! - `renew` cannot change a session's timeout: it returns the session's, whatever
 //!   ttl it is asked for.
+//! - No ZooKeeper authentication (`addauth`, SASL) and no TLS: use it on a trusted
+//!   network, or put the ensemble's own access control in front.
 //! - After a reconnect, server-side watches are not re-registered (no `SetWatches`):
 //!   every waiter simply lists its queue again.
 
@@ -177,6 +179,11 @@ impl ZooKeeperBackend {
     pub fn new(config: ZooKeeperConfig) -> Result<ZooKeeperBackend, Error> {
         if config.servers.is_empty() {
             return Err(invalid("no ZooKeeper servers given"));
+        }
+        if config.servers.iter().any(|s| s.contains('/')) {
+            return Err(invalid(
+                "a chroot suffix in the connect string is not supported: set root instead",
+            ));
         }
         check_root(&config.root)?;
         if config.connect_timeout.is_zero() || config.max_sessions == 0 {

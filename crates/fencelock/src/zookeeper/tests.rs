@@ -351,8 +351,10 @@ fn bad_configs_are_refused() {
         let e = ZooKeeperBackend::new(config).expect_err(root);
         assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{root}: {e}");
     }
-    let e = ZooKeeperBackend::new(ZooKeeperConfig::new(" , ")).expect_err("no servers");
-    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    for servers in [" , ", "127.0.0.1:2181/chroot"] {
+        let e = ZooKeeperBackend::new(ZooKeeperConfig::new(servers)).expect_err(servers);
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{servers}: {e}");
+    }
     let mut config = ZooKeeperConfig::new("127.0.0.1:2181");
     config.root = "/a/b-c".to_owned();
     ZooKeeperBackend::new(config).expect("a nested root");
