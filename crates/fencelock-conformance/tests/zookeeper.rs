@@ -193,3 +193,87 @@ async fn a_different_limit_is_refused() {
         .expect("a free lock takes any limit");
     assert!(step(b.release(&mutex)).await.expect("release"));
 }
+
+/// A semaphore waiter watches the `limit` nodes ahead of it, not just its immediate
+/// predecessor: the release of the first holder (not its predecessor) wakes it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_semaphore_waiter_wakes_when_any_holder_ahead_leaves() {
+    let zk = start().await;
+    let clients = [connect(&zk).await, connect(&zk).await, connect(&zk).await];
+    let name = "zk:semaphore-wake";
+    let ttl = Duration::from_secs(10);
+    let request = move |wait: Duration| {
+        let mut spec = spec(name, ttl);
+        spec.limit = 2;
+        spec.wait = wait;
+        spec
+    };
+    let first = step(clients[0].acquire(&request(Duration::ZERO)))
+        .await
+        .expect("first");
+    let second = step(clients[1].acquire(&request(Duration::ZERO)))
+        .await
+        .expect("second");
+    let waiter = clients[2].clone();
+    let task = tokio::spawn(async move { waiter.acquire(&request(STEP)).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!task.is_finished(), "granted while two of two are held");
+    assert!(step(clients[0].release(&first)).await.expect("release"));
+    let third = step(task)
+        .await
+        .expect("task")
+        .expect("granted when the first holder left");
+    assert!(third.fence > second.fence);
+    assert!(step(clients[1].release(&second)).await.expect("release"));
+    assert!(step(clients[2].release(&third)).await.expect("release"));
+}
+
+/// A release that cannot reach the server (connection stalled) fails as
+/// `Unavailable`, and the node is deleted in the background once the connection is
+/// back — the lock is free before the still-alive session could have expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_cut_off_completes_on_reconnect() {
+    let zk = start().await;
+    let ttl = Duration::from_secs(9);
+    let holder = Partitioned::connect(&zk).await;
+    let other = connect(&zk).await;
+    let name = "zk:release-cut";
+    let lease = step(holder.backend.acquire(&spec(name, ttl)))
+        .await
+        .expect("acquire");
+    // The server hears from the session after this instant, so it cannot expire the
+    // session before `touched + ttl`.
+    let touched = tokio::time::Instant::now();
+    step(holder.backend.renew(&lease, ttl))
+        .await
+        .expect("renew");
+    holder.cut();
+    // Sent into the stalled proxy: no answer, and the connection is declared dead
+    // after two thirds of the ttl. (Requests sent into the proxy are delivered when
+    // it resumes, so the release is made only once the connection is known dead.)
+    let e = step(holder.backend.renew(&lease, ttl))
+        .await
+        .expect_err("renew while cut off");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    let e = step(holder.backend.release(&lease))
+        .await
+        .expect_err("release while disconnected");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    holder.heal();
+    let mut waiting = spec(name, ttl);
+    waiting.wait = STEP;
+    let next = step(other.acquire(&waiting)).await.expect("granted");
+    assert!(
+        touched.elapsed() < ttl,
+        "the lock was freed only {:?} after the last renewal: by session expiry, not by the release",
+        touched.elapsed()
+    );
+    assert!(step(other.release(&next)).await.expect("release"));
+    assert_eq!(
+        step(holder.backend.renew(&lease, ttl))
+            .await
+            .expect_err("released")
+            .kind(),
+        ErrorKind::NotHeld
+    );
+}

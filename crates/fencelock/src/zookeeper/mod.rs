@@ -53,6 +53,9 @@
 //! - A grant that is neither released nor lost stays held for as long as the backend
 //!   runs (its session is pinged whether or not anybody renews). Dropping the
 //!   [`ZooKeeperBackend`] closes its sessions, deleting every node it holds.
+//! - A release while disconnected fails with `Unavailable` at once and deletes the
+//!   node in the background as soon as the session reconnects (if it expires instead,
+//!   the node goes with it).
 //!
 //! # Fences
 //! The fence is the node's creation zxid (`czxid`): the zxid of the transaction that
@@ -279,7 +282,9 @@ impl ZooKeeperBackend {
         let Some((session, path)) = self.inner.grant(lease) else {
             return Ok(false);
         };
-        let connect_by = Instant::now() + session.timeout() / 3;
+        // No waiting for a reconnect: while disconnected the node is deleted in the
+        // background as soon as the session is back (see below).
+        let connect_by = Instant::now();
         match session
             .call(op::DELETE, jute::delete(&path), connect_by)
             .await
