@@ -277,3 +277,27 @@ async fn a_release_cut_off_completes_on_reconnect() {
         ErrorKind::NotHeld
     );
 }
+
+/// A connect string with a dead server still works (each server is tried in turn,
+/// from a random one); one with only dead servers fails as `Unavailable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_servers_in_the_list_are_skipped() {
+    let zk = start().await;
+    let dead = format!(
+        "127.0.0.1:{}",
+        fencelock_testkit::free_port().expect("port")
+    );
+    let servers = format!("{dead},{}", zk.server.connect_string());
+    for _ in 0..4 {
+        let backend = ZooKeeperBackend::new(ZooKeeperConfig::new(&servers)).expect("backend");
+        let lease = step(backend.acquire(&spec("zk:servers", Duration::from_secs(10))))
+            .await
+            .expect("acquire past a dead server");
+        assert!(step(backend.release(&lease)).await.expect("release"));
+    }
+    let backend = ZooKeeperBackend::new(ZooKeeperConfig::new(&dead)).expect("backend");
+    let e = step(backend.acquire(&spec("zk:servers", Duration::from_secs(10))))
+        .await
+        .expect_err("no live server");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+}

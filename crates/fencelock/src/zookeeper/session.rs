@@ -120,10 +120,13 @@ enum End {
 }
 
 impl Session {
-    /// Opens a new session asking for `timeout_ms`, trying each server in turn.
+    /// Opens a new session asking for `timeout_ms`, trying each server in turn from a
+    /// random one (spreading clients over an ensemble).
     pub async fn open(dial: Arc<Dial>, timeout_ms: i32) -> Result<Session, Fault> {
         let mut last_error = String::from("no servers configured");
-        for server in &dial.servers {
+        let count = dial.servers.len();
+        let first = random_index(count);
+        for server in (0..count).map(|i| &dial.servers[(first + i) % count]) {
             let attempt = handshake(server, timeout_ms, 0, &[0; 16], 0);
             match tokio::time::timeout(dial.connect_timeout, attempt).await {
                 Ok(Ok(Some(est))) => return Ok(Session::start(dial.clone(), est, timeout_ms)),
@@ -357,6 +360,12 @@ impl Shared {
             list.iter().for_each(|(_, notify)| notify.notify_one());
         }
     }
+}
+
+/// A random index below `count` (0 when `count` is 0).
+fn random_index(count: usize) -> usize {
+    let count = u64::try_from(count).unwrap_or(u64::MAX).max(1);
+    usize::try_from(crate::backoff::random_u64() % count).unwrap_or(0)
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -610,9 +619,10 @@ impl Task {
         let per_attempt =
             (timeout / 3).clamp(Duration::from_millis(100), self.dial.connect_timeout);
         let servers = self.dial.servers.len().max(1);
+        let first = random_index(servers);
         let mut attempt: usize = 0;
         while Instant::now() < give_up {
-            let server = &self.dial.servers[attempt % servers];
+            let server = &self.dial.servers[(first + attempt) % servers];
             let until = (Instant::now() + per_attempt).min(give_up);
             let hello = handshake(
                 server,
