@@ -12,6 +12,8 @@
 //! # let _ = client; Ok(()) }
 //! ```
 //!
+//! Needs ZooKeeper 3.5.3 or later (container nodes, `create2`); tested against 3.8.
+//!
 //! # The recipe
 //! A lock `name` is a container node `<root>/<encoded name>` (percent-encoded, so any
 //! name is a single safe znode name; ZooKeeper deletes the container once it is empty).
