@@ -59,6 +59,8 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
 mod server;
+#[cfg(feature = "zookeeper")]
+pub mod zookeeper;
 
 pub use backend::{
     AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, MAX_NAME_BYTES,
