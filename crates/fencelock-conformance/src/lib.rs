@@ -10,7 +10,7 @@
 //! ```
 //!
 //! which expands to one `#[tokio::test]` per case in [`cases`]. Cases never skip: where
-//! a backend's [`Capabilities`] say it lacks a feature (semaphores, FIFO, fences), the
+//! a backend's `Capabilities` say it lacks a feature (semaphores, FIFO, fences), the
 //! case asserts the honest answer instead (a clear `InvalidArgument`, fences of 0,
 //! every waiter served eventually).
 //!
