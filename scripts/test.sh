@@ -22,8 +22,8 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     exit 1
   fi
 fi
-# Tests start their own throwaway PostgreSQL and Redis servers (fencelock-testkit), and
-# the benchmark smoke run below also etcd and ZooKeeper.
+# Tests start their own throwaway PostgreSQL, Redis, etcd and ZooKeeper servers
+# (fencelock-testkit): the backends' conformance suite and the benchmark smoke run.
 ./scripts/install-peers.sh
 if ! command -v cargo >/dev/null; then
   echo "cargo not found: install Rust (https://rustup.rs) first" >&2
@@ -39,11 +39,18 @@ fi
 cargo test --workspace --locked "$@"
 
 # The benchmark harness against real peers, tiny and short (seconds): proves it works.
-# Only with no extra arguments (a filtered `cargo test` run skips it).
+# This and the fuzz run: only with no extra arguments (a filtered `cargo test` run skips it).
 if [ $# -eq 0 ]; then
   cargo build --locked -p fencelock-cli -p fencelock-bench
   target="${CARGO_TARGET_DIR:-target}"
   smoke_out="$(mktemp -d)"
   "$target/debug/fencelock-bench" run --smoke --fencelock-bin "$target/debug/fencelock" --out "$smoke_out" >/dev/null
   rm -rf "$smoke_out"
+
+  # A short fuzz run of every decoder and of the core (nightly + cargo-fuzz, installed
+  # when missing); longer runs: scripts/fuzz.sh 3600. FENCELOCK_FUZZ_SECONDS=0 skips it.
+  fuzz_seconds="${FENCELOCK_FUZZ_SECONDS:-10}"
+  if [ "$fuzz_seconds" != 0 ]; then
+    ./scripts/fuzz.sh "$fuzz_seconds"
+  fi
 fi
