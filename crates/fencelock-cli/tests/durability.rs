@@ -3,6 +3,7 @@
 //! Each test runs `fencelock serve` as a child process on a random loopback port in
 //! its own temp dir, and talks HTTP/JSON to it.
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -11,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-const BIN: &str = env!("CARGO_BIN_EXE_fencelock");
+mod support;
+
+use support::BIN;
 
 struct Proc {
     child: Child,
@@ -19,28 +22,7 @@ struct Proc {
 }
 
 fn start(data_dir: &Path) -> Proc {
-    let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--log-format", "json"])
-        .arg("--data-dir")
-        .arg(data_dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn fencelock serve");
-    let stderr = child.stderr.take().expect("piped stderr");
-    let mut lines = BufReader::new(stderr).lines();
-    let addr = loop {
-        let line = lines
-            .next()
-            .expect("server exited before it was serving")
-            .expect("read stderr");
-        let v: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
-        if let Some(listen) = v.get("listen").and_then(Value::as_str) {
-            break listen.parse().expect("listen address");
-        }
-    };
-    // Keep draining stderr so the child never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
+    let (child, addr) = support::serve([OsStr::new("--data-dir"), data_dir.as_os_str()]);
     Proc { child, addr }
 }
 

@@ -9,9 +9,10 @@
 //! `http_api.rs` and `grpc.rs`; these add the scale, the real process and the memory
 //! bound.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::ffi::OsStr;
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,7 +20,7 @@ use fencelock::{AcquireSpec, ErrorKind, FencelockBackend, LockBackend, ServerCon
 use fencelock_chaos::scenario::rss_bytes;
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_fencelock");
+mod support;
 
 /// The server's resident set must stay under this (it idles at ~15 MiB).
 const RSS_BOUND_BYTES: u64 = 512 << 20;
@@ -39,29 +40,12 @@ impl Server {
         let dir = tempfile::tempdir().expect("tempdir");
         let config_path = dir.path().join("fencelock.toml");
         std::fs::write(&config_path, config).expect("write config");
-        let mut child = Command::new(BIN)
-            .args(["serve", "--listen", "127.0.0.1:0", "--log-format", "json"])
-            .arg("--config")
-            .arg(&config_path)
-            .arg("--data-dir")
-            .arg(dir.path().join("data"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn fencelock serve");
-        let stderr = child.stderr.take().expect("piped stderr");
-        let mut lines = BufReader::new(stderr).lines();
-        let addr = loop {
-            let line = lines
-                .next()
-                .expect("server exited before it was serving")
-                .expect("read stderr");
-            let v: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
-            if let Some(listen) = v.get("listen").and_then(Value::as_str) {
-                break listen.parse().expect("listen address");
-            }
-        };
-        std::thread::spawn(move || for _ in lines {});
+        let (child, addr) = support::serve([
+            OsStr::new("--config"),
+            config_path.as_os_str(),
+            OsStr::new("--data-dir"),
+            dir.path().join("data").as_os_str(),
+        ]);
         Server {
             child,
             addr,
