@@ -24,6 +24,8 @@ mod generated {
 }
 pub use generated::*;
 
+pub mod wire;
+
 /// Metadata entry of every error status that holds the stable error code
 /// (`held`, `not_held`, `timeout`, …).
 pub const ERROR_CODE_METADATA: &str = "fencelock-error-code";

@@ -144,6 +144,51 @@ fn acquire_args(
     })
 }
 
+/// `Acquire` by `caller`: shared by gRPC and the wire protocol ([`crate::wire`]).
+/// Dropping the future takes a waiting request out of the queue.
+pub(crate) async fn acquire_call(
+    handle: &Handle,
+    caller: &crate::auth::Principal,
+    r: pb::AcquireRequest,
+) -> Result<pb::Grant, ApiError> {
+    let args = acquire_args(caller, r)?;
+    Ok(grant_pb(handle.acquire(args).await?))
+}
+
+/// `Renew` by `caller` (gRPC and the wire protocol).
+pub(crate) async fn renew_call(
+    handle: &Handle,
+    caller: &crate::auth::Principal,
+    r: pb::RenewRequest,
+) -> Result<pb::RenewResponse, ApiError> {
+    let name = lock_name("name", &r.name)?;
+    caller.authorize(Action::Renew, Some(name.as_str()))?;
+    let g = handle
+        .renew(name, owner_token(&r.owner_token)?, r.ttl_ms)
+        .await?;
+    Ok(pb::RenewResponse {
+        name: g.name.to_string(),
+        fence: g.fence.get(),
+        ttl_ms: g.ttl_ms,
+    })
+}
+
+/// `Release` by `caller` (gRPC and the wire protocol).
+pub(crate) async fn release_call(
+    handle: &Handle,
+    caller: &crate::auth::Principal,
+    r: pb::ReleaseRequest,
+) -> Result<pb::ReleaseResponse, ApiError> {
+    let name = lock_name("name", &r.name)?;
+    caller.authorize(Action::Release, Some(name.as_str()))?;
+    let released = handle.release(name, owner_token(&r.owner_token)?).await?;
+    let reason = if released { "" } else { "already_released" };
+    Ok(pb::ReleaseResponse {
+        released,
+        reason: reason.to_owned(),
+    })
+}
+
 fn grant_pb(g: Grant) -> pb::Grant {
     pb::Grant {
         name: g.name.to_string(),
@@ -365,11 +410,10 @@ impl Locks for LocksService {
         request: Request<pb::AcquireRequest>,
     ) -> Result<Response<pb::Grant>, Status> {
         let caller = grpc_caller(&request)?;
-        let args = acquire_args(&caller, request.into_inner())?;
         // Awaited here, not spawned: if the client cancels the call, this future is
         // dropped, and dropping it takes the request out of the queue.
-        let grant = self.handle.acquire(args).await?;
-        Ok(Response::new(grant_pb(grant)))
+        let grant = acquire_call(&self.handle, &caller, request.into_inner()).await?;
+        Ok(Response::new(grant))
     }
 
     async fn renew(
@@ -377,18 +421,8 @@ impl Locks for LocksService {
         request: Request<pb::RenewRequest>,
     ) -> Result<Response<pb::RenewResponse>, Status> {
         let caller = grpc_caller(&request)?;
-        let r = request.into_inner();
-        let name = lock_name("name", &r.name)?;
-        caller.authorize(Action::Renew, Some(name.as_str()))?;
-        let g = self
-            .handle
-            .renew(name, owner_token(&r.owner_token)?, r.ttl_ms)
-            .await?;
-        Ok(Response::new(pb::RenewResponse {
-            name: g.name.to_string(),
-            fence: g.fence.get(),
-            ttl_ms: g.ttl_ms,
-        }))
+        let renewed = renew_call(&self.handle, &caller, request.into_inner()).await?;
+        Ok(Response::new(renewed))
     }
 
     async fn release(
@@ -396,18 +430,8 @@ impl Locks for LocksService {
         request: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
         let caller = grpc_caller(&request)?;
-        let r = request.into_inner();
-        let name = lock_name("name", &r.name)?;
-        caller.authorize(Action::Release, Some(name.as_str()))?;
-        let released = self
-            .handle
-            .release(name, owner_token(&r.owner_token)?)
-            .await?;
-        let reason = if released { "" } else { "already_released" };
-        Ok(Response::new(pb::ReleaseResponse {
-            released,
-            reason: reason.to_owned(),
-        }))
+        let released = release_call(&self.handle, &caller, request.into_inner()).await?;
+        Ok(Response::new(released))
     }
 
     async fn force_release(

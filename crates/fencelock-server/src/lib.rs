@@ -19,6 +19,7 @@ pub mod limits;
 pub mod metrics;
 mod preface;
 pub mod tls;
+pub mod wire;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -164,8 +165,16 @@ impl Server {
             .map_err(|e| ApiError::new(ApiErrorKind::Internal, format!("no local address: {e}")))?;
         let handle = engine::start(config.engine)?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let router = secure_app(handle.clone(), authenticator, &config.limits);
+        let router = secure_app(handle.clone(), authenticator.clone(), &config.limits);
+        let wire = Arc::new(wire::WireOptions {
+            handle: handle.clone(),
+            auth: authenticator,
+            max_frame: config.limits.max_body_bytes,
+            max_in_flight: config.limits.max_streams_per_connection as usize,
+            header_read_timeout: config.header_read_timeout,
+        });
         let options = ServeOptions {
+            wire,
             header_read_timeout: config.header_read_timeout,
             limits: config.limits,
             tls,
@@ -206,6 +215,8 @@ impl Server {
 
 /// What the accept loop needs besides the listener and the router.
 struct ServeOptions {
+    /// For connections that speak `flw/1`.
+    wire: Arc<wire::WireOptions>,
     header_read_timeout: Duration,
     limits: Limits,
     tls: Option<tokio_rustls::TlsAcceptor>,
@@ -284,6 +295,7 @@ async fn serve(
         let tls = options.tls.clone();
         let handshake_timeout = options.limits.tls_handshake_timeout;
         let header_read_timeout = options.header_read_timeout;
+        let wire = options.wire.clone();
         let mut stopping = stopping_rx.clone();
         tokio::spawn(async move {
             let _permit = permit;
@@ -295,6 +307,9 @@ async fn serve(
                 };
                 let Some(start) = start else { return };
                 let stream = preface::Prefixed::new(start, stream);
+                if preface::is_wire(stream.prefix()) {
+                    return wire::serve_connection(stream, wire, stopping).await;
+                }
                 return serve_connection(&builder, stream, router, watcher).await;
             };
             let handshake = tokio::time::timeout(handshake_timeout, acceptor.accept(stream));
@@ -318,18 +333,20 @@ async fn serve(
                 _ = stopping.changed() => None,
             };
             let Some(start) = start else { return };
-            serve_connection(
-                &builder,
-                preface::Prefixed::new(start, stream),
-                router,
-                watcher,
-            )
-            .await
+            let stream = preface::Prefixed::new(start, stream);
+            if preface::is_wire(stream.prefix()) {
+                return wire::serve_connection(stream, wire, stopping).await;
+            }
+            serve_connection(&builder, stream, router, watcher).await
         });
     }
     let _ = stopping.send(());
     drop(listener);
     graceful.shutdown().await;
+    // Wire connections answer what they have in flight, then close; give them as
+    // long as HTTP connections had.
+    let closed = connections.acquire_many(max_connections as u32);
+    let _ = tokio::time::timeout(Duration::from_secs(10), closed).await;
     Ok(())
 }
 

@@ -42,6 +42,12 @@ pub(crate) async fn read_start<I: AsyncRead + Unpin>(
     tokio::time::timeout(within, read).await.ok().flatten()
 }
 
+/// Whether a connection that began with `start` speaks `flw/1`
+/// ([`fencelock_proto::wire`]): its magic's first byte starts no HTTP request.
+pub(crate) fn is_wire(start: &[u8]) -> bool {
+    start.first() == Some(&fencelock_proto::wire::CLIENT_MAGIC[0])
+}
+
 /// A stream with bytes already read from it put back in front.
 #[derive(Debug)]
 pub(crate) struct Prefixed<I> {
@@ -51,6 +57,11 @@ pub(crate) struct Prefixed<I> {
 }
 
 impl<I> Prefixed<I> {
+    /// The bytes put back in front.
+    pub(crate) fn prefix(&self) -> &[u8] {
+        &self.prefix
+    }
+
     /// `io`, whose next reads first return `prefix`.
     pub(crate) fn new(prefix: Vec<u8>, io: I) -> Prefixed<I> {
         Prefixed {

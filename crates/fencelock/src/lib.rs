@@ -59,6 +59,7 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
 mod server;
+mod wire;
 #[cfg(feature = "zookeeper")]
 pub mod zookeeper;
 
@@ -70,7 +71,7 @@ pub use backoff::Backoff;
 pub use client::{Client, LockOptions, LockRequest};
 pub use error::{Error, ErrorKind};
 pub use guard::{LockGuard, LostReason};
-pub use server::{EventStream, FencelockBackend, ServerConfig};
+pub use server::{EventStream, FencelockBackend, ServerConfig, Transport};
 
 /// The gRPC messages of the fencelock server (lock views and events returned by
 /// [`FencelockBackend`]'s read and admin calls).

@@ -1,4 +1,6 @@
-//! The fencelock server as a [`LockBackend`], over gRPC (`fencelock.v1.Locks`).
+//! The fencelock server as a [`LockBackend`]: `Acquire`, `Renew` and `Release` over the
+//! wire protocol `flw/1` (see [`Transport`]), everything else over gRPC
+//! (`fencelock.v1.Locks`).
 
 use std::time::Duration;
 
@@ -8,7 +10,10 @@ use tonic::metadata::MetadataValue;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Request, Status};
 
+use fencelock_proto::wire::{Request as WireRequest, Response as WireResponse};
+
 use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use crate::wire::WireClient;
 use crate::{Error, ErrorKind};
 
 /// How to reach a fencelock server.
@@ -28,6 +33,22 @@ pub struct ServerConfig {
     /// For `https://` URLs: the PEM certificate(s) of the CA to trust instead of the
     /// system's roots (e.g. a private CA).
     pub ca_cert_pem: Option<Vec<u8>>,
+    /// How `Acquire`, `Renew` and `Release` travel. Default [`Transport::Wire`].
+    pub transport: Transport,
+}
+
+/// How the hot-path calls (`Acquire`, `Renew`, `Release`) reach the server. Listings,
+/// force-release and watches always use gRPC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Transport {
+    /// The wire protocol `flw/1` on the same port (a fraction of gRPC's CPU per
+    /// request), falling back to gRPC for a server that does not speak it. Plain
+    /// `http://` URLs only: with `https://` the calls use gRPC over TLS.
+    #[default]
+    Wire,
+    /// gRPC for everything.
+    Grpc,
 }
 
 impl ServerConfig {
@@ -39,6 +60,7 @@ impl ServerConfig {
             request_timeout: Duration::from_secs(10),
             token: None,
             ca_cert_pem: None,
+            transport: Transport::Wire,
         }
     }
 }
@@ -51,6 +73,8 @@ impl ServerConfig {
 #[derive(Debug, Clone)]
 pub struct FencelockBackend {
     client: LocksClient<Channel>,
+    /// The `flw/1` connection, unless gRPC was chosen (or the URL is https).
+    wire: Option<WireClient>,
     request_timeout: Duration,
     authorization: Option<MetadataValue<tonic::metadata::Ascii>>,
 }
@@ -64,6 +88,15 @@ impl FencelockBackend {
     /// `connect_timeout`.
     pub async fn connect(config: ServerConfig) -> Result<FencelockBackend, Error> {
         let endpoint = endpoint(&config)?;
+        if let Some(wire) = wire_client(&config, &endpoint) {
+            let backend = FencelockBackend::from_channel(endpoint.connect_lazy(), &config)?;
+            match wire.connect().await {
+                Ok(()) => return Ok(backend.with_wire(wire)),
+                // An older server: gRPC only, connected eagerly below.
+                Err(_) if !wire.usable() => {}
+                Err(e) => return Err(e),
+            }
+        }
         let channel = endpoint.connect().await.map_err(|e| {
             Error::new(
                 ErrorKind::Unavailable,
@@ -76,8 +109,22 @@ impl FencelockBackend {
     /// Like [`connect`](FencelockBackend::connect), but connects on first use (and
     /// never fails for an unreachable server: requests do).
     pub fn connect_lazy(config: ServerConfig) -> Result<FencelockBackend, Error> {
-        let channel = endpoint(&config)?.connect_lazy();
-        FencelockBackend::from_channel(channel, &config)
+        let endpoint = endpoint(&config)?;
+        let backend = FencelockBackend::from_channel(endpoint.connect_lazy(), &config)?;
+        Ok(match wire_client(&config, &endpoint) {
+            Some(wire) => backend.with_wire(wire),
+            None => backend,
+        })
+    }
+
+    fn with_wire(mut self, wire: WireClient) -> FencelockBackend {
+        self.wire = Some(wire);
+        self
+    }
+
+    /// The `flw/1` connection, while the server is known to speak it.
+    fn wire(&self) -> Option<&WireClient> {
+        self.wire.as_ref().filter(|w| w.usable())
     }
 
     fn from_channel(channel: Channel, config: &ServerConfig) -> Result<FencelockBackend, Error> {
@@ -92,6 +139,7 @@ impl FencelockBackend {
         };
         Ok(FencelockBackend {
             client: LocksClient::new(channel),
+            wire: None,
             request_timeout: config.request_timeout,
             authorization,
         })
@@ -248,26 +296,29 @@ impl LockBackend for FencelockBackend {
         Box::pin(async move {
             spec.validate()?;
             let wait = spec.wait.min(MAX_WAIT_PER_CALL);
-            let request = self.request(
-                pb::AcquireRequest {
-                    name: spec.name.clone(),
-                    ttl_ms: Some(ms(spec.ttl)),
-                    wait_ms: ms(wait),
-                    owner: spec.owner.clone(),
-                    request_id: Some(spec.request_id.clone()),
-                    limit: spec.limit,
-                    lock_delay_ms: ms(spec.lock_delay),
-                    session: None,
+            let message = pb::AcquireRequest {
+                name: spec.name.clone(),
+                ttl_ms: Some(ms(spec.ttl)),
+                wait_ms: ms(wait),
+                owner: spec.owner.clone(),
+                request_id: Some(spec.request_id.clone()),
+                limit: spec.limit,
+                lock_delay_ms: ms(spec.lock_delay),
+                session: None,
+            };
+            let grant = match self.wire() {
+                Some(wire) => match wire.call(WireRequest::Acquire(message), wait, true).await? {
+                    WireResponse::Grant(grant) => grant,
+                    other => return Err(unexpected("Acquire", &other)),
                 },
-                wait,
-            );
-            let grant = self
-                .client
-                .clone()
-                .acquire(request)
-                .await
-                .map_err(error_from_status)?
-                .into_inner();
+                None => self
+                    .client
+                    .clone()
+                    .acquire(self.request(message, wait))
+                    .await
+                    .map_err(error_from_status)?
+                    .into_inner(),
+            };
             Ok(Lease {
                 name: grant.name,
                 fence: grant.fence,
@@ -283,43 +334,109 @@ impl LockBackend for FencelockBackend {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Duration, Error>> {
         Box::pin(async move {
-            let request = self.request(
-                pb::RenewRequest {
-                    name: lease.name.clone(),
-                    owner_token: lease.owner_token.clone(),
-                    ttl_ms: Some(ms(ttl)),
+            let message = pb::RenewRequest {
+                name: lease.name.clone(),
+                owner_token: lease.owner_token.clone(),
+                ttl_ms: Some(ms(ttl)),
+            };
+            let renewed = match self.wire() {
+                Some(wire) => match wire
+                    .call(WireRequest::Renew(message), Duration::ZERO, false)
+                    .await?
+                {
+                    WireResponse::Renewed(renewed) => renewed,
+                    other => return Err(unexpected("Renew", &other)),
                 },
-                Duration::ZERO,
-            );
-            let renewed = self
-                .client
-                .clone()
-                .renew(request)
-                .await
-                .map_err(error_from_status)?
-                .into_inner();
+                None => self
+                    .client
+                    .clone()
+                    .renew(self.request(message, Duration::ZERO))
+                    .await
+                    .map_err(error_from_status)?
+                    .into_inner(),
+            };
             Ok(Duration::from_millis(renewed.ttl_ms))
         })
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(async move {
-            let request = self.request(
-                pb::ReleaseRequest {
-                    name: lease.name.clone(),
-                    owner_token: lease.owner_token.clone(),
-                },
-                Duration::ZERO,
-            );
-            match self.client.clone().release(request).await {
-                Ok(response) => Ok(response.into_inner().released),
-                Err(status) => match error_from_status(status) {
-                    // Already expired or taken: nothing of ours is left to release.
-                    e if e.kind() == ErrorKind::NotHeld => Ok(false),
-                    e => Err(e),
-                },
+            let message = pb::ReleaseRequest {
+                name: lease.name.clone(),
+                owner_token: lease.owner_token.clone(),
+            };
+            let released = match self.wire() {
+                Some(wire) => {
+                    match wire
+                        .call(WireRequest::Release(message), Duration::ZERO, false)
+                        .await
+                    {
+                        Ok(WireResponse::Released(r)) => Ok(r.released),
+                        Ok(other) => Err(unexpected("Release", &other)),
+                        Err(e) => Err(e),
+                    }
+                }
+                None => self
+                    .client
+                    .clone()
+                    .release(self.request(message, Duration::ZERO))
+                    .await
+                    .map(|r| r.into_inner().released)
+                    .map_err(error_from_status),
+            };
+            match released {
+                // Already expired or taken: nothing of ours is left to release.
+                Err(e) if e.kind() == ErrorKind::NotHeld => Ok(false),
+                other => other,
             }
         })
+    }
+}
+
+/// An answer of the wrong kind: the server broke the protocol.
+fn unexpected(call: &str, answer: &WireResponse) -> Error {
+    Error::new(
+        ErrorKind::Protocol,
+        format!("the server answered {call} with {answer:?}"),
+    )
+}
+
+/// The `flw/1` client for `config`, if it asks for the wire transport over plain TCP.
+fn wire_client(config: &ServerConfig, endpoint: &Endpoint) -> Option<WireClient> {
+    let uri = endpoint.uri();
+    if config.transport != Transport::Wire || uri.scheme_str() != Some("http") {
+        return None;
+    }
+    let host = uri.host()?;
+    let port = uri.port_u16().unwrap_or(80);
+    let addr = if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    Some(WireClient::new(
+        addr,
+        config.token.clone(),
+        config.connect_timeout,
+        config.request_timeout,
+    ))
+}
+
+/// The client's [`ErrorKind`] of one of the server's stable error codes.
+pub(crate) fn kind_from_code(code: &str) -> ErrorKind {
+    match code {
+        "held" => ErrorKind::Held,
+        "timeout" => ErrorKind::Timeout,
+        "not_held" | "expired" => ErrorKind::NotHeld,
+        "limit_mismatch" => ErrorKind::LimitMismatch,
+        "session_not_found" => ErrorKind::SessionNotFound,
+        "not_found" => ErrorKind::NotFound,
+        "invalid_argument" | "invalid_json" | "payload_too_large" => ErrorKind::InvalidArgument,
+        "resource_exhausted" | "rate_limited" => ErrorKind::ResourceExhausted,
+        "unauthenticated" | "permission_denied" => ErrorKind::PermissionDenied,
+        "unavailable" | "cancelled" => ErrorKind::Unavailable,
+        "internal" => ErrorKind::Internal,
+        _ => ErrorKind::Protocol,
     }
 }
 
@@ -329,20 +446,7 @@ impl LockBackend for FencelockBackend {
 pub(crate) fn error_from_status(status: Status) -> Error {
     let message = status.message().to_owned();
     let kind = match fencelock_proto::error_code(&status) {
-        Some(code) => match code {
-            "held" => ErrorKind::Held,
-            "timeout" => ErrorKind::Timeout,
-            "not_held" | "expired" => ErrorKind::NotHeld,
-            "limit_mismatch" => ErrorKind::LimitMismatch,
-            "session_not_found" => ErrorKind::SessionNotFound,
-            "not_found" => ErrorKind::NotFound,
-            "invalid_argument" | "invalid_json" | "payload_too_large" => ErrorKind::InvalidArgument,
-            "resource_exhausted" | "rate_limited" => ErrorKind::ResourceExhausted,
-            "unauthenticated" | "permission_denied" => ErrorKind::PermissionDenied,
-            "unavailable" | "cancelled" => ErrorKind::Unavailable,
-            "internal" => ErrorKind::Internal,
-            _ => ErrorKind::Protocol,
-        },
+        Some(code) => kind_from_code(code),
         None => match status.code() {
             // No answer from the server in time, a broken connection, a refused one.
             Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown => {

@@ -462,3 +462,81 @@ async fn a_waiter_granted_after_more_than_a_ttl_gets_a_valid_guard() {
     assert!(guard.valid_for().is_some(), "renewed after the late grant");
     assert!(guard.release().await.unwrap());
 }
+
+/// Polls the server until `name` has `waiters` waiters (or the step times out).
+async fn until_waiters(server: &TestServer, name: &str, waiters: u64) {
+    let mut raw = server.raw().await;
+    timeout(STEP, async {
+        loop {
+            let info = raw
+                .get_lock(fencelock::proto::GetLockRequest { name: name.into() })
+                .await
+                .unwrap()
+                .into_inner();
+            if info.waiters == waiters {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{name} never had {waiters} waiters"));
+}
+
+#[tokio::test]
+async fn a_dropped_acquire_leaves_the_queue_on_either_transport() {
+    let server = TestServer::start().await;
+    for transport in [fencelock::Transport::Wire, fencelock::Transport::Grpc] {
+        let mut config = ServerConfig::new(server.url());
+        config.transport = transport;
+        let client = Client::connect_with(config).await.unwrap();
+        let name = format!("dropped-{transport:?}");
+        let holder = client.lock(&name).acquire().await.unwrap();
+        let waiting = tokio::spawn({
+            let client = client.clone();
+            let name = name.clone();
+            async move { client.lock(name).wait(STEP).acquire().await }
+        });
+        until_waiters(&server, &name, 1).await;
+        // Dropping the acquire (here: aborting its task) takes it out of the queue, so
+        // the lock is not handed to nobody when the holder lets go.
+        waiting.abort();
+        until_waiters(&server, &name, 0).await;
+        let fence = holder.fence();
+        holder.release().await.unwrap();
+        let next = client.lock(&name).try_acquire().await.unwrap();
+        assert!(next.fence() > fence, "{transport:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_server_without_the_wire_protocol_is_spoken_to_over_grpc() {
+    // The server's own routes (HTTP/JSON and gRPC) served by plain axum, which
+    // answers the wire protocol's magic with an HTTP error, as servers before `flw/1`
+    // did.
+    let dir = tempfile::tempdir().unwrap();
+    let handle =
+        fencelock_server::engine::start(fencelock_server::EngineConfig::new(dir.path())).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let auth = fencelock_server::auth::Authenticator::new(&Default::default(), None).unwrap();
+    let router = fencelock_server::secure_app(handle, auth, &Default::default());
+    let serving = tokio::spawn(async move { axum::serve(listener, router).await });
+    for connect in ["eager", "lazy"] {
+        let config = ServerConfig::new(url.clone());
+        let client = match connect {
+            "eager" => Client::connect_with(config).await.unwrap(),
+            _ => Client::new(fencelock::FencelockBackend::connect_lazy(config).unwrap()),
+        };
+        let name = format!("old-server-{connect}");
+        let first = client.lock(&name).acquire().await.unwrap();
+        let held = client.lock(&name).try_acquire().await.unwrap_err();
+        assert_eq!(held.kind(), ErrorKind::Held, "{held}");
+        let fence = first.fence();
+        assert!(first.release().await.unwrap());
+        let second = client.lock(&name).try_acquire().await.unwrap();
+        assert!(second.fence() > fence);
+        second.release().await.unwrap();
+    }
+    serving.abort();
+}

@@ -1,0 +1,284 @@
+//! The wire protocol `flw/1` ([`fencelock_proto::wire`]) on one connection: the client
+//! library's fast path for `Acquire`, `Renew` and `Release`, on the same port as HTTP
+//! and gRPC (the accept loop tells it apart by its first byte).
+//!
+//! One task per connection reads frames, runs each request as a future of its own (an
+//! acquire may wait in the queue while later requests are answered), and writes the
+//! answers as they complete, several per write when several are ready. The requests go
+//! through the same functions as gRPC ([`crate::grpc`]), so validation, authorization,
+//! rate limits and error codes are the same.
+//!
+//! Bounds: a frame is at most `max_body_bytes`; at most `max_streams_per_connection`
+//! requests are in flight per connection (beyond that the connection is not read until
+//! one completes); a connection that sends nothing for [`IDLE_TIMEOUT`] is closed (the
+//! client pings while idle). Dropping a waiting acquire — on [`Op::Cancel`], or when
+//! the connection ends — takes it out of the queue.
+//!
+//! [`Op::Cancel`]: fencelock_proto::wire::Op::Cancel
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fencelock_proto::wire::{self, Request, Response, WireError};
+use futures_util::future::{AbortHandle, Abortable};
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use futures_util::FutureExt;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::auth::{Authenticator, Principal};
+use crate::engine::Handle;
+use crate::error::{ApiError, ApiErrorKind};
+use crate::grpc;
+
+/// A connection that sends nothing (not even a ping) for this long is closed.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What every wire connection shares.
+pub(crate) struct WireOptions {
+    pub(crate) handle: Handle,
+    pub(crate) auth: Authenticator,
+    /// Largest frame accepted.
+    pub(crate) max_frame: usize,
+    /// Most requests in flight on one connection.
+    pub(crate) max_in_flight: usize,
+    /// Time to send the magic bytes.
+    pub(crate) header_read_timeout: Duration,
+}
+
+type Answer = Pin<Box<dyn Future<Output = Option<(u64, Response)>> + Send>>;
+
+fn error_response(error: &ApiError) -> Response {
+    Response::Error(WireError {
+        code: error.kind().code().to_owned(),
+        message: error.message().to_owned(),
+    })
+}
+
+/// Counts a refusal at the edge (401, 403, 429) in the metrics, as the HTTP layer does.
+fn count_refusal(handle: &Handle, error: &ApiError) {
+    if matches!(
+        error.kind(),
+        ApiErrorKind::Unauthenticated | ApiErrorKind::PermissionDenied | ApiErrorKind::RateLimited
+    ) {
+        handle.metrics().count_refusal(error.kind());
+    }
+}
+
+/// Serves `flw/1` on `io`, whose first bytes are the client's magic, until the client
+/// leaves, breaks the protocol, idles out, or the server stops (`stopping` changes:
+/// then the requests in flight are answered first).
+pub(crate) async fn serve_connection<I>(
+    io: I,
+    options: Arc<WireOptions>,
+    mut stopping: watch::Receiver<()>,
+) where
+    I: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let (mut rd, mut wr) = tokio::io::split(io);
+    let mut magic = [0u8; wire::CLIENT_MAGIC.len()];
+    let greeted = tokio::time::timeout(options.header_read_timeout, rd.read_exact(&mut magic));
+    if !matches!(greeted.await, Ok(Ok(_))) || magic != wire::CLIENT_MAGIC {
+        return;
+    }
+    if wr.write_all(&wire::SERVER_MAGIC).await.is_err() {
+        return;
+    }
+    let mut conn = Connection {
+        options: options.clone(),
+        principal: (!options.auth.enabled()).then(Principal::anonymous),
+        in_flight: HashMap::new(),
+        answers: FuturesUnordered::new(),
+        out: Vec::with_capacity(4096),
+        reading: true,
+    };
+    let mut input: Vec<u8> = Vec::with_capacity(4096);
+    let mut heard = Instant::now();
+    loop {
+        if !conn.out.is_empty() {
+            if wr.write_all(&conn.out).await.is_err() {
+                return;
+            }
+            conn.out.clear();
+        }
+        if !conn.reading && conn.answers.is_empty() {
+            let _ = wr.shutdown().await;
+            return;
+        }
+        let room = conn.answers.len() < options.max_in_flight;
+        if input.capacity() - input.len() < 1024 {
+            input.reserve(4096);
+        }
+        tokio::select! {
+            Some(answer) = conn.answers.next(), if !conn.answers.is_empty() => {
+                conn.answered(answer);
+                // Everything else already done goes out in the same write.
+                while let Some(Some(answer)) = conn.answers.next().now_or_never() {
+                    conn.answered(answer);
+                }
+            }
+            read = rd.read_buf(&mut input), if conn.reading && room => {
+                match read {
+                    // The client left (or broke the connection): dropping the answers
+                    // still pending takes its waits out of the queues.
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => heard = Instant::now(),
+                }
+                let used = conn.frames(&input);
+                input.drain(..used);
+            }
+            _ = tokio::time::sleep_until(heard + IDLE_TIMEOUT), if conn.reading => {
+                tracing::debug!("closed a wire connection idle for {IDLE_TIMEOUT:?}");
+                return;
+            }
+            _ = stopping.changed(), if conn.reading => conn.reading = false,
+        }
+    }
+}
+
+/// One connection's state.
+struct Connection {
+    options: Arc<WireOptions>,
+    /// Who the connection speaks for; `None` until a good `Hello` when tokens are on.
+    principal: Option<Principal>,
+    /// Requests in flight by id, with the handle that cancels a waiting acquire.
+    in_flight: HashMap<u64, Option<AbortHandle>>,
+    answers: FuturesUnordered<Answer>,
+    /// Encoded answers not yet written.
+    out: Vec<u8>,
+    /// Still reading requests (false once stopping, or after a framing error).
+    reading: bool,
+}
+
+impl Connection {
+    fn answered(&mut self, answer: Option<(u64, Response)>) {
+        // `None`: a cancelled acquire, which gets no answer.
+        if let Some((id, response)) = answer {
+            self.in_flight.remove(&id);
+            wire::encode_response(&mut self.out, id, &response);
+        }
+    }
+
+    fn reply(&mut self, id: u64, response: &Response) {
+        wire::encode_response(&mut self.out, id, response);
+    }
+
+    fn refuse(&mut self, id: u64, error: ApiError) {
+        count_refusal(&self.options.handle, &error);
+        self.reply(id, &error_response(&error));
+    }
+
+    /// Handles the whole frames at the start of `input`; returns the bytes used.
+    fn frames(&mut self, input: &[u8]) -> usize {
+        let mut used = 0;
+        while self.reading {
+            match wire::frame_len(&input[used..], self.options.max_frame) {
+                Ok(Some(n)) => {
+                    self.frame(&input[used..used + n]);
+                    used += n;
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    // The length cannot be trusted, so neither can anything after it:
+                    // answer, finish what is in flight, close.
+                    let kind = if e.message.contains("larger") {
+                        ApiErrorKind::PayloadTooLarge
+                    } else {
+                        ApiErrorKind::InvalidArgument
+                    };
+                    self.reply(0, &error_response(&ApiError::new(kind, e.message)));
+                    self.reading = false;
+                    return input.len();
+                }
+            }
+        }
+        used
+    }
+
+    fn frame(&mut self, frame: &[u8]) {
+        let (id, request) = match wire::decode_request(frame) {
+            Ok(decoded) => decoded,
+            Err(e) => {
+                let error = ApiError::new(ApiErrorKind::InvalidArgument, e.message);
+                return self.reply(e.id.unwrap_or(0), &error_response(&error));
+            }
+        };
+        match request {
+            Request::Ping => self.reply(id, &Response::Pong),
+            Request::Cancel => {
+                if let Some(Some(abort)) = self.in_flight.remove(&id) {
+                    abort.abort();
+                }
+            }
+            Request::Hello(hello) => self.hello(id, &hello.token),
+            request => self.call(id, request),
+        }
+    }
+
+    fn hello(&mut self, id: u64, token: &str) {
+        if !self.options.auth.enabled() {
+            return self.reply(id, &Response::Welcome);
+        }
+        match self.options.auth.authenticate(token) {
+            Some(principal) => {
+                self.principal = Some(principal);
+                self.reply(id, &Response::Welcome);
+            }
+            None => self.refuse(
+                id,
+                ApiError::new(ApiErrorKind::Unauthenticated, "unknown token"),
+            ),
+        }
+    }
+
+    fn call(&mut self, id: u64, request: Request) {
+        let Some(caller) = self.principal.clone() else {
+            return self.refuse(
+                id,
+                ApiError::new(
+                    ApiErrorKind::Unauthenticated,
+                    "this connection needs a token: send Hello with it first",
+                ),
+            );
+        };
+        if self.in_flight.contains_key(&id) {
+            return self.reply(
+                id,
+                &error_response(&ApiError::new(
+                    ApiErrorKind::InvalidArgument,
+                    format!("request id {id} is already in flight on this connection"),
+                )),
+            );
+        }
+        let handle = self.options.handle.clone();
+        let answer = async move {
+            let result = match request {
+                Request::Acquire(r) => grpc::acquire_call(&handle, &caller, r)
+                    .await
+                    .map(Response::Grant),
+                Request::Renew(r) => grpc::renew_call(&handle, &caller, r)
+                    .await
+                    .map(Response::Renewed),
+                Request::Release(r) => grpc::release_call(&handle, &caller, r)
+                    .await
+                    .map(Response::Released),
+                Request::Hello(_) | Request::Cancel | Request::Ping => {
+                    unreachable!("answered without a future")
+                }
+            };
+            result.unwrap_or_else(|e| {
+                count_refusal(&handle, &e);
+                error_response(&e)
+            })
+        };
+        let (abort, registration) = AbortHandle::new_pair();
+        self.in_flight.insert(id, Some(abort));
+        self.answers.push(Box::pin(
+            Abortable::new(answer, registration).map(move |done| done.ok().map(|r| (id, r))),
+        ));
+    }
+}

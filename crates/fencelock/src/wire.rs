@@ -1,0 +1,339 @@
+//! The client side of the wire protocol `flw/1` ([`fencelock_proto::wire`]): one
+//! multiplexed TCP connection per [`crate::FencelockBackend`] (shared by its clones) for
+//! `Acquire`, `Renew` and `Release`.
+//!
+//! A connection task owns the socket: it writes the requests queued since its last
+//! write in one go, routes answers to their callers by id, pings when it has sent
+//! nothing for [`PING_INTERVAL`] (the server closes silent connections), and when the
+//! connection breaks fails every request in flight as [`ErrorKind::Unavailable`]. The
+//! next request opens a new connection. A caller that stops waiting for an acquire
+//! (dropped, or timed out) sends `Cancel`, so the server takes it out of the queue.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fencelock_proto::wire::{self, Request, Response};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::{Error, ErrorKind};
+
+/// How long the connection may stay silent before the client pings (well inside the
+/// server's 60 s idle limit).
+pub(crate) const PING_INTERVAL: Duration = Duration::from_secs(20);
+
+type Reply = oneshot::Sender<Result<Response, Error>>;
+
+enum Out {
+    Call {
+        id: u64,
+        request: Request,
+        reply: Reply,
+    },
+    Cancel(u64),
+}
+
+/// A lazily (re)connected `flw/1` connection to one server.
+#[derive(Debug, Clone)]
+pub(crate) struct WireClient {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    /// `host:port`.
+    addr: String,
+    token: Option<String>,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+    conn: Mutex<Option<mpsc::UnboundedSender<Out>>>,
+    connecting: tokio::sync::Mutex<()>,
+    next_id: AtomicU64,
+    /// The server answered the magic with something else: use gRPC.
+    unsupported: AtomicBool,
+}
+
+impl std::fmt::Debug for Out {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Out::Call { id, .. } => write!(f, "Call({id})"),
+            Out::Cancel(id) => write!(f, "Cancel({id})"),
+        }
+    }
+}
+
+fn unavailable(message: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Unavailable, message)
+}
+
+/// Sends `Cancel` for a waiting acquire unless disarmed (the answer arrived).
+struct CancelOnDrop {
+    tx: Option<mpsc::UnboundedSender<Out>>,
+    id: u64,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(Out::Cancel(self.id));
+        }
+    }
+}
+
+impl WireClient {
+    /// A client for the server at `addr` (`host:port`); connects on first use.
+    pub(crate) fn new(
+        addr: String,
+        token: Option<String>,
+        connect_timeout: Duration,
+        request_timeout: Duration,
+    ) -> WireClient {
+        WireClient {
+            shared: Arc::new(Shared {
+                addr,
+                token,
+                connect_timeout,
+                request_timeout,
+                conn: Mutex::new(None),
+                connecting: tokio::sync::Mutex::new(()),
+                next_id: AtomicU64::new(1),
+                unsupported: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// False once the server has shown it does not speak `flw/1`.
+    pub(crate) fn usable(&self) -> bool {
+        !self.shared.unsupported.load(Ordering::Relaxed)
+    }
+
+    /// Sends `request` and waits for its answer, at most the request timeout plus
+    /// `extra_time` (the wait the request asks the server for). A server's error
+    /// answer becomes an [`Error`] by its stable code. With `cancellable`, giving up
+    /// (drop or timeout) tells the server to stop waiting.
+    pub(crate) async fn call(
+        &self,
+        request: Request,
+        extra_time: Duration,
+        cancellable: bool,
+    ) -> Result<Response, Error> {
+        let tx = self.connection().await?;
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let (reply, answer) = oneshot::channel();
+        tx.send(Out::Call { id, request, reply })
+            .map_err(|_| unavailable("the connection to the server closed"))?;
+        let mut cancel = CancelOnDrop {
+            tx: cancellable.then_some(tx),
+            id,
+        };
+        let within = self.shared.request_timeout.saturating_add(extra_time);
+        let answer = match tokio::time::timeout(within, answer).await {
+            Ok(answer) => {
+                cancel.tx = None;
+                answer.map_err(|_| unavailable("the connection to the server closed"))??
+            }
+            Err(_) => {
+                return Err(unavailable(format!(
+                    "no answer from {} within {within:?}",
+                    self.shared.addr
+                )))
+            }
+        };
+        match answer {
+            Response::Error(e) => Err(Error::new(
+                crate::server::kind_from_code(&e.code),
+                e.message,
+            )),
+            other => Ok(other),
+        }
+    }
+
+    /// Opens the connection now (for an eager connect).
+    pub(crate) async fn connect(&self) -> Result<(), Error> {
+        self.connection().await.map(drop)
+    }
+
+    async fn connection(&self) -> Result<mpsc::UnboundedSender<Out>, Error> {
+        if let Some(tx) = self.current() {
+            return Ok(tx);
+        }
+        let _one = self.shared.connecting.lock().await;
+        if let Some(tx) = self.current() {
+            return Ok(tx);
+        }
+        let opened = tokio::time::timeout(self.shared.connect_timeout, self.open()).await;
+        let tx = opened.map_err(|_| {
+            unavailable(format!(
+                "cannot connect to {} within {:?}",
+                self.shared.addr, self.shared.connect_timeout
+            ))
+        })??;
+        *self.shared.conn.lock().expect("connection slot poisoned") = Some(tx.clone());
+        Ok(tx)
+    }
+
+    fn current(&self) -> Option<mpsc::UnboundedSender<Out>> {
+        let conn = self.shared.conn.lock().expect("connection slot poisoned");
+        conn.as_ref().filter(|tx| !tx.is_closed()).cloned()
+    }
+
+    async fn open(&self) -> Result<mpsc::UnboundedSender<Out>, Error> {
+        let addr = &self.shared.addr;
+        let mut stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| unavailable(format!("cannot connect to {addr}: {e}")))?;
+        let _ = stream.set_nodelay(true);
+        let mut hello = wire::CLIENT_MAGIC.to_vec();
+        if let Some(token) = &self.shared.token {
+            let token = token.clone();
+            wire::encode_request(&mut hello, 0, &Request::Hello(wire::Hello { token }));
+        }
+        let lost = |e: std::io::Error| unavailable(format!("connection to {addr} failed: {e}"));
+        stream.write_all(&hello).await.map_err(lost)?;
+        let mut magic = [0u8; wire::SERVER_MAGIC.len()];
+        stream.read_exact(&mut magic).await.map_err(lost)?;
+        if magic != wire::SERVER_MAGIC {
+            // An older server answered HTTP: it only speaks gRPC.
+            self.shared.unsupported.store(true, Ordering::Relaxed);
+            return Err(unavailable(format!("{addr} does not speak flw/1")));
+        }
+        let mut input = Vec::with_capacity(4096);
+        if self.shared.token.is_some() {
+            match read_response(&mut stream, &mut input).await.map_err(lost)? {
+                (_, Response::Welcome) => {}
+                (_, Response::Error(e)) => {
+                    return Err(Error::new(
+                        crate::server::kind_from_code(&e.code),
+                        e.message,
+                    ))
+                }
+                (_, other) => {
+                    return Err(Error::new(
+                        ErrorKind::Protocol,
+                        format!("the server answered Hello with {other:?}"),
+                    ))
+                }
+            }
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(run(stream, rx, input));
+        Ok(tx)
+    }
+}
+
+/// Reads one whole response frame during the handshake (bytes after it stay in
+/// `input`).
+async fn read_response<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    input: &mut Vec<u8>,
+) -> std::io::Result<(u64, Response)> {
+    let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+    loop {
+        if let Some(n) =
+            wire::frame_len(input, wire::MAX_FRAME_BYTES).map_err(|e| invalid(e.message))?
+        {
+            let decoded = wire::decode_response(&input[..n]).map_err(|e| invalid(e.message));
+            input.drain(..n);
+            return decoded;
+        }
+        if stream.read_buf(input).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+}
+
+/// The connection task: see the module docs.
+async fn run<S>(stream: S, mut rx: mpsc::UnboundedReceiver<Out>, mut input: Vec<u8>)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    let mut pending: HashMap<u64, Reply> = HashMap::new();
+    let mut out: Vec<u8> = Vec::with_capacity(4096);
+    let mut sent = Instant::now();
+    let failure = loop {
+        if !out.is_empty() {
+            if let Err(e) = wr.write_all(&out).await {
+                break unavailable(format!("connection to the server lost: {e}"));
+            }
+            out.clear();
+            sent = Instant::now();
+        }
+        if input.capacity() - input.len() < 1024 {
+            input.reserve(4096);
+        }
+        tokio::select! {
+            next = rx.recv() => {
+                let Some(next) = next else { return };
+                queue(next, &mut out, &mut pending);
+                while let Ok(next) = rx.try_recv() {
+                    queue(next, &mut out, &mut pending);
+                }
+            }
+            read = rd.read_buf(&mut input) => {
+                match read {
+                    Ok(0) => break unavailable("the server closed the connection"),
+                    Err(e) => break unavailable(format!("connection to the server lost: {e}")),
+                    Ok(_) => {}
+                }
+                match route(&mut input, &mut pending) {
+                    Ok(()) => {}
+                    Err(e) => break e,
+                }
+            }
+            _ = tokio::time::sleep_until(sent + PING_INTERVAL) => {
+                wire::encode_request(&mut out, 0, &Request::Ping);
+            }
+        }
+    };
+    for (_, reply) in pending.drain() {
+        let _ = reply.send(Err(failure.clone()));
+    }
+}
+
+fn queue(next: Out, out: &mut Vec<u8>, pending: &mut HashMap<u64, Reply>) {
+    match next {
+        Out::Call { id, request, reply } => {
+            wire::encode_request(out, id, &request);
+            pending.insert(id, reply);
+        }
+        Out::Cancel(id) => {
+            if pending.remove(&id).is_some() {
+                wire::encode_request(out, id, &Request::Cancel);
+            }
+        }
+    }
+}
+
+/// Hands the whole answers in `input` to their callers. An answer to id 0 (pongs, and
+/// the server's framing errors) concerns the connection.
+fn route(input: &mut Vec<u8>, pending: &mut HashMap<u64, Reply>) -> Result<(), Error> {
+    let protocol = |m: String| Error::new(ErrorKind::Protocol, m);
+    let mut used = 0;
+    while let Some(n) = wire::frame_len(&input[used..], wire::MAX_FRAME_BYTES)
+        .map_err(|e| protocol(format!("the server sent a bad frame: {e}")))?
+    {
+        let (id, response) = wire::decode_response(&input[used..used + n])
+            .map_err(|e| protocol(format!("the server sent a bad frame: {e}")))?;
+        used += n;
+        match (id, response) {
+            (0, Response::Pong) => {}
+            (0, Response::Error(e)) => {
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    format!("the server refused this connection: {}", e.message),
+                ))
+            }
+            (id, response) => {
+                if let Some(reply) = pending.remove(&id) {
+                    let _ = reply.send(Ok(response));
+                }
+            }
+        }
+    }
+    input.drain(..used);
+    Ok(())
+}
