@@ -1,7 +1,8 @@
-//! Request bodies of both protocols through the router the server serves
-//! (`fencelock_server::secure_app`: authentication layer, body limit, HTTP/JSON
-//! handlers, the gRPC service with its `ProtoCodec`) and a real engine, so each
-//! body takes exactly the server's parse → validate → `Core::apply` path.
+//! Request bodies of all three protocols through the server's own code — the router
+//! it serves (`fencelock_server::secure_app`: authentication layer, body limit,
+//! HTTP/JSON handlers, the gRPC service with its `ProtoCodec`), and the `flw/1` wire
+//! connection — and a real engine, so each body takes exactly the server's parse →
+//! validate → `Core::apply` path.
 //!
 //! Contract: an HTTP answer below 500; a gRPC answer with HTTP 200 and a status that
 //! is not UNKNOWN, INTERNAL, UNAVAILABLE or UNIMPLEMENTED; the engine still running.
@@ -29,6 +30,8 @@ struct Fixture {
     runtime: tokio::runtime::Runtime,
     router: axum::Router,
     handle: Handle,
+    authenticator: Authenticator,
+    limits: Limits,
     _dir: tempfile::TempDir,
 }
 
@@ -61,11 +64,13 @@ fn fixture() -> &'static Fixture {
         let handle = runtime
             .block_on(async { fencelock_server::engine::start(engine) })
             .expect("engine starts");
-        let router = fencelock_server::secure_app(handle.clone(), authenticator, &limits);
+        let router = fencelock_server::secure_app(handle.clone(), authenticator.clone(), &limits);
         Fixture {
             runtime,
             router,
             handle,
+            authenticator,
+            limits,
             _dir: dir,
         }
     })
@@ -234,6 +239,93 @@ pub fn grpc(data: &[u8]) {
         }
     }
     check_running(&f.handle);
+}
+
+/// The bytes a client sends after the `flw/1` magic, through the server's wire
+/// connection ([`fencelock_server::wire::serve_stream`]) over an in-memory stream.
+///
+/// Contract: every answer is a whole, well-formed response frame; no error answer
+/// says `internal` or `unavailable`; the connection ends by itself once the input
+/// does; the engine is still running.
+pub fn wire(data: &[u8]) {
+    use fencelock_proto::wire::{self as flw, Response};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    if data.len() > MAX_INPUT_BYTES {
+        return;
+    }
+    let f = fixture();
+    let output = f.runtime.block_on(async {
+        let (mut client, server) = tokio::io::duplex(MAX_INPUT_BYTES + 4096);
+        let serving = fencelock_server::wire::serve_stream(
+            server,
+            f.handle.clone(),
+            f.authenticator.clone(),
+            &f.limits,
+        );
+        let talk = async {
+            client
+                .write_all(&flw::CLIENT_MAGIC)
+                .await
+                .expect("in-memory write");
+            client.write_all(data).await.expect("in-memory write");
+            client.shutdown().await.expect("in-memory shutdown");
+            let mut output = Vec::new();
+            client
+                .read_to_end(&mut output)
+                .await
+                .expect("in-memory read");
+            output
+        };
+        let both = async { tokio::join!(serving, talk).1 };
+        tokio::time::timeout(REQUEST_DEADLINE, both)
+            .await
+            .unwrap_or_else(|_| {
+                panic!("the wire connection did not end within {REQUEST_DEADLINE:?}")
+            })
+    });
+    assert_eq!(
+        output.get(..flw::SERVER_MAGIC.len()),
+        Some(&flw::SERVER_MAGIC[..]),
+        "the server answers the magic first"
+    );
+    let mut rest = &output[flw::SERVER_MAGIC.len()..];
+    while !rest.is_empty() {
+        let n = flw::frame_len(rest, flw::MAX_FRAME_BYTES)
+            .expect("the server frames its answers")
+            .expect("the server's answers are whole frames");
+        let (_, response) = flw::decode_response(&rest[..n]).expect("a well-formed answer");
+        match &response {
+            Response::Error(e) => assert!(
+                !matches!(e.code.as_str(), "internal" | "unavailable"),
+                "the wire protocol answered {} ({}) to client input",
+                e.code,
+                e.message
+            ),
+            Response::Grant(g) if data_asks_for_a_semaphore(data) && g.fence > 0 => {
+                plant("wire", "a semaphore acquire was granted");
+            }
+            _ => {}
+        }
+        rest = &rest[n..];
+    }
+    check_running(&f.handle);
+}
+
+/// Whether any whole acquire frame in `data` asks for a semaphore (the harness only
+/// looks; the server decoded the frames itself).
+fn data_asks_for_a_semaphore(data: &[u8]) -> bool {
+    use fencelock_proto::wire::{self as flw, Request};
+    let mut rest = data;
+    while let Ok(Some(n)) = flw::frame_len(rest, flw::MAX_FRAME_BYTES) {
+        if let Ok((_, Request::Acquire(r))) = flw::decode_request(&rest[..n]) {
+            if r.limit >= 2 {
+                return true;
+            }
+        }
+        rest = &rest[n..];
+    }
+    false
 }
 
 fn header_str(headers: &axum::http::HeaderMap, name: &str) -> Option<String> {

@@ -10,7 +10,8 @@
 //! invariant of the state it drives) is broken — which is what the fuzzer reports.
 //!
 //! Targets: [`api::http`] and [`api::grpc`] (request bodies through the real router
-//! and engine), [`config::config_file`] (the CLI's TOML config, parsed and resolved),
+//! and engine), [`api::wire`] (frames of the `flw/1` wire protocol through a real
+//! wire connection and engine), [`config::config_file`] (the CLI's TOML config, parsed and resolved),
 //! [`codec::log_record`], [`codec::snapshot`] (decode and import),
 //! [`disk::log_dir`] (a real log written, damaged, then recovered with an oracle),
 //! [`disk::recover_dir`] (whole-directory recovery from arbitrary files),

@@ -133,6 +133,8 @@ pub struct Metrics {
     pub refused_rate_limited: AtomicU64,
     /// Connections refused over `max_connections`.
     pub refused_connections: AtomicU64,
+    /// Connections that spoke the wire protocol `flw/1`.
+    pub wire_connections: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -159,6 +161,7 @@ impl Default for Metrics {
             refused_permission_denied: AtomicU64::new(0),
             refused_rate_limited: AtomicU64::new(0),
             refused_connections: AtomicU64::new(0),
+            wire_connections: AtomicU64::new(0),
         }
     }
 }
@@ -184,6 +187,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "fencelock_audit_entries",
     "fencelock_requests_refused_total",
     "fencelock_connections_refused_total",
+    "fencelock_wire_connections_total",
 ];
 
 impl Metrics {
@@ -297,6 +301,12 @@ impl Metrics {
             out,
             "# HELP {name} Connections refused over max_connections.\n# TYPE {name} counter\n{name} {}",
             load(&self.refused_connections)
+        );
+        let name = METRIC_NAMES[19];
+        let _ = writeln!(
+            out,
+            "# HELP {name} Connections that spoke the wire protocol flw/1.\n# TYPE {name} counter\n{name} {}",
+            load(&self.wire_connections)
         );
         out
     }

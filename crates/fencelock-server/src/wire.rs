@@ -34,6 +34,7 @@ use crate::auth::{Authenticator, Principal};
 use crate::engine::Handle;
 use crate::error::{ApiError, ApiErrorKind};
 use crate::grpc;
+use crate::limits::Limits;
 
 /// A connection that sends nothing (not even a ping) for this long is closed.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -69,6 +70,26 @@ fn count_refusal(handle: &Handle, error: &ApiError) {
     }
 }
 
+/// Serves `flw/1` on `io` — a stream whose first bytes are the client's magic — for
+/// `handle`, as the accept loop serves a connection it told apart: tokens checked by
+/// `auth`, frames and requests in flight bounded by `limits`. Ends when the client
+/// leaves or breaks the protocol. For tests and fuzzing over in-memory streams.
+pub async fn serve_stream<I>(io: I, handle: Handle, auth: Authenticator, limits: &Limits)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let options = Arc::new(WireOptions {
+        handle,
+        auth,
+        max_frame: limits.max_body_bytes,
+        max_in_flight: limits.max_streams_per_connection as usize,
+        header_read_timeout: crate::DEFAULT_HEADER_READ_TIMEOUT,
+    });
+    // Never stopping: the sender lives as long as the connection.
+    let (_never, stopping) = watch::channel(());
+    serve_connection(io, options, stopping).await;
+}
+
 /// Serves `flw/1` on `io`, whose first bytes are the client's magic, until the client
 /// leaves, breaks the protocol, idles out, or the server stops (`stopping` changes:
 /// then the requests in flight are answered first).
@@ -85,9 +106,14 @@ pub(crate) async fn serve_connection<I>(
     if !matches!(greeted.await, Ok(Ok(_))) || magic != wire::CLIENT_MAGIC {
         return;
     }
-    if wr.write_all(&wire::SERVER_MAGIC).await.is_err() {
+    if write(&mut wr, &wire::SERVER_MAGIC).await.is_err() {
         return;
     }
+    options
+        .handle
+        .metrics()
+        .wire_connections
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut conn = Connection {
         options: options.clone(),
         principal: (!options.auth.enabled()).then(Principal::anonymous),
@@ -100,7 +126,7 @@ pub(crate) async fn serve_connection<I>(
     let mut heard = Instant::now();
     loop {
         if !conn.out.is_empty() {
-            if wr.write_all(&conn.out).await.is_err() {
+            if write(&mut wr, &conn.out).await.is_err() {
                 return;
             }
             conn.out.clear();
@@ -138,6 +164,12 @@ pub(crate) async fn serve_connection<I>(
             _ = stopping.changed(), if conn.reading => conn.reading = false,
         }
     }
+}
+
+/// Writes and flushes (a TLS stream holds what it encrypted until flushed).
+async fn write<W: AsyncWrite + Unpin>(wr: &mut W, bytes: &[u8]) -> std::io::Result<()> {
+    wr.write_all(bytes).await?;
+    wr.flush().await
 }
 
 /// One connection's state.

@@ -10,7 +10,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use crate::backend::{Lease, LockBackend};
@@ -59,10 +59,9 @@ struct State {
     lost: Option<LostReason>,
 }
 
-enum Control {
-    /// Stop renewing, release, and say what release answered.
-    Release(oneshot::Sender<Result<bool, Error>>),
-}
+/// Nothing is ever sent on a guard's control channel: it closing (the guard dropped
+/// without [`LockGuard::release`]) tells the renewal task to release.
+enum Control {}
 
 /// A held lock. Pass [`fence`](LockGuard::fence) with every write to the protected
 /// resource, and stop writing when [`lost`](LockGuard::lost) resolves.
@@ -75,8 +74,11 @@ enum Control {
 pub struct LockGuard {
     lease: Lease,
     state: Arc<watch::Sender<State>>,
-    control: mpsc::UnboundedSender<Control>,
+    /// Closes when the guard is dropped: the renewal task then releases.
+    _control: mpsc::UnboundedSender<Control>,
     backend: Arc<dyn LockBackend>,
+    renewer: tokio::task::JoinHandle<()>,
+    timing: Timing,
 }
 
 impl std::fmt::Debug for dyn LockBackend {
@@ -109,12 +111,14 @@ impl LockGuard {
             timing,
             last_sent: sent,
         };
-        tokio::spawn(renewer.run(inbox));
+        let renewer = tokio::spawn(renewer.run(inbox));
         LockGuard {
             lease,
             state,
-            control,
+            _control: control,
             backend,
+            renewer,
+            timing,
         }
     }
 
@@ -193,16 +197,53 @@ impl LockGuard {
     /// `Ok(false)` if it was already gone (expired or taken). No renewal is sent after
     /// this returns.
     pub async fn release(self) -> Result<bool, Error> {
-        let (reply, answer) = oneshot::channel();
-        if self.control.send(Control::Release(reply)).is_ok() {
-            if let Ok(result) = answer.await {
-                return result;
-            }
-        }
-        // The renewal task has ended (the lock was lost): release directly in case the
-        // store still has the grant.
-        self.backend.release(&self.lease).await
+        // Stop the renewal task and release from here, in parallel: one round trip
+        // instead of a hop to the task and back.
+        self.renewer.abort();
+        let result = release(&*self.backend, &self.lease, &self.state, self.timing).await;
+        // The task may be in the middle of a poll on another thread: once it has
+        // ended, nothing more can be sent for this guard.
+        let _ = (&mut { self.renewer }).await;
+        result
     }
+}
+
+/// Releases, retrying transient errors until the lease would have expired anyway, and
+/// marks the guard released.
+async fn release(
+    backend: &dyn LockBackend,
+    lease: &Lease,
+    state: &watch::Sender<State>,
+    timing: Timing,
+) -> Result<bool, Error> {
+    let give_up = state.borrow().deadline + timing.margin;
+    let mut attempt = 0u32;
+    let result = loop {
+        match backend.release(lease).await {
+            Err(e) if e.is_transient() => {
+                let delay = timing.backoff.delay(attempt);
+                attempt = attempt.saturating_add(1);
+                if Instant::now() + delay >= give_up {
+                    break Err(e);
+                }
+                tokio::time::sleep(delay).await;
+            }
+            other => break other,
+        }
+    };
+    mark_lost(state, LostReason::Released);
+    result
+}
+
+fn mark_lost(state: &watch::Sender<State>, reason: LostReason) {
+    state.send_if_modified(|s| {
+        if s.lost.is_none() {
+            s.lost = Some(reason);
+            true
+        } else {
+            false
+        }
+    });
 }
 
 /// The background task of one guard.
@@ -245,14 +286,10 @@ impl Renewer {
                 }
             };
             match control {
-                Some(Control::Release(reply)) => {
-                    let result = self.release().await;
-                    let _ = reply.send(result);
-                    return;
-                }
+                Some(never) => match never {},
                 // The guard was dropped without release.
                 None => {
-                    let _ = self.release().await;
+                    let _ = release(&*self.backend, &self.lease, &self.state, self.timing).await;
                     return;
                 }
             }
@@ -260,14 +297,7 @@ impl Renewer {
     }
 
     fn mark_lost(&self, reason: LostReason) {
-        self.state.send_if_modified(|s| {
-            if s.lost.is_none() {
-                s.lost = Some(reason);
-                true
-            } else {
-                false
-            }
-        });
+        mark_lost(&self.state, reason);
     }
 
     fn deadline(&self) -> Instant {
@@ -322,26 +352,5 @@ impl Renewer {
                 Ok(Err(e)) => return Err(LostReason::Revoked(e)),
             }
         }
-    }
-
-    /// Releases, retrying transient errors until the lease would have expired anyway.
-    async fn release(&mut self) -> Result<bool, Error> {
-        let give_up = self.deadline() + self.timing.margin;
-        let mut attempt = 0u32;
-        let result = loop {
-            match self.backend.release(&self.lease).await {
-                Err(e) if e.is_transient() => {
-                    let delay = self.timing.backoff.delay(attempt);
-                    attempt = attempt.saturating_add(1);
-                    if Instant::now() + delay >= give_up {
-                        break Err(e);
-                    }
-                    tokio::time::sleep(delay).await;
-                }
-                other => break other,
-            }
-        };
-        self.mark_lost(LostReason::Released);
-        result
     }
 }

@@ -15,6 +15,7 @@ use fencelock_proto::wire::{Request as WireRequest, Response as WireResponse};
 use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
 use crate::wire::WireClient;
 use crate::{Error, ErrorKind};
+use tokio_rustls::rustls::pki_types::ServerName;
 
 /// How to reach a fencelock server.
 #[derive(Debug, Clone)]
@@ -42,9 +43,9 @@ pub struct ServerConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Transport {
-    /// The wire protocol `flw/1` on the same port (a fraction of gRPC's CPU per
-    /// request), falling back to gRPC for a server that does not speak it. Plain
-    /// `http://` URLs only: with `https://` the calls use gRPC over TLS.
+    /// The wire protocol `flw/1` on the same port (inside TLS for `https://` URLs),
+    /// a fraction of gRPC's CPU per request, falling back to gRPC for a server that
+    /// does not speak it.
     #[default]
     Wire,
     /// gRPC for everything.
@@ -73,7 +74,7 @@ impl ServerConfig {
 #[derive(Debug, Clone)]
 pub struct FencelockBackend {
     client: LocksClient<Channel>,
-    /// The `flw/1` connection, unless gRPC was chosen (or the URL is https).
+    /// The `flw/1` connection, unless gRPC was chosen.
     wire: Option<WireClient>,
     request_timeout: Duration,
     authorization: Option<MetadataValue<tonic::metadata::Ascii>>,
@@ -88,7 +89,7 @@ impl FencelockBackend {
     /// `connect_timeout`.
     pub async fn connect(config: ServerConfig) -> Result<FencelockBackend, Error> {
         let endpoint = endpoint(&config)?;
-        if let Some(wire) = wire_client(&config, &endpoint) {
+        if let Some(wire) = wire_client(&config, &endpoint)? {
             let backend = FencelockBackend::from_channel(endpoint.connect_lazy(), &config)?;
             match wire.connect().await {
                 Ok(()) => return Ok(backend.with_wire(wire)),
@@ -111,7 +112,7 @@ impl FencelockBackend {
     pub fn connect_lazy(config: ServerConfig) -> Result<FencelockBackend, Error> {
         let endpoint = endpoint(&config)?;
         let backend = FencelockBackend::from_channel(endpoint.connect_lazy(), &config)?;
-        Ok(match wire_client(&config, &endpoint) {
+        Ok(match wire_client(&config, &endpoint)? {
             Some(wire) => backend.with_wire(wire),
             None => backend,
         })
@@ -401,25 +402,44 @@ fn unexpected(call: &str, answer: &WireResponse) -> Error {
     )
 }
 
-/// The `flw/1` client for `config`, if it asks for the wire transport over plain TCP.
-fn wire_client(config: &ServerConfig, endpoint: &Endpoint) -> Option<WireClient> {
+/// The `flw/1` client for `config`, if it asks for the wire transport.
+fn wire_client(config: &ServerConfig, endpoint: &Endpoint) -> Result<Option<WireClient>, Error> {
     let uri = endpoint.uri();
-    if config.transport != Transport::Wire || uri.scheme_str() != Some("http") {
-        return None;
+    if config.transport != Transport::Wire {
+        return Ok(None);
     }
-    let host = uri.host()?;
-    let port = uri.port_u16().unwrap_or(80);
-    let addr = if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
+    let Some(host) = uri.host() else {
+        return Ok(None);
     };
-    Some(WireClient::new(
+    let https = uri.scheme_str() == Some("https");
+    let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let addr = if bare.contains(':') {
+        format!("[{bare}]:{port}")
+    } else {
+        format!("{bare}:{port}")
+    };
+    let tls = if https {
+        let name = ServerName::try_from(bare.to_owned()).map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidArgument,
+                format!("invalid server name in {:?}: {e}", config.url),
+            )
+        })?;
+        Some((
+            crate::wire::tls_connector(config.ca_cert_pem.as_deref())?,
+            name,
+        ))
+    } else {
+        None
+    };
+    Ok(Some(WireClient::new(
         addr,
+        tls,
         config.token.clone(),
         config.connect_timeout,
         config.request_timeout,
-    ))
+    )))
 }
 
 /// The client's [`ErrorKind`] of one of the server's stable error codes.

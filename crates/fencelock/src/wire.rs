@@ -18,6 +18,7 @@ use fencelock_proto::wire::{self, Request, Response};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
+use tokio_rustls::rustls::pki_types::ServerName;
 
 use crate::{Error, ErrorKind};
 
@@ -42,10 +43,11 @@ pub(crate) struct WireClient {
     shared: Arc<Shared>,
 }
 
-#[derive(Debug)]
 struct Shared {
     /// `host:port`.
     addr: String,
+    /// For `https://` URLs: the connector and the name the certificate must carry.
+    tls: Option<(tokio_rustls::TlsConnector, ServerName<'static>)>,
     token: Option<String>,
     connect_timeout: Duration,
     request_timeout: Duration,
@@ -54,6 +56,15 @@ struct Shared {
     next_id: AtomicU64,
     /// The server answered the magic with something else: use gRPC.
     unsupported: AtomicBool,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WireClient")
+            .field("addr", &self.addr)
+            .field("tls", &self.tls.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for Out {
@@ -84,9 +95,11 @@ impl Drop for CancelOnDrop {
 }
 
 impl WireClient {
-    /// A client for the server at `addr` (`host:port`); connects on first use.
+    /// A client for the server at `addr` (`host:port`), inside TLS if `tls` is given;
+    /// connects on first use.
     pub(crate) fn new(
         addr: String,
+        tls: Option<(tokio_rustls::TlsConnector, ServerName<'static>)>,
         token: Option<String>,
         connect_timeout: Duration,
         request_timeout: Duration,
@@ -94,6 +107,7 @@ impl WireClient {
         WireClient {
             shared: Arc::new(Shared {
                 addr,
+                tls,
                 token,
                 connect_timeout,
                 request_timeout,
@@ -182,10 +196,28 @@ impl WireClient {
 
     async fn open(&self) -> Result<mpsc::UnboundedSender<Out>, Error> {
         let addr = &self.shared.addr;
-        let mut stream = tokio::net::TcpStream::connect(addr)
+        let stream = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|e| unavailable(format!("cannot connect to {addr}: {e}")))?;
         let _ = stream.set_nodelay(true);
+        match &self.shared.tls {
+            None => self.handshake(stream).await,
+            Some((connector, name)) => {
+                let stream = connector
+                    .connect(name.clone(), stream)
+                    .await
+                    .map_err(|e| unavailable(format!("TLS handshake with {addr} failed: {e}")))?;
+                self.handshake(stream).await
+            }
+        }
+    }
+
+    /// Says the magic (and hello), checks the answer, and starts the connection task.
+    async fn handshake<S>(&self, mut stream: S) -> Result<mpsc::UnboundedSender<Out>, Error>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let addr = &self.shared.addr;
         let mut hello = wire::CLIENT_MAGIC.to_vec();
         if let Some(token) = &self.shared.token {
             let token = token.clone();
@@ -193,6 +225,7 @@ impl WireClient {
         }
         let lost = |e: std::io::Error| unavailable(format!("connection to {addr} failed: {e}"));
         stream.write_all(&hello).await.map_err(lost)?;
+        stream.flush().await.map_err(lost)?;
         let mut magic = [0u8; wire::SERVER_MAGIC.len()];
         stream.read_exact(&mut magic).await.map_err(lost)?;
         if magic != wire::SERVER_MAGIC {
@@ -224,6 +257,43 @@ impl WireClient {
     }
 }
 
+/// A TLS connector trusting `ca_cert_pem` (PEM certificates), or the system's roots.
+pub(crate) fn tls_connector(
+    ca_cert_pem: Option<&[u8]>,
+) -> Result<tokio_rustls::TlsConnector, Error> {
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::CertificateDer;
+    use tokio_rustls::rustls::{crypto, ClientConfig, RootCertStore};
+
+    let invalid = |m: String| Error::new(ErrorKind::InvalidArgument, m);
+    let mut roots = RootCertStore::empty();
+    match ca_cert_pem {
+        Some(pem) => {
+            for cert in CertificateDer::pem_slice_iter(pem) {
+                let cert = cert.map_err(|e| invalid(format!("the CA certificate: {e}")))?;
+                roots
+                    .add(cert)
+                    .map_err(|e| invalid(format!("the CA certificate: {e}")))?;
+            }
+            if roots.is_empty() {
+                return Err(invalid(
+                    "the CA certificate PEM holds no certificate".into(),
+                ));
+            }
+        }
+        // None found: every handshake fails as untrusted, like tonic's.
+        None => {
+            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+        }
+    }
+    let config = ClientConfig::builder_with_provider(Arc::new(crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| invalid(format!("TLS settings: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+}
+
 /// Reads one whole response frame during the handshake (bytes after it stay in
 /// `input`).
 async fn read_response<S: AsyncRead + Unpin>(
@@ -248,7 +318,7 @@ async fn read_response<S: AsyncRead + Unpin>(
 /// The connection task: see the module docs.
 async fn run<S>(stream: S, mut rx: mpsc::UnboundedReceiver<Out>, mut input: Vec<u8>)
 where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (mut rd, mut wr) = tokio::io::split(stream);
     let mut pending: HashMap<u64, Reply> = HashMap::new();
@@ -256,7 +326,7 @@ where
     let mut sent = Instant::now();
     let failure = loop {
         if !out.is_empty() {
-            if let Err(e) = wr.write_all(&out).await {
+            if let Err(e) = write(&mut wr, &out).await {
                 break unavailable(format!("connection to the server lost: {e}"));
             }
             out.clear();
@@ -292,6 +362,12 @@ where
     for (_, reply) in pending.drain() {
         let _ = reply.send(Err(failure.clone()));
     }
+}
+
+/// Writes and flushes (a TLS stream holds what it encrypted until flushed).
+async fn write<W: AsyncWrite + Unpin>(wr: &mut W, bytes: &[u8]) -> std::io::Result<()> {
+    wr.write_all(bytes).await?;
+    wr.flush().await
 }
 
 fn queue(next: Out, out: &mut Vec<u8>, pending: &mut HashMap<u64, Reply>) {

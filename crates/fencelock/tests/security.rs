@@ -83,9 +83,23 @@ async fn https_with_a_private_ca() {
 
     let mut config = connect_config(url.clone(), None);
     config.ca_cert_pem = Some(std::fs::read(&ca.ca_cert).unwrap());
-    let client = Client::connect_with(config).await.unwrap();
+    let client = Client::connect_with(config.clone()).await.unwrap();
     let guard = client.lock("tls:job").acquire().await.unwrap();
     assert!(guard.release().await.unwrap());
+    // That went over the wire protocol, inside TLS.
+    let wire = |server: &Server| {
+        server
+            .handle()
+            .metrics()
+            .wire_connections
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    assert_eq!(wire(&server), 1);
+    config.transport = fencelock::Transport::Grpc;
+    let grpc = Client::connect_with(config).await.unwrap();
+    let guard = grpc.lock("tls:job").acquire().await.unwrap();
+    assert!(guard.release().await.unwrap());
+    assert_eq!(wire(&server), 1, "gRPC when asked for");
 
     // The system's roots do not know the private CA: the handshake fails.
     let untrusted = Client::connect_with(connect_config(url, None))

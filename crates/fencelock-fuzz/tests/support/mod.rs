@@ -13,9 +13,10 @@ use prost::Message;
 pub type Harness = fn(&[u8]);
 
 /// Every target's name and its harness.
-pub const TARGETS: [(&str, Harness); 9] = [
+pub const TARGETS: [(&str, Harness); 10] = [
     ("http", fencelock_fuzz::api::http),
     ("grpc", fencelock_fuzz::api::grpc),
+    ("wire", fencelock_fuzz::api::wire),
     ("config", fencelock_fuzz::config::config_file),
     ("log_record", fencelock_fuzz::codec::log_record),
     ("snapshot", fencelock_fuzz::codec::snapshot),
@@ -102,6 +103,57 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             with(0, br#"{"name":"a","ttl_ms":1000,"limit":4294967295}"#),
             with(0, br#"{"name":"a","ttl_ms":1000,"extra":1}"#),
         ],
+        "wire" => {
+            use pb::wire::{encode_request, Hello, Request};
+            let frames = |requests: &[(u64, Request)]| {
+                let mut out = Vec::new();
+                for (id, request) in requests {
+                    encode_request(&mut out, *id, request);
+                }
+                out
+            };
+            let acquire = |name: &str, limit: u32, wait_ms: u64| {
+                Request::Acquire(pb::AcquireRequest {
+                    name: name.into(),
+                    ttl_ms: Some(1_000),
+                    wait_ms,
+                    limit,
+                    ..Default::default()
+                })
+            };
+            let token = "00000000000000000000000000000001".to_owned();
+            let mut oversized = frames(&[(1, Request::Ping)]);
+            oversized[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+            vec![
+                frames(&[(1, acquire("w", 1, 0)), (2, Request::Ping)]),
+                frames(&[
+                    (1, acquire("w", 1, 0)),
+                    (2, acquire("w", 1, 10)),
+                    (2, Request::Cancel),
+                ]),
+                frames(&[
+                    (
+                        1,
+                        Request::Renew(pb::RenewRequest {
+                            name: "w".into(),
+                            owner_token: token.clone(),
+                            ttl_ms: Some(100),
+                        }),
+                    ),
+                    (
+                        2,
+                        Request::Release(pb::ReleaseRequest {
+                            name: "w".into(),
+                            owner_token: token,
+                        }),
+                    ),
+                ]),
+                frames(&[(7, Request::Hello(Hello { token: "t".into() }))]),
+                frames(&[(1, acquire("", 0, 0))]),
+                oversized,
+                vec![13, 0, 0, 0, 0x42, 1, 0, 0, 0, 0, 0, 0, 0, 0xff],
+            ]
+        }
         "grpc" => {
             let acquire = pb::AcquireRequest {
                 name: "sem".into(),
