@@ -20,7 +20,9 @@
 //! Requests are multiplexed: the client picks a fresh `id` per request and the server
 //! answers each with the same `id`, in any order (an acquire may wait while later
 //! requests are answered). [`Op::Cancel`] abandons a waiting acquire (its `id` is the
-//! acquire's; no answer). With authentication on, the first request is
+//! acquire's): the server answers it with the error `cancelled` — after the acquire's
+//! own answer if that was already sent, in which case the client should release a
+//! grant it no longer wants. With authentication on, the first request is
 //! [`Op::Hello`] carrying the bearer token. A frame longer than the server's limit, or
 //! one that does not parse, is answered with an error; a frame whose length cannot be
 //! trusted ends the connection.
@@ -52,6 +54,7 @@ pub enum Op {
     /// Client → server: a [`ReleaseRequest`]. Answered with [`Op::Released`].
     Release = 4,
     /// Client → server: stop waiting for the acquire with this id (empty message).
+    /// Answered with the error `cancelled` to the same id.
     Cancel = 5,
     /// Either way: are you there? Answered with [`Op::Pong`] (empty message).
     Ping = 6,

@@ -187,6 +187,9 @@ struct Shared {
     started: Instant,
     recovery: RecoveryReport,
     audit: Arc<std::sync::Mutex<AuditIndex>>,
+    /// Numbers the acquire calls (their listeners); only ever compared, so a counter
+    /// (not a random draw, a system call) is enough.
+    next_listener: std::sync::atomic::AtomicU64,
 }
 
 /// A cheap, cloneable handle to the engine: what the HTTP and gRPC layers call.
@@ -527,6 +530,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
             started: Instant::now(),
             recovery: report,
             audit: audit_index,
+            next_listener: std::sync::atomic::AtomicU64::new(1),
         }),
     })
 }
@@ -1213,7 +1217,7 @@ impl Handle {
     /// Acquires a lock, waiting up to `args.wait_ms`. Dropping the future cancels the
     /// wait; a grant that arrives for a dropped future is released.
     pub async fn acquire(&self, args: AcquireArgs) -> Result<Grant, ApiError> {
-        let listener = random_u128();
+        let listener = u128::from(self.shared.next_listener.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = oneshot::channel();
         self.send(Msg::Acquire {
             acquire: Acquire {

@@ -12,7 +12,9 @@
 //! requests are in flight per connection (beyond that the connection is not read until
 //! one completes); a connection that sends nothing for [`IDLE_TIMEOUT`] is closed (the
 //! client pings while idle). Dropping a waiting acquire — on [`Op::Cancel`], or when
-//! the connection ends — takes it out of the queue.
+//! the connection ends — takes it out of the queue. Every request gets exactly one
+//! answer; a cancelled one gets `cancelled` (after its real answer, if that was sent
+//! first — the client then gives back a grant it no longer wants).
 //!
 //! [`Op::Cancel`]: fencelock_proto::wire::Op::Cancel
 
@@ -242,9 +244,14 @@ impl Connection {
         match request {
             Request::Ping => self.reply(id, &Response::Pong),
             Request::Cancel => {
+                // Aborted before it answered: the acquire leaves the queue, and a
+                // grant it got meanwhile is given back by the engine. Either way the
+                // client hears `cancelled` for the id, after any answer it was sent.
                 if let Some(Some(abort)) = self.in_flight.remove(&id) {
                     abort.abort();
                 }
+                let cancelled = ApiError::new(ApiErrorKind::Cancelled, "cancelled by the client");
+                self.reply(id, &error_response(&cancelled));
             }
             Request::Hello(hello) => self.hello(id, &hello.token),
             request => self.call(id, request),

@@ -187,7 +187,9 @@ async fn cancelled_or_disconnected_waiters_leave_the_queue() {
     assert_eq!(queued.json()["waiters"], 3, "{queued:?}");
     cancels.send(5, Request::Cancel).await;
     drop(leaves);
-    // The cancelled acquire gets no answer: the next frame is the ping's.
+    // The cancelled acquire is answered `cancelled`, and nothing else.
+    let (id, answer) = cancels.recv().await.unwrap();
+    assert_eq!((id, error_code(&answer)), (5, "cancelled"));
     assert_eq!(cancels.call(100, Request::Ping).await, Response::Pong);
     holder.call(2, release(&held)).await;
     let (id, handed) = last.recv().await.expect("the hand-off");

@@ -7,7 +7,8 @@
 //! nothing for [`PING_INTERVAL`] (the server closes silent connections), and when the
 //! connection breaks fails every request in flight as [`ErrorKind::Unavailable`]. The
 //! next request opens a new connection. A caller that stops waiting for an acquire
-//! (dropped, or timed out) sends `Cancel`, so the server takes it out of the queue.
+//! (dropped, or timed out) sends `Cancel`, so the server takes it out of the queue; a
+//! grant that was already on its way is released by the connection task.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -321,7 +322,7 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (mut rd, mut wr) = tokio::io::split(stream);
-    let mut pending: HashMap<u64, Reply> = HashMap::new();
+    let mut calls = Calls::default();
     let mut out: Vec<u8> = Vec::with_capacity(4096);
     let mut sent = Instant::now();
     let failure = loop {
@@ -338,9 +339,9 @@ where
         tokio::select! {
             next = rx.recv() => {
                 let Some(next) = next else { return };
-                queue(next, &mut out, &mut pending);
+                calls.queue(next, &mut out);
                 while let Ok(next) = rx.try_recv() {
-                    queue(next, &mut out, &mut pending);
+                    calls.queue(next, &mut out);
                 }
             }
             read = rd.read_buf(&mut input) => {
@@ -349,7 +350,7 @@ where
                     Err(e) => break unavailable(format!("connection to the server lost: {e}")),
                     Ok(_) => {}
                 }
-                match route(&mut input, &mut pending) {
+                match calls.route(&mut input, &mut out) {
                     Ok(()) => {}
                     Err(e) => break e,
                 }
@@ -359,7 +360,7 @@ where
             }
         }
     };
-    for (_, reply) in pending.drain() {
+    for (_, reply) in calls.pending.drain() {
         let _ = reply.send(Err(failure.clone()));
     }
 }
@@ -370,46 +371,197 @@ async fn write<W: AsyncWrite + Unpin>(wr: &mut W, bytes: &[u8]) -> std::io::Resu
     wr.flush().await
 }
 
-fn queue(next: Out, out: &mut Vec<u8>, pending: &mut HashMap<u64, Reply>) {
-    match next {
-        Out::Call { id, request, reply } => {
-            wire::encode_request(out, id, &request);
-            pending.insert(id, reply);
-        }
-        Out::Cancel(id) => {
-            if pending.remove(&id).is_some() {
-                wire::encode_request(out, id, &Request::Cancel);
-            }
-        }
-    }
+/// Ids of the releases the connection task sends itself: above every caller's id.
+const OWN_IDS: u64 = 1 << 63;
+
+/// The requests of one connection that await answers.
+#[derive(Default)]
+struct Calls {
+    /// By id, the callers still waiting.
+    pending: HashMap<u64, Reply>,
+    /// Acquires whose callers gave up: their `cancelled` answer (or a grant that beat
+    /// the cancel) is still to come.
+    cancelled: std::collections::HashSet<u64>,
+    /// The next id of a release of an unwanted grant.
+    own_id: u64,
 }
 
-/// Hands the whole answers in `input` to their callers. An answer to id 0 (pongs, and
-/// the server's framing errors) concerns the connection.
-fn route(input: &mut Vec<u8>, pending: &mut HashMap<u64, Reply>) -> Result<(), Error> {
-    let protocol = |m: String| Error::new(ErrorKind::Protocol, m);
-    let mut used = 0;
-    while let Some(n) = wire::frame_len(&input[used..], wire::MAX_FRAME_BYTES)
-        .map_err(|e| protocol(format!("the server sent a bad frame: {e}")))?
-    {
-        let (id, response) = wire::decode_response(&input[used..used + n])
-            .map_err(|e| protocol(format!("the server sent a bad frame: {e}")))?;
-        used += n;
-        match (id, response) {
-            (0, Response::Pong) => {}
-            (0, Response::Error(e)) => {
-                return Err(Error::new(
-                    ErrorKind::Protocol,
-                    format!("the server refused this connection: {}", e.message),
-                ))
+impl Calls {
+    fn queue(&mut self, next: Out, out: &mut Vec<u8>) {
+        match next {
+            Out::Call { id, request, reply } => {
+                wire::encode_request(out, id, &request);
+                self.pending.insert(id, reply);
             }
-            (id, response) => {
-                if let Some(reply) = pending.remove(&id) {
-                    let _ = reply.send(Ok(response));
+            Out::Cancel(id) => {
+                if self.pending.remove(&id).is_some() {
+                    self.cancelled.insert(id);
+                    wire::encode_request(out, id, &Request::Cancel);
                 }
             }
         }
     }
-    input.drain(..used);
-    Ok(())
+
+    /// Hands the whole answers in `input` to their callers; gives back grants that
+    /// arrive for cancelled acquires (queued in `out`). An answer to id 0 (pongs, and
+    /// the server's framing errors) concerns the connection.
+    fn route(&mut self, input: &mut Vec<u8>, out: &mut Vec<u8>) -> Result<(), Error> {
+        let protocol = |m: String| Error::new(ErrorKind::Protocol, m);
+        let mut used = 0;
+        while let Some(n) = wire::frame_len(&input[used..], wire::MAX_FRAME_BYTES)
+            .map_err(|e| protocol(format!("the server sent a bad frame: {e}")))?
+        {
+            let (id, response) = wire::decode_response(&input[used..used + n])
+                .map_err(|e| protocol(format!("the server sent a bad frame: {e}")))?;
+            used += n;
+            match (id, response) {
+                (0, Response::Pong) => {}
+                (0, Response::Error(e)) => {
+                    return Err(Error::new(
+                        ErrorKind::Protocol,
+                        format!("the server refused this connection: {}", e.message),
+                    ))
+                }
+                (id, response) => {
+                    if let Some(reply) = self.pending.remove(&id) {
+                        let _ = reply.send(Ok(response));
+                    } else if self.cancelled.remove(&id) {
+                        if let Response::Grant(grant) = response {
+                            // Granted before the cancel arrived: nobody wants it.
+                            let release = Request::Release(fencelock_proto::ReleaseRequest {
+                                name: grant.name,
+                                owner_token: grant.owner_token,
+                            });
+                            wire::encode_request(out, OWN_IDS | self.own_id, &release);
+                            self.own_id = self.own_id.wrapping_add(1) % OWN_IDS;
+                        }
+                    }
+                }
+            }
+        }
+        input.drain(..used);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(id: u64, response: &Response) -> Vec<u8> {
+        let mut input = Vec::new();
+        wire::encode_response(&mut input, id, response);
+        input
+    }
+
+    fn grant(name: &str) -> Response {
+        Response::Grant(fencelock_proto::Grant {
+            name: name.into(),
+            fence: 7,
+            owner_token: "t".into(),
+            ttl_ms: 1000,
+            session: None,
+        })
+    }
+
+    #[test]
+    fn a_grant_for_a_cancelled_acquire_is_released_and_answers_reach_their_callers() {
+        let mut calls = Calls::default();
+        let mut out = Vec::new();
+        let (reply, mut answered) = oneshot::channel();
+        calls.queue(
+            Out::Call {
+                id: 1,
+                request: Request::Ping,
+                reply,
+            },
+            &mut out,
+        );
+        let (reply, _dropped) = oneshot::channel();
+        calls.queue(
+            Out::Call {
+                id: 2,
+                request: Request::Ping,
+                reply,
+            },
+            &mut out,
+        );
+        calls.queue(Out::Cancel(2), &mut out);
+        // Cancel of something already answered (or never sent) sends nothing.
+        calls.queue(Out::Cancel(9), &mut out);
+        let mut frames = Vec::new();
+        let mut rest = &out[..];
+        while let Some(n) = wire::frame_len(rest, wire::MAX_FRAME_BYTES).unwrap() {
+            frames.push(wire::decode_request(&rest[..n]).unwrap());
+            rest = &rest[n..];
+        }
+        assert_eq!(
+            frames,
+            [(1, Request::Ping), (2, Request::Ping), (2, Request::Cancel)]
+        );
+
+        // The grant beat the cancel: it is released; then `cancelled` arrives and is
+        // dropped; the other caller gets its answer.
+        let mut input = answer(2, &grant("a"));
+        input.extend(answer(
+            2,
+            &Response::Error(wire::WireError {
+                code: "cancelled".into(),
+                message: String::new(),
+            }),
+        ));
+        input.extend(answer(1, &Response::Pong));
+        let mut out = Vec::new();
+        calls.route(&mut input, &mut out).unwrap();
+        assert!(input.is_empty(), "every whole frame is used");
+        let n = wire::frame_len(&out, wire::MAX_FRAME_BYTES)
+            .unwrap()
+            .unwrap();
+        assert_eq!(n, out.len(), "one frame: the release");
+        let (id, release) = wire::decode_request(&out).unwrap();
+        assert!(id >= OWN_IDS);
+        assert_eq!(
+            release,
+            Request::Release(fencelock_proto::ReleaseRequest {
+                name: "a".into(),
+                owner_token: "t".into(),
+            })
+        );
+        assert_eq!(answered.try_recv().unwrap().unwrap(), Response::Pong);
+        assert!(calls.cancelled.is_empty() && calls.pending.is_empty());
+
+        // A cancelled acquire answered only `cancelled` sends nothing back.
+        let (reply, _dropped) = oneshot::channel();
+        calls.queue(
+            Out::Call {
+                id: 3,
+                request: Request::Ping,
+                reply,
+            },
+            &mut Vec::new(),
+        );
+        calls.queue(Out::Cancel(3), &mut Vec::new());
+        let mut input = answer(
+            3,
+            &Response::Error(wire::WireError {
+                code: "cancelled".into(),
+                message: String::new(),
+            }),
+        );
+        let mut out = Vec::new();
+        calls.route(&mut input, &mut out).unwrap();
+        assert!(out.is_empty() && calls.cancelled.is_empty());
+    }
+
+    #[test]
+    fn a_partial_frame_waits_and_a_bad_one_ends_the_connection() {
+        let mut calls = Calls::default();
+        let whole = answer(1, &Response::Pong);
+        let mut input = whole[..5].to_vec();
+        calls.route(&mut input, &mut Vec::new()).unwrap();
+        assert_eq!(input.len(), 5, "kept until the rest arrives");
+        let mut input = vec![0xff, 0xff, 0xff, 0xff, 0];
+        let err = calls.route(&mut input, &mut Vec::new()).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Protocol);
+    }
 }
