@@ -34,6 +34,7 @@ impl Fixture for Fencelock {
 }
 
 /// Starts a [`Fencelock`] fixture whose clients use the default transport.
+#[allow(dead_code)] // Not every test file that shares this module uses it.
 pub async fn start() -> Fencelock {
     start_with(Transport::default()).await
 }
