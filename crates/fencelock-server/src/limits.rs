@@ -32,7 +32,9 @@ pub struct Limits {
     /// `unavailable` (plain HTTP) or closed (TLS) right away.
     pub max_connections: usize,
     /// Most concurrent HTTP/2 streams (gRPC calls) per connection; a client that
-    /// wants more waits for a stream to end (HTTP/1.1 has one at a time anyway).
+    /// wants more waits for a stream to end (HTTP/1.1 has one at a time anyway). On a
+    /// `flw/1` connection: most acquires in flight (one more is refused with
+    /// `resource_exhausted`), and as many again of other requests.
     pub max_streams_per_connection: u32,
     /// Acquire attempts per token (429 `rate_limited` beyond it); `None`: no limit.
     /// Applies only to configured tokens: with authentication off nothing is rate

@@ -9,8 +9,10 @@
 //! rate limits and error codes are the same.
 //!
 //! Bounds: a frame is at most `max_body_bytes`; at most `max_streams_per_connection`
-//! requests are in flight per connection (beyond that the connection is not read until
-//! one completes); a connection that sends nothing for [`IDLE_TIMEOUT`] is closed (the
+//! acquires are in flight per connection (one more is refused at once with
+//! `resource_exhausted`, so that renewals behind it are never held up by waits), and
+//! as many again of everything else (beyond that the connection is not read until
+//! something completes); a connection that sends nothing for [`IDLE_TIMEOUT`] is closed (the
 //! client pings while idle). Dropping a waiting acquire — on [`Op::Cancel`], or when
 //! the connection ends — takes it out of the queue. Every request gets exactly one
 //! answer; a cancelled one gets `cancelled` (after its real answer, if that was sent
@@ -120,6 +122,7 @@ pub(crate) async fn serve_connection<I>(
         options: options.clone(),
         principal: (!options.auth.enabled()).then(Principal::anonymous),
         in_flight: HashMap::new(),
+        acquires: 0,
         answers: FuturesUnordered::new(),
         out: Vec::with_capacity(4096),
         reading: true,
@@ -137,7 +140,9 @@ pub(crate) async fn serve_connection<I>(
             let _ = wr.shutdown().await;
             return;
         }
-        let room = conn.answers.len() < options.max_in_flight;
+        // Beyond the acquires' own bound, renewals and releases may add as many again;
+        // past that the connection is not read until something completes.
+        let room = conn.answers.len() < 2 * options.max_in_flight;
         if input.capacity() - input.len() < 1024 {
             input.reserve(4096);
         }
@@ -179,8 +184,11 @@ struct Connection {
     options: Arc<WireOptions>,
     /// Who the connection speaks for; `None` until a good `Hello` when tokens are on.
     principal: Option<Principal>,
-    /// Requests in flight by id, with the handle that cancels a waiting acquire.
+    /// Requests in flight by id, with the handle that cancels an acquire (`None` for
+    /// renewals and releases).
     in_flight: HashMap<u64, Option<AbortHandle>>,
+    /// How many of them are acquires.
+    acquires: usize,
     answers: FuturesUnordered<Answer>,
     /// Encoded answers not yet written.
     out: Vec<u8>,
@@ -192,7 +200,9 @@ impl Connection {
     fn answered(&mut self, answer: Option<(u64, Response)>) {
         // `None`: a cancelled acquire, which gets no answer.
         if let Some((id, response)) = answer {
-            self.in_flight.remove(&id);
+            if let Some(Some(_)) = self.in_flight.remove(&id) {
+                self.acquires -= 1;
+            }
             wire::encode_response(&mut self.out, id, &response);
         }
     }
@@ -249,6 +259,7 @@ impl Connection {
                 // client hears `cancelled` for the id, after any answer it was sent.
                 if let Some(Some(abort)) = self.in_flight.remove(&id) {
                     abort.abort();
+                    self.acquires -= 1;
                 }
                 let cancelled = ApiError::new(ApiErrorKind::Cancelled, "cancelled by the client");
                 self.reply(id, &error_response(&cancelled));
@@ -293,6 +304,19 @@ impl Connection {
                 )),
             );
         }
+        let acquire = matches!(request, Request::Acquire(_));
+        if acquire && self.acquires >= self.options.max_in_flight {
+            // Refused rather than left unread: renewals and releases behind it on this
+            // connection must not wait for a queue to move.
+            let error = ApiError::new(
+                ApiErrorKind::ResourceExhausted,
+                format!(
+                    "{} acquires are already in flight on this connection",
+                    self.acquires
+                ),
+            );
+            return self.reply(id, &error_response(&error));
+        }
         let handle = self.options.handle.clone();
         let answer = async move {
             let result = match request {
@@ -309,15 +333,22 @@ impl Connection {
                     unreachable!("answered without a future")
                 }
             };
-            result.unwrap_or_else(|e| {
+            let response = result.unwrap_or_else(|e| {
                 count_refusal(&handle, &e);
                 error_response(&e)
-            })
+            });
+            Some((id, response))
         };
-        let (abort, registration) = AbortHandle::new_pair();
-        self.in_flight.insert(id, Some(abort));
-        self.answers.push(Box::pin(
-            Abortable::new(answer, registration).map(move |done| done.ok().map(|r| (id, r))),
-        ));
+        if acquire {
+            let (abort, registration) = AbortHandle::new_pair();
+            self.in_flight.insert(id, Some(abort));
+            self.acquires += 1;
+            self.answers.push(Box::pin(
+                Abortable::new(answer, registration).map(|done| done.ok().flatten()),
+            ));
+        } else {
+            self.in_flight.insert(id, None);
+            self.answers.push(Box::pin(answer));
+        }
     }
 }

@@ -261,22 +261,33 @@ async fn bad_frames_get_clear_errors_and_lose_nothing() {
 }
 
 #[tokio::test]
-async fn requests_in_flight_are_bounded_per_connection() {
+async fn acquires_in_flight_are_bounded_per_connection_and_renewals_still_pass() {
     let server = TestServer::start_configured(|c| c.limits.max_streams_per_connection = 2).await;
     let mut holder = Conn::open(&server).await;
     let a = grant(holder.acquire(1, "wire:f1", 0).await);
     grant(holder.acquire(2, "wire:f2", 0).await);
     let mut c = Conn::open(&server).await;
+    let mine = grant(c.acquire(9, "wire:mine", 0).await);
     c.send(10, acquire("wire:f1", 20_000)).await;
     c.send(11, acquire("wire:f2", 20_000)).await;
-    // Two in flight: the ping is not read until one of them completes, so its answer
-    // comes after the hand-off. (Without the bound it would come at once.)
-    c.send(12, Request::Ping).await;
+    // Two acquires wait: a third is refused at once, while a renewal of a lock this
+    // connection holds is still answered.
+    assert_eq!(
+        error_code(&c.acquire(12, "wire:f3", 20_000).await),
+        "resource_exhausted"
+    );
+    let renew = Request::Renew(RenewRequest {
+        name: mine.name.clone(),
+        owner_token: mine.owner_token.clone(),
+        ttl_ms: None,
+    });
+    assert!(matches!(c.call(13, renew).await, Response::Renewed(_)));
+    // Once one wait ends, there is room again.
     holder.call(3, release(&a)).await;
-    let (first, answer) = c.recv().await.unwrap();
-    assert_eq!(first, 10, "the hand-off comes first");
+    let (id, answer) = c.recv().await.unwrap();
+    assert_eq!(id, 10);
     grant(answer);
-    assert_eq!(c.recv().await.unwrap(), (12, Response::Pong));
+    grant(c.acquire(14, "wire:f3", 0).await);
     server.stop().await;
 }
 
