@@ -53,7 +53,12 @@ pub(crate) fn random_u64() -> u64 {
 
 /// A fresh idempotency key: 32 hex digits.
 pub(crate) fn request_id() -> String {
-    format!("{:016x}{:016x}", random_u64(), random_u64())
+    let mut bytes = [0u8; 16];
+    if getrandom::fill(&mut bytes).is_err() {
+        bytes[..8].copy_from_slice(&random_u64().to_le_bytes());
+        bytes[8..].copy_from_slice(&random_u64().to_le_bytes());
+    }
+    format!("{:032x}", u128::from_le_bytes(bytes))
 }
 
 #[cfg(test)]

@@ -126,7 +126,14 @@ impl LockOptions {
     }
 }
 
+/// `host:pid`, worked out once per process (it was read from `/etc/hostname` on every
+/// lock request).
 fn default_owner() -> String {
+    static OWNER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    OWNER.get_or_init(host_and_pid).clone()
+}
+
+fn host_and_pid() -> String {
     let host = std::env::var("HOSTNAME")
         .ok()
         .filter(|h| !h.is_empty())
