@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 
 use fencelock_bench::fleet::{self, RecoverySpec, SessionsSpec};
 use fencelock_bench::targets::etcd::EtcdLocker;
-use fencelock_bench::targets::fencelock::{FencelockGrpcLocker, FencelockLocker};
+use fencelock_bench::targets::fencelock::{FencelockGrpcLocker, FencelockLocker, FencelockTarget};
 use fencelock_bench::targets::pg::{self, PgAdvisoryLocker, PgTableLocker};
 use fencelock_bench::targets::redis::{RedisConfig, RedisLocker};
 use fencelock_bench::targets::zk::ZkLocker;
@@ -87,6 +87,7 @@ struct RunArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Target {
     Fencelock,
+    FencelockLibGrpc,
     FencelockGrpc,
     FencelockNone,
     Etcd,
@@ -103,6 +104,7 @@ impl Target {
     fn name(self) -> &'static str {
         match self {
             Target::Fencelock => "fencelock",
+            Target::FencelockLibGrpc => "fencelock-lib-grpc",
             Target::FencelockGrpc => "fencelock-grpc",
             Target::FencelockNone => "fencelock-none",
             Target::Etcd => "etcd",
@@ -120,6 +122,7 @@ impl Target {
     fn tier(self) -> &'static str {
         match self {
             Target::Fencelock
+            | Target::FencelockLibGrpc
             | Target::FencelockGrpc
             | Target::Etcd
             | Target::Zookeeper
@@ -254,7 +257,11 @@ async fn run_target(
                     fleet::fifo_audit(url.clone(), spec.key_prefix.clone(), stop.clone()).await?;
                 audits.push((*w, spec.clients, audit));
             }
-            let result = one::<FencelockLocker>(url, runs, target, session).await;
+            let config = FencelockTarget {
+                url,
+                transport: fencelock::Transport::Wire,
+            };
+            let result = one::<FencelockLocker>(config, runs, target, session).await;
             // Let the last events arrive before stopping the audits.
             tokio::time::sleep(Duration::from_millis(200)).await;
             stop.notify_waiters();
@@ -271,6 +278,14 @@ async fn run_target(
                 }))?;
             }
             result
+        }
+        Target::FencelockLibGrpc => {
+            let peer = peers::fencelock(&args.fencelock_bin, true, None)?;
+            let config = FencelockTarget {
+                url: format!("http://127.0.0.1:{}", peer.port()),
+                transport: fencelock::Transport::Grpc,
+            };
+            one::<FencelockLocker>(config, runs, target, session).await
         }
         Target::FencelockGrpc => {
             let peer = peers::fencelock(&args.fencelock_bin, true, None)?;

@@ -1,7 +1,8 @@
-//! fencelock through its own client library (`fencelock::Client`): server-side FIFO
-//! waits with direct hand-off, guards with background renewal.
+//! fencelock through its own client library (`fencelock::Client`, over the wire
+//! protocol or over gRPC): server-side FIFO waits with direct hand-off, guards with
+//! background renewal.
 
-use fencelock::{Client, LockGuard};
+use fencelock::{Client, LockGuard, ServerConfig, Transport};
 
 use super::{Grant, Locker, MAX_WAIT, TTL};
 
@@ -12,13 +13,24 @@ pub struct FencelockLocker {
     guard: Option<LockGuard>,
 }
 
-impl Locker for FencelockLocker {
+/// Where and how a [`FencelockLocker`] connects.
+#[derive(Debug, Clone)]
+pub struct FencelockTarget {
     /// The server URL, e.g. `http://127.0.0.1:7420`.
-    type Config = String;
+    pub url: String,
+    /// The client's transport for acquire/renew/release (the library's default is
+    /// the wire protocol; gRPC shows what the transport is worth).
+    pub transport: Transport,
+}
 
-    async fn connect(url: &String, client: usize) -> anyhow::Result<Self> {
+impl Locker for FencelockLocker {
+    type Config = FencelockTarget;
+
+    async fn connect(target: &FencelockTarget, client: usize) -> anyhow::Result<Self> {
+        let mut config = ServerConfig::new(target.url.clone());
+        config.transport = target.transport;
         Ok(FencelockLocker {
-            client: Client::connect(url).await?,
+            client: Client::connect_with(config).await?,
             // Lock events carry it, so the server-side FIFO audit can tell clients apart.
             owner: format!("bench-client-{client}"),
             guard: None,
