@@ -26,6 +26,8 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()>
         let entry = entry?;
         if entry.file_type()?.is_file() {
             std::fs::copy(entry.path(), to.join(entry.file_name()))?;
+        } else if entry.file_type()?.is_dir() {
+            copy_dir(&entry.path(), &to.join(entry.file_name()))?;
         }
     }
     Ok(())
@@ -69,6 +71,15 @@ fn main() -> anyhow::Result<()> {
     let (log, recovered) = fencelock_log::Log::open(&copy, fencelock_log::LogOptions::default())?;
     let read_ms = t.elapsed().as_secs_f64() * 1e3;
     let t = Instant::now();
+    let audit = fencelock_server::audit::AuditStore::open(
+        &copy.join("audit"),
+        fencelock_server::audit::AuditConfig::default(),
+        true,
+    )?;
+    let audit_ms = t.elapsed().as_secs_f64() * 1e3;
+    let audit_entries = audit.len();
+    drop(audit);
+    let t = Instant::now();
     let image = match &recovered.snapshot {
         Some(bytes) => Some(fencelock_server::codec::decode_snapshot(bytes)?),
         None => None,
@@ -77,7 +88,10 @@ fn main() -> anyhow::Result<()> {
     let t = Instant::now();
     let config = fencelock_core::Config::default();
     let mut core = match image {
-        Some(image) => fencelock_core::Core::import(config, image).map_err(anyhow::Error::msg)?,
+        Some(image) => {
+            fencelock_core::Core::import_with_room(config, image, recovered.records.len())
+                .map_err(anyhow::Error::msg)?
+        }
         None => fencelock_core::Core::new(config),
     };
     let import_ms = t.elapsed().as_secs_f64() * 1e3;
@@ -91,11 +105,12 @@ fn main() -> anyhow::Result<()> {
     let t = Instant::now();
     for (meta, command) in commands {
         let _ = core.apply(meta.now_ms.max(core.now_ms()), command);
-        core.take_outcomes();
+        core.discard_outcomes();
     }
     let apply_ms = t.elapsed().as_secs_f64() * 1e3;
     println!(
-        "phases: open+read log {read_ms:.0} ms, decode snapshot {decode_ms:.0} ms, import \
+        "phases: open+read log {read_ms:.0} ms, open audit store {audit_ms:.0} ms \
+         ({audit_entries} entries), decode snapshot {decode_ms:.0} ms, import \
          {import_ms:.0} ms, decode records {records_ms:.0} ms, apply records {apply_ms:.0} ms"
     );
     drop((log, core));

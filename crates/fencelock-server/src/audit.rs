@@ -357,10 +357,16 @@ impl AuditIndex {
     }
 
     fn push(&mut self, entry: AuditEntry, now_wall_ms: u64) {
+        let len = entry.encoded_len();
+        self.push_sized(entry, len, now_wall_ms);
+    }
+
+    /// [`push`](Self::push) of an entry whose encoded size is known.
+    fn push_sized(&mut self, entry: AuditEntry, len: u64, now_wall_ms: u64) {
+        debug_assert_eq!(len, entry.encoded_len());
         if entry.seq > 0 {
             self.high_water = self.high_water.max((entry.seq, entry.index));
         }
-        let len = entry.encoded_len();
         self.bytes += len;
         self.entries.push_back((entry, len));
         self.prune(now_wall_ms);
@@ -433,10 +439,14 @@ fn corrupt(dir: &Path, what: impl std::fmt::Display) -> ApiError {
     )
 }
 
-fn decode_entries(d: &mut Dec<'_>, out: &mut Vec<AuditEntry>) -> Result<(), DecodeError> {
+/// Decodes a count and that many entries, each with its encoded size (the bytes it
+/// was decoded from: re-encoding every entry to size it was half of opening a store).
+fn decode_entries(d: &mut Dec<'_>, out: &mut Vec<(AuditEntry, u64)>) -> Result<(), DecodeError> {
     let n = d.count()?;
     for _ in 0..n {
-        out.push(AuditEntry::decode(d)?);
+        let start = d.pos();
+        let entry = AuditEntry::decode(d)?;
+        out.push((entry, (d.pos() - start) as u64));
     }
     Ok(())
 }
@@ -503,8 +513,8 @@ impl AuditStore {
             parsed.map_err(|e| corrupt(dir, format!("record {i}: {e}")))?;
         }
         let now = wall_ms();
-        for entry in entries {
-            index.push(entry, now);
+        for (entry, len) in entries {
+            index.push_sized(entry, len, now);
         }
         Ok(AuditStore {
             log,

@@ -99,6 +99,10 @@ impl<'a> Dec<'a> {
     pub(crate) fn new(buf: &'a [u8]) -> Dec<'a> {
         Dec { buf, pos: 0 }
     }
+    /// Bytes read so far.
+    pub(crate) fn pos(&self) -> usize {
+        self.pos
+    }
     pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         let end = self
             .pos
@@ -474,8 +478,21 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
             deadline_ms: d.time()?,
         });
     }
-    let mut locks = Vec::new();
-    for _ in 0..d.count()? {
+    // Counts are bounded by the input (one byte per element at least), and a lock
+    // takes far more than 16 bytes: sized up front without trusting the count.
+    let count = d.count()?;
+    let mut locks = Vec::with_capacity(count.min((bytes.len() - d.pos()) / 16));
+    // Most holders share a few owner texts (often the empty one): one allocation
+    // for a run of equal owners instead of one per holder.
+    let mut last_owner = Owner::default();
+    let mut owner = |d: &mut Dec<'_>| -> Result<Owner, DecodeError> {
+        let text = d.str()?;
+        if text != last_owner.as_str() {
+            last_owner = Owner::new(text).map_err(|e| bad(e.to_string()))?;
+        }
+        Ok(last_owner.clone())
+    };
+    for _ in 0..count {
         let name = d.name()?;
         let limit = d.u32()?;
         let blocked_until_ms = d.time()?;
@@ -484,7 +501,7 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
             holders.push(HolderImage {
                 token: OwnerToken::from_u128(d.u128()?),
                 fence: d.fence()?,
-                owner: d.owner()?,
+                owner: owner(&mut d)?,
                 request_id: d.request_id()?,
                 lease: match d.u8()? {
                     0 => LeaseImage::Own {
