@@ -105,8 +105,9 @@ impl ActiveSegment {
 /// A durable, group-committed log of opaque records in a data directory.
 ///
 /// Single writer: the directory is `flock`ed while the `Log` exists. Dropping a
-/// `Log` discards records appended since the last [`sync`](Log::sync). See the
-/// crate docs for the durability contract and the on-disk format.
+/// `Log` discards records appended since the last [`sync`](Log::sync) and records
+/// the durable end in the manifest (see the crate docs for the durability contract
+/// and the on-disk format).
 #[derive(Debug)]
 pub struct Log {
     dir: PathBuf,
@@ -137,8 +138,12 @@ impl Log {
     /// including a corrupt newest snapshot: it never falls back to an older snapshot,
     /// because the segments that led from it to the newest one were deleted when
     /// the newest was installed. Leftover `*.tmp` files and segments and snapshots
-    /// made obsolete by the newest snapshot are deleted. Fails with
-    /// [`LogErrorKind::Locked`] if another `Log` has the directory open.
+    /// made obsolete by the newest snapshot are deleted. Segments must fit together
+    /// (capacity, seals, links) and reach the manifest's high-water mark; a missing
+    /// segment or manifest is corruption too (the crate docs list every case). An
+    /// empty or new directory starts a new log; a version 1 directory is read and
+    /// continued in version 2. Fails with [`LogErrorKind::Locked`] if another `Log`
+    /// has the directory open.
     pub fn open(dir: &Path, opts: LogOptions) -> Result<(Log, Recovered), LogError> {
         if opts.segment_bytes < MIN_SEGMENT_BYTES || opts.segment_bytes > i64::MAX as u64 {
             return Err(LogError::new(

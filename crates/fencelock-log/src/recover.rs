@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use crate::error::LogError;
 use crate::format::{
     decode_seal, decode_segment_header, record_crc, valid_record_at, RecordHeader, Seal,
-    SegmentHeader, MAX_RECORD_BYTES, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES, SEGMENT_VERSION_V1,
+    SegmentHeader, MAX_RECORD_BYTES, RECORD_HEADER_BYTES, SEAL_FRAME_BYTES, SEGMENT_HEADER_BYTES,
+    SEGMENT_VERSION_V1,
 };
 
 /// Read-ahead window for scanning segments.
@@ -219,6 +220,10 @@ pub(crate) fn scan_segment(
                 crc,
                 control,
             } => {
+                let frame_end = off + RECORD_HEADER_BYTES + len as u64;
+                if allow_control && !control && frame_end + SEAL_FRAME_BYTES > file_len {
+                    break "record runs into the space kept for the seal";
+                }
                 let payload = reader.get(off + RECORD_HEADER_BYTES, len).map_err(io_err)?;
                 if record_crc(word, payload) != crc {
                     break "record checksum mismatch";
