@@ -4,8 +4,14 @@
 //! tail at the end of the newest segment is discarded with a warning and the
 //! acknowledged state comes back.
 //!
-//! Offsets follow the log's documented format: a 32-byte segment header, then
-//! records `[len u32][crc u32][payload]`; a snapshot has a 32-byte header.
+//! Damage that used to look like a clean end of the log (format version 1) stops
+//! it too: a segment cut or zeroed at a record boundary, a deleted newest segment,
+//! a deleted manifest, a data directory wiped except for its manifest.
+//!
+//! Offsets follow the log's documented format (version 2): a 56-byte segment
+//! header, then records `[len u32][crc u32][payload]`, and a 32-byte seal (a
+//! record with bit 30 of its length word set) ending every segment but the
+//! newest; a snapshot has a 32-byte header.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -111,13 +117,27 @@ impl Drop for Server {
 
 /// `fencelock serve` on `data_dir` must refuse to start: exit 1, and stderr
 /// naming each of `needles`.
+/// If it starts serving instead, it is stopped and the test fails at once.
 fn check_refused(data_dir: &Path, config: Option<&Path>, needles: &[&str]) {
-    let out = serve_cmd(data_dir, config)
+    let mut child = serve_cmd(data_dir, config)
         .stdout(Stdio::null())
-        .output()
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let mut stderr = String::new();
+    for line in BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        stderr.push_str(&line);
+        stderr.push('\n');
+        let v: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+        if v.get("listen").is_some() {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("it served: {stderr}");
+        }
+    }
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
     assert!(!stderr.contains("fencelock serving"), "it served: {stderr}");
     for needle in needles {
         assert!(
@@ -138,17 +158,56 @@ fn flip(path: &Path, offset: u64) {
     f.write_all_at(&[b[0] ^ 0x01], offset).unwrap();
 }
 
-/// Where a segment's records end: walk the frames from the header to the eight
-/// zero bytes that end the data.
-fn data_end(segment: &[u8]) -> u64 {
-    let mut off = 32;
+const SEGMENT_HEADER: u64 = 56;
+
+/// The start of each record frame of a segment, then where its records end (where
+/// its seal starts, if it has one): walk the frames from the header to the eight
+/// zero bytes or the seal that end the data.
+fn boundaries(segment: &[u8]) -> Vec<u64> {
+    let mut off = SEGMENT_HEADER as usize;
+    let mut v = Vec::new();
     loop {
+        v.push(off as u64);
         let header = &segment[off..off + 8];
-        if header == [0; 8] {
-            return off as u64;
-        }
         let word = u32::from_le_bytes(header[..4].try_into().unwrap());
-        off += 8 + (word & 0x7fff_ffff) as usize;
+        if header == [0; 8] || word & (1 << 30) != 0 {
+            return v;
+        }
+        off += 8 + (word & 0x00ff_ffff) as usize;
+    }
+}
+
+/// Where a segment's records end.
+fn data_end(segment: &[u8]) -> u64 {
+    *boundaries(segment).last().unwrap()
+}
+
+fn cut(path: &Path, len: u64) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
+}
+
+fn zero(path: &Path, from: u64) {
+    let len = std::fs::metadata(path).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all_at(&vec![0u8; (len - from) as usize], from)
+        .unwrap();
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let dst = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &dst);
+        } else {
+            std::fs::copy(entry.path(), dst).unwrap();
+        }
     }
 }
 
@@ -166,14 +225,14 @@ fn a_flipped_bit_in_a_synced_record_stops_serve_naming_file_and_offset() {
     }
     server.stop();
     let seg = segment(dir.path(), 0);
-    flip(&seg, 32 + 8 + 1); // the payload of the first record
+    flip(&seg, SEGMENT_HEADER + 8 + 1); // the payload of the first record
     check_refused(
         dir.path(),
         None,
         &[
             "corrupt log data",
             &seg.display().to_string(),
-            "at offset 32",
+            "at offset 56",
             "checksum",
         ],
     );
@@ -265,7 +324,7 @@ fn a_damaged_audit_log_stops_serve() {
         server.stop();
     }
     let seg = segment(&dir.path().join("audit"), 0);
-    flip(&seg, 32 + 8 + 2);
+    flip(&seg, SEGMENT_HEADER + 8 + 2);
     check_refused(
         dir.path(),
         None,
@@ -273,7 +332,135 @@ fn a_damaged_audit_log_stops_serve() {
             "audit log",
             "corrupt",
             &seg.display().to_string(),
-            "at offset 32",
+            "at offset 56",
         ],
     );
+}
+
+#[test]
+fn the_newest_segment_cut_at_a_record_boundary_stops_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path(), None);
+    for name in ["a", "b", "c"] {
+        assert_eq!(server.acquire(name), 200);
+    }
+    server.stop();
+    let seg = segment(dir.path(), 0);
+    let bounds = boundaries(&std::fs::read(&seg).unwrap());
+    // At the end of the data (what a version 1 log took for a clean end), and
+    // before the last record (which version 1 lost without a word).
+    for at in [bounds[bounds.len() - 1], bounds[bounds.len() - 2]] {
+        let copy = tempfile::tempdir().unwrap();
+        copy_dir(dir.path(), copy.path());
+        let seg = segment(copy.path(), 0);
+        cut(&seg, at);
+        check_refused(
+            copy.path(),
+            None,
+            &[
+                "corrupt log data",
+                &seg.display().to_string(),
+                &format!("at offset {at}"),
+                "truncated",
+            ],
+        );
+    }
+    // Zeroed from the last record on instead: the manifest recorded at the clean
+    // stop that it was durable.
+    zero(&seg, bounds[bounds.len() - 2]);
+    check_refused(
+        dir.path(),
+        None,
+        &["corrupt log data", &seg.display().to_string(), "manifest"],
+    );
+}
+
+#[test]
+fn an_older_segment_cut_or_zeroed_and_a_deleted_newest_segment_stop_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fencelock.toml");
+    std::fs::write(&config, "[storage]\nsegment_bytes = 1048576\n").unwrap();
+    let data = dir.path().join("data");
+    let server = start(&data, Some(&config));
+    // Each grant logs about 1 KiB: fill segment 0 until segment 1 exists.
+    let owner = "o".repeat(1000);
+    let mut n = 0;
+    while !segment(&data, 1).exists() {
+        n += 1;
+        assert!(n < 3000, "segment 1 was never created");
+        let body = format!(r#"{{"name":"fill:{n}","ttl_ms":600000,"owner":"{owner}"}}"#);
+        assert_eq!(server.post("/v1/acquire", &body).0, 200);
+    }
+    assert_eq!(server.acquire("last"), 200);
+    server.stop();
+    let older = std::fs::read(segment(&data, 0)).unwrap();
+    let bounds = boundaries(&older);
+    let last_record = bounds[bounds.len() - 2];
+
+    type Damage = fn(&Path, u64);
+    let cases: [(&str, Damage, u64, &[&str]); 3] = [
+        // Its last record and seal zeroed: a clean end to a version 1 reader.
+        (
+            "zeroed",
+            |d, at| zero(&segment(d, 0), at),
+            0,
+            &["cut or zeroed"],
+        ),
+        ("cut", |d, at| cut(&segment(d, 0), at), 0, &["truncated"]),
+        // The newest segment deleted: segment 0's seal names it.
+        (
+            "deleted",
+            |d, _| std::fs::remove_file(segment(d, 1)).unwrap(),
+            1,
+            &["missing"],
+        ),
+    ];
+    for (what, damage, named, needles) in cases {
+        let copy = dir.path().join(format!("copy-{what}"));
+        copy_dir(&data, &copy);
+        damage(&copy, last_record);
+        let file = segment(&copy, named).display().to_string();
+        let mut all = vec!["corrupt log data", file.as_str()];
+        all.extend_from_slice(needles);
+        check_refused(&copy, Some(&config), &all);
+    }
+}
+
+#[test]
+fn a_wiped_data_directory_that_kept_its_manifest_stops_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path(), None);
+    assert_eq!(server.acquire("a"), 200);
+    server.stop();
+    // The only segment deleted (with it every fence issued): the manifest says
+    // the directory held data.
+    let wiped = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), wiped.path());
+    std::fs::remove_file(segment(wiped.path(), 0)).unwrap();
+    check_refused(
+        wiped.path(),
+        None,
+        &[
+            "corrupt log data",
+            &segment(wiped.path(), 0).display().to_string(),
+            "missing",
+        ],
+    );
+    // The manifest deleted, the segment kept.
+    let manifest = dir.path().join("log.manifest");
+    std::fs::remove_file(&manifest).unwrap();
+    check_refused(
+        dir.path(),
+        None,
+        &[
+            "corrupt log data",
+            &manifest.display().to_string(),
+            "manifest is missing",
+        ],
+    );
+    // Starting over on purpose: delete the whole data directory.
+    std::fs::remove_dir_all(dir.path()).unwrap();
+    let server = start(dir.path(), None);
+    assert_eq!(server.acquire("a"), 200);
+    server.stop();
 }

@@ -5,7 +5,8 @@
 //! - The inputs such a run found, committed in `fuzz/planted/<target>/`, still
 //!   reach it: a harness that stopped getting through its decoder fails here.
 //!   (`config/hand-written-*` was written by hand: in 20 s runs libFuzzer did not
-//!   find the config target's planted bug.)
+//!   find the config target's planted bug. `log_dir/hand-written-*` replaced the
+//!   found input when log format version 2 changed what the harness's bytes mean.)
 
 mod support;
 

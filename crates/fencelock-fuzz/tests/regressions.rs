@@ -83,16 +83,48 @@ fn snapshot_with_a_zero_ttl_session_is_refused() {
     fencelock_fuzz::codec::snapshot(&input);
 }
 
-/// Not fixed, a known limitation of the log format (issue 4 report): a segment that
-/// is not the newest, truncated inside an empty record's header so that only zero
-/// bytes remain, reads as a clean end; its record is dropped without an error and
-/// the next segment's records follow (a gap, not a prefix). The harness accepts a
-/// subsequence after such damage; this input must keep passing it.
+/// Fixed in log format version 2. A segment that is not the newest, truncated
+/// inside an empty record's header so that only zero bytes remain, read as a clean
+/// end in version 1: its record was dropped without an error and the next
+/// segment's records followed (a gap, not a prefix; the harness had to accept a
+/// subsequence). Version 2 segments record their capacity and end in a seal, so
+/// this is refused now, and the harness accepts only a prefix again.
+///
+/// Input: 96-byte segments (an empty record each); append, sync, append, sync
+/// (the roll seals `log-0` and creates `log-1`); a clean close; one damage: file 0
+/// (`log-0`) cut to 59 bytes (the header and 3 zero bytes of the record's length
+/// word).
 #[test]
-fn older_segment_cut_to_zero_bytes_loses_a_record_silently() {
-    let input = [
-        9, 2, 5, 0, 6, 2, 137, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 68, 199, 157, 223, 157, 199, 157, 75,
-        75, 75, 75, 75, 33, 0, 5, 255,
-    ];
-    fencelock_fuzz::disk::log_dir(&input);
+fn older_segment_cut_to_zero_bytes_is_refused() {
+    let input = [0, 0, 0, 0, 0, 0, 4, 0, 0, 4, 7, 0, 1, 0, 59, 3];
+    assert_eq!(
+        fencelock_fuzz::disk::log_dir_outcome(&input),
+        Some(fencelock_fuzz::disk::LogDirOutcome::Refused {
+            file: "log-0000000000000000.seg".into()
+        })
+    );
+}
+
+/// The same log, undamaged but crashed, and with the older segment's last record
+/// and seal zeroed instead of cut (a clean end to a version 1 reader): refused too.
+#[test]
+fn older_segment_zeroed_from_a_record_boundary_is_refused() {
+    // Damage: file 0, at 56 (its record), kind 4 (zero), 63 more bytes: to the end.
+    let input = [0, 0, 0, 0, 0, 0, 4, 0, 0, 4, 7, 1, 1, 0, 56, 4, 63];
+    assert_eq!(
+        fencelock_fuzz::disk::log_dir_outcome(&input),
+        Some(fencelock_fuzz::disk::LogDirOutcome::Refused {
+            file: "log-0000000000000000.seg".into()
+        })
+    );
+    // Undamaged, the same input loads both records.
+    let undamaged = [0, 0, 0, 0, 0, 0, 4, 0, 0, 4, 7, 1, 0];
+    assert_eq!(
+        fencelock_fuzz::disk::log_dir_outcome(&undamaged),
+        Some(fencelock_fuzz::disk::LogDirOutcome::Loaded {
+            records: 2,
+            synced: 2,
+            crashed: true
+        })
+    );
 }

@@ -13,8 +13,10 @@ pub enum LogErrorKind {
     /// A failure while writing or syncing also poisons the [`Log`](crate::Log).
     Io,
     /// On-disk data failed validation: bad magic or version, checksum mismatch
-    /// that is not a torn tail, a segment missing from the sequence, a corrupt
-    /// snapshot. The message names the file and, where it applies, the offset.
+    /// that is not a torn tail, a segment cut short or missing (from the sequence,
+    /// after a seal, or below the manifest's high-water mark), a missing seal or
+    /// manifest, a corrupt snapshot. The message names the file and, where it
+    /// applies, the offset.
     Corrupt,
     /// A record is larger than [`MAX_RECORD_BYTES`](crate::MAX_RECORD_BYTES) or a
     /// snapshot is larger than [`MAX_SNAPSHOT_BYTES`](crate::MAX_SNAPSHOT_BYTES).

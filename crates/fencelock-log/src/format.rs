@@ -10,19 +10,39 @@ pub const MAX_SNAPSHOT_BYTES: usize = 1 << 30;
 
 pub(crate) const SEGMENT_MAGIC: [u8; 8] = *b"FLOGSEG\0";
 pub(crate) const SNAPSHOT_MAGIC: [u8; 8] = *b"FLOGSNP\0";
-pub(crate) const FORMAT_VERSION: u32 = 1;
-pub(crate) const SEGMENT_HEADER_BYTES: u64 = 32;
+pub(crate) const MANIFEST_MAGIC: [u8; 8] = *b"FLOGMAN\0";
+/// Segments written by this version: header with capacity, chain links and seals.
+pub(crate) const SEGMENT_VERSION: u32 = 2;
+/// Segments written before format version 2: still read, never written.
+pub(crate) const SEGMENT_VERSION_V1: u32 = 1;
+/// Snapshots written by this version (the layout is unchanged from version 1; the
+/// number tells that the directory also has a manifest).
+pub(crate) const SNAPSHOT_VERSION: u32 = 2;
+/// Snapshots written before format version 2 (same layout).
+pub(crate) const SNAPSHOT_VERSION_V1: u32 = 1;
+pub(crate) const MANIFEST_VERSION: u32 = 2;
+pub(crate) const SEGMENT_HEADER_BYTES: u64 = 56;
+pub(crate) const SEGMENT_HEADER_BYTES_V1: u64 = 32;
 pub(crate) const SNAPSHOT_HEADER_BYTES: u64 = 32;
+pub(crate) const MANIFEST_BYTES: u64 = 40;
 pub(crate) const RECORD_HEADER_BYTES: u64 = 8;
+/// Payload of a seal: `[kind u8 = 1][0 u8 x7][next_seq u64][next_first_record u64]`.
+pub(crate) const SEAL_PAYLOAD_BYTES: usize = 24;
+/// Room every version-2 segment keeps free at its end for its seal.
+pub(crate) const SEAL_FRAME_BYTES: u64 = RECORD_HEADER_BYTES + SEAL_PAYLOAD_BYTES as u64;
+const SEAL_KIND: u8 = 1;
 
 /// Bit 31 of a record's length word: "first record written after an fdatasync".
 pub(crate) const BATCH_START_FLAG: u32 = 1 << 31;
-/// Bits 25..=30 of the length word are always zero (lengths are <= 2^24).
-const LEN_RESERVED_BITS: u32 = 0x7E00_0000;
-const LEN_MASK: u32 = !BATCH_START_FLAG;
+/// Bit 30 of the length word (version 2 segments only): a control record (a seal),
+/// not a caller's record.
+pub(crate) const CONTROL_FLAG: u32 = 1 << 30;
+/// Bits 25..=29 of the length word are always zero (lengths are <= 2^24).
+const LEN_RESERVED_BITS: u32 = 0x3E00_0000;
+const LEN_MASK: u32 = !(BATCH_START_FLAG | CONTROL_FLAG);
 
 const _: () = assert!(MAX_RECORD_BYTES as u32 & LEN_RESERVED_BITS == 0);
-const _: () = assert!(MAX_RECORD_BYTES as u32 & BATCH_START_FLAG == 0);
+const _: () = assert!(MAX_RECORD_BYTES as u32 & (BATCH_START_FLAG | CONTROL_FLAG) == 0);
 
 fn le_u32(b: &[u8]) -> u32 {
     u32::from_le_bytes(b[..4].try_into().expect("4 bytes"))
@@ -32,34 +52,213 @@ fn le_u64(b: &[u8]) -> u64 {
     u64::from_le_bytes(b[..8].try_into().expect("8 bytes"))
 }
 
-/// `[magic 8][version u32][reserved u32 = 0][seq u64][crc32 of bytes 0..24][reserved u32 = 0]`.
-pub(crate) fn encode_segment_header(seq: u64) -> [u8; SEGMENT_HEADER_BYTES as usize] {
+/// A decoded segment header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SegmentHeader {
+    /// 1 (read only) or 2.
+    pub(crate) version: u32,
+    pub(crate) seq: u64,
+    /// Version 2: the preallocated file length; the file must be exactly this long.
+    pub(crate) capacity: Option<u64>,
+    /// Version 2: the number of the segment's first record, counted over the whole log.
+    pub(crate) first_record: Option<u64>,
+    /// Version 2: where the records of segment `seq - 1` end (the offset of its
+    /// seal), or 0 if the segment was created without a predecessor.
+    pub(crate) prev_end: Option<u64>,
+}
+
+impl SegmentHeader {
+    /// Where the first record starts.
+    pub(crate) fn len(&self) -> u64 {
+        if self.version == SEGMENT_VERSION_V1 {
+            SEGMENT_HEADER_BYTES_V1
+        } else {
+            SEGMENT_HEADER_BYTES
+        }
+    }
+}
+
+/// Version 2: `[magic 8][version u32 = 2][reserved u32 = 0][seq u64][capacity u64]
+/// [first_record u64][prev_end u64][crc32 of bytes 0..48][reserved u32 = 0]`.
+pub(crate) fn encode_segment_header(
+    seq: u64,
+    capacity: u64,
+    first_record: u64,
+    prev_end: u64,
+) -> [u8; SEGMENT_HEADER_BYTES as usize] {
     let mut h = [0u8; SEGMENT_HEADER_BYTES as usize];
     h[0..8].copy_from_slice(&SEGMENT_MAGIC);
-    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&SEGMENT_VERSION.to_le_bytes());
+    h[16..24].copy_from_slice(&seq.to_le_bytes());
+    h[24..32].copy_from_slice(&capacity.to_le_bytes());
+    h[32..40].copy_from_slice(&first_record.to_le_bytes());
+    h[40..48].copy_from_slice(&prev_end.to_le_bytes());
+    let crc = crc32fast::hash(&h[0..48]);
+    h[48..52].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
+/// Version 1 (kept for tests of the migration): `[magic 8][version u32 = 1]
+/// [reserved u32 = 0][seq u64][crc32 of bytes 0..24][reserved u32 = 0]`.
+#[cfg(test)]
+pub(crate) fn encode_segment_header_v1(seq: u64) -> [u8; SEGMENT_HEADER_BYTES_V1 as usize] {
+    let mut h = [0u8; SEGMENT_HEADER_BYTES_V1 as usize];
+    h[0..8].copy_from_slice(&SEGMENT_MAGIC);
+    h[8..12].copy_from_slice(&SEGMENT_VERSION_V1.to_le_bytes());
     h[16..24].copy_from_slice(&seq.to_le_bytes());
     let crc = crc32fast::hash(&h[0..24]);
     h[24..28].copy_from_slice(&crc.to_le_bytes());
     h
 }
 
-/// Returns the sequence number stored in a segment header, or why the header is invalid.
-pub(crate) fn decode_segment_header(h: &[u8]) -> Result<u64, String> {
-    assert_eq!(h.len(), SEGMENT_HEADER_BYTES as usize);
+/// Decodes a segment header of either version from the first bytes of the file
+/// (`h` holds up to [`SEGMENT_HEADER_BYTES`] of them), or says why it is invalid.
+pub(crate) fn decode_segment_header(h: &[u8]) -> Result<SegmentHeader, String> {
+    if h.len() < SEGMENT_HEADER_BYTES_V1 as usize {
+        return Err(format!(
+            "segment file is {} bytes, shorter than a segment header",
+            h.len()
+        ));
+    }
     if h[0..8] != SEGMENT_MAGIC {
         return Err(format!("bad segment magic {:02x?}", &h[0..8]));
     }
     let version = le_u32(&h[8..12]);
-    if version != FORMAT_VERSION {
-        return Err(format!("unsupported segment format version {version}"));
+    match version {
+        SEGMENT_VERSION_V1 => {
+            if crc32fast::hash(&h[0..24]) != le_u32(&h[24..28]) {
+                return Err("segment header checksum mismatch".to_string());
+            }
+            if le_u32(&h[12..16]) != 0 || le_u32(&h[28..32]) != 0 {
+                return Err("reserved segment header fields are not zero".to_string());
+            }
+            Ok(SegmentHeader {
+                version,
+                seq: le_u64(&h[16..24]),
+                capacity: None,
+                first_record: None,
+                prev_end: None,
+            })
+        }
+        SEGMENT_VERSION => {
+            if h.len() < SEGMENT_HEADER_BYTES as usize {
+                return Err(format!(
+                    "segment file is {} bytes, shorter than its {SEGMENT_HEADER_BYTES}-byte header",
+                    h.len()
+                ));
+            }
+            if crc32fast::hash(&h[0..48]) != le_u32(&h[48..52]) {
+                return Err("segment header checksum mismatch".to_string());
+            }
+            if le_u32(&h[12..16]) != 0 || le_u32(&h[52..56]) != 0 {
+                return Err("reserved segment header fields are not zero".to_string());
+            }
+            let capacity = le_u64(&h[24..32]);
+            if capacity < SEGMENT_HEADER_BYTES + SEAL_FRAME_BYTES {
+                return Err(format!(
+                    "segment header has an impossible capacity {capacity}"
+                ));
+            }
+            Ok(SegmentHeader {
+                version,
+                seq: le_u64(&h[16..24]),
+                capacity: Some(capacity),
+                first_record: Some(le_u64(&h[32..40])),
+                prev_end: Some(le_u64(&h[40..48])),
+            })
+        }
+        _ => Err(format!("unsupported segment format version {version}")),
     }
-    if crc32fast::hash(&h[0..24]) != le_u32(&h[24..28]) {
-        return Err("segment header checksum mismatch".to_string());
+}
+
+/// What a seal says: the segment that follows and the number of its first record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Seal {
+    pub(crate) next_seq: u64,
+    pub(crate) next_first_record: u64,
+}
+
+/// A complete seal frame (control flag set, and the batch-start flag if `batch_start`).
+pub(crate) fn encode_seal_frame(seal: Seal, batch_start: bool) -> Vec<u8> {
+    let mut payload = [0u8; SEAL_PAYLOAD_BYTES];
+    payload[0] = SEAL_KIND;
+    payload[8..16].copy_from_slice(&seal.next_seq.to_le_bytes());
+    payload[16..24].copy_from_slice(&seal.next_first_record.to_le_bytes());
+    let mut word = SEAL_PAYLOAD_BYTES as u32 | CONTROL_FLAG;
+    if batch_start {
+        word |= BATCH_START_FLAG;
     }
-    if le_u32(&h[12..16]) != 0 || le_u32(&h[28..32]) != 0 {
-        return Err("reserved segment header fields are not zero".to_string());
+    let mut out = Vec::with_capacity(SEAL_FRAME_BYTES as usize);
+    out.extend_from_slice(&word.to_le_bytes());
+    out.extend_from_slice(&record_crc(word, &payload).to_le_bytes());
+    out.extend_from_slice(&payload);
+    out
+}
+
+/// Decodes the payload of a checksum-valid control record.
+pub(crate) fn decode_seal(payload: &[u8]) -> Result<Seal, String> {
+    if payload.len() != SEAL_PAYLOAD_BYTES || payload[0] != SEAL_KIND || payload[1..8] != [0; 7] {
+        return Err("control record is not a valid seal".to_string());
     }
-    Ok(le_u64(&h[16..24]))
+    Ok(Seal {
+        next_seq: le_u64(&payload[8..16]),
+        next_first_record: le_u64(&payload[16..24]),
+    })
+}
+
+/// The durable position a manifest records: records up to `offset` of segment
+/// `seq` (and everything before that segment) were durable when it was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct HighWater {
+    pub(crate) seq: u64,
+    pub(crate) offset: u64,
+}
+
+/// `[magic "FLOGMAN\0"][version u32 = 2][flags u32: bit 0 = high-water present]
+/// [hw_seq u64][hw_offset u64][crc32 of bytes 0..32][reserved u32 = 0]`.
+pub(crate) fn encode_manifest(hw: Option<HighWater>) -> [u8; MANIFEST_BYTES as usize] {
+    let mut m = [0u8; MANIFEST_BYTES as usize];
+    m[0..8].copy_from_slice(&MANIFEST_MAGIC);
+    m[8..12].copy_from_slice(&MANIFEST_VERSION.to_le_bytes());
+    if let Some(hw) = hw {
+        m[12..16].copy_from_slice(&1u32.to_le_bytes());
+        m[16..24].copy_from_slice(&hw.seq.to_le_bytes());
+        m[24..32].copy_from_slice(&hw.offset.to_le_bytes());
+    }
+    let crc = crc32fast::hash(&m[0..32]);
+    m[32..36].copy_from_slice(&crc.to_le_bytes());
+    m
+}
+
+/// Decodes a whole manifest file; `Ok(None)` means no high-water was recorded yet.
+pub(crate) fn decode_manifest(m: &[u8]) -> Result<Option<HighWater>, String> {
+    if m.len() != MANIFEST_BYTES as usize {
+        return Err(format!(
+            "manifest is {} bytes, not {MANIFEST_BYTES}",
+            m.len()
+        ));
+    }
+    if m[0..8] != MANIFEST_MAGIC {
+        return Err(format!("bad manifest magic {:02x?}", &m[0..8]));
+    }
+    let version = le_u32(&m[8..12]);
+    if version != MANIFEST_VERSION {
+        return Err(format!("unsupported manifest version {version}"));
+    }
+    if crc32fast::hash(&m[0..32]) != le_u32(&m[32..36]) {
+        return Err("manifest checksum mismatch".to_string());
+    }
+    if le_u32(&m[36..40]) != 0 {
+        return Err("reserved manifest field is not zero".to_string());
+    }
+    match le_u32(&m[12..16]) {
+        0 if m[16..32] == [0; 16] => Ok(None),
+        1 => Ok(Some(HighWater {
+            seq: le_u64(&m[16..24]),
+            offset: le_u64(&m[24..32]),
+        })),
+        _ => Err("bad manifest flags".to_string()),
+    }
 }
 
 /// CRC32 over the stored length word (little-endian) followed by the payload.
@@ -101,17 +300,26 @@ pub(crate) enum RecordHeader {
     /// The header cannot start a record (reserved bits set, or length too large).
     Invalid(&'static str),
     /// A plausible frame; the payload is `len` bytes and must match `crc`.
-    Frame { word: u32, len: usize, crc: u32 },
+    /// `control`: a seal, not a caller's record.
+    Frame {
+        word: u32,
+        len: usize,
+        crc: u32,
+        control: bool,
+    },
 }
 
 impl RecordHeader {
-    pub(crate) fn parse(h: &[u8], bytes_after_header: u64) -> RecordHeader {
+    /// `allow_control`: the segment is version 2, where bit 30 marks a control record
+    /// (in version 1 it is a reserved bit).
+    pub(crate) fn parse(h: &[u8], bytes_after_header: u64, allow_control: bool) -> RecordHeader {
         let word = le_u32(&h[0..4]);
         let crc = le_u32(&h[4..8]);
         if word == 0 && crc == 0 {
             return RecordHeader::End;
         }
-        if word & LEN_RESERVED_BITS != 0 {
+        let control = word & CONTROL_FLAG != 0;
+        if word & LEN_RESERVED_BITS != 0 || (control && !allow_control) {
             return RecordHeader::Invalid("record length word has reserved bits set");
         }
         let len = (word & LEN_MASK) as usize;
@@ -121,19 +329,28 @@ impl RecordHeader {
         if len as u64 > bytes_after_header {
             return RecordHeader::Invalid("record length runs past the end of the file");
         }
-        RecordHeader::Frame { word, len, crc }
+        RecordHeader::Frame {
+            word,
+            len,
+            crc,
+            control,
+        }
     }
 }
 
 /// If a complete, checksum-valid record starts at `buf[0]`, returns whether it
 /// carries the batch-start flag. `crc_budget` is decremented by the bytes hashed.
-pub(crate) fn valid_record_at(buf: &[u8], crc_budget: &mut u64) -> Option<bool> {
+pub(crate) fn valid_record_at(
+    buf: &[u8],
+    crc_budget: &mut u64,
+    allow_control: bool,
+) -> Option<bool> {
     if buf.len() < RECORD_HEADER_BYTES as usize {
         return None;
     }
     let after = (buf.len() - RECORD_HEADER_BYTES as usize) as u64;
-    match RecordHeader::parse(buf, after) {
-        RecordHeader::Frame { word, len, crc } => {
+    match RecordHeader::parse(buf, after, allow_control) {
+        RecordHeader::Frame { word, len, crc, .. } => {
             *crc_budget = crc_budget.saturating_sub(len as u64 + 4);
             let payload = &buf[RECORD_HEADER_BYTES as usize..][..len];
             (record_crc(word, payload) == crc).then_some(word & BATCH_START_FLAG != 0)
@@ -146,7 +363,7 @@ pub(crate) fn valid_record_at(buf: &[u8], crc_budget: &mut u64) -> Option<bool> 
 pub(crate) fn encode_snapshot_header(payload: &[u8]) -> [u8; SNAPSHOT_HEADER_BYTES as usize] {
     let mut h = [0u8; SNAPSHOT_HEADER_BYTES as usize];
     h[0..8].copy_from_slice(&SNAPSHOT_MAGIC);
-    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
     h[16..24].copy_from_slice(&(payload.len() as u64).to_le_bytes());
     let mut crc = crc32fast::Hasher::new();
     crc.update(&h[0..24]);
@@ -155,14 +372,15 @@ pub(crate) fn encode_snapshot_header(payload: &[u8]) -> [u8; SNAPSHOT_HEADER_BYT
     h
 }
 
-/// Checks a snapshot header against the file length; returns the payload length.
-pub(crate) fn decode_snapshot_header(h: &[u8], file_len: u64) -> Result<u64, String> {
+/// Checks a snapshot header against the file length; returns the payload length
+/// and the format version (1 or 2; the layout is the same).
+pub(crate) fn decode_snapshot_header(h: &[u8], file_len: u64) -> Result<(u64, u32), String> {
     assert_eq!(h.len(), SNAPSHOT_HEADER_BYTES as usize);
     if h[0..8] != SNAPSHOT_MAGIC {
         return Err(format!("bad snapshot magic {:02x?}", &h[0..8]));
     }
     let version = le_u32(&h[8..12]);
-    if version != FORMAT_VERSION {
+    if version != SNAPSHOT_VERSION && version != SNAPSHOT_VERSION_V1 {
         return Err(format!("unsupported snapshot format version {version}"));
     }
     if le_u32(&h[12..16]) != 0 || le_u32(&h[28..32]) != 0 {
@@ -175,7 +393,7 @@ pub(crate) fn decode_snapshot_header(h: &[u8], file_len: u64) -> Result<u64, Str
             file_len - SNAPSHOT_HEADER_BYTES
         ));
     }
-    Ok(len)
+    Ok((len, version))
 }
 
 /// Verifies the whole-file checksum of a snapshot.
@@ -197,8 +415,8 @@ mod tests {
         assert_eq!(frame.len(), 8);
         assert_ne!(frame, [0u8; 8]);
         let mut budget = u64::MAX;
-        assert_eq!(valid_record_at(&frame, &mut budget), Some(false));
-        assert_eq!(RecordHeader::parse(&[0u8; 8], 100), RecordHeader::End);
+        assert_eq!(valid_record_at(&frame, &mut budget, true), Some(false));
+        assert_eq!(RecordHeader::parse(&[0u8; 8], 100, true), RecordHeader::End);
     }
 
     #[test]
@@ -207,15 +425,22 @@ mod tests {
         encode_record_into(&mut frame, b"hello");
         mark_batch_start(&mut frame);
         let mut budget = u64::MAX;
-        assert_eq!(valid_record_at(&frame, &mut budget), Some(true));
+        assert_eq!(valid_record_at(&frame, &mut budget, true), Some(true));
         frame[3] &= 0x7f; // clear the flag without fixing the CRC
-        assert_eq!(valid_record_at(&frame, &mut budget), None);
+        assert_eq!(valid_record_at(&frame, &mut budget, true), None);
     }
 
     #[test]
     fn segment_header_round_trip_and_rejects_bit_flips() {
-        let h = encode_segment_header(7);
-        assert_eq!(decode_segment_header(&h), Ok(7));
+        let h = encode_segment_header(7, 4096, 99, 1234);
+        let want = SegmentHeader {
+            version: 2,
+            seq: 7,
+            capacity: Some(4096),
+            first_record: Some(99),
+            prev_end: Some(1234),
+        };
+        assert_eq!(decode_segment_header(&h), Ok(want));
         for i in 0..h.len() {
             let mut bad = h;
             bad[i] ^= 0x10;
@@ -223,6 +448,58 @@ mod tests {
                 decode_segment_header(&bad).is_err(),
                 "flip at byte {i} accepted"
             );
+        }
+        // A version 2 header cut to the length of a version 1 header.
+        assert!(decode_segment_header(&h[..32]).is_err());
+        let v1 = encode_segment_header_v1(7);
+        assert_eq!(
+            decode_segment_header(&v1).map(|h| (h.version, h.seq)),
+            Ok((1, 7))
+        );
+        for i in 0..v1.len() {
+            let mut bad = v1;
+            bad[i] ^= 0x10;
+            assert!(decode_segment_header(&bad).is_err(), "v1 flip at {i}");
+        }
+    }
+
+    #[test]
+    fn seal_is_a_control_record_only_in_version_2() {
+        let seal = Seal {
+            next_seq: 5,
+            next_first_record: 77,
+        };
+        let frame = encode_seal_frame(seal, true);
+        assert_eq!(frame.len() as u64, SEAL_FRAME_BYTES);
+        let mut budget = u64::MAX;
+        assert_eq!(valid_record_at(&frame, &mut budget, true), Some(true));
+        assert_eq!(valid_record_at(&frame, &mut budget, false), None);
+        match RecordHeader::parse(&frame, 24, true) {
+            RecordHeader::Frame { control, len, .. } => {
+                assert!(control);
+                assert_eq!(decode_seal(&frame[8..8 + len]), Ok(seal));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn manifest_round_trip_and_rejects_bit_flips() {
+        for hw in [
+            None,
+            Some(HighWater {
+                seq: 3,
+                offset: 4096,
+            }),
+        ] {
+            let m = encode_manifest(hw);
+            assert_eq!(decode_manifest(&m), Ok(hw));
+            for i in 0..m.len() {
+                let mut bad = m;
+                bad[i] ^= 0x01;
+                assert!(decode_manifest(&bad).is_err(), "flip at byte {i} accepted");
+            }
+            assert!(decode_manifest(&m[..39]).is_err());
         }
     }
 }

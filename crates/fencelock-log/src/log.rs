@@ -7,19 +7,24 @@ use std::time::Instant;
 
 use crate::error::{LogError, LogErrorKind};
 use crate::format::{
-    encode_record_into, encode_segment_header, frame_len, mark_batch_start, MAX_RECORD_BYTES,
-    MAX_SNAPSHOT_BYTES, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES,
+    decode_manifest, encode_manifest, encode_record_into, encode_seal_frame, encode_segment_header,
+    frame_len, mark_batch_start, HighWater, Seal, MANIFEST_BYTES, MAX_RECORD_BYTES,
+    MAX_SNAPSHOT_BYTES, RECORD_HEADER_BYTES, SEAL_FRAME_BYTES, SEGMENT_HEADER_BYTES,
+    SEGMENT_VERSION, SEGMENT_VERSION_V1, SNAPSHOT_VERSION, SNAPSHOT_VERSION_V1,
 };
 use crate::fsio::{fdatasync, preallocate, try_lock_exclusive, write_zeros};
-use crate::recover::{list_dir, scan_segment, segment_path, snapshot_path, Listing};
-use crate::snapshot::{read_snapshot_file, sync_dir, write_snapshot_atomic};
+use crate::recover::{
+    list_dir, scan_segment, segment_path, snapshot_path, Listing, SegmentEnd, MANIFEST_NAME,
+};
+use crate::snapshot::{read_snapshot_versioned, sync_dir, write_snapshot_atomic};
 
 /// Once this many encoded bytes are buffered, [`Log::append`] writes them to the
 /// segment (without fdatasync) so memory stays bounded however long a batch is.
 const WRITE_BEHIND_BYTES: usize = 4 << 20;
 
-/// The smallest accepted [`LogOptions::segment_bytes`]: a header plus one empty record.
-pub const MIN_SEGMENT_BYTES: u64 = SEGMENT_HEADER_BYTES + RECORD_HEADER_BYTES;
+/// The smallest accepted [`LogOptions::segment_bytes`]: a header, one empty record
+/// and the seal that ends every segment but the newest.
+pub const MIN_SEGMENT_BYTES: u64 = SEGMENT_HEADER_BYTES + RECORD_HEADER_BYTES + SEAL_FRAME_BYTES;
 
 /// Configuration for [`Log::open`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,28 +71,43 @@ pub struct SyncStats {
     pub records: usize,
     /// Framed bytes (record headers + payloads) made durable.
     pub bytes: u64,
-    /// fdatasync/fsync calls issued (one per sync, plus two per segment roll).
+    /// fdatasync/fsync calls issued (one per sync, plus three per segment roll).
     pub fsyncs: u32,
     /// Time spent inside those calls, in microseconds.
     pub fsync_micros: u64,
 }
 
-/// The segment records are currently written to.
+/// The segment records are currently written to (always format version 2).
 #[derive(Debug)]
 struct ActiveSegment {
     seq: u64,
     file: File,
-    /// The file's (preallocated) length; records never extend past it.
+    /// The file's (preallocated) length; records never extend into its last
+    /// [`SEAL_FRAME_BYTES`], which are kept for the seal.
     capacity_bytes: u64,
     /// Where the next record goes.
     write_offset: u64,
+    /// The log-wide number of the segment's first record.
+    first_record: u64,
+    /// Records written to this segment so far.
+    records: u64,
+    /// End of the data known durable (fdatasynced, or read back at open and synced).
+    durable_end: u64,
+}
+
+impl ActiveSegment {
+    /// Bytes left for records.
+    fn room(&self) -> u64 {
+        (self.capacity_bytes - SEAL_FRAME_BYTES).saturating_sub(self.write_offset)
+    }
 }
 
 /// A durable, group-committed log of opaque records in a data directory.
 ///
 /// Single writer: the directory is `flock`ed while the `Log` exists. Dropping a
-/// `Log` discards records appended since the last [`sync`](Log::sync). See the
-/// crate docs for the durability contract and the on-disk format.
+/// `Log` discards records appended since the last [`sync`](Log::sync) and records
+/// the durable end in the manifest (see the crate docs for the durability contract
+/// and the on-disk format).
 #[derive(Debug)]
 pub struct Log {
     dir: PathBuf,
@@ -104,6 +124,8 @@ pub struct Log {
     stats: SyncStats,
     bytes_since_snapshot: u64,
     poisoned: bool,
+    /// The high-water mark the manifest holds now.
+    manifest_hw: Option<HighWater>,
 }
 
 impl Log {
@@ -116,8 +138,12 @@ impl Log {
     /// including a corrupt newest snapshot: it never falls back to an older snapshot,
     /// because the segments that led from it to the newest one were deleted when
     /// the newest was installed. Leftover `*.tmp` files and segments and snapshots
-    /// made obsolete by the newest snapshot are deleted. Fails with
-    /// [`LogErrorKind::Locked`] if another `Log` has the directory open.
+    /// made obsolete by the newest snapshot are deleted. Segments must fit together
+    /// (capacity, seals, links) and reach the manifest's high-water mark; a missing
+    /// segment or manifest is corruption too (the crate docs list every case). An
+    /// empty or new directory starts a new log; a version 1 directory is read and
+    /// continued in version 2. Fails with [`LogErrorKind::Locked`] if another `Log`
+    /// has the directory open.
     pub fn open(dir: &Path, opts: LogOptions) -> Result<(Log, Recovered), LogError> {
         if opts.segment_bytes < MIN_SEGMENT_BYTES || opts.segment_bytes > i64::MAX as u64 {
             return Err(LogError::new(
@@ -149,10 +175,20 @@ impl Log {
         }
 
         let listing = list_dir(dir)?;
+        let manifest = if listing.manifest {
+            Some(read_manifest(dir)?)
+        } else {
+            None
+        };
+        // The newest durable position recorded, if any.
+        let manifest_hw = manifest.flatten();
         let snapshot_seq = listing.snapshots.last().copied();
-        let snapshot = match snapshot_seq {
-            Some(seq) => Some(read_snapshot_file(&snapshot_path(dir, seq))?),
-            None => None,
+        let (snapshot, snapshot_version) = match snapshot_seq {
+            Some(seq) => {
+                let (payload, version) = read_snapshot_versioned(&snapshot_path(dir, seq))?;
+                (Some(payload), Some(version))
+            }
+            None => (None, None),
         };
         // Segment `first` is the first one not covered by the snapshot.
         let first = snapshot_seq.unwrap_or(0);
@@ -161,40 +197,98 @@ impl Log {
 
         let mut records = Vec::new();
         let mut bytes_since_snapshot = 0;
-        let mut truncated_tail_bytes = 0;
-        let mut last = None;
+        let mut scanned: Vec<(u64, File, SegmentEnd)> = Vec::with_capacity(live.len());
         for (i, &seq) in live.iter().enumerate() {
             let path = segment_path(dir, seq);
-            let is_last = i + 1 == live.len();
+            // The newest segment is written to; the one before it may need its seal.
+            let writable = i + 2 >= live.len();
             let file = OpenOptions::new()
                 .read(true)
-                .write(is_last)
+                .write(writable)
                 .open(&path)
                 .map_err(|e| LogError::io(&path, "open segment", e))?;
-            let end = scan_segment(&path, &file, seq, is_last, &mut records)?;
+            let end = scan_segment(&path, &file, seq, i + 1 == live.len(), &mut records)?;
             bytes_since_snapshot += end.record_bytes;
-            if is_last {
-                last = Some((seq, file, end));
-            }
+            scanned.push((seq, file, end));
         }
 
-        let active = match last {
+        check_manifest_present(dir, manifest.is_some(), &scanned, snapshot_version)?;
+        if scanned.is_empty() {
+            check_nothing_missing(dir, manifest_hw, snapshot_seq, snapshot_version)?;
+        }
+        // The crash window of a roll: the newest segment exists but its
+        // predecessor's seal was not written yet.
+        let mut unsealed = false;
+        for pair in scanned.windows(2) {
+            let is_newest = pair[1].0 == live[live.len() - 1];
+            unsealed |= check_link(dir, &pair[0], &pair[1], is_newest)?;
+        }
+        if let Some((seq, _, end)) = scanned.last() {
+            check_newest(dir, *seq, end, manifest_hw)?;
+        }
+
+        // Everything is validated; from here on only repairs of what a crash leaves.
+        if manifest.is_none() {
+            // A new directory, or one written by format version 1: from now on the
+            // directory has a manifest, so losing its files is detected.
+            write_manifest(dir, &dir_file, None, opts.fsync)?;
+        }
+        let mut truncated_tail_bytes = 0;
+        let active = scanned.pop();
+        let previous = scanned.pop();
+        drop(scanned);
+        if let (true, Some((seq, file, end))) = (unsealed, &previous) {
+            // Finish the roll: the predecessor of the newest segment gets its seal.
+            let next_first = end.header.first_record.unwrap_or(0) + end.records;
+            let seal = Seal {
+                next_seq: seq + 1,
+                next_first_record: next_first,
+            };
+            let path = segment_path(dir, *seq);
+            file.write_all_at(&encode_seal_frame(seal, true), end.valid_end)
+                .and_then(|()| if opts.fsync { fdatasync(file) } else { Ok(()) })
+                .map_err(|e| LogError::io(&path, "write the seal of an interrupted roll", e))?;
+        }
+        drop(previous);
+
+        let active = match active {
             Some((seq, file, end)) => {
+                let path = segment_path(dir, seq);
                 if end.damaged_end > end.valid_end {
                     truncated_tail_bytes = end.damaged_end - end.valid_end;
-                    let path = segment_path(dir, seq);
                     write_zeros(&file, end.valid_end, end.damaged_end)
-                        .and_then(|()| if opts.fsync { fdatasync(&file) } else { Ok(()) })
                         .map_err(|e| LogError::io(&path, "zero torn tail", e))?;
                 }
-                ActiveSegment {
-                    seq,
-                    file,
-                    capacity_bytes: end.file_len,
-                    write_offset: end.valid_end,
+                // What was read back is made durable before the manifest says so.
+                if opts.fsync {
+                    fdatasync(&file).map_err(|e| LogError::io(&path, "fdatasync segment", e))?;
+                }
+                if end.header.version == SEGMENT_VERSION {
+                    ActiveSegment {
+                        seq,
+                        file,
+                        capacity_bytes: end.file_len,
+                        write_offset: end.valid_end,
+                        first_record: end.header.first_record.unwrap_or(0),
+                        records: end.records,
+                        durable_end: end.valid_end,
+                    }
+                } else {
+                    // Format version 1: leave it as it is (never sealed, never
+                    // written again) and go on in a new version 2 segment.
+                    let size = opts.segment_bytes;
+                    create_segment(
+                        dir,
+                        &dir_file,
+                        seq + 1,
+                        size,
+                        records.len() as u64,
+                        end.valid_end,
+                        opts.fsync,
+                    )?
                 }
             }
-            None => create_segment(dir, &dir_file, first, opts.segment_bytes, opts.fsync)?,
+            None => create_segment(dir, &dir_file, first, opts.segment_bytes, 0, 0, opts.fsync)?,
         };
 
         let mut obsolete: Vec<PathBuf> = listing.temps;
@@ -214,7 +308,7 @@ impl Log {
         }
         remove_files(&dir_file, dir, &obsolete, opts.fsync)?;
 
-        let log = Log {
+        let mut log = Log {
             dir: dir.to_path_buf(),
             dir_file,
             opts,
@@ -225,7 +319,9 @@ impl Log {
             stats: SyncStats::default(),
             bytes_since_snapshot,
             poisoned: false,
+            manifest_hw,
         };
+        log.record_high_water()?;
         let recovered = Recovered {
             snapshot,
             records,
@@ -362,18 +458,11 @@ impl Log {
     }
 
     fn install_snapshot(&mut self, state: &[u8]) -> Result<(), LogError> {
-        let seq = self.active.seq + 1;
+        // The new segment first, then the snapshot: a snapshot `snap-N` always has
+        // its segment N, so a missing one is damage, never a crash.
+        self.roll(0)?;
+        let seq = self.active.seq;
         write_snapshot_atomic(&snapshot_path(&self.dir, seq), state, self.opts.fsync)?;
-        let segment = create_segment(
-            &self.dir,
-            &self.dir_file,
-            seq,
-            self.opts.segment_bytes,
-            self.opts.fsync,
-        )?;
-        self.active = segment;
-        self.at_batch_start = true;
-        self.dirty = false;
         self.bytes_since_snapshot = 0;
         let listing = list_dir(&self.dir)?;
         let obsolete = covered_by_snapshot(&self.dir, &listing, seq);
@@ -403,14 +492,16 @@ impl Log {
         let mut pos = 0;
         while pos < self.pending.len() {
             // Take the longest run of whole frames that fits in the active segment.
-            let room = self.active.capacity_bytes - self.active.write_offset;
+            let room = self.active.room();
             let mut end = pos;
+            let mut frames = 0;
             while end < self.pending.len() {
                 let len = frame_len(&self.pending[end..]);
                 if (end - pos + len) as u64 > room {
                     break;
                 }
                 end += len;
+                frames += 1;
             }
             if end == pos {
                 let needed = frame_len(&self.pending[pos..]) as u64;
@@ -428,6 +519,7 @@ impl Log {
                 .map_err(|e| LogError::io(&path, "write records", e))?;
             self.dirty = true;
             self.active.write_offset += (end - pos) as u64;
+            self.active.records += frames;
             pos = end;
         }
         self.pending.clear();
@@ -450,29 +542,321 @@ impl Log {
         }
         self.dirty = false;
         self.at_batch_start = true;
+        self.active.durable_end = self.active.write_offset;
         Ok(())
     }
 
     /// Makes the active segment durable, then switches to a new one with room for
-    /// a frame of `needed` bytes. Syncing first keeps the invariant that only the
-    /// newest segment can hold unsynced (possibly torn) data.
+    /// a frame of `needed` bytes, and seals the old one. Syncing first keeps the
+    /// invariant that only the newest segment can hold unsynced (possibly torn)
+    /// data. The order — sync the data, create the next segment (whose header
+    /// records where this one's records end), write and sync the seal — leaves a
+    /// crash at any point in a state [`open`](Self::open) accepts: either no next
+    /// segment, or an empty one whose predecessor is complete up to the seal.
     fn roll(&mut self, needed: u64) -> Result<(), LogError> {
         self.sync_active()?;
-        let size = self.opts.segment_bytes.max(SEGMENT_HEADER_BYTES + needed);
+        let size = self
+            .opts
+            .segment_bytes
+            .max(SEGMENT_HEADER_BYTES + needed + SEAL_FRAME_BYTES);
         let started = Instant::now();
-        self.active = create_segment(
+        let seal = Seal {
+            next_seq: self.active.seq + 1,
+            next_first_record: self.active.first_record + self.active.records,
+        };
+        let next = create_segment(
             &self.dir,
             &self.dir_file,
-            self.active.seq + 1,
+            seal.next_seq,
             size,
+            seal.next_first_record,
+            self.active.write_offset,
             self.opts.fsync,
         )?;
+        let path = segment_path(&self.dir, self.active.seq);
+        self.active
+            .file
+            .write_all_at(&encode_seal_frame(seal, true), self.active.write_offset)
+            .and_then(|()| {
+                if self.opts.fsync {
+                    fdatasync(&self.active.file)
+                } else {
+                    Ok(())
+                }
+            })
+            .map_err(|e| LogError::io(&path, "write the seal", e))?;
+        self.active = next;
+        self.at_batch_start = true;
+        self.dirty = false;
         if self.opts.fsync {
-            self.stats.fsyncs += 2;
+            self.stats.fsyncs += 3;
             self.stats.fsync_micros += started.elapsed().as_micros() as u64;
         }
         Ok(())
     }
+
+    /// Records the active segment's durable end in the manifest, if it moved.
+    fn record_high_water(&mut self) -> Result<(), LogError> {
+        let hw = HighWater {
+            seq: self.active.seq,
+            offset: self.active.durable_end,
+        };
+        if self.manifest_hw != Some(hw) {
+            write_manifest(&self.dir, &self.dir_file, Some(hw), self.opts.fsync)?;
+            self.manifest_hw = Some(hw);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Log {
+    /// Records in the manifest how far the log was durable (one small file write,
+    /// fdatasync, rename and directory fsync; errors are ignored, the next
+    /// [`Log::open`] does not need it). After a clean close, the next open then
+    /// refuses to load a newest segment whose synced records were lost.
+    fn drop(&mut self) {
+        if !self.poisoned {
+            let _ = self.record_high_water();
+        }
+    }
+}
+
+/// Reads `log.manifest`: the durable position it records, if any.
+fn read_manifest(dir: &Path) -> Result<Option<HighWater>, LogError> {
+    let path = dir.join(MANIFEST_NAME);
+    let mut bytes = Vec::with_capacity(MANIFEST_BYTES as usize);
+    File::open(&path)
+        .and_then(|f| {
+            use std::io::Read;
+            f.take(MANIFEST_BYTES + 1).read_to_end(&mut bytes)
+        })
+        .map_err(|e| LogError::io(&path, "read manifest", e))?;
+    decode_manifest(&bytes).map_err(|msg| LogError::corrupt(&path, Some(0), msg))
+}
+
+/// Atomically replaces `log.manifest`: temp file, fdatasync, rename, directory fsync.
+fn write_manifest(
+    dir: &Path,
+    dir_file: &File,
+    hw: Option<HighWater>,
+    fsync: bool,
+) -> Result<(), LogError> {
+    let path = dir.join(MANIFEST_NAME);
+    let tmp = dir.join(format!("{MANIFEST_NAME}.tmp"));
+    let file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&tmp)
+        .map_err(|e| LogError::io(&tmp, "create manifest", e))?;
+    file.write_all_at(&encode_manifest(hw), 0)
+        .and_then(|()| if fsync { fdatasync(&file) } else { Ok(()) })
+        .map_err(|e| LogError::io(&tmp, "write manifest", e))?;
+    fs::rename(&tmp, &path).map_err(|e| LogError::io(&path, "rename manifest into place", e))?;
+    if fsync {
+        dir_file
+            .sync_all()
+            .map_err(|e| LogError::io(dir, "fsync directory", e))?;
+    }
+    Ok(())
+}
+
+/// A directory without a manifest is new or was written by format version 1. If
+/// it holds anything written by version 2, the manifest was deleted.
+fn check_manifest_present(
+    dir: &Path,
+    has_manifest: bool,
+    scanned: &[(u64, File, SegmentEnd)],
+    snapshot_version: Option<u32>,
+) -> Result<(), LogError> {
+    if has_manifest {
+        return Ok(());
+    }
+    let path = dir.join(MANIFEST_NAME);
+    if let Some((seq, _, _)) = scanned
+        .iter()
+        .find(|(_, _, end)| end.header.version != SEGMENT_VERSION_V1)
+    {
+        return Err(LogError::corrupt(
+            &path,
+            None,
+            format!(
+                "the manifest is missing, but log-{seq:016}.seg was written with it \
+                 (format version 2): files of the data directory were deleted"
+            ),
+        ));
+    }
+    if snapshot_version == Some(SNAPSHOT_VERSION) {
+        return Err(LogError::corrupt(
+            &path,
+            None,
+            "the manifest is missing, but the newest snapshot was written with it \
+             (format version 2): files of the data directory were deleted",
+        ));
+    }
+    Ok(())
+}
+
+/// No segment at all is fine only for a new directory, or (format version 1) a
+/// crash between installing a snapshot and creating its segment.
+fn check_nothing_missing(
+    dir: &Path,
+    manifest_hw: Option<HighWater>,
+    snapshot_seq: Option<u64>,
+    snapshot_version: Option<u32>,
+) -> Result<(), LogError> {
+    match (snapshot_seq, manifest_hw) {
+        (Some(seq), hw) if hw.is_some() || snapshot_version != Some(SNAPSHOT_VERSION_V1) => {
+            Err(LogError::corrupt(
+                &segment_path(dir, seq),
+                None,
+                format!(
+                    "segment is missing: snap-{seq:016}.snap is always written after it, and it \
+                     holds every record appended after that snapshot (it was deleted)"
+                ),
+            ))
+        }
+        (None, Some(hw)) => Err(LogError::corrupt(
+            &segment_path(dir, hw.seq),
+            None,
+            format!(
+                "segment is missing: the manifest records durable records up to offset {} in \
+                 it, but the directory has no segments or snapshots (they were deleted; to start \
+                 over on purpose, delete the whole data directory)",
+                hw.offset
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Checks that segment `cur` ends exactly where its successor `next` says, with a
+/// seal naming `next`. Returns `true` for the one state a crash during a roll
+/// leaves: `cur` unsealed and `next` the newest segment, still empty.
+fn check_link(
+    dir: &Path,
+    (cur_seq, _, cur): &(u64, File, SegmentEnd),
+    (next_seq, _, next): &(u64, File, SegmentEnd),
+    next_is_newest: bool,
+) -> Result<bool, LogError> {
+    let cur_path = segment_path(dir, *cur_seq);
+    let next_path = segment_path(dir, *next_seq);
+    let (Some(prev_end), Some(next_first)) = (next.header.prev_end, next.header.first_record)
+    else {
+        // Format version 1 segments carry no links.
+        if cur.header.version != SEGMENT_VERSION_V1 {
+            return Err(LogError::corrupt(
+                &next_path,
+                Some(0),
+                "a format version 1 segment after a version 2 segment",
+            ));
+        }
+        return Ok(false);
+    };
+    if prev_end != cur.valid_end {
+        return Err(LogError::corrupt(
+            &cur_path,
+            Some(cur.valid_end),
+            format!(
+                "records end at offset {}, but the header of log-{next_seq:016}.seg says they \
+                 end at {prev_end}: records at the end of this segment were cut or zeroed",
+                cur.valid_end
+            ),
+        ));
+    }
+    if cur.header.version == SEGMENT_VERSION_V1 {
+        return Ok(false); // written before seals existed
+    }
+    let expected_first = cur.header.first_record.unwrap_or(0) + cur.records;
+    match cur.seal {
+        Some(seal) => {
+            if seal.next_seq != *next_seq || seal.next_first_record != expected_first {
+                return Err(LogError::corrupt(
+                    &cur_path,
+                    Some(cur.valid_end),
+                    format!(
+                        "the seal names segment {} (first record {}), but the next segment is \
+                         {next_seq} and this one ends with record {}",
+                        seal.next_seq, seal.next_first_record, expected_first
+                    ),
+                ));
+            }
+            if next_first != expected_first {
+                return Err(LogError::corrupt(
+                    &next_path,
+                    Some(0),
+                    format!(
+                        "segment header says its first record is number {next_first}, but the \
+                         previous segment ends before record {expected_first}"
+                    ),
+                ));
+            }
+            Ok(false)
+        }
+        None => {
+            let next_empty = next.records == 0
+                && next.damaged_end == next.header.len()
+                && next_first == expected_first;
+            if next_is_newest && next_empty {
+                return Ok(true);
+            }
+            Err(LogError::corrupt(
+                &cur_path,
+                Some(cur.valid_end),
+                format!(
+                    "segment ends without the seal that names log-{next_seq:016}.seg: its last \
+                     records or its seal were cut or zeroed"
+                ),
+            ))
+        }
+    }
+}
+
+/// The newest segment: never sealed (its seal would name a segment that does not
+/// exist), and it reaches at least as far as the manifest says was durable.
+fn check_newest(
+    dir: &Path,
+    seq: u64,
+    end: &SegmentEnd,
+    manifest_hw: Option<HighWater>,
+) -> Result<(), LogError> {
+    let path = segment_path(dir, seq);
+    if let Some(seal) = end.seal {
+        return Err(LogError::corrupt(
+            &segment_path(dir, seal.next_seq),
+            None,
+            format!(
+                "segment is missing: log-{seq:016}.seg is sealed and names it as the next \
+                 segment (it was deleted)"
+            ),
+        ));
+    }
+    let Some(hw) = manifest_hw else {
+        return Ok(());
+    };
+    if hw.seq > seq {
+        return Err(LogError::corrupt(
+            &segment_path(dir, hw.seq),
+            None,
+            format!(
+                "segment is missing: the manifest records durable records up to offset {} in \
+                 it, but the newest segment is log-{seq:016}.seg (it was deleted)",
+                hw.offset
+            ),
+        ));
+    }
+    if hw.seq == seq && end.valid_end < hw.offset {
+        return Err(LogError::corrupt(
+            &path,
+            Some(end.valid_end),
+            format!(
+                "valid records end here, but the manifest records that records up to offset {} \
+                 were durable: synced records were damaged, cut or zeroed",
+                hw.offset
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Checks that the segments not covered by the snapshot form an unbroken run
@@ -501,12 +885,14 @@ fn check_sequence(
 
 /// Creates segment `seq` of `size` bytes: preallocate `log-N.seg.tmp`, write the
 /// header, fdatasync, rename into place, fsync the directory. A segment file under
-/// its final name therefore always has a durable, valid header.
+/// its final name therefore always has a durable, valid header and its full length.
 fn create_segment(
     dir: &Path,
     dir_file: &File,
     seq: u64,
     size: u64,
+    first_record: u64,
+    prev_end: u64,
     fsync: bool,
 ) -> Result<ActiveSegment, LogError> {
     assert!(size >= MIN_SEGMENT_BYTES);
@@ -522,7 +908,9 @@ fn create_segment(
         .open(&tmp)
         .map_err(|e| LogError::io(&tmp, "create segment", e))?;
     preallocate(&file, size)
-        .and_then(|()| file.write_all_at(&encode_segment_header(seq), 0))
+        .and_then(|()| {
+            file.write_all_at(&encode_segment_header(seq, size, first_record, prev_end), 0)
+        })
         .and_then(|()| if fsync { fdatasync(&file) } else { Ok(()) })
         .map_err(|e| LogError::io(&tmp, "preallocate segment", e))?;
     fs::rename(&tmp, &path).map_err(|e| LogError::io(&path, "rename segment into place", e))?;
@@ -536,6 +924,9 @@ fn create_segment(
         file,
         capacity_bytes: size,
         write_offset: SEGMENT_HEADER_BYTES,
+        first_record,
+        records: 0,
+        durable_end: SEGMENT_HEADER_BYTES,
     })
 }
 

@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 
 use crate::error::LogError;
 use crate::format::{
-    decode_segment_header, record_crc, valid_record_at, RecordHeader, MAX_RECORD_BYTES,
-    RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES,
+    decode_seal, decode_segment_header, record_crc, valid_record_at, RecordHeader, Seal,
+    SegmentHeader, MAX_RECORD_BYTES, RECORD_HEADER_BYTES, SEAL_FRAME_BYTES, SEGMENT_HEADER_BYTES,
+    SEGMENT_VERSION_V1,
 };
 
 /// Read-ahead window for scanning segments.
@@ -27,13 +28,19 @@ pub(crate) fn snapshot_path(dir: &Path, seq: u64) -> PathBuf {
     dir.join(format!("snap-{seq:016}.snap"))
 }
 
+/// The name of the manifest file (see the crate docs).
+pub(crate) const MANIFEST_NAME: &str = "log.manifest";
+
 /// The files of a data directory that this crate owns.
 #[derive(Debug, Default)]
 pub(crate) struct Listing {
     pub(crate) segments: BTreeSet<u64>,
     pub(crate) snapshots: BTreeSet<u64>,
-    /// Leftover `*.tmp` files from an interrupted segment creation or snapshot.
+    /// Leftover `*.tmp` files from an interrupted segment creation, snapshot or
+    /// manifest update.
     pub(crate) temps: Vec<PathBuf>,
+    /// Whether `log.manifest` exists.
+    pub(crate) manifest: bool,
 }
 
 fn parse_seq(name: &str, prefix: &str, suffix: &str) -> Option<u64> {
@@ -56,8 +63,11 @@ pub(crate) fn list_dir(dir: &Path) -> Result<Listing, LogError> {
             listing.segments.insert(seq);
         } else if let Some(seq) = parse_seq(name, "snap-", ".snap") {
             listing.snapshots.insert(seq);
+        } else if name == MANIFEST_NAME {
+            listing.manifest = true;
         } else if parse_seq(name, "log-", ".seg.tmp").is_some()
             || parse_seq(name, "snap-", ".snap.tmp").is_some()
+            || name.strip_suffix(".tmp") == Some(MANIFEST_NAME)
         {
             listing.temps.push(entry.path());
         }
@@ -115,13 +125,20 @@ impl<'a> WindowReader<'a> {
 /// How a segment's written part ended.
 #[derive(Debug)]
 pub(crate) struct SegmentEnd {
-    /// Offset just past the last valid record: where the next record goes.
+    /// The segment's header.
+    pub(crate) header: SegmentHeader,
+    /// Offset just past the last valid record: where the next record (or the seal)
+    /// goes; the offset of the seal if the segment is sealed.
     pub(crate) valid_end: u64,
     /// End of the damaged bytes (the last non-zero byte + 1) when the tail was torn;
     /// equal to `valid_end` when the segment ended cleanly.
     pub(crate) damaged_end: u64,
     /// Framed bytes (headers + payloads) of the valid records.
     pub(crate) record_bytes: u64,
+    /// How many valid records the segment holds (not counting a seal).
+    pub(crate) records: u64,
+    /// The seal that ends the segment, if it has one.
+    pub(crate) seal: Option<Seal>,
     /// The file's length, which is the segment's capacity.
     pub(crate) file_len: u64,
 }
@@ -142,57 +159,122 @@ pub(crate) fn scan_segment(
 ) -> Result<SegmentEnd, LogError> {
     let io_err = |e| LogError::io(path, "read segment", e);
     let file_len = file.metadata().map_err(io_err)?.len();
-    if file_len < SEGMENT_HEADER_BYTES {
-        return Err(LogError::corrupt(
-            path,
-            Some(0),
-            format!("segment file is {file_len} bytes, shorter than its {SEGMENT_HEADER_BYTES}-byte header"),
-        ));
-    }
     let mut reader = WindowReader::new(file, file_len);
-    let header = reader
-        .get(0, SEGMENT_HEADER_BYTES as usize)
+    let header_bytes = reader
+        .get(0, file_len.min(SEGMENT_HEADER_BYTES) as usize)
         .map_err(io_err)?;
-    let header_seq =
-        decode_segment_header(header).map_err(|msg| LogError::corrupt(path, Some(0), msg))?;
-    if header_seq != seq {
+    let header =
+        decode_segment_header(header_bytes).map_err(|msg| LogError::corrupt(path, Some(0), msg))?;
+    if header.seq != seq {
         return Err(LogError::corrupt(
             path,
             Some(0),
-            format!("segment header says sequence {header_seq}, file name says {seq}"),
+            format!(
+                "segment header says sequence {}, file name says {seq}",
+                header.seq
+            ),
         ));
     }
+    if let Some(capacity) = header.capacity {
+        // Segments are preallocated to their capacity before they get their final
+        // name, and never change length afterwards: a crash cannot shorten one.
+        if file_len != capacity {
+            let how = if file_len < capacity {
+                "cut short (truncated)"
+            } else {
+                "extended"
+            };
+            return Err(LogError::corrupt(
+                path,
+                Some(file_len.min(capacity)),
+                format!(
+                    "segment file is {file_len} bytes but its header says it was preallocated \
+                     to {capacity}: the file was {how} after it was written"
+                ),
+            ));
+        }
+    }
+    let allow_control = header.version != SEGMENT_VERSION_V1;
 
-    let mut off = SEGMENT_HEADER_BYTES;
+    let mut off = header.len();
     let mut record_bytes = 0u64;
+    let mut records = 0u64;
+    let mut seal = None;
     let why_stopped = loop {
         if off + RECORD_HEADER_BYTES > file_len {
             break "record header runs past the end of the file";
         }
-        let header = reader
+        let frame_header = reader
             .get(off, RECORD_HEADER_BYTES as usize)
             .map_err(io_err)?;
-        match RecordHeader::parse(header, file_len - off - RECORD_HEADER_BYTES) {
+        match RecordHeader::parse(
+            frame_header,
+            file_len - off - RECORD_HEADER_BYTES,
+            allow_control,
+        ) {
             RecordHeader::End => break "zeroed record header",
             RecordHeader::Invalid(why) => break why,
-            RecordHeader::Frame { word, len, crc } => {
+            RecordHeader::Frame {
+                word,
+                len,
+                crc,
+                control,
+            } => {
+                let frame_end = off + RECORD_HEADER_BYTES + len as u64;
+                if allow_control && !control && frame_end + SEAL_FRAME_BYTES > file_len {
+                    break "record runs into the space kept for the seal";
+                }
                 let payload = reader.get(off + RECORD_HEADER_BYTES, len).map_err(io_err)?;
                 if record_crc(word, payload) != crc {
                     break "record checksum mismatch";
+                }
+                if control {
+                    let found = decode_seal(payload)
+                        .map_err(|msg| LogError::corrupt(path, Some(off), msg))?;
+                    seal = Some((found, off + RECORD_HEADER_BYTES + len as u64));
+                    break "seal";
                 }
                 out.push(payload.to_vec());
                 let framed = RECORD_HEADER_BYTES + len as u64;
                 off += framed;
                 record_bytes += framed;
+                records += 1;
             }
         }
     };
 
+    if let Some((found, seal_end)) = seal {
+        // Nothing is ever written after a seal: the rest must be the preallocated zeros.
+        let nonzero = reader.nonzero_end(seal_end).map_err(io_err)?;
+        if nonzero != seal_end {
+            return Err(LogError::corrupt(
+                path,
+                Some(seal_end),
+                format!(
+                    "{} non-zero bytes after the seal that ends the segment",
+                    nonzero - seal_end
+                ),
+            ));
+        }
+        return Ok(SegmentEnd {
+            header,
+            valid_end: off,
+            damaged_end: off,
+            record_bytes,
+            records,
+            seal: Some(found),
+            file_len,
+        });
+    }
+
     let damaged_end = reader.nonzero_end(off).map_err(io_err)?;
     let end = SegmentEnd {
+        header,
         valid_end: off,
         damaged_end,
         record_bytes,
+        records,
+        seal: None,
         file_len,
     };
     if damaged_end == off {
@@ -214,7 +296,7 @@ pub(crate) fn scan_segment(
     let tail_end = file_len.min(damaged_end + RECORD_HEADER_BYTES + MAX_RECORD_BYTES as u64);
     let mut tail = vec![0u8; (tail_end - off) as usize];
     file.read_exact_at(&mut tail, off).map_err(io_err)?;
-    classify_tail(&tail, off, (damaged_end - off) as usize)
+    classify_tail(&tail, off, (damaged_end - off) as usize, allow_control)
         .map_err(|msg| LogError::corrupt(path, Some(off), format!("{why_stopped}; {msg}")))?;
     Ok(end)
 }
@@ -232,11 +314,16 @@ pub(crate) fn scan_segment(
 /// final batch, where a crash can leave any mix of written and unwritten sectors
 /// (writeback may persist later pages first, so valid records of the same batch
 /// may follow the damage): a torn tail.
-pub(crate) fn classify_tail(tail: &[u8], base: u64, damaged_len: usize) -> Result<(), String> {
+pub(crate) fn classify_tail(
+    tail: &[u8],
+    base: u64,
+    damaged_len: usize,
+    allow_control: bool,
+) -> Result<(), String> {
     assert!(damaged_len > 0 && damaged_len <= tail.len());
     let mut budget = CLASSIFY_CRC_BUDGET_BYTES;
     for p in 1..damaged_len {
-        if valid_record_at(&tail[p..], &mut budget) == Some(true) {
+        if valid_record_at(&tail[p..], &mut budget, allow_control) == Some(true) {
             return Err(format!(
                 "a valid record at offset {} starts a later sync batch, so the damaged \
                  record had been made durable",

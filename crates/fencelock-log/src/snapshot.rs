@@ -33,8 +33,13 @@ pub fn write_snapshot_at(dir: &Path, seq: u64, state: &[u8], fsync: bool) -> Res
 
 /// Reads a snapshot file written by [`write_snapshot_file`] (or a `snap-*.snap`
 /// file from a log directory) and returns its payload after checking magic,
-/// version, length and checksum. Any mismatch is [`LogErrorKind::Corrupt`].
+/// version (1 or 2), length and checksum. Any mismatch is [`LogErrorKind::Corrupt`].
 pub fn read_snapshot_file(path: &Path) -> Result<Vec<u8>, LogError> {
+    read_snapshot_versioned(path).map(|(payload, _)| payload)
+}
+
+/// [`read_snapshot_file`], also returning the file's format version.
+pub(crate) fn read_snapshot_versioned(path: &Path) -> Result<(Vec<u8>, u32), LogError> {
     let mut file = File::open(path).map_err(|e| LogError::io(path, "open snapshot", e))?;
     let file_len = file
         .metadata()
@@ -57,7 +62,7 @@ pub fn read_snapshot_file(path: &Path) -> Result<Vec<u8>, LogError> {
     let mut header = [0u8; SNAPSHOT_HEADER_BYTES as usize];
     file.read_exact(&mut header)
         .map_err(|e| LogError::io(path, "read snapshot header", e))?;
-    let len = decode_snapshot_header(&header, file_len)
+    let (len, version) = decode_snapshot_header(&header, file_len)
         .map_err(|msg| LogError::corrupt(path, Some(0), msg))?;
     // The length was checked against the file size and MAX_SNAPSHOT_BYTES above.
     let mut payload = vec![0u8; len as usize];
@@ -70,7 +75,7 @@ pub fn read_snapshot_file(path: &Path) -> Result<Vec<u8>, LogError> {
             "snapshot checksum mismatch (the file was damaged after it was written)",
         ));
     }
-    Ok(payload)
+    Ok((payload, version))
 }
 
 pub(crate) fn write_snapshot_atomic(

@@ -1,17 +1,20 @@
 //! Damage at every byte of a log directory, class by class: every bit flip in a
-//! snapshot, in segment headers, record length words, checksums and payloads, and
-//! in the zero fill after the data; every truncation of a snapshot and of the newest
-//! segment. Each case must end as the crate docs say:
+//! snapshot, the manifest, segment headers, record length words, checksums,
+//! payloads, seals and the zero fill after the data; every truncation of every
+//! file; every zeroing from a record boundary to the end of a segment; every
+//! deletion of a set of files. Each case must end as the crate docs say:
 //!
-//! - a torn tail — damage in the final sync batch of the newest segment, or after
-//!   its data — is discarded and reported in `truncated_tail_bytes`, and exactly
-//!   the records before it come back;
+//! - a torn tail — damage after the newest segment's data, or, after a crash, in
+//!   its final sync batch — is discarded and reported in `truncated_tail_bytes`,
+//!   and exactly the records before it come back;
 //! - anything else is `Corrupt`, with the file (and, for records, the offset of
 //!   the first bad record) in the error and its message; nothing is loaded.
 //!
-//! Not covered, because the format cannot tell it from a clean end: a segment cut
-//! (or zeroed) exactly at a record boundary loses the records after the cut without
-//! an error (see the report of issue 4).
+//! Each layout is checked twice: after a clean close (the manifest records where
+//! the newest segment's durable data ends) and after a crash (it does not).
+//! What remains undetected is only the documented limit: after a crash, the
+//! newest segment's records after the manifest's mark zeroed from a record
+//! boundary on look like batches that were never written.
 
 use std::fs::{self, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -19,8 +22,10 @@ use std::path::{Path, PathBuf};
 
 use fencelock_log::{Log, LogErrorKind, LogOptions};
 
-const SEGMENT_HEADER: u64 = 32;
+const SEGMENT_HEADER: u64 = 56;
 const RECORD_HEADER: u64 = 8;
+const SEAL: u64 = 32;
+const MANIFEST: &str = "log.manifest";
 
 fn opts() -> LogOptions {
     LogOptions {
@@ -45,9 +50,11 @@ struct Frame {
 }
 
 /// A log laid out as: `snap-1` (state "S"), `log-1` (an older segment with one
-/// batch), `log-2` (the newest, with three batches). Returns the records after the
-/// snapshot and where each one sits.
-fn build(dir: &Path) -> (Vec<Vec<u8>>, Vec<Frame>) {
+/// batch and a seal), `log-2` (the newest, with three batches), `log.manifest`.
+/// Returns the records after the snapshot and where each one sits. `closed`: the
+/// log is dropped normally; otherwise as in a crash (the manifest keeps what it
+/// held before, since a crashed process never runs `Drop`).
+fn build(dir: &Path, closed: bool) -> (Vec<Vec<u8>>, Vec<Frame>) {
     let (mut log, _) = Log::open(dir, opts()).unwrap();
     log.append(b"before the snapshot").unwrap();
     log.sync().unwrap();
@@ -78,12 +85,17 @@ fn build(dir: &Path) -> (Vec<Vec<u8>>, Vec<Frame>) {
         log.sync().unwrap();
     }
     assert_eq!(seq, 2);
+    let manifest = fs::read(dir.join(MANIFEST)).unwrap();
     drop(log);
+    if !closed {
+        fs::write(dir.join(MANIFEST), manifest).unwrap();
+    }
     assert_eq!(
         names(dir),
         [
             "log-0000000000000001.seg",
             "log-0000000000000002.seg",
+            MANIFEST,
             "snap-0000000000000001.snap"
         ]
     );
@@ -101,10 +113,6 @@ fn names(dir: &Path) -> Vec<String> {
 
 fn segment(dir: &Path, seq: u64) -> PathBuf {
     dir.join(format!("log-{seq:016}.seg"))
-}
-
-fn snapshot(dir: &Path) -> PathBuf {
-    dir.join("snap-0000000000000001.snap")
 }
 
 fn flip(path: &Path, offset: u64, bit: u8) {
@@ -125,6 +133,9 @@ enum Expect {
     Corrupt { file: PathBuf, offset: Option<u64> },
     /// Opened: the first `keep` records come back, and a torn tail was reported.
     Torn { keep: usize },
+    /// Opened: the first `keep` records come back, no torn tail reported (the
+    /// documented limit after a crash).
+    Clean { keep: usize },
 }
 
 fn check(dir: &Path, records: &[Vec<u8>], expect: &Expect, what: &str) {
@@ -154,6 +165,11 @@ fn check(dir: &Path, records: &[Vec<u8>], expect: &Expect, what: &str) {
                 "{what}: torn tail not reported"
             );
         }
+        (Ok((_, got)), Expect::Clean { keep }) => {
+            assert_eq!(got.snapshot.as_deref(), Some(&b"S"[..]), "{what}");
+            assert_eq!(got.records, records[..*keep], "{what}");
+            assert_eq!(got.truncated_tail_bytes, 0, "{what}");
+        }
         (Ok((_, got)), expect) => panic!(
             "{what}: expected {expect:?}, but it opened with {} records, {} torn bytes",
             got.records.len(),
@@ -172,182 +188,280 @@ fn copy_of(src: &Path) -> tempfile::TempDir {
     dst
 }
 
+/// Where segment `seq`'s records end (its seal starts there, if it has one).
+fn data_end(frames: &[Frame], seq: u64) -> u64 {
+    frames
+        .iter()
+        .filter(|f| f.seq == seq)
+        .map(|f| f.end)
+        .max()
+        .unwrap()
+}
+
+fn cut(path: &Path, len: u64) {
+    OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
+}
+
+fn zero(path: &Path, from: u64, to: u64) {
+    let f = OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all_at(&vec![0u8; (to - from) as usize], from)
+        .unwrap();
+}
+
 #[test]
-fn every_bit_flip_is_a_torn_tail_only_in_the_final_batch_and_corruption_elsewhere() {
-    let base = tempfile::tempdir().unwrap();
-    let (records, frames) = build(base.path());
-    let last_batch = frames.iter().map(|f| f.batch).max().unwrap();
-    let mut cases = 0;
-    for name in names(base.path()) {
-        let len = fs::metadata(base.path().join(&name)).unwrap().len();
-        for offset in 0..len {
-            // Two bits per byte: the lowest, and the one that holds the batch-start
-            // flag in a length word.
-            for bit in [0, 7] {
-                let dir = copy_of(base.path());
-                let path = dir.path().join(&name);
-                flip(&path, offset, bit);
-                let expect = if name.starts_with("snap-") {
-                    Expect::Corrupt {
+fn every_bit_flip_is_a_torn_tail_only_in_an_unmarked_final_batch_and_corruption_elsewhere() {
+    for closed in [true, false] {
+        let base = tempfile::tempdir().unwrap();
+        let (records, frames) = build(base.path(), closed);
+        let last_batch = frames.iter().map(|f| f.batch).max().unwrap();
+        let mut cases = 0;
+        for name in names(base.path()) {
+            let len = fs::metadata(base.path().join(&name)).unwrap().len();
+            for offset in 0..len {
+                // Two bits per byte: the lowest, and the one that holds the
+                // batch-start flag in a length word.
+                for bit in [0, 7] {
+                    let dir = copy_of(base.path());
+                    let path = dir.path().join(&name);
+                    flip(&path, offset, bit);
+                    let corrupt_at = |offset| Expect::Corrupt {
                         file: path.clone(),
-                        offset: Some(0),
-                    }
-                } else {
-                    let seq = if name == "log-0000000000000001.seg" {
-                        1
-                    } else {
-                        2
+                        offset: Some(offset),
                     };
-                    let data_end = frames
-                        .iter()
-                        .filter(|f| f.seq == seq)
-                        .map(|f| f.end)
-                        .max()
-                        .unwrap();
-                    let hit = frames
-                        .iter()
-                        .position(|f| f.seq == seq && f.start <= offset && offset < f.end);
-                    match hit {
-                        _ if offset < SEGMENT_HEADER => Expect::Corrupt {
-                            file: path.clone(),
-                            offset: Some(0),
-                        },
-                        // Garbage after the older segment's data: it had been synced.
-                        None if seq == 1 => Expect::Corrupt {
-                            file: path.clone(),
-                            offset: Some(data_end),
-                        },
-                        // Garbage after the newest segment's data: a torn write.
-                        None => Expect::Torn {
-                            keep: records.len(),
-                        },
-                        Some(i) if frames[i].seq == 2 && frames[i].batch == last_batch => {
-                            Expect::Torn { keep: i }
+                    let expect = if name.starts_with("snap-") || name == MANIFEST {
+                        corrupt_at(0)
+                    } else {
+                        let seq = if name == "log-0000000000000001.seg" {
+                            1
+                        } else {
+                            2
+                        };
+                        let end = data_end(&frames, seq);
+                        let hit = frames
+                            .iter()
+                            .position(|f| f.seq == seq && f.start <= offset && offset < f.end);
+                        match hit {
+                            _ if offset < SEGMENT_HEADER => corrupt_at(0),
+                            // The older segment's seal, then the zeros after it.
+                            None if seq == 1 && offset < end + SEAL => corrupt_at(end),
+                            None if seq == 1 => corrupt_at(end + SEAL),
+                            // Garbage after the newest segment's data: a torn write.
+                            None => Expect::Torn {
+                                keep: records.len(),
+                            },
+                            // In the final batch: torn, unless the manifest marks
+                            // that batch as durable (after a clean close).
+                            Some(i)
+                                if frames[i].seq == 2
+                                    && frames[i].batch == last_batch
+                                    && !closed =>
+                            {
+                                Expect::Torn { keep: i }
+                            }
+                            Some(i) => corrupt_at(frames[i].start),
                         }
-                        Some(i) => Expect::Corrupt {
-                            file: path.clone(),
-                            offset: Some(frames[i].start),
-                        },
-                    }
+                    };
+                    check(
+                        dir.path(),
+                        &records,
+                        &expect,
+                        &format!("closed={closed}: flip bit {bit} at {name}:{offset}"),
+                    );
+                    cases += 1;
+                }
+            }
+        }
+        assert!(cases > 1000, "{cases}");
+    }
+}
+
+#[test]
+fn every_truncation_of_the_snapshot_or_the_manifest_is_corruption() {
+    let base = tempfile::tempdir().unwrap();
+    let (records, _) = build(base.path(), true);
+    for name in ["snap-0000000000000001.snap", MANIFEST] {
+        let len = fs::metadata(base.path().join(name)).unwrap().len();
+        for at in 0..len {
+            let dir = copy_of(base.path());
+            let path = dir.path().join(name);
+            cut(&path, at);
+            let expect = Expect::Corrupt {
+                file: path,
+                offset: Some(0),
+            };
+            check(
+                dir.path(),
+                &records,
+                &expect,
+                &format!("{name} cut at {at}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn every_truncation_of_a_segment_is_corruption_even_at_a_record_boundary() {
+    for closed in [true, false] {
+        let base = tempfile::tempdir().unwrap();
+        let (records, _) = build(base.path(), closed);
+        for seq in [1, 2] {
+            let len = fs::metadata(segment(base.path(), seq)).unwrap().len();
+            for at in 0..len {
+                let dir = copy_of(base.path());
+                let path = segment(dir.path(), seq);
+                cut(&path, at);
+                // A header that is cut is bad at 0; after that, the file is
+                // shorter than the capacity its header records.
+                let offset = if at < SEGMENT_HEADER { 0 } else { at };
+                let expect = Expect::Corrupt {
+                    file: path,
+                    offset: Some(offset),
                 };
                 check(
                     dir.path(),
                     &records,
                     &expect,
-                    &format!("flip bit {bit} at {name}:{offset}"),
+                    &format!("closed={closed}: log-{seq} cut at {at}"),
                 );
-                cases += 1;
             }
         }
     }
-    assert!(cases > 1000, "{cases}");
 }
 
 #[test]
-fn every_truncation_of_the_snapshot_is_corruption() {
-    let base = tempfile::tempdir().unwrap();
-    let (records, _) = build(base.path());
-    let len = fs::metadata(snapshot(base.path())).unwrap().len();
-    for cut in 0..len {
-        let dir = copy_of(base.path());
-        let path = snapshot(dir.path());
-        OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(cut)
-            .unwrap();
-        let expect = Expect::Corrupt {
-            file: path,
-            offset: Some(0),
+fn zeroing_a_segment_from_a_record_boundary_to_its_end() {
+    for closed in [true, false] {
+        let base = tempfile::tempdir().unwrap();
+        let (records, frames) = build(base.path(), closed);
+        let boundaries = |seq| {
+            let mut v: Vec<u64> = frames
+                .iter()
+                .filter(|f| f.seq == seq)
+                .map(|f| f.start)
+                .collect();
+            v.push(data_end(&frames, seq));
+            v
         };
-        check(
-            dir.path(),
-            &records,
-            &expect,
-            &format!("snapshot cut at {cut}"),
-        );
-    }
-}
-
-#[test]
-fn truncating_the_newest_segment_inside_a_record_is_a_torn_tail_and_in_its_header_is_corruption() {
-    let base = tempfile::tempdir().unwrap();
-    let (records, frames) = build(base.path());
-    for cut in 0..frames.last().unwrap().end {
-        let inside = frames
-            .iter()
-            .position(|f| f.seq == 2 && f.start < cut && cut < f.end);
-        let expect = if cut < SEGMENT_HEADER {
-            Expect::Corrupt {
-                file: segment(base.path(), 2),
-                offset: Some(0),
-            }
-        } else if let Some(i) = inside {
-            // A partial record at the very end: what a crash mid-write leaves.
-            Expect::Torn { keep: i }
-        } else {
-            continue; // a record boundary: see the module docs
-        };
-        let dir = copy_of(base.path());
-        let path = segment(dir.path(), 2);
-        OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(cut)
-            .unwrap();
-        let expect = match expect {
-            Expect::Corrupt { offset, .. } => Expect::Corrupt { file: path, offset },
-            torn => torn,
-        };
-        check(
-            dir.path(),
-            &records,
-            &expect,
-            &format!("log-2 cut at {cut}"),
-        );
-    }
-}
-
-#[test]
-fn truncating_an_older_segment_inside_a_record_is_corruption() {
-    let base = tempfile::tempdir().unwrap();
-    let (records, frames) = build(base.path());
-    for cut in 0..frames
-        .iter()
-        .filter(|f| f.seq == 1)
-        .map(|f| f.end)
-        .max()
-        .unwrap()
-    {
-        let inside = frames
-            .iter()
-            .position(|f| f.seq == 1 && f.start < cut && cut < f.end);
-        let offset = if cut < SEGMENT_HEADER {
-            0
-        } else if let Some(i) = inside {
-            frames[i].start
-        } else {
-            continue; // a record boundary: see the module docs
-        };
+        // The older segment: the seal is always lost with the records, so it is
+        // refused where the records end (the next segment's header says where).
+        for from in boundaries(1) {
+            let dir = copy_of(base.path());
+            let path = segment(dir.path(), 1);
+            let len = fs::metadata(&path).unwrap().len();
+            zero(&path, from, len);
+            let expect = Expect::Corrupt {
+                file: path,
+                offset: Some(from),
+            };
+            check(
+                dir.path(),
+                &records,
+                &expect,
+                &format!("closed={closed}: log-1 zeroed from {from}"),
+            );
+        }
+        // Only the seal.
         let dir = copy_of(base.path());
         let path = segment(dir.path(), 1);
-        OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(cut)
-            .unwrap();
+        let end = data_end(&frames, 1);
+        zero(&path, end, end + SEAL);
         let expect = Expect::Corrupt {
             file: path,
-            offset: Some(offset),
+            offset: Some(end),
         };
-        check(
-            dir.path(),
-            &records,
-            &expect,
-            &format!("log-1 cut at {cut}"),
-        );
+        check(dir.path(), &records, &expect, "log-1 seal zeroed");
+
+        // The newest segment.
+        let end = data_end(&frames, 2);
+        for from in boundaries(2) {
+            let dir = copy_of(base.path());
+            let path = segment(dir.path(), 2);
+            let len = fs::metadata(&path).unwrap().len();
+            zero(&path, from, len);
+            let keep = frames
+                .iter()
+                .filter(|f| f.seq == 1 || f.end <= from)
+                .count();
+            let expect = if from == end {
+                Expect::Clean { keep }
+            } else if closed {
+                // The manifest says how far the data was durable at close.
+                Expect::Corrupt {
+                    file: path,
+                    offset: Some(from),
+                }
+            } else {
+                // The documented limit: after a crash, batches after the
+                // manifest's mark zeroed from a record boundary look unwritten.
+                Expect::Clean { keep }
+            };
+            check(
+                dir.path(),
+                &records,
+                &expect,
+                &format!("closed={closed}: log-2 zeroed from {from}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn deleting_files_is_corruption_unless_everything_is_gone() {
+    let log1 = "log-0000000000000001.seg";
+    let log2 = "log-0000000000000002.seg";
+    let snap = "snap-0000000000000001.snap";
+    // Each set of deleted files, and the file the error must name.
+    let cases: [(&[&str], &str); 9] = [
+        // The newest segment: the older one's seal names it.
+        (&[log2], log2),
+        (&[log1], log1),
+        // Without the snapshot, segment 0 comes first; it is gone.
+        (&[snap], "log-0000000000000000.seg"),
+        (&[MANIFEST], MANIFEST),
+        // The snapshot's own segment (it is created before the snapshot).
+        (&[log1, log2], log1),
+        // A wiped directory that kept its manifest: the newest segment recorded.
+        (&[log1, log2, snap], log2),
+        (&[log2, snap], "log-0000000000000000.seg"),
+        (&[MANIFEST, log1, log2], MANIFEST),
+        (&[MANIFEST, log2], MANIFEST),
+    ];
+    for closed in [true, false] {
+        let base = tempfile::tempdir().unwrap();
+        let (records, _) = build(base.path(), closed);
+        for (deleted, named) in cases {
+            let dir = copy_of(base.path());
+            for name in deleted {
+                fs::remove_file(dir.path().join(name)).unwrap();
+            }
+            let named = if !closed && deleted == [log1, log2, snap] {
+                // After a crash the manifest's mark is from the first open.
+                "log-0000000000000000.seg"
+            } else {
+                named
+            };
+            let expect = Expect::Corrupt {
+                file: dir.path().join(named),
+                offset: None,
+            };
+            check(
+                dir.path(),
+                &records,
+                &expect,
+                &format!("closed={closed}: deleted {deleted:?}"),
+            );
+        }
+        // Everything deleted: nothing is left to tell it from a new directory.
+        let dir = copy_of(base.path());
+        for name in names(dir.path()) {
+            fs::remove_file(dir.path().join(name)).unwrap();
+        }
+        let (_, got) = Log::open(dir.path(), opts()).unwrap();
+        assert!(got.snapshot.is_none() && got.records.is_empty());
     }
 }

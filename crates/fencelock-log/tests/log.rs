@@ -1,7 +1,11 @@
 //! Behaviour of `fencelock-log` through its public API, on real files in temp dirs.
 //!
 //! Tests that damage files compute offsets from the documented on-disk format:
-//! a 32-byte segment header, then records framed as `[len u32][crc u32][payload]`.
+//! a 56-byte segment header, then records framed as `[len u32][crc u32][payload]`,
+//! and a 32-byte seal at the end of every segment but the newest.
+//!
+//! A crashed process never runs `Log`'s `Drop`, which records the durable end in
+//! the manifest; tests of crash states use [`crash`] to drop the log that way.
 
 use std::fs::{self, OpenOptions};
 use std::os::unix::fs::{FileExt, MetadataExt};
@@ -12,8 +16,10 @@ use fencelock_log::{
     Recovered, MAX_RECORD_BYTES,
 };
 
-const SEGMENT_HEADER: u64 = 32;
+const SEGMENT_HEADER: u64 = 56;
 const RECORD_HEADER: u64 = 8;
+const SEAL: u64 = 32;
+const MANIFEST: &str = "log.manifest";
 
 fn opts(segment_bytes: u64) -> LogOptions {
     LogOptions {
@@ -34,6 +40,16 @@ fn rec(i: usize) -> Vec<u8> {
     let mut r = format!("record-{i:05}-").into_bytes();
     r.resize(r.len() + i % 37, b'a' + (i % 26) as u8);
     r
+}
+
+/// Drops `log` the way a crash would leave the directory: `Drop` records the
+/// durable end in the manifest, which a crashed process never does, so the
+/// manifest is put back as it was.
+fn crash(log: Log) {
+    let path = log.dir().join(MANIFEST);
+    let saved = fs::read(&path).unwrap();
+    drop(log);
+    fs::write(&path, saved).unwrap();
 }
 
 /// Appends `records` as one batch and syncs.
@@ -156,8 +172,9 @@ fn snapshot_returns_state_and_later_records_and_deletes_obsolete_files() {
     log.snapshot(b"state after 61 records").unwrap();
     assert_eq!(log.bytes_since_snapshot(), 0);
     let on_disk = files(dir.path());
-    assert_eq!(on_disk.len(), 2, "{on_disk:?}");
-    let snap_seq: u64 = on_disk[1]
+    assert_eq!(on_disk.len(), 3, "{on_disk:?}");
+    assert_eq!(on_disk[1], MANIFEST);
+    let snap_seq: u64 = on_disk[2]
         .strip_prefix("snap-")
         .unwrap()
         .strip_suffix(".snap")
@@ -194,40 +211,86 @@ fn snapshot_returns_state_and_later_records_and_deletes_obsolete_files() {
     log.snapshot(b"second").unwrap();
     drop(log);
     let on_disk = files(dir.path());
-    assert_eq!(on_disk.len(), 2, "{on_disk:?}");
+    assert_eq!(on_disk.len(), 3, "{on_disk:?}");
     let (_, recovered) = open(dir.path(), opts(512));
     assert_eq!(recovered.snapshot.as_deref(), Some(&b"second"[..]));
     assert!(recovered.records.is_empty());
 }
 
 #[test]
-fn crash_between_snapshot_rename_and_new_segment_recovers() {
+fn crash_during_a_roll_before_the_seal_recovers_and_seals() {
     let dir = tempfile::tempdir().unwrap();
     let (mut log, _) = open(dir.path(), opts(4096));
     write_batch(&mut log, &[rec(1), rec(2)]);
-    log.snapshot(b"state").unwrap();
-    drop(log);
-    // Simulate the crash window: the snapshot is in place, its segment is not,
-    // and leftover temp files from an interrupted creation lie around.
-    fs::remove_file(segment(dir.path(), 1)).unwrap();
+    let data_end = SEGMENT_HEADER + 2 * RECORD_HEADER + (rec(1).len() + rec(2).len()) as u64;
+    assert_eq!(log.start_segment().unwrap(), 1);
+    crash(log);
+    // The crash window of a roll: segment 1 exists (empty), segment 0's seal was
+    // not written yet; and leftover temp files from interrupted creations.
+    patch(&segment(dir.path(), 0), data_end, &[0u8; SEAL as usize]);
     fs::write(dir.path().join("log-0000000000000002.seg.tmp"), b"partial").unwrap();
     fs::write(
         dir.path().join("snap-0000000000000002.snap.tmp"),
         b"partial",
     )
     .unwrap();
+    fs::write(dir.path().join("log.manifest.tmp"), b"partial").unwrap();
 
     let (mut log, recovered) = open(dir.path(), opts(4096));
-    assert_eq!(recovered.snapshot.as_deref(), Some(&b"state"[..]));
-    assert!(recovered.records.is_empty());
+    assert_eq!(recovered.records, [rec(1), rec(2)]);
     assert_eq!(
         files(dir.path()),
-        ["log-0000000000000001.seg", "snap-0000000000000001.snap"]
+        [
+            "log-0000000000000000.seg",
+            "log-0000000000000001.seg",
+            MANIFEST
+        ]
+    );
+    let sealed = fs::read(segment(dir.path(), 0)).unwrap();
+    assert_ne!(
+        sealed[data_end as usize..(data_end + SEAL) as usize],
+        [0u8; SEAL as usize],
+        "open did not finish the roll by writing the seal"
     );
     write_batch(&mut log, &[rec(3)]);
     drop(log);
     let (_, recovered) = open(dir.path(), opts(4096));
-    assert_eq!(recovered.records, [rec(3)]);
+    assert_eq!(recovered.records, [rec(1), rec(2), rec(3)]);
+}
+
+#[test]
+fn in_the_crash_window_of_a_roll_a_lost_last_record_is_still_corruption() {
+    // Unsealed with an empty successor looks like the crash window, but the
+    // successor's header says where the records end.
+    let dir = tempfile::tempdir().unwrap();
+    let (mut log, _) = open(dir.path(), opts(4096));
+    write_batch(&mut log, &[rec(1), rec(2)]);
+    let second = SEGMENT_HEADER + RECORD_HEADER + rec(1).len() as u64;
+    let data_end = second + RECORD_HEADER + rec(2).len() as u64;
+    log.start_segment().unwrap();
+    crash(log);
+    let seg = segment(dir.path(), 0);
+    patch(
+        &seg,
+        second,
+        &vec![0u8; (data_end + SEAL - second) as usize],
+    );
+    let msg = check_corrupt(dir.path(), opts(4096), &seg, Some(second));
+    assert!(msg.contains("log-0000000000000001.seg"), "{msg}");
+}
+
+#[test]
+fn the_segment_after_a_snapshot_deleted_is_corruption() {
+    // Snapshots are written after their segment, so no crash leaves one without it.
+    let dir = tempfile::tempdir().unwrap();
+    let (mut log, _) = open(dir.path(), opts(4096));
+    write_batch(&mut log, &[rec(1), rec(2)]);
+    log.snapshot(b"state").unwrap();
+    write_batch(&mut log, &[rec(3)]);
+    drop(log);
+    fs::remove_file(segment(dir.path(), 1)).unwrap();
+    let msg = check_corrupt(dir.path(), opts(4096), &segment(dir.path(), 1), None);
+    assert!(msg.contains("missing"), "{msg}");
 }
 
 #[test]
@@ -237,7 +300,7 @@ fn torn_tail_garbled_last_record_is_discarded_and_overwritten() {
     let (mut log, _) = open(dir.path(), opts(64 << 10));
     write_batch(&mut log, &records[..6]);
     write_batch(&mut log, &records[6..]);
-    drop(log);
+    crash(log);
 
     let offsets = record_offsets(&records);
     let last = offsets[9];
@@ -263,26 +326,25 @@ fn torn_tail_garbled_last_record_is_discarded_and_overwritten() {
 }
 
 #[test]
-fn torn_tail_truncated_file_is_discarded_and_appends_continue() {
+fn torn_tail_partial_record_is_discarded_and_appends_continue() {
     let dir = tempfile::tempdir().unwrap();
     let records: Vec<Vec<u8>> = (0..8).map(rec).collect();
     let (mut log, _) = open(dir.path(), opts(64 << 10));
     write_batch(&mut log, &records);
-    drop(log);
+    crash(log);
 
+    // Only the header and 3 payload bytes of the last record reached the disk.
     let offsets = record_offsets(&records);
-    let cut = offsets[7] + RECORD_HEADER + 3; // header and 3 payload bytes survive
-    OpenOptions::new()
-        .write(true)
-        .open(segment(dir.path(), 0))
-        .unwrap()
-        .set_len(cut)
-        .unwrap();
+    let cut = offsets[7] + RECORD_HEADER + 3;
+    patch(
+        &segment(dir.path(), 0),
+        cut,
+        &vec![0u8; records[7].len() - 3],
+    );
 
     let (mut log, recovered) = open(dir.path(), opts(64 << 10));
     assert_eq!(recovered.records, records[..7]);
     assert_eq!(recovered.truncated_tail_bytes, RECORD_HEADER + 3);
-    // The shortened segment is full after one more small record; appends roll on.
     let more: Vec<Vec<u8>> = (100..104).map(rec).collect();
     write_batch(&mut log, &more);
     drop(log);
@@ -293,6 +355,28 @@ fn torn_tail_truncated_file_is_discarded_and_appends_continue() {
 }
 
 #[test]
+fn truncating_the_newest_segment_is_corruption_even_inside_a_record() {
+    // Preallocated segments never get shorter in a crash, so a short file was cut.
+    let records: Vec<Vec<u8>> = (0..8).map(rec).collect();
+    let offsets = record_offsets(&records);
+    for cut in [offsets[7], offsets[7] + RECORD_HEADER + 3, 4096] {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut log, _) = open(dir.path(), opts(64 << 10));
+        write_batch(&mut log, &records);
+        crash(log);
+        let seg = segment(dir.path(), 0);
+        OpenOptions::new()
+            .write(true)
+            .open(&seg)
+            .unwrap()
+            .set_len(cut)
+            .unwrap();
+        let msg = check_corrupt(dir.path(), opts(64 << 10), &seg, Some(cut));
+        assert!(msg.contains("truncated"), "{msg}");
+    }
+}
+
+#[test]
 fn torn_write_that_lost_a_sector_inside_the_final_batch_is_a_torn_tail() {
     let dir = tempfile::tempdir().unwrap();
     let first = vec![rec(0), rec(1)];
@@ -300,7 +384,7 @@ fn torn_write_that_lost_a_sector_inside_the_final_batch_is_a_torn_tail() {
     let (mut log, _) = open(dir.path(), opts(64 << 10));
     write_batch(&mut log, &first);
     write_batch(&mut log, &last);
-    drop(log);
+    crash(log);
 
     // Writeback persisted the end of the last batch but lost a sector in its middle.
     let offsets = record_offsets(&[first.clone(), last.clone()].concat());
@@ -363,15 +447,15 @@ fn lost_sector_in_a_batch_followed_by_a_later_batch_is_corruption() {
 }
 
 #[test]
-fn flipped_byte_in_final_batch_is_indistinguishable_from_a_torn_tail() {
-    // Documented limit: nothing after the final batch proves its fdatasync
-    // completed, so damage inside it is handled like a torn write.
+fn after_a_crash_a_flipped_byte_in_the_final_batch_is_indistinguishable_from_a_torn_tail() {
+    // Documented limit: after a crash, nothing after the final batch proves its
+    // fdatasync completed, so damage inside it is handled like a torn write.
     let dir = tempfile::tempdir().unwrap();
     let records: Vec<Vec<u8>> = (0..10).map(rec).collect();
     let (mut log, _) = open(dir.path(), opts(64 << 10));
     write_batch(&mut log, &records[..4]);
     write_batch(&mut log, &records[4..]);
-    drop(log);
+    crash(log);
 
     let offsets = record_offsets(&records);
     flip_byte(&segment(dir.path(), 0), offsets[6] + RECORD_HEADER);
@@ -379,6 +463,36 @@ fn flipped_byte_in_final_batch_is_indistinguishable_from_a_torn_tail() {
     assert_eq!(recovered.records, records[..6]);
     let end = offsets[9] + RECORD_HEADER + records[9].len() as u64;
     assert_eq!(recovered.truncated_tail_bytes, end - offsets[6]);
+}
+
+#[test]
+fn after_a_clean_close_damage_in_the_final_batch_is_corruption() {
+    // The manifest records the durable end at close, so the final batch is known
+    // to have been synced: a flipped byte, or the batch zeroed from a record
+    // boundary to the end, is refused, not dropped as a torn tail.
+    let records: Vec<Vec<u8>> = (0..10).map(rec).collect();
+    let offsets = record_offsets(&records);
+    let end = offsets[9] + RECORD_HEADER + records[9].len() as u64;
+    type Damage = fn(&Path, &[u64], u64);
+    let damage: [(&str, Damage); 2] = [
+        ("flip", |seg, offsets, _| {
+            flip_byte(seg, offsets[6] + RECORD_HEADER)
+        }),
+        ("zeroed at a record boundary", |seg, offsets, end| {
+            patch(seg, offsets[6], &vec![0u8; (end - offsets[6]) as usize])
+        }),
+    ];
+    for (what, damage) in damage {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut log, _) = open(dir.path(), opts(64 << 10));
+        write_batch(&mut log, &records[..4]);
+        write_batch(&mut log, &records[4..]);
+        drop(log);
+        let seg = segment(dir.path(), 0);
+        damage(&seg, &offsets, end);
+        let msg = check_corrupt(dir.path(), opts(64 << 10), &seg, Some(offsets[6]));
+        assert!(msg.contains("manifest"), "{what}: {msg}");
+    }
 }
 
 #[test]
@@ -395,7 +509,7 @@ fn damage_in_an_older_segment_is_corruption() {
     let mut off = SEGMENT_HEADER;
     let mut last = off;
     for r in &records {
-        if off + RECORD_HEADER + r.len() as u64 > 256 {
+        if off + RECORD_HEADER + r.len() as u64 > 256 - SEAL {
             break;
         }
         last = off;
@@ -520,7 +634,10 @@ fn record_larger_than_a_segment_gets_its_own_bigger_segment() {
         [rec(1), big.clone(), rec(2), vec![], big.clone()]
     );
     let len = fs::metadata(segment(dir.path(), 1)).unwrap().len();
-    assert_eq!(len, SEGMENT_HEADER + RECORD_HEADER + big.len() as u64);
+    assert_eq!(
+        len,
+        SEGMENT_HEADER + RECORD_HEADER + big.len() as u64 + SEAL
+    );
 }
 
 #[test]
@@ -680,7 +797,7 @@ fn check_crash(seed: u64) {
     let durable = fs::read(&seg).unwrap();
     let torn: Vec<Vec<u8>> = (0..1 + rng.below(8)).map(|_| rng.record()).collect();
     write_batch(&mut log, &torn);
-    drop(log);
+    crash(log);
     let written = fs::read(&seg).unwrap();
 
     let mut image = durable.clone();

@@ -771,7 +771,7 @@ mod tests {
             .find(|p| p.extension().is_some_and(|x| x == "seg"))
             .unwrap();
         let mut bytes = std::fs::read(&seg).unwrap();
-        bytes[32 + 8 + 3] ^= 0xff; // inside the first record's payload
+        bytes[56 + 8 + 3] ^= 0xff; // inside the first record's payload (56-byte header)
         std::fs::write(&seg, bytes).unwrap();
         let err = AuditStore::open(dir.path(), AuditConfig::default(), true)
             .err()
