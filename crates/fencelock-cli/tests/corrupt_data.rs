@@ -215,16 +215,21 @@ fn segment(dir: &Path, seq: u64) -> PathBuf {
     dir.join(format!("log-{seq:016}.seg"))
 }
 
-#[test]
-fn a_flipped_bit_in_a_synced_record_stops_serve_naming_file_and_offset() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = start(dir.path(), None);
-    // Each acquire is its own batch, so the first record has later batches.
+/// Three acquires through a real server on `dir`, each its own batch (so the first
+/// record has later batches), then a clean stop; the segment they are in.
+fn three_batches(dir: &Path) -> PathBuf {
+    let server = start(dir, None);
     for name in ["a", "b", "c"] {
         assert_eq!(server.acquire(name), 200);
     }
     server.stop();
-    let seg = segment(dir.path(), 0);
+    segment(dir, 0)
+}
+
+#[test]
+fn a_flipped_bit_in_a_synced_record_stops_serve_naming_file_and_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let seg = three_batches(dir.path());
     flip(&seg, SEGMENT_HEADER + 8 + 1); // the payload of the first record
     check_refused(
         dir.path(),
@@ -340,12 +345,7 @@ fn a_damaged_audit_log_stops_serve() {
 #[test]
 fn the_newest_segment_cut_at_a_record_boundary_stops_serve() {
     let dir = tempfile::tempdir().unwrap();
-    let server = start(dir.path(), None);
-    for name in ["a", "b", "c"] {
-        assert_eq!(server.acquire(name), 200);
-    }
-    server.stop();
-    let seg = segment(dir.path(), 0);
+    let seg = three_batches(dir.path());
     let bounds = boundaries(&std::fs::read(&seg).unwrap());
     // At the end of the data (what a version 1 log took for a clean end), and
     // before the last record (which version 1 lost without a word).
