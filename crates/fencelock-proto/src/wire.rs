@@ -301,6 +301,11 @@ impl<M: Message> EncodeTo for M {
 }
 
 /// Appends the frame of request `id` to `out`.
+///
+/// # Panics
+/// If the encoded message exceeds 4 GiB (the length field's range). The client
+/// library bounds every field long before that; a peer refuses anything above
+/// [`MAX_FRAME_BYTES`] anyway.
 pub fn encode_request(out: &mut Vec<u8>, id: u64, request: &Request) {
     match request {
         Request::Hello(m) => encode(out, Op::Hello, id, Some(m)),
@@ -313,6 +318,9 @@ pub fn encode_request(out: &mut Vec<u8>, id: u64, request: &Request) {
 }
 
 /// Appends the frame answering request `id` to `out`.
+///
+/// # Panics
+/// If the encoded message exceeds 4 GiB, as [`encode_request`].
 pub fn encode_response(out: &mut Vec<u8>, id: u64, response: &Response) {
     match response {
         Response::Welcome => encode(out, Op::Welcome, id, None),

@@ -345,7 +345,7 @@ async fn serve(
     graceful.shutdown().await;
     // Wire connections answer what they have in flight, then close; give them as
     // long as HTTP connections had.
-    let closed = connections.acquire_many(max_connections as u32);
+    let closed = connections.acquire_many(u32::try_from(max_connections).unwrap_or(u32::MAX));
     let _ = tokio::time::timeout(Duration::from_secs(10), closed).await;
     Ok(())
 }

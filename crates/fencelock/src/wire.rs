@@ -186,12 +186,12 @@ impl WireClient {
                 self.shared.addr, self.shared.connect_timeout
             ))
         })??;
-        *self.shared.conn.lock().expect("connection slot poisoned") = Some(tx.clone());
+        *lock_slot(&self.shared.conn) = Some(tx.clone());
         Ok(tx)
     }
 
     fn current(&self) -> Option<mpsc::UnboundedSender<Out>> {
-        let conn = self.shared.conn.lock().expect("connection slot poisoned");
+        let conn = lock_slot(&self.shared.conn);
         conn.as_ref().filter(|tx| !tx.is_closed()).cloned()
     }
 
@@ -293,6 +293,15 @@ pub(crate) fn tls_connector(
         .with_root_certificates(roots)
         .with_no_client_auth();
     Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+}
+
+/// The connection slot. Its critical sections only clone or replace a sender and
+/// cannot panic, so a poisoned lock still holds a consistent value.
+fn lock_slot(
+    slot: &Mutex<Option<mpsc::UnboundedSender<Out>>>,
+) -> std::sync::MutexGuard<'_, Option<mpsc::UnboundedSender<Out>>> {
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Reads one whole response frame during the handshake (bytes after it stay in
