@@ -224,10 +224,21 @@ impl AuditEntry {
     }
 
     /// Encoded size, used for the retention bound.
+    /// The size [`Self::encode`] writes, computed without encoding (the writer
+    /// thread sizes every entry it indexes, on the commit path).
     fn encoded_len(&self) -> u64 {
-        let mut e = Enc::default();
-        self.encode(&mut e);
-        e.0.len() as u64
+        let opt_str = |v: &Option<String>| v.as_ref().map_or(1, |s| 1 + 4 + s.len());
+        let fence = if self.fence.is_some() { 1 + 8 } else { 1 };
+        // seq, index, wall_ms, kind, fence, duration_ms
+        let fixed = 8 + 4 + 8 + 1 + fence + 8;
+        let strings = opt_str(&self.lock)
+            + opt_str(&self.owner)
+            + opt_str(&self.session)
+            + opt_str(&self.request_id)
+            + opt_str(&self.actor)
+            + opt_str(&self.reason)
+            + opt_str(&self.detail);
+        (fixed + strings) as u64
     }
 }
 
@@ -356,6 +367,7 @@ impl AuditIndex {
         }
     }
 
+    #[cfg(test)]
     fn push(&mut self, entry: AuditEntry, now_wall_ms: u64) {
         let len = entry.encoded_len();
         self.push_sized(entry, len, now_wall_ms);
@@ -568,32 +580,41 @@ impl AuditStore {
         if entries.is_empty() {
             return Ok(());
         }
-        let mut chunk = Enc::default();
+        // One record per chunk: version, entry count (patched in), entries. Each
+        // entry is encoded once; its size for the index comes from the encoding.
+        const HEADER: usize = 1 + 4;
+        let mut rec = Enc(Vec::with_capacity(HEADER + 160 * entries.len().min(4096)));
         let mut count = 0u32;
-        let flush = |log: &mut Log, chunk: &mut Enc, count: &mut u32| {
-            let mut rec = Enc::default();
+        let start = |rec: &mut Enc| {
+            rec.0.clear();
             rec.u8(AUDIT_RECORD_VERSION);
-            rec.u32(*count);
-            rec.0.extend_from_slice(&chunk.0);
-            chunk.0.clear();
+            rec.u32(0);
+        };
+        let flush = |log: &mut Log, rec: &mut Enc, count: &mut u32| {
+            rec.0[1..HEADER].copy_from_slice(&count.to_le_bytes());
             *count = 0;
             log.append(&rec.0)
         };
+        let mut sizes = Vec::with_capacity(entries.len());
+        start(&mut rec);
         for entry in &entries {
-            entry.encode(&mut chunk);
+            let before = rec.0.len();
+            entry.encode(&mut rec);
+            sizes.push((rec.0.len() - before) as u64);
             count += 1;
-            if chunk.0.len() >= MAX_CHUNK_BYTES {
-                flush(&mut self.log, &mut chunk, &mut count)?;
+            if rec.0.len() - HEADER >= MAX_CHUNK_BYTES {
+                flush(&mut self.log, &mut rec, &mut count)?;
+                start(&mut rec);
             }
         }
         if count > 0 {
-            flush(&mut self.log, &mut chunk, &mut count)?;
+            flush(&mut self.log, &mut rec, &mut count)?;
         }
         let now = wall_ms();
         let retained = {
             let mut index = self.index();
-            for entry in entries {
-                index.push(entry, now);
+            for (entry, len) in entries.into_iter().zip(sizes) {
+                index.push_sized(entry, len, now);
             }
             index.bytes
         };
@@ -679,6 +700,26 @@ mod tests {
                 ("a".to_owned(), Some(2))
             ]
         );
+    }
+
+    #[test]
+    fn encoded_len_is_the_size_encode_writes() {
+        let bare = AuditEntry::new(&RecordMeta::default(), AuditKind::Release);
+        let mut full = entry(7, 3, 1_700_000_000_000, "inventory:item:1234");
+        full.owner = Some("host-a/42".to_owned());
+        full.session = Some("0123456789abcdef0123456789abcdef".to_owned());
+        full.request_id = Some("req-1".to_owned());
+        full.actor = Some("ops".to_owned());
+        full.reason = Some("stuck".to_owned());
+        full.duration_ms = 12;
+        full.detail = Some("ü".to_owned());
+        let mut no_fence = full.clone();
+        no_fence.fence = None;
+        for e in [bare, full, no_fence] {
+            let mut enc = Enc::default();
+            e.encode(&mut enc);
+            assert_eq!(e.encoded_len(), enc.0.len() as u64, "{e:?}");
+        }
     }
 
     #[test]

@@ -129,6 +129,10 @@ pub(crate) async fn serve_connection<I>(
     };
     let mut input: Vec<u8> = Vec::with_capacity(4096);
     let mut heard = Instant::now();
+    // Armed once and moved only when it fires: re-arming it for every read cost a
+    // timer-wheel update per request.
+    let idle = tokio::time::sleep(IDLE_TIMEOUT);
+    tokio::pin!(idle);
     loop {
         if !conn.out.is_empty() {
             if write(&mut wr, &conn.out).await.is_err() {
@@ -164,9 +168,12 @@ pub(crate) async fn serve_connection<I>(
                 let used = conn.frames(&input);
                 input.drain(..used);
             }
-            _ = tokio::time::sleep_until(heard + IDLE_TIMEOUT), if conn.reading => {
-                tracing::debug!("closed a wire connection idle for {IDLE_TIMEOUT:?}");
-                return;
+            () = &mut idle, if conn.reading => {
+                if heard.elapsed() >= IDLE_TIMEOUT {
+                    tracing::debug!("closed a wire connection idle for {IDLE_TIMEOUT:?}");
+                    return;
+                }
+                idle.as_mut().reset(heard + IDLE_TIMEOUT);
             }
             _ = stopping.changed(), if conn.reading => conn.reading = false,
         }
