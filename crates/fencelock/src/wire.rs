@@ -334,6 +334,10 @@ where
     let mut calls = Calls::default();
     let mut out: Vec<u8> = Vec::with_capacity(4096);
     let mut sent = Instant::now();
+    // Armed once and moved only when it fires: re-arming it for every write cost a
+    // timer-wheel update per request.
+    let ping = tokio::time::sleep(PING_INTERVAL);
+    tokio::pin!(ping);
     let failure = loop {
         if !out.is_empty() {
             if let Err(e) = write(&mut wr, &out).await {
@@ -364,8 +368,12 @@ where
                     Err(e) => break e,
                 }
             }
-            _ = tokio::time::sleep_until(sent + PING_INTERVAL) => {
-                wire::encode_request(&mut out, 0, &Request::Ping);
+            () = &mut ping => {
+                if sent.elapsed() >= PING_INTERVAL {
+                    wire::encode_request(&mut out, 0, &Request::Ping);
+                    sent = Instant::now();
+                }
+                ping.as_mut().reset(sent + PING_INTERVAL);
             }
         }
     };
