@@ -77,6 +77,9 @@ pub struct SessionsOutcome {
     pub keepalives_per_s: f64,
     /// The longest time a session went unrenewed (it expires past `ttl`).
     pub max_renew_gap_s: f64,
+    /// Keep-alive round trips during the hold (send to answer, µs): how long a
+    /// renewal waits on a node carrying every session's keep-alives.
+    pub keepalive_latency: Percentiles,
     /// Server CPU during the hold, in cores (1.0 = one core busy).
     pub server_cpu_cores: f64,
     /// Server RSS at the end.
@@ -103,6 +106,9 @@ pub async fn sessions(url: &str, pid: u32, spec: &SessionsSpec) -> anyhow::Resul
     let lost = Arc::new(AtomicU64::new(0));
     let opened = Arc::new(AtomicU64::new(0));
     let max_gap_us = Arc::new(AtomicU64::new(0));
+    // Keep-alive round trips, recorded only while `holding` (after the ramp).
+    let holding = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let latencies = Arc::new(std::sync::Mutex::new(Vec::<u32>::new()));
     let interval = spec.ttl / 2;
     let mut keepers = Vec::new();
     for i in 0..STREAMS {
@@ -115,6 +121,7 @@ pub async fn sessions(url: &str, pid: u32, spec: &SessionsSpec) -> anyhow::Resul
             opened.clone(),
             max_gap_us.clone(),
         );
+        let (holding, latencies) = (holding.clone(), latencies.clone());
         keepers.push(tokio::spawn(async move {
             let mut due: std::collections::VecDeque<(Instant, String)> =
                 std::collections::VecDeque::with_capacity(n);
@@ -136,7 +143,12 @@ pub async fn sessions(url: &str, pid: u32, spec: &SessionsSpec) -> anyhow::Resul
                             session: session.clone(),
                         })
                         .await?;
-                        match responses.message().await {
+                        let reply = responses.message().await;
+                        if holding.load(Ordering::Relaxed) {
+                            let us = now.elapsed().as_micros().min(u128::from(u32::MAX)) as u32;
+                            latencies.lock().unwrap_or_else(|p| p.into_inner()).push(us);
+                        }
+                        match reply {
                             Ok(Some(_)) => {
                                 answered.fetch_add(1, Ordering::Relaxed);
                                 due.push_back((now, session));
@@ -211,6 +223,7 @@ pub async fn sessions(url: &str, pid: u32, spec: &SessionsSpec) -> anyhow::Resul
     }
     let cpu0 = cpu_seconds(pid)?;
     let answered0 = answered.load(Ordering::Relaxed);
+    holding.store(true, Ordering::Relaxed);
     let hold_start = Instant::now();
     let hold_end = hold_start + spec.hold.max(spec.ttl + Duration::from_secs(2));
     let mut late_us = Vec::new();
@@ -233,6 +246,10 @@ pub async fn sessions(url: &str, pid: u32, spec: &SessionsSpec) -> anyhow::Resul
     let held_s = hold_start.elapsed().as_secs_f64();
     let cpu = cpu_seconds(pid)? - cpu0;
     let answered_in_hold = answered.load(Ordering::Relaxed) - answered0;
+    holding.store(false, Ordering::Relaxed);
+    let keepalive_latency = Percentiles::of(std::mem::take(
+        &mut *latencies.lock().unwrap_or_else(|p| p.into_inner()),
+    ));
     stop.notify_waiters();
     for keeper in keepers {
         keeper.abort();
@@ -243,6 +260,7 @@ pub async fn sessions(url: &str, pid: u32, spec: &SessionsSpec) -> anyhow::Resul
         lost: lost.load(Ordering::Relaxed),
         keepalives_per_s: answered_in_hold as f64 / held_s,
         max_renew_gap_s: max_gap_us.load(Ordering::Relaxed) as f64 / 1e6,
+        keepalive_latency,
         server_cpu_cores: cpu / held_s,
         server_rss_mib: rss_mib(pid)?,
         expiry_missing: due.len() as u64,

@@ -435,6 +435,8 @@ async fn run(args: RunArgs) -> anyhow::Result<bool> {
             "sessions": spec.sessions, "ttl_ms": spec.ttl.as_millis() as u64,
             "opened": o.opened, "open_per_s": o.open_per_s, "lost": o.lost,
             "keepalives_per_s": o.keepalives_per_s, "max_renew_gap_s": o.max_renew_gap_s,
+            "keepalive_p50_us": o.keepalive_latency.p50_us, "keepalive_p99_us": o.keepalive_latency.p99_us,
+            "keepalive_max_us": o.keepalive_latency.max_us,
             "server_cpu_cores": o.server_cpu_cores, "server_rss_mib": o.server_rss_mib,
             "expiry_late_p50_ms": o.expiry_late_ms.p50_us, "expiry_late_p99_ms": o.expiry_late_ms.p99_us,
             "expiry_late_max_ms": o.expiry_late_ms.max_us, "expiry_missing": o.expiry_missing,

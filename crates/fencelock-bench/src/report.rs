@@ -50,6 +50,11 @@ fn fmt_num(v: f64) -> String {
     }
 }
 
+/// An integer figure, or a dash where the run predates it.
+fn opt(v: &Value) -> String {
+    v.as_u64().map_or_else(|| "–".to_owned(), |x| x.to_string())
+}
+
 fn targets_in_tier(runs: &[Value], tier: &str) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for r in runs {
@@ -266,11 +271,14 @@ pub fn markdown(runs: &[Value]) -> String {
     if let Some(r) = runs.iter().find(|r| r["workload"] == "W4") {
         let _ = write!(
             out,
-            "\n### W4: sessions on one fencelock node\n\n| sessions | TTL | lost | keep-alives/s | longest unrenewed | server CPU | server RSS | expiry lateness p50 / p99 / max | expiries missed |\n|---|---|---|---|---|---|---|---|---|\n| {} | {} ms | {} | {:.0} | {:.2} s | {:.2} cores | {:.0} MiB | {} / {} / {} ms | {} |\n",
+            "\n### W4: sessions on one fencelock node\n\n| sessions | TTL | lost | keep-alives/s | keep-alive p50 / p99 / max | longest unrenewed | server CPU | server RSS | expiry lateness p50 / p99 / max | expiries missed |\n|---|---|---|---|---|---|---|---|---|---|\n| {} | {} ms | {} | {:.0} | {} / {} / {} µs | {:.2} s | {:.2} cores | {:.0} MiB | {} / {} / {} ms | {} |\n",
             r["opened"],
             r["ttl_ms"],
             r["lost"],
             r["keepalives_per_s"].as_f64().unwrap_or(0.0),
+            opt(&r["keepalive_p50_us"]),
+            opt(&r["keepalive_p99_us"]),
+            opt(&r["keepalive_max_us"]),
             r["max_renew_gap_s"].as_f64().unwrap_or(0.0),
             r["server_cpu_cores"].as_f64().unwrap_or(0.0),
             r["server_rss_mib"].as_f64().unwrap_or(0.0),
@@ -394,6 +402,29 @@ mod tests {
         );
         assert!(md.contains("| W2 durable ≥ ½ Redis without fsync | 0.40× (40000 vs 100000 pairs/s, c=64) | **no** |"), "{md}");
         assert!(md.contains("| etcd | 1 | 0 | 3 |"), "{md}");
+    }
+
+    #[test]
+    fn w4_row_shows_keepalive_latency_or_a_dash_for_older_runs() {
+        let w4 = |extra: Value| {
+            let mut r = json!({"workload": "W4", "opened": 100000, "ttl_ms": 10000, "lost": 0,
+                "keepalives_per_s": 20000.0, "max_renew_gap_s": 5.1, "server_cpu_cores": 0.9,
+                "server_rss_mib": 68.0, "expiry_late_p50_ms": 0, "expiry_late_p99_ms": 2,
+                "expiry_late_max_ms": 3, "expiry_missing": 0});
+            for (k, v) in extra.as_object().expect("object") {
+                r[k] = v.clone();
+            }
+            markdown(&[r])
+        };
+        let md = w4(
+            json!({"keepalive_p50_us": 900, "keepalive_p99_us": 4100, "keepalive_max_us": 9000}),
+        );
+        assert!(
+            md.contains("| 100000 | 10000 ms | 0 | 20000 | 900 / 4100 / 9000 µs | 5.10 s |"),
+            "{md}"
+        );
+        let md = w4(json!({}));
+        assert!(md.contains("| 20000 | – / – / – µs | 5.10 s |"), "{md}");
     }
 
     #[test]
