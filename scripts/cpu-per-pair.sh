@@ -9,7 +9,7 @@ t=${1:-fencelock}
 out=/tmp/cpp-$t; rm -rf $out
 target/release/fencelock-bench run --fencelock-bin ${FLBIN:-target/release/fencelock} --out $out --targets $t --workloads w2 --seconds 6 --warmup 1 > $out.log 2>&1 &
 sleep 3
-b=$(pgrep -x fencelock-bench | head -1); s=$(pgrep -f "fencelock serve" | head -1)
+b=$(pgrep -x fencelock-bench | head -1); s=$(pgrep -f " serve --listen " | head -1)
 tick=$(getconf CLK_TCK)
 cpu() { awk '{print $14+$15}' /proc/$1/stat 2>/dev/null || echo 0; }
 b0=$(cpu $b); s0=$(cpu $s); sleep 4; b1=$(cpu $b); s1=$(cpu $s)

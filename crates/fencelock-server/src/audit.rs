@@ -223,9 +223,9 @@ impl AuditEntry {
         })
     }
 
-    /// Encoded size, used for the retention bound.
-    /// The size [`Self::encode`] writes, computed without encoding (the writer
-    /// thread sizes every entry it indexes, on the commit path).
+    /// Encoded size, used for the retention bound: what [`Self::encode`] writes,
+    /// computed without encoding (the writer thread sizes every entry it indexes, on
+    /// the commit path).
     fn encoded_len(&self) -> u64 {
         let opt_str = |v: &Option<String>| v.as_ref().map_or(1, |s| 1 + 4 + s.len());
         let fence = if self.fence.is_some() { 1 + 8 } else { 1 };
