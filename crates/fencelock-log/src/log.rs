@@ -358,6 +358,16 @@ impl Log {
         Ok(())
     }
 
+    /// Writes all buffered records to the active segment without fdatasync: from
+    /// here they survive a crash of this process (they are in the kernel's page
+    /// cache, and [`open`](Self::open) reads them back), but not a crash of the
+    /// machine until [`sync`](Self::sync) returns. Any I/O failure poisons the log.
+    pub fn write(&mut self) -> Result<(), LogError> {
+        self.check_usable()?;
+        let result = self.write_pending();
+        self.poison_on_error(result)
+    }
+
     /// Writes all buffered records and makes them durable with one fdatasync of the
     /// active segment. If the segment fills up, its part of the batch is fdatasynced
     /// first, then a new preallocated segment is created (and the directory fsynced)
