@@ -178,6 +178,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
     };
     init_logging(settings.log_format, &settings.log_level)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(settings.workers)
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
