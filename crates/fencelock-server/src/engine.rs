@@ -773,8 +773,11 @@ impl EngineTask {
     /// involved, and everything that depends on the release — the grant it hands
     /// to the next waiter, its watch event, its audit entry, another client's
     /// acquire or read — comes later in the log and still waits for the fdatasync
-    /// that covers it. Refusals (`not_held`) reflect others' changes and wait like
-    /// every other reply; so do operators' forced releases.
+    /// that covers it. The other side of that: watchers see the release's event, and
+    /// audit queries and backups its entry and its state, only once that fdatasync
+    /// completes, a little after the holder heard "released". Refusals (`not_held`)
+    /// reflect others' changes and wait like every other reply; so do operators'
+    /// forced releases.
     fn release(&mut self, command: Command, reply: oneshot::Sender<Result<Reply, CoreError>>) {
         let result = self.apply_logged(command, None);
         self.route_outcomes();
@@ -1470,7 +1473,8 @@ impl Handle {
     }
 
     /// A consistent snapshot of the whole durable state (for `fencelock backup`). It
-    /// includes every change acknowledged before the call, and is taken from the
+    /// includes every change acknowledged before the call (a release once its
+    /// fdatasync, which follows its answer, has completed), and is taken from the
     /// replica, so the engine does not pause for it.
     pub async fn snapshot(&self) -> Result<Vec<u8>, ApiError> {
         let (tx, rx) = oneshot::channel();
@@ -1489,7 +1493,8 @@ impl Handle {
 
     /// Audit entries matching `query`, newest last. Every change acknowledged
     /// before the call is included (entries are durable and indexed before the
-    /// change is acknowledged), unless retention has dropped it.
+    /// change is acknowledged; a release's once the fdatasync that follows its early
+    /// answer completes, see `EngineTask::release`), unless retention has dropped it.
     pub fn audit(&self, query: &AuditQuery) -> Vec<AuditEntry> {
         self.shared
             .audit
