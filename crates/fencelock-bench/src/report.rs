@@ -432,9 +432,7 @@ mod tests {
 
     #[test]
     fn w1_budget_is_redis_plus_one_of_the_two_fsyncs_of_its_pair() {
-        let w1 = |target: &str, tier: &str, p50: u64| {
-            json!({"target": target, "tier": tier, "workload": "W1", "clients": 1, "pair_p50_us": p50})
-        };
+        let w1 = |target: &str, tier: &str, p50: u64| json!({"target": target, "tier": tier, "workload": "W1", "clients": 1, "pair_p50_us": p50});
         let md = |ours: u64| {
             markdown(&[
                 w1("fencelock", "fsync", ours),
