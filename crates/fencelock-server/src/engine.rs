@@ -1022,6 +1022,14 @@ struct Group {
 /// release's event and audit entry appear.
 const HOLD_UNANSWERED_GROUP: Duration = Duration::from_millis(1);
 
+/// Whether the writer may hold `group`, held for `held_for` so far, back for the next
+/// batch's fdatasync: only if it has records to sync, nobody's reply waits for it,
+/// and it has not been held for [`HOLD_UNANSWERED_GROUP`] already (a stream of lone
+/// releases must not keep their events and audit entries back forever).
+fn may_hold(group: &Group, held_for: Duration) -> bool {
+    !group.durable.is_empty() && group.deliveries.is_empty() && held_for < HOLD_UNANSWERED_GROUP
+}
+
 /// The writer thread: appends batches, syncs once per group, feeds the replica,
 /// runs deliveries, and cuts the log for snapshots.
 struct Writer {
@@ -1096,7 +1104,8 @@ impl Writer {
             // it, so a backup asked for after a reply includes that change.
             let _ = self.replica.send(ReplicaMsg::Records(durable));
         }
-        // Events first: a watcher sees a change no later than the client it answers.
+        // Events first: a watcher sees a change no later than the client it answers
+        // (releases excepted: they were answered once written).
         for delivery in events.into_iter().chain(deliveries) {
             delivery();
         }
@@ -1125,27 +1134,30 @@ impl Writer {
 
     fn run(mut self, rx: std::sync::mpsc::Receiver<WriterMsg>) {
         // Written but not yet synced: a group whose every reply already went out
-        // (releases), held back for the next batch to share its fdatasync.
-        let mut held: Option<Group> = None;
+        // (releases), held back for the next batch to share its fdatasync, and
+        // since when.
+        let mut held: Option<(Group, Instant)> = None;
         loop {
-            let first = match held {
+            let first = match &held {
                 None => match rx.recv() {
                     Ok(first) => first,
                     Err(_) => return,
                 },
-                Some(_) => match rx.recv_timeout(HOLD_UNANSWERED_GROUP) {
-                    Ok(first) => first,
-                    Err(timeout_or_gone) => {
-                        let group = held.take().expect("matched Some");
-                        if !self.commit(group) {
-                            return;
-                        }
-                        match timeout_or_gone {
-                            std::sync::mpsc::RecvTimeoutError::Timeout => continue,
-                            std::sync::mpsc::RecvTimeoutError::Disconnected => return,
+                Some((_, since)) => {
+                    match rx.recv_timeout(HOLD_UNANSWERED_GROUP.saturating_sub(since.elapsed())) {
+                        Ok(first) => first,
+                        Err(timeout_or_gone) => {
+                            let (group, _) = held.take().expect("matched Some");
+                            if !self.commit(group) {
+                                return;
+                            }
+                            match timeout_or_gone {
+                                std::sync::mpsc::RecvTimeoutError::Timeout => continue,
+                                std::sync::mpsc::RecvTimeoutError::Disconnected => return,
+                            }
                         }
                     }
-                },
+                }
             };
             // Group commit: every batch that queued up while the last sync ran, up
             // to (and including) the next control message, which must see them
@@ -1157,7 +1169,10 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            let mut group = held.take().unwrap_or_default();
+            let (mut group, held_since) = match held.take() {
+                Some((group, since)) => (group, Some(since)),
+                None => (Group::default(), None),
+            };
             let mut written = Vec::new();
             let mut after = None;
             for msg in pending {
@@ -1196,16 +1211,16 @@ impl Writer {
             }
             // A group that answers nobody (a lone release: its holder has its
             // answer; only its event and audit entry wait) is held for the next
-            // batch, at most HOLD_UNANSWERED_GROUP: a client that releases and then
-            // acquires would otherwise find the writer in the release's fdatasync
-            // and wait for it before its own could start.
-            if self.hold_unanswered
-                && after.is_none()
-                && group.deliveries.is_empty()
-                && !group.durable.is_empty()
-            {
-                held = Some(group);
-                continue;
+            // batch, HOLD_UNANSWERED_GROUP at most from when it was first held: a
+            // client that releases and then acquires would otherwise find the
+            // writer in the release's fdatasync and wait for it before its own
+            // could start.
+            if self.hold_unanswered && after.is_none() {
+                let since = held_since.unwrap_or_else(Instant::now);
+                if may_hold(&group, since.elapsed()) {
+                    held = Some((group, since));
+                    continue;
+                }
             }
             if !self.commit(group) {
                 return;
@@ -1704,6 +1719,24 @@ mod tests {
             Some(audit::AuditKind::Release)
         );
         handle.shutdown().await;
+    }
+
+    #[test]
+    fn only_a_group_that_answers_nobody_is_held_and_never_past_the_bound() {
+        let lone_release = || Group {
+            durable: vec![b"record".to_vec()],
+            events: vec![Box::new(|| {})],
+            ..Group::default()
+        };
+        assert!(may_hold(&lone_release(), Duration::ZERO));
+        assert!(!may_hold(&lone_release(), HOLD_UNANSWERED_GROUP));
+        let mut answers = lone_release();
+        answers.deliveries.push(Box::new(|| {}));
+        assert!(!may_hold(&answers, Duration::ZERO), "a reply waits for it");
+        assert!(
+            !may_hold(&Group::default(), Duration::ZERO),
+            "nothing to sync"
+        );
     }
 
     /// A release is answered once its record is written, before its fdatasync; the
