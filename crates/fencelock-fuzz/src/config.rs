@@ -31,6 +31,7 @@ pub fn config_file(data: &[u8]) {
         listen: None,
         data_dir: None,
         durability: None,
+        workers: None,
         log_format: None,
         log_level: None,
         insecure: false,
