@@ -2,13 +2,17 @@
 //! multiplexed TCP connection per [`crate::FencelockBackend`] (shared by its clones) for
 //! `Acquire`, `Renew` and `Release`.
 //!
-//! A connection task owns the socket: it writes the requests queued since its last
-//! write in one go, routes answers to their callers by id, pings when it has sent
-//! nothing for [`PING_INTERVAL`] (the server closes silent connections), and when the
-//! connection breaks fails every request in flight as [`ErrorKind::Unavailable`]. The
-//! next request opens a new connection. A caller that stops waiting for an acquire
-//! (dropped, or timed out) sends `Cancel`, so the server takes it out of the queue; a
-//! grant that was already on its way is released by the connection task.
+//! A caller registers its request and encodes it into the connection's output
+//! buffer; on plain TCP it then writes that buffer to the socket itself (a
+//! non-blocking write, under the connection's lock, so frames never interleave),
+//! saving a hop to another task per request. Whatever the socket does not take at
+//! once, and everything on TLS, the connection task writes. That task reads the
+//! socket and routes answers to their callers by id, pings when nothing was sent
+//! for a [`PING_INTERVAL`] (the server closes silent connections), and when the
+//! connection breaks fails every request in flight as [`ErrorKind::Unavailable`].
+//! The next request opens a new connection. A caller that stops waiting for an
+//! acquire (dropped, or timed out) sends `Cancel`, so the server takes it out of the
+//! queue; a grant that was already on its way is released by the connection task.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -17,26 +21,18 @@ use std::time::Duration;
 
 use fencelock_proto::wire::{self, Request, Response};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot};
-use tokio::time::Instant;
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::sync::{oneshot, Notify};
 use tokio_rustls::rustls::pki_types::ServerName;
 
 use crate::{Error, ErrorKind};
 
-/// How long the connection may stay silent before the client pings (well inside the
-/// server's 60 s idle limit).
+/// How long the connection may stay silent before the client pings. The task checks
+/// once per interval whether anything was sent since its last check, so the longest
+/// silence is two intervals, well inside the server's 60 s idle limit.
 pub(crate) const PING_INTERVAL: Duration = Duration::from_secs(20);
 
 type Reply = oneshot::Sender<Result<Response, Error>>;
-
-enum Out {
-    Call {
-        id: u64,
-        request: Request,
-        reply: Reply,
-    },
-    Cancel(u64),
-}
 
 /// A lazily (re)connected `flw/1` connection to one server.
 #[derive(Debug, Clone)]
@@ -52,7 +48,7 @@ struct Shared {
     token: Option<String>,
     connect_timeout: Duration,
     request_timeout: Duration,
-    conn: Mutex<Option<mpsc::UnboundedSender<Out>>>,
+    conn: Mutex<Option<Link>>,
     connecting: tokio::sync::Mutex<()>,
     next_id: AtomicU64,
     /// The server answered the magic with something else: use gRPC.
@@ -68,29 +64,129 @@ impl std::fmt::Debug for Shared {
     }
 }
 
-impl std::fmt::Debug for Out {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Out::Call { id, .. } => write!(f, "Call({id})"),
-            Out::Cancel(id) => write!(f, "Cancel({id})"),
-        }
-    }
-}
-
 fn unavailable(message: impl Into<String>) -> Error {
     Error::new(ErrorKind::Unavailable, message)
 }
 
+/// One open connection, shared by its callers and its task.
+struct Conn {
+    state: Mutex<ConnState>,
+    /// Wakes the task: output it must write, or the client went away.
+    wake: Notify,
+    /// On plain TCP, the socket's write side, which callers write to directly.
+    direct: Option<Arc<OwnedWriteHalf>>,
+}
+
+/// What callers and the connection task share, under the connection's lock.
+#[derive(Default)]
+struct ConnState {
+    calls: Calls,
+    /// Encoded requests not yet written, in order.
+    out: Vec<u8>,
+    /// The task is writing output it took from `out`: nobody else may write until it
+    /// is done, or frames would interleave.
+    task_writing: bool,
+    /// Something was sent since the task's last ping check.
+    sent: bool,
+    /// Set once the connection broke (every later request fails with it), or the
+    /// client that opened it went away.
+    failed: Option<Error>,
+}
+
+impl Conn {
+    /// The state. Its critical sections never panic between changes, so a poisoned
+    /// lock still holds a consistent value.
+    fn lock(&self) -> std::sync::MutexGuard<'_, ConnState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn usable(&self) -> bool {
+        self.lock().failed.is_none()
+    }
+
+    /// Registers `request` under `id` and sends it.
+    fn send(&self, id: u64, request: &Request, reply: Reply) -> Result<(), Error> {
+        let mut state = self.lock();
+        if let Some(e) = &state.failed {
+            return Err(e.clone());
+        }
+        let ConnState { calls, out, .. } = &mut *state;
+        calls.call(id, request, reply, out);
+        self.push(&mut state);
+        Ok(())
+    }
+
+    /// The caller of `id` gave up: if it is still unanswered, tell the server.
+    fn cancel(&self, id: u64) {
+        let mut state = self.lock();
+        if state.failed.is_some() {
+            return;
+        }
+        let ConnState { calls, out, .. } = &mut *state;
+        if calls.cancel(id, out) {
+            self.push(&mut state);
+        }
+    }
+
+    /// Gets `out` onto the socket: directly if the socket is plain TCP, takes it all
+    /// now and the task is not writing; otherwise by waking the task.
+    fn push(&self, state: &mut ConnState) {
+        if state.task_writing || state.out.is_empty() {
+            return; // the task takes `out` up when its write completes
+        }
+        if let Some(socket) = &self.direct {
+            match socket.try_write(&state.out) {
+                Ok(n) if n == state.out.len() => {
+                    state.out.clear();
+                    state.sent = true;
+                    return;
+                }
+                Ok(n) => {
+                    state.out.drain(..n);
+                    state.sent = true;
+                }
+                // Full, or broken: the task waits for room, or finds the error.
+                Err(_) => {}
+            }
+        }
+        self.wake.notify_one();
+    }
+
+    /// Ends the connection: every request in flight fails with `error`.
+    fn fail(&self, error: Error) {
+        let mut state = self.lock();
+        if state.failed.is_none() {
+            state.failed = Some(error.clone());
+        }
+        for (_, reply) in state.calls.pending.drain() {
+            let _ = reply.send(Err(error.clone()));
+        }
+    }
+}
+
+/// The client's hold on its current connection: dropping it (the client went away,
+/// or reconnected) stops the connection task.
+struct Link(Arc<Conn>);
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.0.fail(unavailable("the client closed the connection"));
+        self.0.wake.notify_one();
+    }
+}
+
 /// Sends `Cancel` for a waiting acquire unless disarmed (the answer arrived).
 struct CancelOnDrop {
-    tx: Option<mpsc::UnboundedSender<Out>>,
+    conn: Option<Arc<Conn>>,
     id: u64,
 }
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
-        if let Some(tx) = self.tx.take() {
-            let _ = tx.send(Out::Cancel(self.id));
+        if let Some(conn) = self.conn.take() {
+            conn.cancel(self.id);
         }
     }
 }
@@ -135,19 +231,18 @@ impl WireClient {
         extra_time: Duration,
         cancellable: bool,
     ) -> Result<Response, Error> {
-        let tx = self.connection().await?;
+        let conn = self.connection().await?;
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, answer) = oneshot::channel();
-        tx.send(Out::Call { id, request, reply })
-            .map_err(|_| unavailable("the connection to the server closed"))?;
+        conn.send(id, &request, reply)?;
         let mut cancel = CancelOnDrop {
-            tx: cancellable.then_some(tx),
+            conn: cancellable.then_some(conn),
             id,
         };
         let within = self.shared.request_timeout.saturating_add(extra_time);
         let answer = match tokio::time::timeout(within, answer).await {
             Ok(answer) => {
-                cancel.tx = None;
+                cancel.conn = None;
                 answer.map_err(|_| unavailable("the connection to the server closed"))??
             }
             Err(_) => {
@@ -171,52 +266,66 @@ impl WireClient {
         self.connection().await.map(drop)
     }
 
-    async fn connection(&self) -> Result<mpsc::UnboundedSender<Out>, Error> {
-        if let Some(tx) = self.current() {
-            return Ok(tx);
+    async fn connection(&self) -> Result<Arc<Conn>, Error> {
+        if let Some(conn) = self.current() {
+            return Ok(conn);
         }
         let _one = self.shared.connecting.lock().await;
-        if let Some(tx) = self.current() {
-            return Ok(tx);
+        if let Some(conn) = self.current() {
+            return Ok(conn);
         }
         let opened = tokio::time::timeout(self.shared.connect_timeout, self.open()).await;
-        let tx = opened.map_err(|_| {
+        let conn = opened.map_err(|_| {
             unavailable(format!(
                 "cannot connect to {} within {:?}",
                 self.shared.addr, self.shared.connect_timeout
             ))
         })??;
-        *lock_slot(&self.shared.conn) = Some(tx.clone());
-        Ok(tx)
+        *lock_slot(&self.shared.conn) = Some(Link(conn.clone()));
+        Ok(conn)
     }
 
-    fn current(&self) -> Option<mpsc::UnboundedSender<Out>> {
-        let conn = lock_slot(&self.shared.conn);
-        conn.as_ref().filter(|tx| !tx.is_closed()).cloned()
+    fn current(&self) -> Option<Arc<Conn>> {
+        let slot = lock_slot(&self.shared.conn);
+        slot.as_ref()
+            .map(|link| link.0.clone())
+            .filter(|conn| conn.usable())
     }
 
-    async fn open(&self) -> Result<mpsc::UnboundedSender<Out>, Error> {
+    async fn open(&self) -> Result<Arc<Conn>, Error> {
         let addr = &self.shared.addr;
-        let stream = tokio::net::TcpStream::connect(addr)
+        let mut stream = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|e| unavailable(format!("cannot connect to {addr}: {e}")))?;
         let _ = stream.set_nodelay(true);
         match &self.shared.tls {
-            None => self.handshake(stream).await,
+            None => {
+                let input = self.handshake(&mut stream).await?;
+                let (rd, wr) = stream.into_split();
+                let wr = Arc::new(wr);
+                let conn = Conn::new(Some(wr.clone()));
+                tokio::spawn(run(rd, Sink::Direct(wr), conn.clone(), input));
+                Ok(conn)
+            }
             Some((connector, name)) => {
-                let stream = connector
+                let mut stream = connector
                     .connect(name.clone(), stream)
                     .await
                     .map_err(|e| unavailable(format!("TLS handshake with {addr} failed: {e}")))?;
-                self.handshake(stream).await
+                let input = self.handshake(&mut stream).await?;
+                let (rd, wr) = tokio::io::split(stream);
+                let conn = Conn::new(None);
+                tokio::spawn(run(rd, Sink::Stream(Box::new(wr)), conn.clone(), input));
+                Ok(conn)
             }
         }
     }
 
-    /// Says the magic (and hello), checks the answer, and starts the connection task.
-    async fn handshake<S>(&self, mut stream: S) -> Result<mpsc::UnboundedSender<Out>, Error>
+    /// Says the magic (and hello) and checks the answer. Returns the bytes read past
+    /// the answer.
+    async fn handshake<S>(&self, stream: &mut S) -> Result<Vec<u8>, Error>
     where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        S: AsyncRead + AsyncWrite + Unpin,
     {
         let addr = &self.shared.addr;
         let mut hello = wire::CLIENT_MAGIC.to_vec();
@@ -236,7 +345,7 @@ impl WireClient {
         }
         let mut input = Vec::with_capacity(4096);
         if self.shared.token.is_some() {
-            match read_response(&mut stream, &mut input).await.map_err(lost)? {
+            match read_response(stream, &mut input).await.map_err(lost)? {
                 (_, Response::Welcome) => {}
                 (_, Response::Error(e)) => {
                     return Err(Error::new(
@@ -252,9 +361,7 @@ impl WireClient {
                 }
             }
         }
-        let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(stream, rx, input));
-        Ok(tx)
+        Ok(input)
     }
 }
 
@@ -295,11 +402,9 @@ pub(crate) fn tls_connector(
     Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
 }
 
-/// The connection slot. Its critical sections only clone or replace a sender and
+/// The connection slot. Its critical sections only clone or replace a link and
 /// cannot panic, so a poisoned lock still holds a consistent value.
-fn lock_slot(
-    slot: &Mutex<Option<mpsc::UnboundedSender<Out>>>,
-) -> std::sync::MutexGuard<'_, Option<mpsc::UnboundedSender<Out>>> {
+fn lock_slot(slot: &Mutex<Option<Link>>) -> std::sync::MutexGuard<'_, Option<Link>> {
     slot.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -325,67 +430,112 @@ async fn read_response<S: AsyncRead + Unpin>(
     }
 }
 
+/// Where the connection task writes.
+enum Sink {
+    /// Plain TCP, whose write side callers share.
+    Direct(Arc<OwnedWriteHalf>),
+    /// TLS: only the task writes.
+    Stream(Box<dyn AsyncWrite + Send + Unpin>),
+}
+
+impl Sink {
+    async fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        match self {
+            Sink::Direct(socket) => {
+                let mut at = 0;
+                while at < bytes.len() {
+                    socket.writable().await?;
+                    match socket.try_write(&bytes[at..]) {
+                        Ok(n) => at += n,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(())
+            }
+            // A TLS stream holds what it encrypted until flushed.
+            Sink::Stream(w) => {
+                w.write_all(bytes).await?;
+                w.flush().await
+            }
+        }
+    }
+}
+
+impl Conn {
+    fn new(direct: Option<Arc<OwnedWriteHalf>>) -> Arc<Conn> {
+        Arc::new(Conn {
+            state: Mutex::new(ConnState::default()),
+            wake: Notify::new(),
+            direct,
+        })
+    }
+}
+
 /// The connection task: see the module docs.
-async fn run<S>(stream: S, mut rx: mpsc::UnboundedReceiver<Out>, mut input: Vec<u8>)
+async fn run<R>(mut rd: R, mut sink: Sink, conn: Arc<Conn>, mut input: Vec<u8>)
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    R: AsyncRead + Unpin,
 {
-    let (mut rd, mut wr) = tokio::io::split(stream);
-    let mut calls = Calls::default();
-    let mut out: Vec<u8> = Vec::with_capacity(4096);
-    let mut sent = Instant::now();
+    let mut writing = Vec::with_capacity(4096);
     // Armed once and moved only when it fires: re-arming it for every write cost a
     // timer-wheel update per request.
     let ping = tokio::time::sleep(PING_INTERVAL);
     tokio::pin!(ping);
     let failure = loop {
-        if !out.is_empty() {
-            if let Err(e) = write(&mut wr, &out).await {
-                break unavailable(format!("connection to the server lost: {e}"));
-            }
-            out.clear();
-            sent = Instant::now();
+        if let Err(e) = flush(&conn, &mut sink, &mut writing).await {
+            break unavailable(format!("connection to the server lost: {e}"));
+        }
+        if conn.lock().failed.is_some() {
+            return; // the client went away
         }
         if input.capacity() - input.len() < 1024 {
             input.reserve(4096);
         }
         tokio::select! {
-            next = rx.recv() => {
-                let Some(next) = next else { return };
-                calls.queue(next, &mut out);
-                while let Ok(next) = rx.try_recv() {
-                    calls.queue(next, &mut out);
-                }
-            }
+            () = conn.wake.notified() => {}
             read = rd.read_buf(&mut input) => {
                 match read {
                     Ok(0) => break unavailable("the server closed the connection"),
                     Err(e) => break unavailable(format!("connection to the server lost: {e}")),
                     Ok(_) => {}
                 }
-                match calls.route(&mut input, &mut out) {
-                    Ok(()) => {}
-                    Err(e) => break e,
+                let mut state = conn.lock();
+                let ConnState { calls, out, .. } = &mut *state;
+                if let Err(e) = calls.route(&mut input, out) {
+                    break e;
                 }
             }
             () = &mut ping => {
-                if sent.elapsed() >= PING_INTERVAL {
-                    wire::encode_request(&mut out, 0, &Request::Ping);
-                    sent = Instant::now();
+                let mut state = conn.lock();
+                if !std::mem::take(&mut state.sent) {
+                    wire::encode_request(&mut state.out, 0, &Request::Ping);
                 }
-                ping.as_mut().reset(sent + PING_INTERVAL);
+                ping.as_mut().reset(tokio::time::Instant::now() + PING_INTERVAL);
             }
         }
     };
-    for (_, reply) in calls.pending.drain() {
-        let _ = reply.send(Err(failure.clone()));
-    }
+    conn.fail(failure);
 }
 
-/// Writes and flushes (a TLS stream holds what it encrypted until flushed).
-async fn write<W: AsyncWrite + Unpin>(wr: &mut W, bytes: &[u8]) -> std::io::Result<()> {
-    wr.write_all(bytes).await?;
-    wr.flush().await
+/// Writes what callers left in `out` (and what is added meanwhile) until it is empty,
+/// keeping callers from writing until then. `writing` is a spare buffer.
+async fn flush(conn: &Conn, sink: &mut Sink, writing: &mut Vec<u8>) -> std::io::Result<()> {
+    loop {
+        {
+            let mut state = conn.lock();
+            if state.out.is_empty() {
+                state.task_writing = false;
+                return Ok(());
+            }
+            state.task_writing = true;
+            state.sent = true;
+            std::mem::swap(&mut state.out, writing);
+        }
+        let written = sink.write_all(writing).await;
+        writing.clear();
+        written?;
+    }
 }
 
 /// Ids of the releases the connection task sends itself: above every caller's id.
@@ -404,19 +554,21 @@ struct Calls {
 }
 
 impl Calls {
-    fn queue(&mut self, next: Out, out: &mut Vec<u8>) {
-        match next {
-            Out::Call { id, request, reply } => {
-                wire::encode_request(out, id, &request);
-                self.pending.insert(id, reply);
-            }
-            Out::Cancel(id) => {
-                if self.pending.remove(&id).is_some() {
-                    self.cancelled.insert(id);
-                    wire::encode_request(out, id, &Request::Cancel);
-                }
-            }
+    /// Encodes a request and awaits its answer.
+    fn call(&mut self, id: u64, request: &Request, reply: Reply, out: &mut Vec<u8>) {
+        wire::encode_request(out, id, request);
+        self.pending.insert(id, reply);
+    }
+
+    /// Moves an unanswered call to the cancelled ones and encodes its `Cancel`; false
+    /// if it was answered already (or never sent).
+    fn cancel(&mut self, id: u64, out: &mut Vec<u8>) -> bool {
+        if self.pending.remove(&id).is_none() {
+            return false;
         }
+        self.cancelled.insert(id);
+        wire::encode_request(out, id, &Request::Cancel);
+        true
     }
 
     /// Hands the whole answers in `input` to their callers; gives back grants that
@@ -486,26 +638,12 @@ mod tests {
         let mut calls = Calls::default();
         let mut out = Vec::new();
         let (reply, mut answered) = oneshot::channel();
-        calls.queue(
-            Out::Call {
-                id: 1,
-                request: Request::Ping,
-                reply,
-            },
-            &mut out,
-        );
+        calls.call(1, &Request::Ping, reply, &mut out);
         let (reply, _dropped) = oneshot::channel();
-        calls.queue(
-            Out::Call {
-                id: 2,
-                request: Request::Ping,
-                reply,
-            },
-            &mut out,
-        );
-        calls.queue(Out::Cancel(2), &mut out);
+        calls.call(2, &Request::Ping, reply, &mut out);
+        calls.cancel(2, &mut out);
         // Cancel of something already answered (or never sent) sends nothing.
-        calls.queue(Out::Cancel(9), &mut out);
+        calls.cancel(9, &mut out);
         let mut frames = Vec::new();
         let mut rest = &out[..];
         while let Some(n) = wire::frame_len(rest, wire::MAX_FRAME_BYTES).unwrap() {
@@ -549,15 +687,8 @@ mod tests {
 
         // A cancelled acquire answered only `cancelled` sends nothing back.
         let (reply, _dropped) = oneshot::channel();
-        calls.queue(
-            Out::Call {
-                id: 3,
-                request: Request::Ping,
-                reply,
-            },
-            &mut Vec::new(),
-        );
-        calls.queue(Out::Cancel(3), &mut Vec::new());
+        calls.call(3, &Request::Ping, reply, &mut Vec::new());
+        calls.cancel(3, &mut Vec::new());
         let mut input = answer(
             3,
             &Response::Error(wire::WireError {
@@ -580,5 +711,151 @@ mod tests {
         let mut input = vec![0xff, 0xff, 0xff, 0xff, 0];
         let err = calls.route(&mut input, &mut Vec::new()).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Protocol);
+    }
+}
+
+#[cfg(test)]
+mod socket_tests {
+    use super::*;
+
+    /// While the task writes output it took, a caller's request waits in `out` behind
+    /// it (written directly, it would land inside the task's frames); once the task
+    /// is done, a caller writes everything queued, in order.
+    #[tokio::test]
+    async fn a_caller_leaves_its_request_to_the_task_while_the_task_writes() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (mut peer, _) = listener.accept().await.unwrap();
+        let (_rd, wr) = client.into_split();
+        let conn = Conn::new(Some(Arc::new(wr)));
+        conn.lock().task_writing = true;
+        let (reply, _answer) = oneshot::channel();
+        conn.send(1, &Request::Ping, reply).unwrap();
+        assert!(!conn.lock().out.is_empty(), "left in `out` for the task");
+        let mut input = vec![0u8; 256];
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), peer.read(&mut input))
+                .await
+                .is_err(),
+            "nothing may reach the socket while the task writes"
+        );
+
+        conn.lock().task_writing = false;
+        let (reply, _answer) = oneshot::channel();
+        conn.send(2, &Request::Ping, reply).unwrap();
+        assert!(conn.lock().out.is_empty(), "written directly");
+        let mut input = Vec::new();
+        let mut frames = Vec::new();
+        while frames.len() < 2 {
+            assert!(peer.read_buf(&mut input).await.unwrap() > 0);
+            while let Some(n) = wire::frame_len(&input, wire::MAX_FRAME_BYTES).unwrap() {
+                frames.push(wire::decode_request(&input[..n]).unwrap());
+                input.drain(..n);
+            }
+        }
+        assert_eq!(frames, [(1, Request::Ping), (2, Request::Ping)]);
+    }
+
+    /// Callers on several threads write straight to the socket while the peer reads
+    /// slowly, so the socket fills and empties and the task writes what it did not
+    /// take: the peer still gets every frame whole, each once, and each caller's in
+    /// the order it sent them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn direct_writes_and_the_task_s_writes_never_interleave_frames() {
+        const CALLERS: u64 = 4;
+        const EACH: u64 = 4_000;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (mut peer, _) = listener.accept().await.unwrap();
+        let (rd, wr) = client.into_split();
+        let wr = Arc::new(wr);
+        let conn = Conn::new(Some(wr.clone()));
+        tokio::spawn(run(rd, Sink::Direct(wr), conn.clone(), Vec::new()));
+
+        let reader = tokio::spawn(async move {
+            let mut input = Vec::new();
+            let mut next = vec![0u64; CALLERS as usize];
+            let mut seen = 0;
+            while seen < CALLERS * EACH {
+                // A slow reader: the client's socket keeps filling.
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                let mut chunk = [0u8; 8 * 1024];
+                let n = peer.read(&mut chunk).await.unwrap();
+                assert!(n > 0, "the client closed");
+                input.extend_from_slice(&chunk[..n]);
+                let mut used = 0;
+                while let Some(n) = wire::frame_len(&input[used..], wire::MAX_FRAME_BYTES).unwrap()
+                {
+                    let (id, request) = wire::decode_request(&input[used..used + n])
+                        .expect("a whole frame, not two interleaved");
+                    used += n;
+                    let (caller, n) = ((id - 1) / EACH, (id - 1) % EACH);
+                    assert_eq!(
+                        n, next[caller as usize],
+                        "caller {caller}'s frames in order"
+                    );
+                    next[caller as usize] += 1;
+                    let Request::Release(release) = request else {
+                        panic!("sent releases only")
+                    };
+                    assert!(release.name.starts_with(&format!("{caller}-{n}-")));
+                    seen += 1;
+                }
+                input.drain(..used);
+            }
+            peer
+        });
+
+        let mut callers = Vec::new();
+        for caller in 0..CALLERS {
+            let conn = conn.clone();
+            callers.push(tokio::spawn(async move {
+                let mut answers = Vec::new();
+                let mut left_to_the_task = false;
+                for n in 0..EACH {
+                    let (reply, answer) = oneshot::channel();
+                    let request = Request::Release(fencelock_proto::ReleaseRequest {
+                        // Large enough that the socket's buffers fill.
+                        name: format!("{caller}-{n}-{}", "x".repeat(300)),
+                        owner_token: "t".into(),
+                    });
+                    conn.send(caller * EACH + n + 1, &request, reply).unwrap();
+                    answers.push(answer);
+                    left_to_the_task |= {
+                        let state = conn.lock();
+                        state.task_writing || !state.out.is_empty()
+                    };
+                    if n % 16 == 0 {
+                        tokio::time::sleep(Duration::from_micros(50)).await;
+                    }
+                }
+                (answers, left_to_the_task)
+            }));
+        }
+        let mut answers = Vec::new();
+        let mut left_to_the_task = false;
+        for caller in callers {
+            let (a, left) = caller.await.unwrap();
+            answers.extend(a);
+            left_to_the_task |= left;
+        }
+        assert!(
+            left_to_the_task,
+            "the socket took everything: the task's path was not exercised"
+        );
+        let mut peer = tokio::time::timeout(Duration::from_secs(60), reader)
+            .await
+            .expect("the peer got every frame")
+            .unwrap();
+        // Answers reach their callers.
+        let mut out = Vec::new();
+        wire::encode_response(&mut out, 1, &Response::Pong);
+        peer.write_all(&out).await.unwrap();
+        let first = answers.swap_remove(0);
+        assert_eq!(first.await.unwrap().unwrap(), Response::Pong);
     }
 }
