@@ -12,8 +12,8 @@
 //! So no reply, no grant and no event leaves the server before the command that
 //! produced it is durable, the engine never waits for the disk (it applies the next
 //! batch while the previous one syncs), and no lock is held across I/O. One reply
-//! goes out earlier: a successful release is answered as soon as it is applied,
-//! before its record is written (`EngineTask::release` says why that is safe), which takes
+//! goes out earlier: a successful release is answered once its record is written,
+//! before the fdatasync (`EngineTask::release` says why that is safe), which takes
 //! one fsync off every acquire + release pair. A group whose every reply already
 //! went out that way is held back (at most `HOLD_UNANSWERED_GROUP`) to share the
 //! next batch's fdatasync, so that a client's next request does not find the writer
@@ -45,7 +45,7 @@ use crate::metrics::Metrics;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Durability {
     /// Every batch is fdatasync'd before its replies go out (the default; a
-    /// successful release is answered once applied, before it is written).
+    /// successful release is answered once written, before the fdatasync).
     Fsync,
     /// **Unsafe, for benchmarks only**: records are written but never synced, so a
     /// power loss or kernel crash can lose acknowledged grants and let fences repeat.
@@ -178,6 +178,9 @@ enum WriterMsg {
         records: Vec<Vec<u8>>,
         /// The audit entries of those records (and of refused renews).
         audit: Vec<AuditEntry>,
+        /// Replies that may go out once the records are written, before their
+        /// fdatasync: successful releases (see [`EngineTask::release`]).
+        written: Vec<Delivery>,
         /// Watch events: after the fdatasync, but nobody's reply waits for them.
         events: Vec<Delivery>,
         /// Replies, grants and reads: after the fdatasync.
@@ -540,6 +543,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         audit: Vec::new(),
         outcomes: Vec::new(),
         next_seq,
+        written: Vec::new(),
         event_deliveries: Vec::new(),
         deliveries: Vec::new(),
         listeners: std::collections::HashMap::new(),
@@ -589,6 +593,8 @@ struct EngineTask {
     outcomes: Vec<Outcome>,
     /// Sequence number of the next log record.
     next_seq: u64,
+    /// Replies of this batch that go out once its records are written (releases).
+    written: Vec<Delivery>,
     /// Watch events of this batch: they go out after its fdatasync.
     event_deliveries: Vec<Delivery>,
     /// Replies, grants and reads of this batch: they go out after its fdatasync.
@@ -769,27 +775,30 @@ impl EngineTask {
         self.deliveries.push(Box::new(move || reply(result)));
     }
 
-    /// A holder's release. Its reply goes out as soon as it is applied, before its
-    /// record is written or synced: saying "released" early risks nothing. Should a
-    /// crash (of the process, or a power loss) undo the release, the lock is simply
-    /// still held after the restart until its lease ends, as if the holder had died
-    /// before releasing; fences are not involved, and everything that depends on
-    /// the release — the grant it hands to the next waiter, its watch event, its
-    /// audit entry, another client's acquire or read — comes later in the log and
-    /// still waits for the fdatasync that covers it. The other side of that:
-    /// watchers see the release's event, and audit queries and backups its entry and
-    /// its state, only once that fdatasync completes, a little after the holder
-    /// heard "released". Refusals (`not_held`) reflect others' changes and wait like
-    /// every other reply; so do operators' forced releases.
+    /// A holder's release. Its reply goes out once the record is *written* (in the
+    /// page cache: it survives a crash of the server process), without waiting for
+    /// the fdatasync: saying "released" early risks nothing. Should a power loss
+    /// undo the release, the lock is simply still held after the restart until its
+    /// lease ends, as if the holder had died before releasing; fences are not
+    /// involved, and everything that depends on the release — the grant it hands
+    /// to the next waiter, its watch event, its audit entry, another client's
+    /// acquire or read — comes later in the log and still waits for the fdatasync
+    /// that covers it. The other side of that: watchers see the release's event, and
+    /// audit queries and backups its entry and its state, only once that fdatasync
+    /// completes, a little after the holder heard "released". Refusals (`not_held`)
+    /// reflect others' changes and wait like every other reply; so do operators'
+    /// forced releases.
     fn release(&mut self, command: Command, reply: oneshot::Sender<Result<Reply, CoreError>>) {
         let result = self.apply_logged(command, None);
         self.route_outcomes();
-        if matches!(result, Ok(Reply::Released { .. })) {
+        let early = matches!(result, Ok(Reply::Released { .. }));
+        let delivery: Delivery = Box::new(move || {
             let _ = reply.send(result);
+        });
+        if early {
+            self.written.push(delivery);
         } else {
-            self.deliveries.push(Box::new(move || {
-                let _ = reply.send(result);
-            }));
+            self.deliveries.push(delivery);
         }
     }
 
@@ -938,6 +947,7 @@ impl EngineTask {
         m.locks.store(stats.locks as u64, Ordering::Relaxed);
         m.next_fence.store(stats.next_fence, Ordering::Relaxed);
         if self.records.is_empty()
+            && self.written.is_empty()
             && self.event_deliveries.is_empty()
             && self.deliveries.is_empty()
             && self.audit.is_empty()
@@ -947,6 +957,7 @@ impl EngineTask {
         let batch = WriterMsg::Batch {
             records: std::mem::take(&mut self.records),
             audit: std::mem::take(&mut self.audit),
+            written: std::mem::take(&mut self.written),
             events: std::mem::take(&mut self.event_deliveries),
             deliveries: std::mem::take(&mut self.deliveries),
         };
@@ -1094,7 +1105,7 @@ impl Writer {
             let _ = self.replica.send(ReplicaMsg::Records(durable));
         }
         // Events first: a watcher sees a change no later than the client it answers
-        // (releases excepted: they were answered once applied).
+        // (releases excepted: they were answered once written).
         for delivery in events.into_iter().chain(deliveries) {
             delivery();
         }
@@ -1162,12 +1173,14 @@ impl Writer {
                 Some((group, since)) => (group, Some(since)),
                 None => (Group::default(), None),
             };
+            let mut written = Vec::new();
             let mut after = None;
             for msg in pending {
                 match msg {
                     WriterMsg::Batch {
                         records,
                         audit,
+                        written: w,
                         events,
                         deliveries,
                     } => {
@@ -1179,10 +1192,21 @@ impl Writer {
                             self.bytes_since_cut += record.len() as u64;
                         }
                         group.durable.extend(records);
+                        written.extend(w);
                         group.events.extend(events);
                         group.deliveries.extend(deliveries);
                     }
                     other => after = Some(other),
+                }
+            }
+            // Releases are answered once their records are written (see
+            // `EngineTask::release`); the rest waits for the fdatasync.
+            if !written.is_empty() {
+                if let Err(e) = self.log.write() {
+                    return self.fail(format!("write: {e}"));
+                }
+                for delivery in written {
+                    delivery();
                 }
             }
             // A group that answers nobody (a lone release: its holder has its
@@ -1715,7 +1739,7 @@ mod tests {
         );
     }
 
-    /// A release is answered once applied, before its record is synced; the
+    /// A release is answered once its record is written, before its fdatasync; the
     /// grant it hands to the waiter is not.
     #[tokio::test]
     async fn a_release_is_answered_before_its_fsync_and_its_hand_off_after() {
