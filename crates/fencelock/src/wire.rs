@@ -73,8 +73,6 @@ struct Conn {
     state: Mutex<ConnState>,
     /// Wakes the task: output it must write, or the client went away.
     wake: Notify,
-    /// On plain TCP, the socket's write side, which callers write to directly.
-    direct: Option<Arc<OwnedWriteHalf>>,
 }
 
 /// What callers and the connection task share, under the connection's lock.
@@ -91,6 +89,9 @@ struct ConnState {
     /// Set once the connection broke (every later request fails with it), or the
     /// client that opened it went away.
     failed: Option<Error>,
+    /// On plain TCP, the socket's write side, which callers write to directly;
+    /// dropped when the connection fails, so the socket closes with the task.
+    direct: Option<Arc<OwnedWriteHalf>>,
 }
 
 impl Conn {
@@ -136,7 +137,7 @@ impl Conn {
         if state.task_writing || state.out.is_empty() {
             return; // the task takes `out` up when its write completes
         }
-        if let Some(socket) = &self.direct {
+        if let Some(socket) = &state.direct {
             match socket.try_write(&state.out) {
                 Ok(n) if n == state.out.len() => {
                     state.out.clear();
@@ -160,6 +161,7 @@ impl Conn {
         if state.failed.is_none() {
             state.failed = Some(error.clone());
         }
+        state.direct = None;
         for (_, reply) in state.calls.pending.drain() {
             let _ = reply.send(Err(error.clone()));
         }
@@ -465,9 +467,11 @@ impl Sink {
 impl Conn {
     fn new(direct: Option<Arc<OwnedWriteHalf>>) -> Arc<Conn> {
         Arc::new(Conn {
-            state: Mutex::new(ConnState::default()),
+            state: Mutex::new(ConnState {
+                direct,
+                ..ConnState::default()
+            }),
             wake: Notify::new(),
-            direct,
         })
     }
 }
@@ -756,6 +760,37 @@ mod socket_tests {
             }
         }
         assert_eq!(frames, [(1, Request::Ping), (2, Request::Ping)]);
+    }
+
+    /// When the server ends the connection, requests in flight fail, later ones fail
+    /// at once (the next call reconnects), and the socket is closed though callers
+    /// still hold the connection.
+    #[tokio::test]
+    async fn a_connection_the_server_ended_fails_its_calls_and_closes_its_socket() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (mut peer, _) = listener.accept().await.unwrap();
+        let (rd, wr) = client.into_split();
+        let wr = Arc::new(wr);
+        let conn = Conn::new(Some(wr.clone()));
+        tokio::spawn(run(rd, Sink::Direct(wr), conn.clone(), Vec::new()));
+        let (reply, answer) = oneshot::channel();
+        conn.send(1, &Request::Ping, reply).unwrap();
+
+        peer.shutdown().await.unwrap();
+        let failed = answer.await.unwrap().unwrap_err();
+        assert_eq!(failed.kind(), ErrorKind::Unavailable);
+        let (reply, _answer) = oneshot::channel();
+        let refused = conn.send(2, &Request::Ping, reply).unwrap_err();
+        assert_eq!(refused.kind(), ErrorKind::Unavailable);
+        let mut rest = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), peer.read_to_end(&mut rest))
+            .await
+            .expect("the client closed its socket")
+            .unwrap();
+        assert!(!conn.usable());
     }
 
     /// Callers on several threads write straight to the socket while the peer reads
