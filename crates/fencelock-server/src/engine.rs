@@ -7,7 +7,9 @@
 //!   replies (and hand-off grants, and events) as *deliveries* of the current batch;
 //! - the **writer thread** owns the [`Log`]. It takes whole batches, writes them, makes
 //!   them durable with one fdatasync for as many batches as have queued up (group
-//!   commit), and only then runs their deliveries.
+//!   commit), and only then runs their deliveries. A delivery wakes the future that
+//!   awaits it (HTTP, gRPC) or calls a sink (`GrantSink`, `ReplySink`: the wire
+//!   protocol's, which writes the answer to the client's socket right there).
 //!
 //! So no reply, no grant and no event leaves the server before the command that
 //! produced it is durable, the engine never waits for the disk (it applies the next
@@ -145,7 +147,49 @@ pub type SharedEvent = Arc<Event>;
 
 type Delivery = Box<dyn FnOnce() + Send>;
 type Read = Box<dyn FnOnce(&Core) -> Delivery + Send>;
-type AcquireReply = oneshot::Sender<Result<Grant, ApiError>>;
+
+/// Where an acquire's answer goes, called on the thread that delivers it (the writer
+/// thread, once the grant is durable): the wire protocol writes it to the client's
+/// socket there ([`crate::wire`]). Returns whether anyone took the answer; a grant
+/// nobody took is released.
+pub(crate) type GrantSink = Box<dyn FnOnce(Result<Grant, ApiError>) -> bool + Send>;
+
+/// Where a command's answer goes, called on the thread that delivers it (see
+/// [`GrantSink`]).
+pub(crate) type ReplySink = Box<dyn FnOnce(Result<Reply, CoreError>) + Send>;
+
+/// An acquire's answer: to a future awaiting it, or to a sink.
+enum AcquireReply {
+    Channel(oneshot::Sender<Result<Grant, ApiError>>),
+    Sink(GrantSink),
+}
+
+impl AcquireReply {
+    /// Delivers `result`; false if nobody took it (the asker went away).
+    fn send(self, result: Result<Grant, ApiError>) -> bool {
+        match self {
+            AcquireReply::Channel(tx) => tx.send(result).is_ok(),
+            AcquireReply::Sink(sink) => sink(result),
+        }
+    }
+}
+
+/// A command's answer: to a future awaiting it, or to a sink.
+enum CommandReply {
+    Channel(oneshot::Sender<Result<Reply, CoreError>>),
+    Sink(ReplySink),
+}
+
+impl CommandReply {
+    fn send(self, result: Result<Reply, CoreError>) {
+        match self {
+            CommandReply::Channel(tx) => {
+                let _ = tx.send(result);
+            }
+            CommandReply::Sink(sink) => sink(result),
+        }
+    }
+}
 
 enum Msg {
     Acquire {
@@ -157,7 +201,7 @@ enum Msg {
         command: Command,
         /// Who asked, for the audit log (operator actions).
         actor: Option<String>,
-        reply: oneshot::Sender<Result<Reply, CoreError>>,
+        reply: CommandReply,
     },
     /// The client behind `listener` stopped waiting.
     CancelListener {
@@ -695,9 +739,7 @@ impl EngineTask {
                 actor,
                 reply,
             } => {
-                self.execute_as(command, actor, move |result| {
-                    let _ = reply.send(result);
-                });
+                self.execute_as(command, actor, move |result| reply.send(result));
             }
             Msg::CancelListener { listener } => self.cancel_listener(listener),
             Msg::ReleaseOrphan { name, token } => {
@@ -788,13 +830,11 @@ impl EngineTask {
     /// completes, a little after the holder heard "released". Refusals (`not_held`)
     /// reflect others' changes and wait like every other reply; so do operators'
     /// forced releases.
-    fn release(&mut self, command: Command, reply: oneshot::Sender<Result<Reply, CoreError>>) {
+    fn release(&mut self, command: Command, reply: CommandReply) {
         let result = self.apply_logged(command, None);
         self.route_outcomes();
         let early = matches!(result, Ok(Reply::Released { .. }));
-        let delivery: Delivery = Box::new(move || {
-            let _ = reply.send(result);
-        });
+        let delivery: Delivery = Box::new(move || reply.send(result));
         if early {
             self.written.push(delivery);
         } else {
@@ -839,7 +879,7 @@ impl EngineTask {
         self.deliveries.push(Box::new(move || {
             let mut delivered = false;
             for (_, reply) in listeners {
-                delivered |= reply.send(Ok(grant.clone())).is_ok();
+                delivered |= reply.send(Ok(grant.clone()));
             }
             if !delivered {
                 let _ = orphans.send(Msg::ReleaseOrphan {
@@ -1356,6 +1396,25 @@ impl Snapshotter {
     }
 }
 
+/// The message of an acquire with a fresh owner token.
+fn acquire_msg(args: AcquireArgs, listener: u128, reply: AcquireReply) -> Msg {
+    Msg::Acquire {
+        acquire: Acquire {
+            name: args.name,
+            token: OwnerToken::from_u128(random_u128()),
+            ttl_ms: args.ttl_ms,
+            wait_ms: args.wait_ms,
+            owner: args.owner,
+            request_id: args.request_id,
+            limit: args.limit,
+            lock_delay_ms: args.lock_delay_ms,
+            session: args.session,
+        },
+        listener,
+        reply,
+    }
+}
+
 /// Cancels a wait if the acquiring future is dropped before it finished; releases the
 /// grant if it arrived but was never read.
 struct AcquireGuard {
@@ -1407,7 +1466,7 @@ impl Handle {
         self.send(Msg::Command {
             command,
             actor,
-            reply: tx,
+            reply: CommandReply::Channel(tx),
         })?;
         match rx.await {
             Ok(result) => result.map_err(ApiError::from),
@@ -1433,23 +1492,9 @@ impl Handle {
     /// Acquires a lock, waiting up to `args.wait_ms`. Dropping the future cancels the
     /// wait; a grant that arrives for a dropped future is released.
     pub async fn acquire(&self, args: AcquireArgs) -> Result<Grant, ApiError> {
-        let listener = u128::from(self.shared.next_listener.fetch_add(1, Ordering::Relaxed));
+        let listener = self.new_listener();
         let (tx, rx) = oneshot::channel();
-        self.send(Msg::Acquire {
-            acquire: Acquire {
-                name: args.name,
-                token: OwnerToken::from_u128(random_u128()),
-                ttl_ms: args.ttl_ms,
-                wait_ms: args.wait_ms,
-                owner: args.owner,
-                request_id: args.request_id,
-                limit: args.limit,
-                lock_delay_ms: args.lock_delay_ms,
-                session: args.session,
-            },
-            listener,
-            reply: tx,
-        })?;
+        self.send(acquire_msg(args, listener, AcquireReply::Channel(tx)))?;
         let mut guard = AcquireGuard {
             shared: self.shared.clone(),
             listener,
@@ -1458,6 +1503,39 @@ impl Handle {
         let result = guard.rx.as_mut().expect("set above").await;
         guard.rx = None;
         result.unwrap_or_else(|_| Err(unavailable()))
+    }
+
+    /// A fresh listener id for [`Handle::acquire_to`].
+    pub(crate) fn new_listener(&self) -> u128 {
+        u128::from(self.shared.next_listener.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Sends an acquire whose answer goes to `sink` (see [`GrantSink`]) rather than
+    /// to an awaiting future. `listener` (from [`Handle::new_listener`]) is what
+    /// [`Handle::cancel_listener`] takes to stop the wait.
+    pub(crate) fn acquire_to(
+        &self,
+        args: AcquireArgs,
+        listener: u128,
+        sink: GrantSink,
+    ) -> Result<(), ApiError> {
+        self.send(acquire_msg(args, listener, AcquireReply::Sink(sink)))
+    }
+
+    /// The client behind `listener` stopped waiting: its request leaves the queue (a
+    /// grant already on its way finds the sink refusing it and is released).
+    pub(crate) fn cancel_listener(&self, listener: u128) {
+        let _ = self.send(Msg::CancelListener { listener });
+    }
+
+    /// Sends a client's `command` (a renew or a release) whose answer goes to `sink`
+    /// (see [`ReplySink`]) rather than to an awaiting future.
+    pub(crate) fn command_to(&self, command: Command, sink: ReplySink) -> Result<(), ApiError> {
+        self.send(Msg::Command {
+            command,
+            actor: None,
+            reply: CommandReply::Sink(sink),
+        })
     }
 
     /// Extends a lease (or the holding session).
@@ -1784,6 +1862,58 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(second.fence > first.fence);
+        handle.shutdown().await;
+    }
+
+    /// A sink gets its grant only once the grant is durable, and a grant its sink
+    /// refuses (the wire request was cancelled, or its connection ended) is released
+    /// rather than left held until its lease ends.
+    #[tokio::test]
+    async fn a_sink_hears_of_a_grant_after_its_fsync_and_a_refused_grant_is_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let gate = Arc::new(SyncGate::default());
+        SYNC_GATE.with(|g| *g.borrow_mut() = Some(gate.clone()));
+        let handle = start(EngineConfig::new(dir.path())).unwrap();
+        let name = LockName::new("ledger").unwrap();
+
+        gate.set(true);
+        let (heard, mut answers) = mpsc::unbounded_channel();
+        let sink: GrantSink = Box::new(move |result| {
+            let _ = heard.send(result);
+            false // nobody takes it
+        });
+        let listener = handle.new_listener();
+        handle
+            .acquire_to(acquire_args(&name, 0), listener, sink)
+            .unwrap();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), answers.recv())
+                .await
+                .is_err(),
+            "a sink heard of a grant before it was durable"
+        );
+        gate.set(false);
+        let refused = tokio::time::timeout(Duration::from_secs(10), answers.recv())
+            .await
+            .expect("the grant follows the fdatasync")
+            .unwrap()
+            .unwrap();
+
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while handle
+            .lock(name.clone())
+            .await
+            .unwrap()
+            .is_some_and(|view| !view.holders.is_empty())
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the refused grant was never released"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let next = handle.acquire(acquire_args(&name, 0)).await.unwrap();
+        assert!(next.fence > refused.fence);
         handle.shutdown().await;
     }
 }

@@ -17,7 +17,9 @@
 
 use std::pin::Pin;
 
-use fencelock_core::{EventKind, Fence, Grant, GrantEnd, LockView, Reason, WaitEnd};
+use fencelock_core::{
+    EventKind, Fence, Grant, GrantEnd, LockName, LockView, OwnerToken, Reason, WaitEnd,
+};
 use futures_util::Stream;
 use tokio::sync::{broadcast, watch};
 use tonic::metadata::MetadataValue;
@@ -125,7 +127,7 @@ impl From<ApiError> for Status {
 }
 
 /// The arguments of an acquire by `caller`, once it is allowed (role, prefix, rate).
-fn acquire_args(
+pub(crate) fn acquire_args(
     caller: &crate::auth::Principal,
     r: pb::AcquireRequest,
 ) -> Result<AcquireArgs, ApiError> {
@@ -161,16 +163,27 @@ pub(crate) async fn renew_call(
     caller: &crate::auth::Principal,
     r: pb::RenewRequest,
 ) -> Result<pb::RenewResponse, ApiError> {
+    let (name, token, ttl_ms) = renew_args(caller, &r)?;
+    Ok(renew_pb(handle.renew(name, token, ttl_ms).await?))
+}
+
+/// The arguments of a renew by `caller`, once it is allowed.
+pub(crate) fn renew_args(
+    caller: &crate::auth::Principal,
+    r: &pb::RenewRequest,
+) -> Result<(LockName, OwnerToken, Option<u64>), ApiError> {
     let name = lock_name("name", &r.name)?;
     caller.authorize(Action::Renew, Some(name.as_str()))?;
-    let g = handle
-        .renew(name, owner_token(&r.owner_token)?, r.ttl_ms)
-        .await?;
-    Ok(pb::RenewResponse {
+    Ok((name, owner_token(&r.owner_token)?, r.ttl_ms))
+}
+
+/// The answer to a successful renew.
+pub(crate) fn renew_pb(g: Grant) -> pb::RenewResponse {
+    pb::RenewResponse {
         name: g.name.to_string(),
         fence: g.fence.get(),
         ttl_ms: g.ttl_ms,
-    })
+    }
 }
 
 /// `Release` by `caller` (gRPC and the wire protocol).
@@ -179,17 +192,31 @@ pub(crate) async fn release_call(
     caller: &crate::auth::Principal,
     r: pb::ReleaseRequest,
 ) -> Result<pb::ReleaseResponse, ApiError> {
-    let name = lock_name("name", &r.name)?;
-    caller.authorize(Action::Release, Some(name.as_str()))?;
-    let released = handle.release(name, owner_token(&r.owner_token)?).await?;
-    let reason = if released { "" } else { "already_released" };
-    Ok(pb::ReleaseResponse {
-        released,
-        reason: reason.to_owned(),
-    })
+    let (name, token) = release_args(caller, &r)?;
+    Ok(release_pb(handle.release(name, token).await?))
 }
 
-fn grant_pb(g: Grant) -> pb::Grant {
+/// The arguments of a release by `caller`, once it is allowed.
+pub(crate) fn release_args(
+    caller: &crate::auth::Principal,
+    r: &pb::ReleaseRequest,
+) -> Result<(LockName, OwnerToken), ApiError> {
+    let name = lock_name("name", &r.name)?;
+    caller.authorize(Action::Release, Some(name.as_str()))?;
+    Ok((name, owner_token(&r.owner_token)?))
+}
+
+/// The answer to a release: whether this call released the grant.
+pub(crate) fn release_pb(released: bool) -> pb::ReleaseResponse {
+    let reason = if released { "" } else { "already_released" };
+    pb::ReleaseResponse {
+        released,
+        reason: reason.to_owned(),
+    }
+}
+
+/// A grant as the API shows it.
+pub(crate) fn grant_pb(g: Grant) -> pb::Grant {
     pb::Grant {
         name: g.name.to_string(),
         fence: g.fence.get(),

@@ -308,7 +308,7 @@ async fn serve(
                 let Some(start) = start else { return };
                 let stream = preface::Prefixed::new(start, stream);
                 if preface::is_wire(stream.prefix()) {
-                    return wire::serve_connection(stream, wire, stopping).await;
+                    return wire::serve_tcp(stream, wire, stopping).await;
                 }
                 return serve_connection(&builder, stream, router, watcher).await;
             };

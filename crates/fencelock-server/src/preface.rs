@@ -62,6 +62,12 @@ impl<I> Prefixed<I> {
         &self.prefix
     }
 
+    /// The bytes of the prefix not yet read, and the stream.
+    pub(crate) fn into_parts(mut self) -> (Vec<u8>, I) {
+        self.prefix.drain(..self.consumed);
+        (self.prefix, self.io)
+    }
+
     /// `io`, whose next reads first return `prefix`.
     pub(crate) fn new(prefix: Vec<u8>, io: I) -> Prefixed<I> {
         Prefixed {

@@ -2,43 +2,50 @@
 //! library's fast path for `Acquire`, `Renew` and `Release`, on the same port as HTTP
 //! and gRPC (the accept loop tells it apart by its first byte).
 //!
-//! One task per connection reads frames, runs each request as a future of its own (an
-//! acquire may wait in the queue while later requests are answered), and writes the
-//! answers as they complete, several per write when several are ready. The requests go
-//! through the same functions as gRPC ([`crate::grpc`]), so validation, authorization,
-//! rate limits and error codes are the same.
+//! One task per connection reads frames and hands each request to the engine with a
+//! *sink* for its answer (`GrantSink`, `ReplySink` in [`crate::engine`]):
+//! the engine calls it on the thread that delivers the answer — the writer thread,
+//! once the change is durable — and the sink encodes the answer into the
+//! connection's output and, on plain TCP, writes it to the socket right there (a
+//! non-blocking write under the connection's lock, so frames never interleave).
+//! Neither the connection task nor the runtime worker it runs on is woken to send an
+//! answer: on this 2-core VM each such wake of an idle worker cost tens of
+//! microseconds per request. Whatever the socket does not take at once, and
+//! everything on TLS (or any other stream), the connection task writes. The requests
+//! go through the same validation as gRPC ([`crate::grpc`]), so authorization, rate
+//! limits and error codes are the same.
 //!
 //! Bounds: a frame is at most `max_body_bytes`; at most `max_streams_per_connection`
 //! acquires are in flight per connection (one more is refused at once with
 //! `resource_exhausted`, so that renewals behind it are never held up by waits), and
 //! as many again of everything else (beyond that the connection is not read until
-//! something completes); a connection that sends nothing for [`IDLE_TIMEOUT`] is closed (the
-//! client pings while idle). Dropping a waiting acquire — on [`Op::Cancel`], or when
-//! the connection ends — takes it out of the queue. Every request gets exactly one
+//! something is answered); a connection that sends nothing for [`IDLE_TIMEOUT`] is
+//! closed (the client pings while idle). A waiting acquire leaves the queue on
+//! [`Op::Cancel`], or when the connection ends. Every request gets exactly one
 //! answer; a cancelled one gets `cancelled` (after its real answer, if that was sent
-//! first — the client then gives back a grant it no longer wants).
+//! first — the client then gives back a grant it no longer wants), and a grant that
+//! finds its request cancelled or its connection gone is released by the engine.
 //!
 //! [`Op::Cancel`]: fencelock_proto::wire::Op::Cancel
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use fencelock_core::{Command, Reply};
 use fencelock_proto::wire::{self, Request, Response, WireError};
-use futures_util::future::{AbortHandle, Abortable};
-use futures_util::stream::{FuturesUnordered, StreamExt};
-use futures_util::FutureExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::watch;
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::TcpStream;
+use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
 use crate::auth::{Authenticator, Principal};
-use crate::engine::Handle;
+use crate::engine::{GrantSink, Handle, ReplySink};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::grpc;
 use crate::limits::Limits;
+use crate::preface::Prefixed;
 
 /// A connection that sends nothing (not even a ping) for this long is closed.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -54,8 +61,6 @@ pub(crate) struct WireOptions {
     /// Time to send the magic bytes.
     pub(crate) header_read_timeout: Duration,
 }
-
-type Answer = Pin<Box<dyn Future<Output = Option<(u64, Response)>> + Send>>;
 
 fn error_response(error: &ApiError) -> Response {
     Response::Error(WireError {
@@ -80,7 +85,7 @@ fn count_refusal(handle: &Handle, error: &ApiError) {
 /// leaves or breaks the protocol. For tests and fuzzing over in-memory streams.
 pub async fn serve_stream<I>(io: I, handle: Handle, auth: Authenticator, limits: &Limits)
 where
-    I: AsyncRead + AsyncWrite + Unpin + Send,
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let options = Arc::new(WireOptions {
         handle,
@@ -94,23 +99,57 @@ where
     serve_connection(io, options, stopping).await;
 }
 
-/// Serves `flw/1` on `io`, whose first bytes are the client's magic, until the client
-/// leaves, breaks the protocol, idles out, or the server stops (`stopping` changes:
-/// then the requests in flight are answered first).
+/// Serves `flw/1` on a plain TCP connection whose first bytes (the client's magic)
+/// are in `stream`'s prefix: answers are written to the socket by whichever thread
+/// delivers them (see the module docs).
+pub(crate) async fn serve_tcp(
+    stream: Prefixed<TcpStream>,
+    options: Arc<WireOptions>,
+    stopping: watch::Receiver<()>,
+) {
+    let (prefix, tcp) = stream.into_parts();
+    let (rd, wr) = tcp.into_split();
+    let wr = Arc::new(wr);
+    serve(
+        Prefixed::new(prefix, rd),
+        Sink::Direct(wr.clone()),
+        Some(wr),
+        options,
+        stopping,
+    )
+    .await;
+}
+
+/// Serves `flw/1` on `io` (TLS, or any other stream), whose first bytes are the
+/// client's magic, until the client leaves, breaks the protocol, idles out, or the
+/// server stops (`stopping` changes: then the requests in flight are answered first).
+/// Only the connection task writes to `io`.
 pub(crate) async fn serve_connection<I>(
     io: I,
     options: Arc<WireOptions>,
+    stopping: watch::Receiver<()>,
+) where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (rd, wr) = tokio::io::split(io);
+    serve(rd, Sink::Stream(Box::new(wr)), None, options, stopping).await;
+}
+
+async fn serve<R>(
+    mut rd: R,
+    mut sink: Sink,
+    direct: Option<Arc<OwnedWriteHalf>>,
+    options: Arc<WireOptions>,
     mut stopping: watch::Receiver<()>,
 ) where
-    I: AsyncRead + AsyncWrite + Unpin + Send,
+    R: AsyncRead + Unpin,
 {
-    let (mut rd, mut wr) = tokio::io::split(io);
     let mut magic = [0u8; wire::CLIENT_MAGIC.len()];
     let greeted = tokio::time::timeout(options.header_read_timeout, rd.read_exact(&mut magic));
     if !matches!(greeted.await, Ok(Ok(_))) || magic != wire::CLIENT_MAGIC {
         return;
     }
-    if write(&mut wr, &wire::SERVER_MAGIC).await.is_err() {
+    if sink.write_all(&wire::SERVER_MAGIC).await.is_err() {
         return;
     }
     options
@@ -118,50 +157,73 @@ pub(crate) async fn serve_connection<I>(
         .metrics()
         .wire_connections
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let outbox = Arc::new(Outbox {
+        state: Mutex::new(OutState {
+            direct,
+            ..OutState::default()
+        }),
+        wake: Notify::new(),
+        handle: options.handle.clone(),
+    });
     let mut conn = Connection {
         options: options.clone(),
         principal: (!options.auth.enabled()).then(Principal::anonymous),
-        in_flight: HashMap::new(),
-        acquires: 0,
-        answers: FuturesUnordered::new(),
-        out: Vec::with_capacity(4096),
+        outbox: outbox.clone(),
         reading: true,
     };
+    serve_requests(&mut conn, &mut rd, &mut sink, &mut stopping).await;
+    // Answers still to come are refused (a grant is then released), waits leave their
+    // queues, and the socket closes with the last handle on its write side.
+    for listener in outbox.close() {
+        options.handle.cancel_listener(listener);
+    }
+    if conn.reading {
+        return;
+    }
+    let _ = sink.shutdown().await;
+}
+
+/// The connection task's loop: reads and handles requests, writes what the sinks
+/// could not, until the client leaves (or breaks the connection), or — once no
+/// longer reading (stopping, or a framing error) — every request is answered.
+async fn serve_requests<R: AsyncRead + Unpin>(
+    conn: &mut Connection,
+    rd: &mut R,
+    sink: &mut Sink,
+    stopping: &mut watch::Receiver<()>,
+) {
+    let max_in_flight = conn.options.max_in_flight;
     let mut input: Vec<u8> = Vec::with_capacity(4096);
+    let mut writing: Vec<u8> = Vec::with_capacity(4096);
     let mut heard = Instant::now();
     // Armed once and moved only when it fires: re-arming it for every read cost a
     // timer-wheel update per request.
     let idle = tokio::time::sleep(IDLE_TIMEOUT);
     tokio::pin!(idle);
     loop {
-        if !conn.out.is_empty() {
-            if write(&mut wr, &conn.out).await.is_err() {
-                return;
-            }
-            conn.out.clear();
-        }
-        if !conn.reading && conn.answers.is_empty() {
-            let _ = wr.shutdown().await;
+        if flush(&conn.outbox, sink, &mut writing).await.is_err() {
             return;
         }
-        // Beyond the acquires' own bound, renewals and releases may add as many again;
-        // past that the connection is not read until something completes.
-        let room = conn.answers.len() < 2 * options.max_in_flight;
+        let room = {
+            let mut state = conn.outbox.lock();
+            if !conn.reading && state.in_flight.is_empty() && state.out.is_empty() {
+                return;
+            }
+            // Beyond the acquires' own bound, renewals and releases may add as many
+            // again; past that the connection is not read until something is answered.
+            let room = state.in_flight.len() < 2 * max_in_flight;
+            // Waiting for answers (for room, or to finish): the sinks wake the task.
+            state.task_waits = !room || !conn.reading;
+            room
+        };
         if input.capacity() - input.len() < 1024 {
             input.reserve(4096);
         }
         tokio::select! {
-            Some(answer) = conn.answers.next(), if !conn.answers.is_empty() => {
-                conn.answered(answer);
-                // Everything else already done goes out in the same write.
-                while let Some(Some(answer)) = conn.answers.next().now_or_never() {
-                    conn.answered(answer);
-                }
-            }
+            () = conn.outbox.wake.notified() => {}
             read = rd.read_buf(&mut input), if conn.reading && room => {
                 match read {
-                    // The client left (or broke the connection): dropping the answers
-                    // still pending takes its waits out of the queues.
+                    // The client left (or broke the connection).
                     Ok(0) | Err(_) => return,
                     Ok(_) => heard = Instant::now(),
                 }
@@ -180,42 +242,213 @@ pub(crate) async fn serve_connection<I>(
     }
 }
 
-/// Writes and flushes (a TLS stream holds what it encrypted until flushed).
-async fn write<W: AsyncWrite + Unpin>(wr: &mut W, bytes: &[u8]) -> std::io::Result<()> {
-    wr.write_all(bytes).await?;
-    wr.flush().await
+/// Where the connection task writes.
+enum Sink {
+    /// Plain TCP, whose write side the sinks share (through [`OutState::direct`]).
+    Direct(Arc<OwnedWriteHalf>),
+    /// Any other stream: only the task writes.
+    Stream(Box<dyn AsyncWrite + Send + Unpin>),
 }
 
-/// One connection's state.
+impl Sink {
+    async fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        match self {
+            Sink::Direct(socket) => {
+                let mut at = 0;
+                while at < bytes.len() {
+                    socket.writable().await?;
+                    match socket.try_write(&bytes[at..]) {
+                        Ok(n) => at += n,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(())
+            }
+            // A TLS stream holds what it encrypted until flushed.
+            Sink::Stream(w) => {
+                w.write_all(bytes).await?;
+                w.flush().await
+            }
+        }
+    }
+
+    /// Ends the write side after a graceful stop (a TCP write half shuts down when
+    /// its last handle is dropped).
+    async fn shutdown(self) -> std::io::Result<()> {
+        match self {
+            Sink::Direct(_) => Ok(()),
+            Sink::Stream(mut w) => w.shutdown().await,
+        }
+    }
+}
+
+/// Writes what the sinks and the task left in `out` (and what is added meanwhile)
+/// until it is empty, keeping the sinks from writing until then. `writing` is a
+/// spare buffer.
+async fn flush(outbox: &Outbox, sink: &mut Sink, writing: &mut Vec<u8>) -> std::io::Result<()> {
+    loop {
+        {
+            let mut state = outbox.lock();
+            if state.out.is_empty() {
+                state.task_writing = false;
+                return Ok(());
+            }
+            state.task_writing = true;
+            std::mem::swap(&mut state.out, writing);
+        }
+        let written = sink.write_all(writing).await;
+        writing.clear();
+        if written.is_err() {
+            outbox.lock().task_writing = false;
+        }
+        written?;
+    }
+}
+
+/// What the connection task and the threads that answer its requests share.
+struct Outbox {
+    state: Mutex<OutState>,
+    /// Wakes the task: output it must write (the socket did not take it, or only the
+    /// task writes), or an answer it waits for ([`OutState::task_waits`]).
+    wake: Notify,
+    handle: Handle,
+}
+
+/// The connection's output and its requests in flight, under the connection's lock.
+#[derive(Default)]
+struct OutState {
+    /// Encoded answers not yet written, in order.
+    out: Vec<u8>,
+    /// The task is writing output it took from `out`: nobody else may write until it
+    /// is done, or frames would interleave.
+    task_writing: bool,
+    /// On plain TCP, the socket's write side, which sinks write to directly; dropped
+    /// when the connection ends, so that the socket closes with the task.
+    direct: Option<Arc<OwnedWriteHalf>>,
+    /// Requests not yet answered, by id: an acquire with its engine listener, `None`
+    /// for a renewal or release.
+    in_flight: HashMap<u64, Option<u128>>,
+    /// How many of them are acquires.
+    acquires: usize,
+    /// The connection ended: answers still to come are refused.
+    closed: bool,
+    /// The task waits for an answer (room to read, or the last one before it ends).
+    task_waits: bool,
+}
+
+impl Outbox {
+    /// The state. Its critical sections never panic between changes, so a poisoned
+    /// lock still holds a consistent value.
+    fn lock(&self) -> std::sync::MutexGuard<'_, OutState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Sends `response`, which needs no request in flight (a ping's, a refusal's).
+    fn reply(&self, id: u64, response: &Response) {
+        let mut state = self.lock();
+        wire::encode_response(&mut state.out, id, response);
+        self.push(&mut state);
+    }
+
+    /// Sends the answer to request `id`, unless the request was cancelled or the
+    /// connection has ended: false then (nobody took it).
+    fn answer(&self, id: u64, response: &Response) -> bool {
+        let mut state = self.lock();
+        if state.closed {
+            return false;
+        }
+        match state.in_flight.remove(&id) {
+            None => return false, // a cancelled acquire
+            Some(Some(_)) => state.acquires -= 1,
+            Some(None) => {}
+        }
+        wire::encode_response(&mut state.out, id, response);
+        self.push(&mut state);
+        if state.task_waits {
+            state.task_waits = false;
+            self.wake.notify_one();
+        }
+        true
+    }
+
+    /// Gets `out` onto the socket: directly if the socket is plain TCP, takes it all
+    /// now and the task is not writing; otherwise by waking the task.
+    fn push(&self, state: &mut OutState) {
+        if state.task_writing || state.out.is_empty() {
+            return; // the task takes `out` up when its write completes
+        }
+        if let Some(socket) = &state.direct {
+            match socket.try_write(&state.out) {
+                Ok(n) if n == state.out.len() => {
+                    state.out.clear();
+                    return;
+                }
+                Ok(n) => {
+                    state.out.drain(..n);
+                }
+                // Full, or broken: the task waits for room, or finds the error.
+                Err(_) => {}
+            }
+        }
+        self.wake.notify_one();
+    }
+
+    /// The connection ended: refuses answers still to come, drops the shared write
+    /// side, and returns the listeners of the acquires still waiting.
+    fn close(&self) -> Vec<u128> {
+        let mut state = self.lock();
+        state.closed = true;
+        state.direct = None;
+        state.acquires = 0;
+        state.in_flight.drain().filter_map(|(_, l)| l).collect()
+    }
+
+    /// The sink of acquire `id`'s answer.
+    fn grant_sink(self: &Arc<Self>, id: u64) -> GrantSink {
+        let outbox = self.clone();
+        Box::new(move |result| {
+            let response = match result {
+                Ok(grant) => Response::Grant(grpc::grant_pb(grant)),
+                Err(e) => {
+                    count_refusal(&outbox.handle, &e);
+                    error_response(&e)
+                }
+            };
+            outbox.answer(id, &response)
+        })
+    }
+
+    /// The sink of renewal or release `id`'s answer.
+    fn reply_sink(self: &Arc<Self>, id: u64) -> ReplySink {
+        let outbox = self.clone();
+        Box::new(move |result| {
+            let response = match result {
+                Ok(Reply::Renewed(grant)) => Response::Renewed(grpc::renew_pb(grant)),
+                Ok(Reply::Released { released }) => Response::Released(grpc::release_pb(released)),
+                Ok(other) => unreachable!("a renew or release replied {other:?}"),
+                Err(e) => error_response(&ApiError::from(e)),
+            };
+            outbox.answer(id, &response);
+        })
+    }
+}
+
+/// One connection's state, owned by its task.
 struct Connection {
     options: Arc<WireOptions>,
     /// Who the connection speaks for; `None` until a good `Hello` when tokens are on.
     principal: Option<Principal>,
-    /// Requests in flight by id, with the handle that cancels an acquire (`None` for
-    /// renewals and releases).
-    in_flight: HashMap<u64, Option<AbortHandle>>,
-    /// How many of them are acquires.
-    acquires: usize,
-    answers: FuturesUnordered<Answer>,
-    /// Encoded answers not yet written.
-    out: Vec<u8>,
+    outbox: Arc<Outbox>,
     /// Still reading requests (false once stopping, or after a framing error).
     reading: bool,
 }
 
 impl Connection {
-    fn answered(&mut self, answer: Option<(u64, Response)>) {
-        // `None`: a cancelled acquire, which gets no answer.
-        if let Some((id, response)) = answer {
-            if let Some(Some(_)) = self.in_flight.remove(&id) {
-                self.acquires -= 1;
-            }
-            wire::encode_response(&mut self.out, id, &response);
-        }
-    }
-
     fn reply(&mut self, id: u64, response: &Response) {
-        wire::encode_response(&mut self.out, id, response);
+        self.outbox.reply(id, response);
     }
 
     fn refuse(&mut self, id: u64, error: ApiError) {
@@ -261,12 +494,23 @@ impl Connection {
         match request {
             Request::Ping => self.reply(id, &Response::Pong),
             Request::Cancel => {
-                // Aborted before it answered: the acquire leaves the queue, and a
-                // grant it got meanwhile is given back by the engine. Either way the
-                // client hears `cancelled` for the id, after any answer it was sent.
-                if let Some(Some(abort)) = self.in_flight.remove(&id) {
-                    abort.abort();
-                    self.acquires -= 1;
+                // Taken out of the queue if it still waits; a grant on its way finds
+                // it gone and is released by the engine. Either way the client hears
+                // `cancelled` for the id, after any answer it was sent.
+                let listener = {
+                    let mut state = self.outbox.lock();
+                    match state.in_flight.get(&id) {
+                        Some(Some(listener)) => {
+                            let listener = *listener;
+                            state.in_flight.remove(&id);
+                            state.acquires -= 1;
+                            Some(listener)
+                        }
+                        _ => None,
+                    }
+                };
+                if let Some(listener) = listener {
+                    self.options.handle.cancel_listener(listener);
                 }
                 let cancelled = ApiError::new(ApiErrorKind::Cancelled, "cancelled by the client");
                 self.reply(id, &error_response(&cancelled));
@@ -302,60 +546,197 @@ impl Connection {
                 ),
             );
         };
-        if self.in_flight.contains_key(&id) {
-            return self.reply(
-                id,
-                &error_response(&ApiError::new(
-                    ApiErrorKind::InvalidArgument,
-                    format!("request id {id} is already in flight on this connection"),
-                )),
-            );
-        }
+        let handle = &self.options.handle;
         let acquire = matches!(request, Request::Acquire(_));
-        if acquire && self.acquires >= self.options.max_in_flight {
-            // Refused rather than left unread: renewals and releases behind it on this
-            // connection must not wait for a queue to move.
-            let error = ApiError::new(
-                ApiErrorKind::ResourceExhausted,
-                format!(
-                    "{} acquires are already in flight on this connection",
-                    self.acquires
-                ),
-            );
-            return self.reply(id, &error_response(&error));
+        let listener = acquire.then(|| handle.new_listener());
+        {
+            let state = self.outbox.lock();
+            if state.in_flight.contains_key(&id) {
+                drop(state);
+                return self.reply(
+                    id,
+                    &error_response(&ApiError::new(
+                        ApiErrorKind::InvalidArgument,
+                        format!("request id {id} is already in flight on this connection"),
+                    )),
+                );
+            }
+            if acquire && state.acquires >= self.options.max_in_flight {
+                // Refused rather than left unread: renewals and releases behind it on
+                // this connection must not wait for a queue to move.
+                let error = ApiError::new(
+                    ApiErrorKind::ResourceExhausted,
+                    format!(
+                        "{} acquires are already in flight on this connection",
+                        state.acquires
+                    ),
+                );
+                drop(state);
+                return self.reply(id, &error_response(&error));
+            }
         }
-        let handle = self.options.handle.clone();
-        let answer = async move {
-            let result = match request {
-                Request::Acquire(r) => grpc::acquire_call(&handle, &caller, r)
-                    .await
-                    .map(Response::Grant),
-                Request::Renew(r) => grpc::renew_call(&handle, &caller, r)
-                    .await
-                    .map(Response::Renewed),
-                Request::Release(r) => grpc::release_call(&handle, &caller, r)
-                    .await
-                    .map(Response::Released),
-                Request::Hello(_) | Request::Cancel | Request::Ping => {
-                    unreachable!("answered without a future")
-                }
-            };
-            let response = result.unwrap_or_else(|e| {
-                count_refusal(&handle, &e);
-                error_response(&e)
-            });
-            Some((id, response))
+        let sent = match request {
+            Request::Acquire(r) => grpc::acquire_args(&caller, r).and_then(|args| {
+                // In flight before it is sent: the answer may come from another thread
+                // before `acquire_to` returns.
+                let listener = listener.expect("set for acquires");
+                self.register(id, Some(listener));
+                handle.acquire_to(args, listener, self.outbox.grant_sink(id))
+            }),
+            Request::Renew(r) => grpc::renew_args(&caller, &r).and_then(|(name, token, ttl_ms)| {
+                self.register(id, None);
+                let renew = Command::Renew {
+                    name,
+                    token,
+                    ttl_ms,
+                };
+                handle.command_to(renew, self.outbox.reply_sink(id))
+            }),
+            Request::Release(r) => grpc::release_args(&caller, &r).and_then(|(name, token)| {
+                self.register(id, None);
+                let release = Command::Release { name, token };
+                handle.command_to(release, self.outbox.reply_sink(id))
+            }),
+            Request::Hello(_) | Request::Cancel | Request::Ping => {
+                unreachable!("answered without the engine")
+            }
         };
-        if acquire {
-            let (abort, registration) = AbortHandle::new_pair();
-            self.in_flight.insert(id, Some(abort));
-            self.acquires += 1;
-            self.answers.push(Box::pin(
-                Abortable::new(answer, registration).map(|done| done.ok().flatten()),
-            ));
-        } else {
-            self.in_flight.insert(id, None);
-            self.answers.push(Box::pin(answer));
+        if let Err(e) = sent {
+            // Refused before the engine saw it, or the engine is gone.
+            self.unregister(id);
+            self.refuse(id, e);
         }
+    }
+
+    fn register(&self, id: u64, listener: Option<u128>) {
+        let mut state = self.outbox.lock();
+        state.in_flight.insert(id, listener);
+        if listener.is_some() {
+            state.acquires += 1;
+        }
+    }
+
+    fn unregister(&self, id: u64) {
+        let mut state = self.outbox.lock();
+        if let Some(Some(_)) = state.in_flight.remove(&id) {
+            state.acquires -= 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures_util::FutureExt;
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// A connected pair: the server side split as [`serve_tcp`] splits it, and the
+    /// client's stream.
+    async fn socket_pair() -> (Arc<OwnedWriteHalf>, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        let (_rd, wr) = server.into_split();
+        // Writable once the reactor has seen it so (as after the server's magic).
+        wr.writable().await.unwrap();
+        (Arc::new(wr), client)
+    }
+
+    async fn new_outbox(direct: Option<Arc<OwnedWriteHalf>>) -> (Arc<Outbox>, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let handle = crate::engine::start(crate::engine::EngineConfig::new(dir.path())).unwrap();
+        let outbox = Arc::new(Outbox {
+            state: Mutex::new(OutState {
+                direct,
+                ..OutState::default()
+            }),
+            wake: Notify::new(),
+            handle,
+        });
+        (outbox, dir)
+    }
+
+    async fn read_answer(client: &mut TcpStream) -> (u64, Response) {
+        let mut input = Vec::new();
+        loop {
+            if let Some(n) = wire::frame_len(&input, wire::MAX_FRAME_BYTES).unwrap() {
+                return wire::decode_response(&input[..n]).unwrap();
+            }
+            let read = tokio::time::timeout(Duration::from_secs(10), client.read_buf(&mut input));
+            assert!(read.await.unwrap().unwrap() > 0, "the socket closed");
+        }
+    }
+
+    /// The point of the sinks: an answer delivered on another thread (the engine's
+    /// writer thread) reaches the client's socket from that thread, without waking
+    /// the connection task.
+    #[tokio::test]
+    async fn an_answer_is_written_to_the_socket_by_the_thread_that_delivers_it() {
+        let (wr, mut client) = socket_pair().await;
+        let (outbox, _dir) = new_outbox(Some(wr)).await;
+        outbox.lock().in_flight.insert(7, None);
+        let delivering = outbox.clone();
+        let took = std::thread::spawn(move || delivering.answer(7, &Response::Pong))
+            .join()
+            .unwrap();
+        assert!(took);
+        assert_eq!(read_answer(&mut client).await, (7, Response::Pong));
+        assert!(
+            outbox.wake.notified().now_or_never().is_none(),
+            "the connection task was woken to write an answer the socket took"
+        );
+        assert!(outbox.lock().in_flight.is_empty());
+    }
+
+    /// On any other stream (TLS), or while the task is writing, an answer waits in
+    /// the output for the task, which is woken to write it.
+    #[tokio::test]
+    async fn without_a_direct_socket_or_while_the_task_writes_the_task_is_woken() {
+        let (outbox, _dir) = new_outbox(None).await;
+        outbox.lock().in_flight.insert(1, None);
+        assert!(outbox.answer(1, &Response::Pong));
+        assert!(!outbox.lock().out.is_empty());
+        assert!(outbox.wake.notified().now_or_never().is_some());
+
+        let (wr, _client) = socket_pair().await;
+        let (outbox, _dir) = new_outbox(Some(wr)).await;
+        outbox.lock().task_writing = true;
+        outbox.lock().in_flight.insert(2, None);
+        assert!(outbox.answer(2, &Response::Pong));
+        assert!(
+            !outbox.lock().out.is_empty(),
+            "a sink wrote while the task was writing: frames could interleave"
+        );
+    }
+
+    /// An answer to a cancelled acquire, or to any request once the connection has
+    /// ended, is refused (the engine then releases a grant), and closing hands back
+    /// the listeners of the acquires still waiting.
+    #[tokio::test]
+    async fn answers_to_cancelled_requests_or_a_closed_connection_are_refused() {
+        let (wr, _client) = socket_pair().await;
+        let (outbox, _dir) = new_outbox(Some(wr)).await;
+        assert!(
+            !outbox.answer(3, &Response::Pong),
+            "no such request in flight (it was cancelled)"
+        );
+        {
+            let mut state = outbox.lock();
+            state.in_flight.insert(4, Some(40));
+            state.in_flight.insert(5, None);
+            state.acquires = 1;
+        }
+        assert_eq!(outbox.close(), vec![40]);
+        assert!(!outbox.answer(4, &Response::Pong));
+        assert!(!outbox.answer(5, &Response::Pong));
+        let state = outbox.lock();
+        assert!(
+            state.direct.is_none(),
+            "the socket must close with the task"
+        );
+        assert!(state.out.is_empty());
     }
 }
