@@ -499,15 +499,12 @@ impl Connection {
                 // `cancelled` for the id, after any answer it was sent.
                 let listener = {
                     let mut state = self.outbox.lock();
-                    match state.in_flight.get(&id) {
-                        Some(Some(listener)) => {
-                            let listener = *listener;
-                            state.in_flight.remove(&id);
-                            state.acquires -= 1;
-                            Some(listener)
-                        }
-                        _ => None,
+                    let listener = state.in_flight.get(&id).copied().flatten();
+                    if listener.is_some() {
+                        state.in_flight.remove(&id);
+                        state.acquires -= 1;
                     }
+                    listener
                 };
                 if let Some(listener) = listener {
                     self.options.handle.cancel_listener(listener);
@@ -548,7 +545,6 @@ impl Connection {
         };
         let handle = &self.options.handle;
         let acquire = matches!(request, Request::Acquire(_));
-        let listener = acquire.then(|| handle.new_listener());
         {
             let state = self.outbox.lock();
             if state.in_flight.contains_key(&id) {
@@ -579,7 +575,7 @@ impl Connection {
             Request::Acquire(r) => grpc::acquire_args(&caller, r).and_then(|args| {
                 // In flight before it is sent: the answer may come from another thread
                 // before `acquire_to` returns.
-                let listener = listener.expect("set for acquires");
+                let listener = handle.new_listener();
                 self.register(id, Some(listener));
                 handle.acquire_to(args, listener, self.outbox.grant_sink(id))
             }),
