@@ -236,12 +236,16 @@ enum WriterMsg {
         seq: u64,
         snapshot_bytes: u64,
     },
+    /// Encode the state for a backup, once every change answered before this
+    /// message has reached the replica.
+    Backup(oneshot::Sender<Vec<u8>>),
     Stop(oneshot::Sender<()>),
 }
 
 struct Shared {
     tx: mpsc::UnboundedSender<Msg>,
-    replica: std::sync::mpsc::Sender<ReplicaMsg>,
+    /// Backups go through the writer (see [`WriterMsg::Backup`]).
+    writer: std::sync::mpsc::Sender<WriterMsg>,
     metrics: Arc<Metrics>,
     events: broadcast::Sender<SharedEvent>,
     state: watch::Receiver<RunState>,
@@ -568,6 +572,8 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         hold_unanswered: log_opts.fsync,
         #[cfg(test)]
         sync_gate: tests::SYNC_GATE.with(|gate| gate.borrow_mut().take()),
+        #[cfg(test)]
+        replica_gate: tests::REPLICA_GATE.with(|gate| gate.borrow_mut().take()),
     };
     std::thread::Builder::new()
         .name("fencelock-writer".into())
@@ -579,7 +585,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         clock,
         rx,
         self_tx: tx.clone(),
-        writer: writer_tx,
+        writer: writer_tx.clone(),
         metrics: metrics.clone(),
         events: events.clone(),
         state: state_tx,
@@ -594,6 +600,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         listener_index: std::collections::HashMap::new(),
         draining: false,
     };
+    let writer_backup = writer_tx;
     let engine_task = tokio::spawn(engine.run());
     // A panic in the engine is a broken invariant: stop serving (fail-stop) and say so.
     tokio::spawn(async move {
@@ -609,7 +616,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     Ok(Handle {
         shared: Arc::new(Shared {
             tx,
-            replica: snap_tx,
+            writer: writer_backup,
             metrics,
             events,
             state: state_rx,
@@ -1088,6 +1095,10 @@ struct Writer {
     /// Tests hold the fdatasync here to see what goes out before it.
     #[cfg(test)]
     sync_gate: Option<Arc<tests::SyncGate>>,
+    /// Tests hold the writer here, after a group's answers and before the replica
+    /// hears of its records.
+    #[cfg(test)]
+    replica_gate: Option<Arc<tests::SyncGate>>,
 }
 
 impl Writer {
@@ -1139,15 +1150,23 @@ impl Writer {
                 .audit_entries
                 .store(self.audit.len() as u64, Ordering::Relaxed);
         }
-        if !durable.is_empty() {
-            // The replica sees every durable change before any client hears of
-            // it, so a backup asked for after a reply includes that change.
-            let _ = self.replica.send(ReplicaMsg::Records(durable));
-        }
         // Events first: a watcher sees a change no later than the client it answers
         // (releases excepted: they were answered once written).
         for delivery in events.into_iter().chain(deliveries) {
             delivery();
+        }
+        // The replica hears of the records after the clients do: waking its thread
+        // is a system call (and, on a VM, often a wake-up of an idle vCPU) that
+        // would otherwise sit between the fdatasync and every answer. A backup
+        // still includes every change answered before it was asked for: it is
+        // asked of the writer (`WriterMsg::Backup`), which passes it on only after
+        // this send, in the same channel.
+        if !durable.is_empty() {
+            #[cfg(test)]
+            if let Some(gate) = &self.replica_gate {
+                gate.pass();
+            }
+            let _ = self.replica.send(ReplicaMsg::Records(durable));
         }
         // Snapshot once the log since the last one is as large as the configured
         // threshold or a quarter of the last snapshot, whichever is larger:
@@ -1280,6 +1299,9 @@ impl Writer {
                     if let Err(e) = self.log.forget_before(seq) {
                         return self.fail(format!("drop log covered by snapshot {seq}: {e}"));
                     }
+                }
+                Some(WriterMsg::Backup(reply)) => {
+                    let _ = self.replica.send(ReplicaMsg::Backup(reply));
                 }
                 Some(WriterMsg::Stop(done)) => {
                     // A clean stop leaves nothing to rebuild.
@@ -1652,14 +1674,15 @@ impl Handle {
     }
 
     /// A consistent snapshot of the whole durable state (for `fencelock backup`). It
-    /// includes every change acknowledged before the call (a release once its
-    /// fdatasync, which follows its answer, has completed), and is taken from the
+    /// includes every change acknowledged before the call: the request goes through
+    /// the writer, after everything it has answered (a release answered before its
+    /// fdatasync included: the backup waits for that fdatasync). It is encoded by the
     /// replica, so the engine does not pause for it.
     pub async fn snapshot(&self) -> Result<Vec<u8>, ApiError> {
         let (tx, rx) = oneshot::channel();
         self.shared
-            .replica
-            .send(ReplicaMsg::Backup(tx))
+            .writer
+            .send(WriterMsg::Backup(tx))
             .map_err(|_| unavailable())?;
         rx.await.map_err(|_| unavailable())
     }
@@ -1751,6 +1774,9 @@ mod tests {
     thread_local! {
         /// The gate for the next engine started on this thread.
         pub(super) static SYNC_GATE: RefCell<Option<Arc<SyncGate>>> = const { RefCell::new(None) };
+        /// The replica gate (see `Writer::replica_gate`) of the next engine started
+        /// on this thread.
+        pub(super) static REPLICA_GATE: RefCell<Option<Arc<SyncGate>>> = const { RefCell::new(None) };
     }
 
     fn acquire_args(name: &LockName, wait_ms: u64) -> AcquireArgs {
@@ -1815,6 +1841,43 @@ mod tests {
             !may_hold(&Group::default(), Duration::ZERO),
             "nothing to sync"
         );
+    }
+
+    /// The replica hears of a group's records after its clients do, yet a backup
+    /// asked for after an answer still includes what was answered: it waits for the
+    /// writer to feed the replica first.
+    #[tokio::test]
+    async fn a_backup_asked_for_after_an_answer_includes_it_though_the_replica_hears_later() {
+        let dir = tempfile::tempdir().unwrap();
+        let gate = Arc::new(SyncGate::default());
+        REPLICA_GATE.with(|g| *g.borrow_mut() = Some(gate.clone()));
+        let handle = start(EngineConfig::new(dir.path())).unwrap();
+        let name = LockName::new("payroll").unwrap();
+        gate.set(true);
+        let grant = tokio::time::timeout(
+            Duration::from_secs(10),
+            handle.acquire(acquire_args(&name, 0)),
+        )
+        .await
+        .expect("answers go out before the replica is fed")
+        .unwrap();
+        let opener = gate.clone();
+        let open = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            opener.set(false);
+        });
+        let backup = tokio::time::timeout(Duration::from_secs(10), handle.snapshot())
+            .await
+            .expect("the backup follows the replica's records")
+            .unwrap();
+        open.join().unwrap();
+        let image = codec::decode_snapshot(&backup).unwrap();
+        assert!(
+            image.next_fence > grant.fence.get(),
+            "the backup misses fence {} that was answered before it was asked for",
+            grant.fence
+        );
+        handle.shutdown().await;
     }
 
     /// A release is answered once its record is written, before its fdatasync; the
