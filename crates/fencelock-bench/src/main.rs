@@ -217,24 +217,44 @@ fn outcome_json(target: Target, workload: Workload, spec: &Spec, o: &Outcome) ->
     })
 }
 
+/// Runs every workload of `runs` against one target. `log_port`: a durable fencelock
+/// server's port, whose fdatasyncs during each run (warm-up included) are recorded
+/// with it (`log_syncs`, `log_sync_mean_us`), as the report's W3 ceiling needs.
 async fn one<L: Locker>(
     config: L::Config,
     runs: &[(Workload, Spec)],
     target: Target,
+    log_port: Option<u16>,
     session: &mut Session,
 ) -> anyhow::Result<()> {
     let config = Arc::new(config);
     for (workload, spec) in runs {
+        let before = match log_port {
+            Some(port) => peers::fencelock_log_syncs(port).await,
+            None => None,
+        };
         let outcome = workload::run::<L>(config.clone(), spec)
             .await
             .with_context(|| format!("{} {workload:?} c={}", target.name(), spec.clients))?;
+        let after = match log_port {
+            Some(port) => peers::fencelock_log_syncs(port).await,
+            None => None,
+        };
         let violated = outcome.checked.overlaps + outcome.checked.fence_decreases > 0;
         if target.name().starts_with("fencelock")
             && (violated || outcome.errors > 0 || outcome.pairs == 0)
         {
             session.ok = false;
         }
-        session.emit(outcome_json(target, *workload, spec, &outcome))?;
+        let mut record = outcome_json(target, *workload, spec, &outcome);
+        if let (Some((n0, s0)), Some((n1, s1))) = (before, after) {
+            let syncs = n1.saturating_sub(n0);
+            record["log_syncs"] = json!(syncs);
+            if syncs > 0 {
+                record["log_sync_mean_us"] = json!(((s1 - s0) / syncs as f64 * 1e6).round());
+            }
+        }
+        session.emit(record)?;
     }
     Ok(())
 }
@@ -261,7 +281,8 @@ async fn run_target(
                 url,
                 transport: fencelock::Transport::Wire,
             };
-            let result = one::<FencelockLocker>(config, runs, target, session).await;
+            let log_port = (target == Target::Fencelock).then(|| peer.port());
+            let result = one::<FencelockLocker>(config, runs, target, log_port, session).await;
             // Let the last events arrive before stopping the audits.
             tokio::time::sleep(Duration::from_millis(200)).await;
             stop.notify_waiters();
@@ -285,12 +306,12 @@ async fn run_target(
                 url: format!("http://127.0.0.1:{}", peer.port()),
                 transport: fencelock::Transport::Grpc,
             };
-            one::<FencelockLocker>(config, runs, target, session).await
+            one::<FencelockLocker>(config, runs, target, None, session).await
         }
         Target::FencelockGrpc => {
             let peer = peers::fencelock(&args.fencelock_bin, true, None)?;
             let url = format!("http://127.0.0.1:{}", peer.port());
-            one::<FencelockGrpcLocker>(url, runs, target, session).await
+            one::<FencelockGrpcLocker>(url, runs, target, None, session).await
         }
         Target::Etcd => {
             let peer = peers::etcd()?;
@@ -298,13 +319,14 @@ async fn run_target(
                 format!("http://127.0.0.1:{}", peer.port()),
                 runs,
                 target,
+                None,
                 session,
             )
             .await
         }
         Target::Zookeeper => {
             let peer = peers::zookeeper()?;
-            one::<ZkLocker>(peer.port(), runs, target, session).await
+            one::<ZkLocker>(peer.port(), runs, target, None, session).await
         }
         Target::Redis | Target::RedisFenced | Target::RedisAof | Target::RedisFencedAof => {
             let fsync = matches!(target, Target::RedisAof | Target::RedisFencedAof);
@@ -313,16 +335,16 @@ async fn run_target(
                 port: peer.port(),
                 fenced: matches!(target, Target::RedisFenced | Target::RedisFencedAof),
             };
-            one::<RedisLocker>(config, runs, target, session).await
+            one::<RedisLocker>(config, runs, target, None, session).await
         }
         Target::PgTable | Target::PgAdvisory => {
             let peer = peers::postgres()?;
             let conninfo = peers::postgres_conninfo(&peer);
             if target == Target::PgTable {
                 pg::setup(&conninfo).await?;
-                one::<PgTableLocker>(conninfo, runs, target, session).await
+                one::<PgTableLocker>(conninfo, runs, target, None, session).await
             } else {
-                one::<PgAdvisoryLocker>(conninfo, runs, target, session).await
+                one::<PgAdvisoryLocker>(conninfo, runs, target, None, session).await
             }
         }
     }

@@ -67,6 +67,42 @@ fn http_ready(port: u16) -> bool {
     .is_some_and(|reply| reply.starts_with(b"HTTP/1.1"))
 }
 
+/// The fdatasyncs a fencelock server has done so far: their count and their total
+/// time in seconds, from its `/metrics` (`fencelock_log_sync_seconds`). `None` if the
+/// server does not answer or exports no such histogram.
+pub async fn fencelock_log_syncs(port: u16) -> Option<(u64, f64)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let read = async {
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()?;
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut text = Vec::new();
+        // The exposition is a few kB; a bound keeps a misbehaving server harmless.
+        stream.take(1 << 20).read_to_end(&mut text).await.ok()?;
+        String::from_utf8(text).ok()
+    };
+    let text = tokio::time::timeout(std::time::Duration::from_secs(5), read)
+        .await
+        .ok()??;
+    parse_log_syncs(&text)
+}
+
+/// The count and sum of `fencelock_log_sync_seconds` in a Prometheus exposition.
+fn parse_log_syncs(text: &str) -> Option<(u64, f64)> {
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    };
+    let count = value("fencelock_log_sync_seconds_count")?;
+    let sum = value("fencelock_log_sync_seconds_sum")?;
+    Some((count as u64, sum))
+}
+
 /// A fencelock server (`fencelock serve`) on `data_dir` (a fresh one if `None`).
 pub fn fencelock(binary: &Path, durable: bool, data_dir: Option<&Path>) -> anyhow::Result<Peer> {
     let dir = tempdir("fencelock")?;
@@ -159,4 +195,20 @@ pub fn postgres_conninfo(peer: &Peer) -> String {
         "host=127.0.0.1 port={} user=postgres dbname=postgres",
         peer.port()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_log_syncs;
+
+    #[test]
+    fn log_syncs_are_read_from_the_histogram_s_count_and_sum() {
+        let text = "# TYPE fencelock_log_sync_seconds histogram\n\
+            fencelock_log_sync_seconds_bucket{le=\"0.001\"} 7\n\
+            fencelock_log_sync_seconds_sum 0.000812\n\
+            fencelock_log_sync_seconds_count 7\n\
+            fencelock_log_sync_seconds_count_other 9\n";
+        assert_eq!(parse_log_syncs(text), Some((7, 0.000812)));
+        assert_eq!(parse_log_syncs("fencelock_held 3\n"), None);
+    }
 }

@@ -195,6 +195,53 @@ fn targets_table(runs: &[Value], out: &mut String) {
     row("W5 ready ≤ 2 s with 1M locks", w5, 1.0);
 }
 
+/// What W3 can reach at all while every grant is durable before it is acknowledged
+/// (DESIGN.md, Invariant 3), from this run's own figures, or `None` if the run lacks
+/// them.
+///
+/// A hand-off is serial: the grant's fdatasync must complete before the new holder
+/// hears of it, and its release (which starts the next hand-off's fdatasync) cannot
+/// come before that. So one hand-off takes at least one fdatasync plus what a
+/// hand-off costs without any disk. The second term is taken as the fastest W3
+/// hand-off of any memory-tier target in the same run (the best stack this machine
+/// showed), and the first as the fencelock server's own mean fdatasync in its W3
+/// run, so the ceiling is optimistic for fencelock, never pessimistic.
+fn w3_ceiling(runs: &[Value]) -> Option<String> {
+    let clients = 64;
+    let sync_us = metric(runs, BASE, "W3", clients, "log_sync_mean_us")?;
+    let (fastest, rate) = runs
+        .iter()
+        .filter(|r| r["tier"] == "memory" && r["workload"] == "W3")
+        .filter(|r| r["clients"].as_u64() == Some(clients))
+        .filter_map(|r| Some((r["target"].as_str()?, r["handoffs_per_s"].as_f64()?)))
+        .filter(|(_, rate)| *rate > 0.0)
+        .max_by(|a, b| a.1.total_cmp(&b.1))?;
+    let stack_us = 1e6 / rate;
+    let ceiling = 1e6 / (sync_us + stack_us);
+    let zk = metric(runs, "zookeeper", "W3", clients, "handoffs_per_s")
+        .filter(|zk| *zk > 0.0)
+        .map_or_else(String::new, |zk| {
+            format!(
+                " = **{:.2}× ZooKeeper** ({} hand-offs/s), against a target of 5×",
+                ceiling / zk,
+                fmt_num(zk)
+            )
+        });
+    let ours = metric(runs, BASE, "W3", clients, "handoffs_per_s").map_or_else(String::new, |b| {
+        format!(
+            "; fencelock reached {} hand-offs/s, {:.0} % of it",
+            fmt_num(b),
+            100.0 * b / ceiling
+        )
+    });
+    Some(format!(
+        "**W3 ceiling with one fdatasync per hand-off** (c={clients}; a grant is durable before \
+         it is acknowledged, and the next release can only follow it): 1 / ({sync_us:.0} µs, \
+         the server's mean fdatasync in its W3 run + {stack_us:.0} µs, the fastest hand-off \
+         without any fsync in this run, {fastest}) = {ceiling:.0} hand-offs/s{zk}{ours}.\n"
+    ))
+}
+
 fn violations_table(runs: &[Value], out: &mut String) {
     out.push_str("| target | runs | overlaps | fence decreases | FIFO inversions (W3) | errors |\n|---|---|---|---|---|---|\n");
     let mut targets: Vec<&str> = Vec::new();
@@ -229,6 +276,10 @@ pub fn markdown(runs: &[Value]) -> String {
     tier_table(runs, "memory", BASE_NONE, &mut out);
     out.push_str("\n### The issue's targets\n\n");
     targets_table(runs, &mut out);
+    if let Some(text) = w3_ceiling(runs) {
+        out.push('\n');
+        out.push_str(&text);
+    }
     out.push_str("\n### What the online checker saw (all runs)\n\n");
     violations_table(runs, &mut out);
     out.push_str("\n### Every run\n\n| target | tier | workload | clients | pairs/s | hand-offs/s | pair p50 / p99 / p99.9 (µs) | wait p50 / p99 (µs) | errors |\n|---|---|---|---|---|---|---|---|---|\n");
@@ -443,6 +494,40 @@ mod tests {
         // 140 + (380 - 140) / 2 = 260.
         assert!(md(260).contains("= 260 µs | yes |"), "{}", md(260));
         assert!(md(261).contains("= 260 µs | **no** |"), "{}", md(261));
+    }
+
+    #[test]
+    fn w3_ceiling_adds_the_server_s_fdatasync_to_the_fastest_hand_off_without_one() {
+        let w3 = |target: &str, tier: &str, rate: f64, extra: Value| {
+            let mut r = json!({"target": target, "tier": tier, "workload": "W3", "clients": 64,
+                "handoffs_per_s": rate});
+            for (k, v) in extra.as_object().expect("object") {
+                r[k] = v.clone();
+            }
+            r
+        };
+        let runs = vec![
+            w3(
+                "fencelock",
+                "fsync",
+                3000.0,
+                json!({"log_sync_mean_us": 100}),
+            ),
+            w3("fencelock-none", "memory", 8000.0, json!({})),
+            // 10,000/s: 100 µs a hand-off, the fastest without fsync.
+            w3("pg-advisory", "memory", 10000.0, json!({})),
+            w3("zookeeper", "fsync", 1000.0, json!({})),
+        ];
+        let md = markdown(&runs);
+        // 1 / (100 µs + 100 µs) = 5,000/s = 5× ZooKeeper's 1,000/s; 3,000 is 60 % of it.
+        assert!(
+            md.contains("1 / (100 µs, the server's mean fdatasync in its W3 run + 100 µs, the fastest hand-off without any fsync in this run, pg-advisory) = 5000 hand-offs/s = **5.00× ZooKeeper** (1000 hand-offs/s), against a target of 5×; fencelock reached 3000 hand-offs/s, 60 % of it."),
+            "{md}"
+        );
+        // Without the server's fdatasync figure (older runs) there is no ceiling.
+        let mut older = runs.clone();
+        older[0] = w3("fencelock", "fsync", 3000.0, json!({}));
+        assert!(!markdown(&older).contains("W3 ceiling"));
     }
 
     #[test]
