@@ -32,6 +32,7 @@ pub fn config_file(data: &[u8]) {
         data_dir: None,
         durability: None,
         workers: None,
+        writer_poll_us: None,
         log_format: None,
         log_level: None,
         insecure: false,

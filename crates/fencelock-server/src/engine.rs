@@ -71,7 +71,22 @@ pub struct EngineConfig {
     pub snapshot_after_bytes: u64,
     /// Retention of the audit log (in `data_dir/audit`).
     pub audit: AuditConfig,
+    /// The longest the log writer polls for the next batch before it sleeps, when
+    /// small writes follow each other closely (see [`DEFAULT_WRITER_POLL`]); zero:
+    /// it never polls.
+    pub writer_poll: Duration,
 }
+
+/// The default bound of the log writer's polling: up to this long after a small
+/// write, while the next batch keeps coming within it, the writer polls its channel
+/// instead of sleeping. A sleeping writer is woken by a system call, and on a VM
+/// often by the wake-up of a halted vCPU, which cost tens of µs on each request of
+/// a lone client (W1 p50 −22 to −29 %, BENCHMARKS.md). The window adapts like the
+/// kernel's guest halt-polling: it opens while batches come closer than this, closes
+/// when they do not (sparse traffic burns no CPU), and stays shut while writes are
+/// large (a busy server needs its cores for the work). Its price: with one client
+/// at a time, up to one core busy polling between that client's requests.
+pub const DEFAULT_WRITER_POLL: Duration = Duration::from_micros(200);
 
 impl EngineConfig {
     /// Defaults for a data directory: fsync on, 64 MiB segments, snapshot every 16 MiB
@@ -84,6 +99,7 @@ impl EngineConfig {
             segment_bytes: 64 << 20,
             snapshot_after_bytes: 16 << 20,
             audit: AuditConfig::default(),
+            writer_poll: DEFAULT_WRITER_POLL,
         }
     }
 }
@@ -570,6 +586,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         bytes_since_cut,
         cut_in_flight: false,
         hold_unanswered: log_opts.fsync,
+        writer_poll: config.writer_poll,
         #[cfg(test)]
         sync_gate: tests::SYNC_GATE.with(|gate| gate.borrow_mut().take()),
         #[cfg(test)]
@@ -1077,6 +1094,98 @@ fn may_hold(group: &Group, held_for: Duration) -> bool {
     !group.durable.is_empty() && group.deliveries.is_empty() && held_for < HOLD_UNANSWERED_GROUP
 }
 
+/// The first poll window once batches are seen to follow each other closely (or
+/// the bound, if that is smaller).
+const SPIN_START: Duration = Duration::from_micros(50);
+/// The largest write (records) after which the writer still polls: a larger one
+/// means many clients at once, whose work needs the cores more than the writer
+/// needs a fast wake-up.
+const SPIN_MAX_RECORDS: usize = 2;
+
+/// How long the writer polls its channel before it sleeps (see
+/// [`DEFAULT_WRITER_POLL`]): the window grows while the next batch keeps arriving
+/// within `max` of the last write, shrinks to nothing when it does not, and is shut
+/// after writes of more than [`SPIN_MAX_RECORDS`] records.
+#[derive(Debug)]
+struct SpinPolicy {
+    window: Duration,
+    /// The bound of the window ([`EngineConfig::writer_poll`]).
+    max: Duration,
+    /// Records written since the last receive.
+    records: usize,
+}
+
+impl SpinPolicy {
+    fn new(max: Duration) -> SpinPolicy {
+        SpinPolicy {
+            window: Duration::ZERO,
+            max,
+            records: 0,
+        }
+    }
+
+    /// Receives the next message: polls for up to the window (never past
+    /// `deadline`), then blocks (until `deadline`, if any).
+    fn recv<T>(
+        &mut self,
+        rx: &std::sync::mpsc::Receiver<T>,
+        deadline: Option<Instant>,
+    ) -> Result<T, std::sync::mpsc::RecvTimeoutError> {
+        use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
+        let started = Instant::now();
+        let mut until = started + self.window();
+        if let Some(deadline) = deadline {
+            until = until.min(deadline);
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(msg) => {
+                    self.observe(started.elapsed());
+                    return Ok(msg);
+                }
+                Err(TryRecvError::Disconnected) => return Err(RecvTimeoutError::Disconnected),
+                Err(TryRecvError::Empty) if Instant::now() < until => std::hint::spin_loop(),
+                Err(TryRecvError::Empty) => break,
+            }
+        }
+        let got = match deadline {
+            None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            Some(deadline) => rx.recv_timeout(deadline.saturating_duration_since(Instant::now())),
+        };
+        if got.is_ok() {
+            self.observe(started.elapsed());
+        }
+        got
+    }
+
+    /// The poll window for the next receive.
+    fn window(&self) -> Duration {
+        if self.records > SPIN_MAX_RECORDS {
+            Duration::ZERO
+        } else {
+            self.window
+        }
+    }
+
+    /// Adapts the window to a message that came `waited` after the receive began.
+    fn observe(&mut self, waited: Duration) {
+        if self.records > SPIN_MAX_RECORDS {
+            self.window = Duration::ZERO;
+        } else if waited <= self.window {
+            // Caught while polling: keep the window.
+        } else if waited <= self.max {
+            // A wider window would have caught it.
+            self.window = (self.window * 2).clamp(SPIN_START.min(self.max), self.max);
+        } else {
+            // Too far apart to poll for: halve, down to nothing.
+            self.window /= 2;
+            if self.window < SPIN_START / 4 {
+                self.window = Duration::ZERO;
+            }
+        }
+    }
+}
+
 /// The writer thread: appends batches, syncs once per group, feeds the replica,
 /// runs deliveries, and cuts the log for snapshots.
 struct Writer {
@@ -1092,6 +1201,8 @@ struct Writer {
     /// Whether to hold back groups that answer nobody (only when syncing: without
     /// fdatasync there is nothing to share).
     hold_unanswered: bool,
+    /// The bound of the writer's polling for the next batch.
+    writer_poll: Duration,
     /// Tests hold the fdatasync here to see what goes out before it.
     #[cfg(test)]
     sync_gate: Option<Arc<tests::SyncGate>>,
@@ -1196,27 +1307,26 @@ impl Writer {
         // (releases), held back for the next batch to share its fdatasync, and
         // since when.
         let mut held: Option<(Group, Instant)> = None;
+        let mut spin = SpinPolicy::new(self.writer_poll);
         loop {
             let first = match &held {
-                None => match rx.recv() {
+                None => match spin.recv(&rx, None) {
                     Ok(first) => first,
                     Err(_) => return,
                 },
-                Some((_, since)) => {
-                    match rx.recv_timeout(HOLD_UNANSWERED_GROUP.saturating_sub(since.elapsed())) {
-                        Ok(first) => first,
-                        Err(timeout_or_gone) => {
-                            let (group, _) = held.take().expect("matched Some");
-                            if !self.commit(group) {
-                                return;
-                            }
-                            match timeout_or_gone {
-                                std::sync::mpsc::RecvTimeoutError::Timeout => continue,
-                                std::sync::mpsc::RecvTimeoutError::Disconnected => return,
-                            }
+                Some((_, since)) => match spin.recv(&rx, Some(*since + HOLD_UNANSWERED_GROUP)) {
+                    Ok(first) => first,
+                    Err(timeout_or_gone) => {
+                        let (group, _) = held.take().expect("matched Some");
+                        if !self.commit(group) {
+                            return;
+                        }
+                        match timeout_or_gone {
+                            std::sync::mpsc::RecvTimeoutError::Timeout => continue,
+                            std::sync::mpsc::RecvTimeoutError::Disconnected => return,
                         }
                     }
-                }
+                },
             };
             // Group commit: every batch that queued up while the last sync ran, up
             // to (and including) the next control message, which must see them
@@ -1234,6 +1344,7 @@ impl Writer {
             };
             let mut written = Vec::new();
             let mut after = None;
+            spin.records = 0;
             for msg in pending {
                 match msg {
                     WriterMsg::Batch {
@@ -1244,6 +1355,7 @@ impl Writer {
                         deliveries,
                     } => {
                         group.audit.extend(audit);
+                        spin.records += records.len();
                         for record in &records {
                             if let Err(e) = self.log.append(record) {
                                 return self.fail(format!("append: {e}"));
@@ -1823,6 +1935,82 @@ mod tests {
             Some(audit::AuditKind::Release)
         );
         handle.shutdown().await;
+    }
+
+    #[test]
+    fn the_writer_polls_only_while_small_writes_follow_each_other_closely() {
+        const SPIN_MAX: Duration = DEFAULT_WRITER_POLL;
+        let mut spin = SpinPolicy::new(SPIN_MAX);
+        assert_eq!(
+            spin.window(),
+            Duration::ZERO,
+            "no polling before any traffic"
+        );
+        // Batches 80 µs apart (W1's rhythm): the window opens and grows to its bound.
+        spin.records = 2;
+        spin.observe(Duration::from_micros(80));
+        assert_eq!(spin.window(), SPIN_START);
+        spin.observe(Duration::from_micros(80));
+        assert_eq!(spin.window(), SPIN_START * 2);
+        spin.observe(Duration::from_micros(80));
+        assert_eq!(spin.window(), Duration::from_micros(100), "caught: kept");
+        spin.observe(Duration::from_micros(150));
+        spin.observe(Duration::from_micros(190));
+        assert_eq!(spin.window(), SPIN_MAX, "never past the bound");
+        // A busy server (large writes) does not poll, whatever the rhythm.
+        spin.records = SPIN_MAX_RECORDS + 1;
+        assert_eq!(spin.window(), Duration::ZERO);
+        spin.observe(Duration::from_micros(80));
+        spin.records = 2;
+        assert_eq!(spin.window(), Duration::ZERO, "closed after a large write");
+        // Sparse traffic closes the window again.
+        spin.observe(Duration::from_micros(80));
+        spin.observe(Duration::from_micros(80));
+        spin.observe(Duration::from_micros(80));
+        assert_eq!(spin.window(), SPIN_START * 2);
+        for _ in 0..4 {
+            spin.observe(Duration::from_millis(5));
+        }
+        assert_eq!(
+            spin.window(),
+            Duration::ZERO,
+            "batches 5 ms apart: no polling"
+        );
+        // A bound of zero turns polling off.
+        let mut off = SpinPolicy::new(Duration::ZERO);
+        off.records = 1;
+        for _ in 0..3 {
+            off.observe(Duration::from_micros(80));
+            assert_eq!(off.window(), Duration::ZERO);
+        }
+        off.observe(Duration::ZERO);
+        assert_eq!(off.window(), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_polling_writer_still_takes_a_message_that_comes_after_its_window() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut spin = SpinPolicy::new(DEFAULT_WRITER_POLL);
+        spin.window = DEFAULT_WRITER_POLL;
+        spin.records = 1;
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            tx.send(7).unwrap();
+            tx
+        });
+        assert_eq!(spin.recv(&rx, None).unwrap(), 7);
+        // And a deadline ends the wait with a timeout, not a message.
+        let deadline = Instant::now() + Duration::from_millis(5);
+        assert!(matches!(
+            spin.recv(&rx, Some(deadline)),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+        ));
+        assert!(Instant::now() >= deadline);
+        drop(sender.join().unwrap());
+        assert!(matches!(
+            spin.recv(&rx, None),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected)
+        ));
     }
 
     #[test]

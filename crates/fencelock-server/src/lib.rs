@@ -26,7 +26,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use auth::{Action, AuthConfig, Principal, Role, TokenConfig};
-pub use engine::{AcquireArgs, Durability, EngineConfig, Handle, RecoveryReport, RunState};
+pub use engine::{
+    AcquireArgs, Durability, EngineConfig, Handle, RecoveryReport, RunState, DEFAULT_WRITER_POLL,
+};
 pub use error::{ApiError, ApiErrorKind};
 pub use limits::{Limits, RateLimit};
 pub use tls::TlsConfig;
