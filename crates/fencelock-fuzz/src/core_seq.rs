@@ -70,26 +70,27 @@ pub fn core_commands(data: &[u8]) {
         );
         log.push((now_ms, command.clone()));
         let reply = core.apply(now_ms, command);
-        let mut granted: Vec<Fence> = Vec::new();
+        let mut granted: Vec<(Fence, OwnerToken)> = Vec::new();
         if let Ok(Reply::Granted(g)) = &reply {
-            granted.push(g.fence);
+            granted.push((g.fence, g.token));
         }
         for outcome in core.take_outcomes() {
             if let Outcome::Granted(g) = outcome {
-                granted.push(g.fence);
+                granted.push((g.fence, g.token));
             }
         }
         // Deadlines due at `now_ms` may hand locks off before the command itself
         // grants, so within one step fences come in any order; each new one must be
-        // above every fence of earlier steps. An idempotent retry gets its old one.
+        // above every fence of earlier steps. An idempotent retry gets its old one —
+        // even in the step that hands it to its waiter: the hand-off and the retry's
+        // reply then report the same grant (same fence, same token) twice. Two
+        // grants may never share a fence.
         let before = max_fence;
-        let mut this_step = std::collections::BTreeSet::new();
-        for fence in granted {
+        let mut this_step = std::collections::BTreeMap::new();
+        for (fence, token) in granted {
             let f = fence.get();
-            assert!(
-                this_step.insert(f),
-                "fence {f} granted twice at step {step}"
-            );
+            let first = *this_step.entry(f).or_insert(token);
+            assert!(first == token, "fence {f} granted twice at step {step}");
             assert!(
                 f > before || seen_fences.contains(&f),
                 "fence {f} at step {step} is not above {before} and was never granted"
