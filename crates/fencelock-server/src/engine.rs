@@ -617,7 +617,6 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         listener_index: std::collections::HashMap::new(),
         draining: false,
     };
-    let writer_backup = writer_tx;
     let engine_task = tokio::spawn(engine.run());
     // A panic in the engine is a broken invariant: stop serving (fail-stop) and say so.
     tokio::spawn(async move {
@@ -633,7 +632,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     Ok(Handle {
         shared: Arc::new(Shared {
             tx,
-            writer: writer_backup,
+            writer: writer_tx,
             metrics,
             events,
             state: state_rx,
