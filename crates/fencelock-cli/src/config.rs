@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use fencelock_server::{
-    AuthConfig, Durability, EngineConfig, Limits, RateLimit, Role, ServerConfig, TlsConfig,
-    TokenConfig,
+    AuthConfig, Durability, EngineConfig, Limits, QuotaOverrides, RateLimit, Role, ServerConfig,
+    TlsConfig, TokenConfig,
 };
 use serde::Deserialize;
 
@@ -137,6 +137,18 @@ struct FileLimits {
     /// Per token; 0 turns rate limiting off.
     acquire_per_second: Option<u32>,
     acquire_burst: Option<u32>,
+    /// Per token, for every other mutating request; 0 turns it off.
+    request_per_second: Option<u32>,
+    request_burst: Option<u32>,
+    max_unauthenticated_connections: Option<usize>,
+    auth_timeout_ms: Option<u64>,
+    max_connections_per_ip: Option<usize>,
+    idle_timeout_ms: Option<u64>,
+    // Per-token quotas, the defaults for every token (`[[auth.tokens]]` may override).
+    max_sessions_per_token: Option<u32>,
+    max_held_locks_per_token: Option<u32>,
+    max_waiters_per_token: Option<u32>,
+    max_streams_per_token: Option<u32>,
 }
 
 /// `[auth]`: the accepted tokens. None: authentication off (loopback only).
@@ -157,6 +169,12 @@ struct FileToken {
     sha256: String,
     acquire_per_second: Option<u32>,
     acquire_burst: Option<u32>,
+    request_per_second: Option<u32>,
+    request_burst: Option<u32>,
+    max_sessions: Option<u32>,
+    max_held_locks: Option<u32>,
+    max_waiters: Option<u32>,
+    max_streams: Option<u32>,
 }
 
 /// `[tls]`: certificate and key, PEM.
@@ -184,22 +202,30 @@ fn auth_config(file: FileAuth) -> Result<AuthConfig> {
             .role
             .parse()
             .map_err(|e| anyhow::anyhow!("auth token {:?}: {e}", t.name))?;
-        let acquire_rate = match t.acquire_per_second {
-            Some(per_second) => rate(per_second, t.acquire_burst),
-            None if t.acquire_burst.is_some() => {
-                bail!(
-                    "auth token {:?}: acquire_burst needs acquire_per_second",
-                    t.name
-                )
-            }
-            None => None,
+        let token_rate = |per_second: Option<u32>, burst: Option<u32>, what: &str| match per_second
+        {
+            Some(per_second) => Ok(rate(per_second, burst)),
+            None if burst.is_some() => Err(anyhow::anyhow!(
+                "auth token {:?}: {what}_burst needs {what}_per_second",
+                t.name
+            )),
+            None => Ok(None),
         };
+        let acquire_rate = token_rate(t.acquire_per_second, t.acquire_burst, "acquire")?;
+        let request_rate = token_rate(t.request_per_second, t.request_burst, "request")?;
         tokens.push(TokenConfig {
             name: t.name,
             role,
             prefixes: t.prefixes,
             sha256: t.sha256,
             acquire_rate,
+            request_rate,
+            quotas: QuotaOverrides {
+                max_sessions: t.max_sessions,
+                max_held_locks: t.max_held_locks,
+                max_waiters: t.max_waiters,
+                max_streams: t.max_streams,
+            },
         });
     }
     Ok(AuthConfig { tokens })
@@ -340,6 +366,34 @@ pub fn resolve(args: ServeArgs) -> Result<Settings> {
         }
         (None, None) => {}
     }
+    match (l.request_per_second, l.request_burst) {
+        (Some(per_second), burst) => limits.request_rate = rate(per_second, burst),
+        (None, Some(burst)) => {
+            if let Some(r) = &mut limits.request_rate {
+                r.burst = burst;
+            }
+        }
+        (None, None) => {}
+    }
+    if let Some(v) = l.max_unauthenticated_connections {
+        limits.max_unauthenticated_connections = v;
+    }
+    if let Some(ms) = l.auth_timeout_ms {
+        limits.auth_timeout = std::time::Duration::from_millis(ms);
+    }
+    if let Some(v) = l.max_connections_per_ip {
+        limits.max_connections_per_ip = v;
+    }
+    if let Some(ms) = l.idle_timeout_ms {
+        limits.idle_timeout = std::time::Duration::from_millis(ms);
+    }
+    limits.quotas = QuotaOverrides {
+        max_sessions: l.max_sessions_per_token,
+        max_held_locks: l.max_held_locks_per_token,
+        max_waiters: l.max_waiters_per_token,
+        max_streams: l.max_streams_per_token,
+    }
+    .over(limits.quotas);
     let file_tls = file.tls;
     if let Some(ms) = file_tls.as_ref().and_then(|t| t.handshake_timeout_ms) {
         limits.tls_handshake_timeout = std::time::Duration::from_millis(ms);
@@ -361,7 +415,7 @@ pub fn resolve(args: ServeArgs) -> Result<Settings> {
         tls.acceptor().map_err(anyhow::Error::msg)?;
     }
     let auth = auth_config(file.auth)?;
-    fencelock_server::auth::Authenticator::new(&auth, limits.acquire_rate)
+    fencelock_server::auth::Authenticator::with_limits(&auth, &limits)
         .map_err(anyhow::Error::msg)?;
     let workers = match args.workers.or(file.workers) {
         Some(n) if (1..=MAX_WORKERS).contains(&n) => n,
@@ -499,6 +553,67 @@ mod tests {
         assert_eq!(s.server.listen.to_string(), "127.0.0.1:9001");
         assert_eq!(s.server.engine.durability, Durability::Fsync);
         assert_eq!(s.server.engine.data_dir, PathBuf::from("/tmp/x"));
+    }
+
+    #[test]
+    fn quotas_and_admission_limits_come_from_the_file_and_tokens_override_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fencelock.toml");
+        let hash = fencelock_server::auth::hash_token("t");
+        std::fs::write(
+            &path,
+            format!(
+                "[limits]\nmax_sessions_per_token = 7\nmax_streams_per_token = 3\n\
+                 request_per_second = 10\nmax_unauthenticated_connections = 9\n\
+                 auth_timeout_ms = 1500\nmax_connections_per_ip = 11\nidle_timeout_ms = 2500\n\
+                 [[auth.tokens]]\nname = \"a\"\nrole = \"client\"\nprefixes = [\"a:\"]\n\
+                 sha256 = \"{hash}\"\nmax_sessions = 2\nrequest_per_second = 4\n"
+            ),
+        )
+        .unwrap();
+        let mut a = args();
+        a.config = Some(path.clone());
+        let s = resolve(a).unwrap();
+        let l = s.server.limits;
+        assert_eq!(l.quotas.max_sessions, 7);
+        assert_eq!(l.quotas.max_streams, 3);
+        assert_eq!(
+            l.quotas.max_held_locks,
+            fencelock_server::limits::DEFAULT_QUOTAS.max_held_locks
+        );
+        assert_eq!(
+            l.request_rate,
+            Some(RateLimit {
+                per_second: 10,
+                burst: 20
+            })
+        );
+        assert_eq!(l.max_unauthenticated_connections, 9);
+        assert_eq!(l.auth_timeout, std::time::Duration::from_millis(1500));
+        assert_eq!(l.max_connections_per_ip, 11);
+        assert_eq!(l.idle_timeout, std::time::Duration::from_millis(2500));
+        let t = &s.server.auth.tokens[0];
+        assert_eq!(t.quotas.max_sessions, Some(2));
+        assert_eq!(
+            t.request_rate,
+            Some(RateLimit {
+                per_second: 4,
+                burst: 8
+            })
+        );
+        let auth = fencelock_server::auth::Authenticator::with_limits(&s.server.auth, &l).unwrap();
+        let quotas = auth.authenticate("t").unwrap().quotas().unwrap();
+        assert_eq!(
+            (quotas.max_sessions, quotas.max_streams),
+            (2, 3),
+            "token over default"
+        );
+
+        std::fs::write(&path, "[limits]\nmax_waiters_per_token = 0\n").unwrap();
+        let mut a = args();
+        a.config = Some(path);
+        let e = resolve(a).unwrap_err().to_string();
+        assert!(e.contains("must") && e.contains("at least 1"), "{e}");
     }
 
     #[test]

@@ -60,6 +60,8 @@ fn new(name: String, role: Role, prefixes: Vec<String>) -> Result<ExitCode> {
             prefixes: prefixes.clone(),
             sha256: sha256.clone(),
             acquire_rate: None,
+            request_rate: None,
+            quotas: Default::default(),
         }],
     };
     // The same checks the server makes on start, so the entry is known to be good.

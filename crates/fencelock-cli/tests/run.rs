@@ -485,6 +485,8 @@ async fn run_sends_the_token_and_refusal_is_exit_77() {
             prefixes: vec!["job:".into()],
             sha256: fencelock_server::auth::hash_token("jobs-secret"),
             acquire_rate: None,
+            request_rate: None,
+            quotas: Default::default(),
         }],
     };
     let server = fencelock_server::Server::start(config).await.unwrap();

@@ -44,7 +44,7 @@ use axum::response::{IntoResponse, Response};
 use fencelock_core::RequestId;
 
 use crate::error::{ApiError, ApiErrorKind};
-use crate::limits::{RateLimit, TokenBucket};
+use crate::limits::{Limits, QuotaOverrides, Quotas, RateLimit, TokenBucket};
 
 /// Name of the cookie that carries a token for browsers (the dashboard's login form
 /// sets it). Set it `HttpOnly; SameSite=Strict` (and `Secure` over TLS).
@@ -169,6 +169,12 @@ pub struct TokenConfig {
     /// Acquire attempts per second for this token, overriding
     /// [`crate::limits::Limits::acquire_rate`]; `None` takes that default.
     pub acquire_rate: Option<RateLimit>,
+    /// Other mutating requests per second for this token, overriding
+    /// [`crate::limits::Limits::request_rate`]; `None` takes that default.
+    pub request_rate: Option<RateLimit>,
+    /// This token's own quotas; a field left `None` takes the default of
+    /// [`crate::limits::Limits::quotas`].
+    pub quotas: QuotaOverrides,
 }
 
 /// The tokens the server accepts. Empty: authentication is off (loopback only,
@@ -263,6 +269,10 @@ struct Identity {
     /// `None` for the anonymous principal (authentication off).
     hash: Option<[u8; 32]>,
     bucket: Option<Mutex<TokenBucket>>,
+    /// Other mutating requests (see [`Limits::request_rate`]).
+    request_bucket: Option<Mutex<TokenBucket>>,
+    /// `None` for the anonymous principal (authentication off).
+    quotas: Option<Quotas>,
 }
 
 /// Who is calling: a configured token (name, role, prefixes), or the anonymous
@@ -294,6 +304,8 @@ impl Principal {
                 prefixes: Box::new(["".into()]),
                 hash: None,
                 bucket: None,
+                request_bucket: None,
+                quotas: None,
             }),
         }
     }
@@ -413,7 +425,27 @@ impl Principal {
     }
 
     fn take_acquire_attempt_at(&self, now: Instant) -> Result<(), ApiError> {
-        let Some(bucket) = &self.identity.bucket else {
+        self.take_from(self.identity.bucket.as_ref(), "acquire attempts", now)
+    }
+
+    /// Takes one mutating request other than an acquire (renew, release, session
+    /// open/keepalive/close, force-release) from the token's request rate, or
+    /// refuses: 429 `rate_limited` (gRPC RESOURCE_EXHAUSTED).
+    pub fn take_request(&self) -> Result<(), ApiError> {
+        self.take_from(
+            self.identity.request_bucket.as_ref(),
+            "mutating requests",
+            Instant::now(),
+        )
+    }
+
+    fn take_from(
+        &self,
+        bucket: Option<&Mutex<TokenBucket>>,
+        what: &str,
+        now: Instant,
+    ) -> Result<(), ApiError> {
+        let Some(bucket) = bucket else {
             return Ok(());
         };
         let mut bucket = bucket.lock().unwrap_or_else(|e| e.into_inner());
@@ -422,7 +454,7 @@ impl Principal {
             Err(wait) => Err(ApiError::new(
                 ApiErrorKind::RateLimited,
                 format!(
-                    "token {:?} made more than {} acquire attempts per second (burst {}); \
+                    "token {:?} made more than {} {what} per second (burst {}); \
                      retry in {} ms",
                     self.name(),
                     bucket.rate().per_second,
@@ -431,6 +463,12 @@ impl Principal {
                 ),
             )),
         }
+    }
+
+    /// What this token may hold at once; `None` with authentication off (only the
+    /// core's global bounds apply then).
+    pub fn quotas(&self) -> Option<Quotas> {
+        self.identity.quotas
     }
 }
 
@@ -480,6 +518,18 @@ impl Authenticator {
         config: &AuthConfig,
         default_rate: Option<RateLimit>,
     ) -> Result<Authenticator, String> {
+        let limits = Limits {
+            acquire_rate: default_rate,
+            request_rate: None,
+            ..Limits::default()
+        };
+        Authenticator::with_limits(config, &limits)
+    }
+
+    /// Checks the config like [`Authenticator::new`], with every per-token default
+    /// (acquire rate, request rate, quotas) taken from `limits`.
+    pub fn with_limits(config: &AuthConfig, limits: &Limits) -> Result<Authenticator, String> {
+        let default_rate = limits.acquire_rate;
         let mut tokens = Vec::with_capacity(config.tokens.len());
         let mut names = std::collections::HashSet::new();
         let mut hashes = std::collections::HashSet::new();
@@ -529,6 +579,15 @@ impl Authenticator {
                 rate.check()
                     .map_err(|e| format!("auth token {:?}: {e}", t.name))?;
             }
+            let request_rate = t.request_rate.or(limits.request_rate);
+            if let Some(rate) = request_rate {
+                rate.check()
+                    .map_err(|e| format!("auth token {:?}: {e}", t.name))?;
+            }
+            let quotas = t.quotas.over(limits.quotas);
+            quotas
+                .check()
+                .map_err(|e| format!("auth token {:?}: {e}", t.name))?;
             tokens.push(Principal {
                 identity: Arc::new(Identity {
                     name: t.name.as_str().into(),
@@ -536,6 +595,9 @@ impl Authenticator {
                     prefixes: t.prefixes.iter().map(|p| p.as_str().into()).collect(),
                     hash: Some(hash),
                     bucket: rate.map(|r| Mutex::new(TokenBucket::new(r, Instant::now()))),
+                    request_bucket: request_rate
+                        .map(|r| Mutex::new(TokenBucket::new(r, Instant::now()))),
+                    quotas: Some(quotas),
                 }),
             });
         }
@@ -763,6 +825,8 @@ mod tests {
                     prefixes: prefixes.iter().map(|p| (*p).to_owned()).collect(),
                     sha256: hash_token(token),
                     acquire_rate: None,
+                    request_rate: None,
+                    quotas: Default::default(),
                 })
                 .collect(),
         }

@@ -30,7 +30,7 @@ pub use engine::{
     AcquireArgs, Durability, EngineConfig, Handle, RecoveryReport, RunState, DEFAULT_WRITER_POLL,
 };
 pub use error::{ApiError, ApiErrorKind};
-pub use limits::{Limits, RateLimit};
+pub use limits::{Limits, QuotaOverrides, Quotas, RateLimit};
 pub use tls::TlsConfig;
 
 /// Default time a client has to send a request's headers (also the longest an idle
@@ -147,7 +147,7 @@ impl Server {
         auth::check_exposure(config.listen, &config.auth, config.insecure).map_err(refuse)?;
         config.limits.check().map_err(refuse)?;
         let authenticator =
-            auth::Authenticator::new(&config.auth, config.limits.acquire_rate).map_err(refuse)?;
+            auth::Authenticator::with_limits(&config.auth, &config.limits).map_err(refuse)?;
         let tls = config
             .tls
             .as_ref()

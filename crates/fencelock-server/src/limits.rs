@@ -1,5 +1,7 @@
-//! Server-side limits that protect the server from a client: body size, connections,
-//! HTTP/2 streams per connection, and acquire attempts per token (a token bucket).
+//! Server-side limits that protect the server from a client: body size, connections
+//! (authenticated, unauthenticated, per IP, idle), HTTP/2 streams per connection,
+//! acquire attempts and other mutating requests per token (token buckets), and
+//! per-token quotas of sessions, held locks, waiters and streams.
 //!
 //! The lock table's own bounds (waiters per lock and in total, locks per session,
 //! sessions, locks) are the core's (`fencelock_core::Config`), enforced inside the
@@ -21,6 +23,28 @@ pub const DEFAULT_ACQUIRE_RATE: RateLimit = RateLimit {
 };
 /// Default for [`Limits::tls_handshake_timeout`].
 pub const DEFAULT_TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default for [`Limits::request_rate`]: per token, 5000 mutating requests other
+/// than acquires a second (renewals, releases, sessions, forced releases) with
+/// bursts of 10000.
+pub const DEFAULT_REQUEST_RATE: RateLimit = RateLimit {
+    per_second: 5000,
+    burst: 10_000,
+};
+/// Default for [`Limits::max_unauthenticated_connections`].
+pub const DEFAULT_MAX_UNAUTHENTICATED_CONNECTIONS: usize = 256;
+/// Default for [`Limits::auth_timeout`].
+pub const DEFAULT_AUTH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default for [`Limits::max_connections_per_ip`].
+pub const DEFAULT_MAX_CONNECTIONS_PER_IP: usize = 2000;
+/// Default for [`Limits::idle_timeout`].
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+/// Default for [`Limits::quotas`].
+pub const DEFAULT_QUOTAS: Quotas = Quotas {
+    max_sessions: 1000,
+    max_held_locks: 10_000,
+    max_waiters: 10_000,
+    max_streams: 16,
+};
 
 /// Limits applied at the edge of the server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +66,90 @@ pub struct Limits {
     pub acquire_rate: Option<RateLimit>,
     /// Longest a TLS handshake may take before its connection is closed.
     pub tls_handshake_timeout: Duration,
+    /// Mutating requests other than acquires per token (renew, release, session
+    /// open/keepalive/close, force-release; 429 `rate_limited` beyond it); `None`: no
+    /// limit. Like `acquire_rate`, only for configured tokens.
+    pub request_rate: Option<RateLimit>,
+    /// Most connections at once that have not yet authenticated (sent a `flw/1`
+    /// Hello that succeeded, or an HTTP request that passed authentication). They
+    /// have their own pool, apart from `max_connections`, so they can never take an
+    /// authenticated client's place; when it is full, the oldest of them is closed
+    /// to make room, so a new client always gets in.
+    pub max_unauthenticated_connections: usize,
+    /// Longest a connection may stay unauthenticated before it is closed.
+    pub auth_timeout: Duration,
+    /// Most connections at once from one IP address, authenticated or not.
+    pub max_connections_per_ip: usize,
+    /// Longest a connection with no request in flight is kept open (HTTP/2
+    /// connections that send nothing, idle `flw/1` connections that only ping).
+    pub idle_timeout: Duration,
+    /// What one token may hold at once, unless its own config says otherwise; with
+    /// authentication off none apply (the core's global bounds still do).
+    pub quotas: Quotas,
+}
+
+/// What one token may hold at once (see [`Limits::quotas`]). Over a quota, a request
+/// is refused with `resource_exhausted` and changes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quotas {
+    /// Open sessions.
+    pub max_sessions: u32,
+    /// Held grants (locks and semaphore slots).
+    pub max_held_locks: u32,
+    /// Queued acquires.
+    pub max_waiters: u32,
+    /// Open event streams: gRPC and `flw/1` watches, and dashboard live streams.
+    pub max_streams: u32,
+}
+
+impl Default for Quotas {
+    fn default() -> Quotas {
+        DEFAULT_QUOTAS
+    }
+}
+
+impl Quotas {
+    /// Checks that every quota is at least 1.
+    pub fn check(&self) -> Result<(), String> {
+        if self.max_sessions == 0
+            || self.max_held_locks == 0
+            || self.max_waiters == 0
+            || self.max_streams == 0
+        {
+            return Err(
+                "quotas: max_sessions, max_held_locks, max_waiters and max_streams must \
+                 each be at least 1"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// One token's own quotas: each field left `None` takes the default of
+/// [`Limits::quotas`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QuotaOverrides {
+    /// Overrides [`Quotas::max_sessions`].
+    pub max_sessions: Option<u32>,
+    /// Overrides [`Quotas::max_held_locks`].
+    pub max_held_locks: Option<u32>,
+    /// Overrides [`Quotas::max_waiters`].
+    pub max_waiters: Option<u32>,
+    /// Overrides [`Quotas::max_streams`].
+    pub max_streams: Option<u32>,
+}
+
+impl QuotaOverrides {
+    /// These overrides over `defaults`.
+    pub fn over(&self, defaults: Quotas) -> Quotas {
+        Quotas {
+            max_sessions: self.max_sessions.unwrap_or(defaults.max_sessions),
+            max_held_locks: self.max_held_locks.unwrap_or(defaults.max_held_locks),
+            max_waiters: self.max_waiters.unwrap_or(defaults.max_waiters),
+            max_streams: self.max_streams.unwrap_or(defaults.max_streams),
+        }
+    }
 }
 
 impl Default for Limits {
@@ -52,6 +160,12 @@ impl Default for Limits {
             max_streams_per_connection: DEFAULT_MAX_STREAMS_PER_CONNECTION,
             acquire_rate: Some(DEFAULT_ACQUIRE_RATE),
             tls_handshake_timeout: DEFAULT_TLS_HANDSHAKE_TIMEOUT,
+            request_rate: Some(DEFAULT_REQUEST_RATE),
+            max_unauthenticated_connections: DEFAULT_MAX_UNAUTHENTICATED_CONNECTIONS,
+            auth_timeout: DEFAULT_AUTH_TIMEOUT,
+            max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            quotas: DEFAULT_QUOTAS,
         }
     }
 }
@@ -71,10 +185,20 @@ impl Limits {
         if self.tls_handshake_timeout.is_zero() {
             return Err("tls.handshake_timeout_ms must be at least 1".into());
         }
-        if let Some(rate) = self.acquire_rate {
+        if self.max_unauthenticated_connections == 0 || self.max_connections_per_ip == 0 {
+            return Err("limits.max_unauthenticated_connections and \
+                        limits.max_connections_per_ip must be at least 1"
+                .into());
+        }
+        if self.auth_timeout.is_zero() || self.idle_timeout.is_zero() {
+            return Err(
+                "limits.auth_timeout_ms and limits.idle_timeout_ms must be at least 1".into(),
+            );
+        }
+        for rate in [self.acquire_rate, self.request_rate].into_iter().flatten() {
             rate.check()?;
         }
-        Ok(())
+        self.quotas.check()
     }
 }
 
@@ -91,7 +215,7 @@ impl RateLimit {
     /// Checks that both numbers are at least 1.
     pub fn check(&self) -> Result<(), String> {
         if self.per_second == 0 || self.burst == 0 {
-            return Err("acquire rate: per_second and burst must be at least 1 \
+            return Err("rate: per_second and burst must be at least 1 \
                         (leave the rate out for no limit)"
                 .into());
         }

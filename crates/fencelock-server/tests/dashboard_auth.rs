@@ -21,6 +21,8 @@ fn token(name: &str, role: Role, prefixes: &[&str], secret: &str) -> TokenConfig
         prefixes: prefixes.iter().map(|p| (*p).to_owned()).collect(),
         sha256: fencelock_server::auth::hash_token(secret),
         acquire_rate: None,
+        request_rate: None,
+        quotas: Default::default(),
     }
 }
 

@@ -302,6 +302,8 @@ async fn tokens_are_checked_per_connection() {
                 prefixes: vec!["a:".into()],
                 sha256: fencelock_server::auth::hash_token(SECRET),
                 acquire_rate: None,
+                request_rate: None,
+                quotas: Default::default(),
             }],
         };
     })

@@ -37,6 +37,8 @@ async fn tokens_are_sent_and_refusals_are_permission_denied() {
                 prefixes: vec!["app:".into()],
                 sha256: fencelock_server::auth::hash_token(SECRET),
                 acquire_rate: None,
+                request_rate: None,
+                quotas: Default::default(),
             }],
         };
     })
