@@ -579,6 +579,8 @@ impl Locks for LocksService {
         caller.authorize(Action::Watch, None)?;
         let prefix = prefix(request.into_inner().prefix)?;
         let ranges = caller.ranges(&prefix)?;
+        // Counted against the token's stream quota for as long as the stream lives.
+        let slot = caller.open_stream()?;
         let call = WatchCall {
             // Subscribed before the response goes out: every event made durable after
             // the client sees the stream open is delivered.
@@ -587,7 +589,10 @@ impl Locks for LocksService {
             run: self.handle.watch_state(),
             closing: None,
         };
-        Ok(Response::new(call.into_stream()))
+        let stream = futures_util::StreamExt::inspect(call.into_stream(), move |_| {
+            let _held = &slot;
+        });
+        Ok(Response::new(Box::pin(stream)))
     }
 }
 

@@ -601,7 +601,10 @@ async fn connections_over_the_cap_get_503_until_one_closes() {
     let idle = tokio::net::TcpStream::connect(t.addr()).await.unwrap();
     let answer = t
         .client
-        .raw(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n", IO_TIMEOUT)
+        .raw(
+            b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n",
+            IO_TIMEOUT,
+        )
         .await;
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
@@ -611,7 +614,10 @@ async fn connections_over_the_cap_get_503_until_one_closes() {
     poll_until("a connection slot to free up", IO_TIMEOUT, || async {
         let answer = t
             .client
-            .raw(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n", IO_TIMEOUT)
+            .raw(
+                b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n",
+                IO_TIMEOUT,
+            )
             .await;
         answer.starts_with(b"HTTP/1.1 200").then_some(())
     })
@@ -979,7 +985,10 @@ async fn refusals_are_counted_in_the_metrics() {
     let idle = tokio::net::TcpStream::connect(t.addr()).await.unwrap();
     let answer = t
         .client
-        .raw(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n", IO_TIMEOUT)
+        .raw(
+            b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n",
+            IO_TIMEOUT,
+        )
         .await;
     assert!(answer.starts_with(b"HTTP/1.1 503"));
     drop(idle);
