@@ -870,7 +870,15 @@ async fn a_waiter_whose_connection_closes_leaves_the_queue() {
     // The same, for a client that asked for `Connection: close` (Python's urllib).
     let bytes = serde_json::to_vec(&body("gone-too")).unwrap();
     let gone_too = c
-        .send("POST", "/v1/acquire", &[("Connection", "close")], &bytes)
+        .send(
+            "POST",
+            "/v1/acquire",
+            &[
+                ("Connection", "close"),
+                ("Content-Type", "application/json"),
+            ],
+            &bytes,
+        )
         .await;
     poll_lock(&c, "q", "second waiter", waiters_are(2)).await;
     let mut stays = c.send_json("/v1/acquire", &body("stays")).await;
