@@ -49,6 +49,41 @@ fn open_stream(addr: std::net::SocketAddr) -> (u16, Option<TcpStream>) {
     (status, (status == 200).then_some(s))
 }
 
+/// Runs `fencelock watch` (gRPC) as the reader for at most 10 s: `refused …` if it
+/// ended with `resource_exhausted`, else what it did.
+fn watch_outcome(addr: std::net::SocketAddr) -> String {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_fencelock"))
+        .args([
+            "watch",
+            "--server",
+            &format!("http://{addr}"),
+            "--token",
+            READER,
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn fencelock watch");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            let mut stderr = String::new();
+            let _ = child.stderr.take().unwrap().read_to_string(&mut stderr);
+            return if stderr.contains("resource_exhausted") || stderr.contains("max_streams") {
+                format!("refused ({status})")
+            } else {
+                format!("ended otherwise ({status}): {stderr}")
+            };
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return "opened (not refused)".to_owned();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn a_reader_with_100_dashboard_streams_is_held_to_its_quota_and_one_render_per_change() {
     let config = format!(
@@ -91,6 +126,9 @@ fn a_reader_with_100_dashboard_streams_is_held_to_its_quota_and_one_render_per_c
             (status, _) => panic!("a stream answered {status}"),
         }
     }
+    // The quota counts gRPC watches too: with the dashboard streams at the quota, a
+    // `fencelock watch` of the same token is refused.
+    let watch = watch_outcome(s.addr);
     let renders_before = metric(s.addr, ADMIN, "fencelock_dashboard_renders_total");
     let started = Instant::now();
     for i in 0..CHANGES {
@@ -108,13 +146,15 @@ fn a_reader_with_100_dashboard_streams_is_held_to_its_quota_and_one_render_per_c
     println!(
         "ATTACK 4: a reader (max_streams {MAX_STREAMS}) opened {STREAMS} dashboard streams \
          with {LOCKS} locks held, then {CHANGES} locks changed -> {} streams opened, {refused} \
-         refused with 429 resource_exhausted; {} renders for {} viewers (bound {bound})",
+         refused with 429 resource_exhausted, a gRPC watch {watch}; {} renders for {} \
+         viewers (bound {bound})",
         open.len(),
         renders.map_or("no render counter:".to_owned(), |r| r.to_string()),
         open.len()
     );
     assert_eq!(open.len(), MAX_STREAMS);
     assert_eq!(refused, STREAMS - MAX_STREAMS);
+    assert!(watch.starts_with("refused"), "{watch}");
     let renders = renders.expect("fencelock_dashboard_renders_total is exported");
     assert!(renders <= bound, "{renders} renders for {CHANGES} changes");
 
