@@ -61,7 +61,7 @@ fn program(name: &str, candidates: &[&str], package: &str) -> anyhow::Result<Pat
 fn http_ready(port: u16) -> bool {
     probe(
         port,
-        b"GET /v1/locks/fencelock-bench-probe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        b"GET /v1/locks/fencelock-bench-probe HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
         16,
     )
     .is_some_and(|reply| reply.starts_with(b"HTTP/1.1"))
@@ -77,7 +77,7 @@ pub async fn fencelock_log_syncs(port: u16) -> Option<(u64, f64)> {
             .await
             .ok()?;
         stream
-            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
             .await
             .ok()?;
         let mut text = Vec::new();

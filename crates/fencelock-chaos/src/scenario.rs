@@ -228,7 +228,7 @@ impl ServerChild {
         loop {
             if let Some(answer) = fencelock_testkit::probe(
                 self.port,
-                b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                b"GET /readyz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
                 64,
             ) {
                 if answer.starts_with(b"HTTP/1.1 200") {
@@ -338,7 +338,7 @@ fn get_json(port: u16, path: &str) -> Option<(u16, serde_json::Value)> {
     s.set_write_timeout(Some(Duration::from_secs(2))).ok()?;
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
     )
     .ok()?;
     let mut out = Vec::new();

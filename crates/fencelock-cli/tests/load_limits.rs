@@ -91,7 +91,7 @@ impl Server {
         s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         write!(
             s,
-            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
         )
         .unwrap();
         let mut text = String::new();
@@ -141,7 +141,7 @@ fn request(
     let connection = if close { "close" } else { "keep-alive" };
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: {connection}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: {connection}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .expect("send the request");
@@ -451,7 +451,7 @@ async fn oversized_requests_are_refused_without_growing_the_server() {
             let mut s = TcpStream::connect(addr).unwrap();
             write!(
                 s,
-                "POST /v1/acquire HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                "POST /v1/acquire HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
                 1u64 << 30
             )
             .unwrap();
@@ -466,7 +466,7 @@ async fn oversized_requests_are_refused_without_growing_the_server() {
             s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
             write!(
                 s,
-                "POST /v1/acquire HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                "POST /v1/acquire HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
             )
             .unwrap();
             let writer = s.try_clone().unwrap();

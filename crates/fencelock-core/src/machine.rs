@@ -1164,7 +1164,7 @@ impl Core {
         use std::ops::Bound;
         let start = match after {
             Some(a) => Bound::Excluded(NameKey::of(a)),
-            None => match LockName::new(prefix) {
+            None => match LockName::recorded(prefix) {
                 Ok(p) => Bound::Included(NameKey::new(p)),
                 Err(_) => Bound::Unbounded,
             },

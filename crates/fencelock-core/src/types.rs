@@ -31,6 +31,12 @@ pub enum TextProblem {
     TooLong(usize),
     /// The text contained a control character (U+0000..U+001F, U+007F..U+009F).
     ControlCharacter,
+    /// A lock name contained an invisible character that changes how text looks or
+    /// reads without being seen: a format character (Unicode category Cf: bidi
+    /// overrides and isolates, direction marks, zero-width spaces and joiners, the
+    /// byte order mark, the soft hyphen, …) or a line or paragraph separator
+    /// (U+2028, U+2029). See [`LockName`].
+    InvisibleCharacter(char),
 }
 
 impl TextError {
@@ -48,6 +54,12 @@ impl fmt::Display for TextError {
             TextProblem::ControlCharacter => {
                 write!(f, "{} must not contain control characters", self.what)
             }
+            TextProblem::InvisibleCharacter(c) => write!(
+                f,
+                "{} must not contain U+{:04X} (an invisible format, direction or \
+                 separator character, which would make one name look like another)",
+                self.what, c as u32
+            ),
         }
     }
 }
@@ -70,15 +82,73 @@ fn check_text(what: &'static str, s: &str, allow_empty: bool, max: usize) -> Res
     }
 }
 
-/// A lock name: UTF-8, 1..=256 bytes, no control characters.
+/// Unicode's format characters (general category Cf, Unicode 15.1), and the line and
+/// paragraph separators (Zl, Zp), as inclusive ranges. None of them is visible, and
+/// the bidi ones reorder the text around them, so `a:\u{200B}x` reads as `a:x` and
+/// `a:\u{202E}x:b` as `a:b:x`. Listed here rather than taken from a Unicode crate:
+/// the core has no dependencies, and the category changes rarely.
+const INVISIBLE: &[(char, char)] = &[
+    ('\u{00AD}', '\u{00AD}'),
+    ('\u{0600}', '\u{0605}'),
+    ('\u{061C}', '\u{061C}'),
+    ('\u{06DD}', '\u{06DD}'),
+    ('\u{070F}', '\u{070F}'),
+    ('\u{0890}', '\u{0891}'),
+    ('\u{08E2}', '\u{08E2}'),
+    ('\u{180E}', '\u{180E}'),
+    ('\u{200B}', '\u{200F}'),
+    ('\u{2028}', '\u{202E}'),
+    ('\u{2060}', '\u{2064}'),
+    ('\u{2066}', '\u{206F}'),
+    ('\u{FEFF}', '\u{FEFF}'),
+    ('\u{FFF9}', '\u{FFFB}'),
+    ('\u{110BD}', '\u{110BD}'),
+    ('\u{110CD}', '\u{110CD}'),
+    ('\u{13430}', '\u{1343F}'),
+    ('\u{1BCA0}', '\u{1BCA3}'),
+    ('\u{1D173}', '\u{1D17A}'),
+    ('\u{E0001}', '\u{E0001}'),
+    ('\u{E0020}', '\u{E007F}'),
+];
+
+fn invisible(c: char) -> bool {
+    // Everything below U+00AD is visible or a control character (checked apart).
+    c >= '\u{00AD}' && INVISIBLE.iter().any(|&(lo, hi)| (lo..=hi).contains(&c))
+}
+
+/// A lock name: UTF-8, 1..=256 bytes, with no control character (U+0000..U+001F,
+/// U+007F..U+009F) and no invisible character: no format character (Unicode
+/// category Cf: bidi overrides and isolates U+202A..U+202E and U+2066..U+2069,
+/// direction marks U+200E, U+200F, U+061C, zero-width space, joiners and word joiner
+/// U+200B..U+200D, U+2060, the byte order mark U+FEFF, the soft hyphen U+00AD, tag
+/// characters, …) and no line or paragraph separator (U+2028, U+2029). Every other
+/// character is allowed, spaces and other scripts included. Such characters would
+/// let one name pass for another on the dashboard, in logs and in audit entries
+/// (`a:\u{200B}x` looks like `a:x`).
 ///
 /// Hierarchy is by convention (`tenant:kind:id`); listing is by prefix.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct LockName(std::sync::Arc<str>);
 
 impl LockName {
-    /// Validates `name` and wraps it.
+    /// Validates `name` and wraps it. The error names the first refused character
+    /// as `U+XXXX`.
     pub fn new(name: &str) -> Result<LockName, TextError> {
+        check_text("lock name", name, false, MAX_NAME_BYTES)?;
+        if let Some(c) = name.chars().find(|&c| invisible(c)) {
+            return Err(TextError {
+                what: "lock name",
+                problem: TextProblem::InvisibleCharacter(c),
+            });
+        }
+        Ok(LockName(name.into()))
+    }
+
+    /// Wraps a name read back from storage (log records, snapshots) with the rules
+    /// every version accepted: length and control characters only. Names with
+    /// invisible characters were accepted before [`LockName::new`] refused them, and
+    /// a data directory that holds one must still recover.
+    pub fn recorded(name: &str) -> Result<LockName, TextError> {
         check_text("lock name", name, false, MAX_NAME_BYTES)?;
         Ok(LockName(name.into()))
     }
@@ -254,9 +324,56 @@ mod tests {
             LockName::new("a\u{85}b").unwrap_err().problem(),
             TextProblem::ControlCharacter
         );
+        assert!(LockName::new("café:ünïcode 名前 with spaces").is_ok());
         assert!(Owner::new("").is_ok());
         assert!(Owner::new(&"o".repeat(1025)).is_err());
         assert!(Reason::new("").is_err());
+    }
+
+    /// Issue 19 item 8: `a:\u{200B}x` looked like `a:x`, and bidi overrides reorder
+    /// what a name shows.
+    #[test]
+    fn names_refuse_invisible_characters_by_code_point() {
+        for c in [
+            '\u{200B}',
+            '\u{200C}',
+            '\u{200D}',
+            '\u{200E}',
+            '\u{200F}',
+            '\u{202A}',
+            '\u{202E}',
+            '\u{2066}',
+            '\u{2069}',
+            '\u{061C}',
+            '\u{2060}',
+            '\u{FEFF}',
+            '\u{00AD}',
+            '\u{2028}',
+            '\u{E0041}',
+        ] {
+            let name = format!("a:{c}x");
+            let e = LockName::new(&name).unwrap_err();
+            assert_eq!(e.problem(), TextProblem::InvisibleCharacter(c), "{name:?}");
+            let code = format!("U+{:04X}", c as u32);
+            assert!(e.to_string().contains(&code), "{e} names {code}");
+            // Read back from storage, a name some earlier version accepted still loads.
+            assert!(LockName::recorded(&name).is_ok());
+        }
+        assert_eq!(
+            LockName::recorded("a\u{0}b").unwrap_err().problem(),
+            TextProblem::ControlCharacter
+        );
+        // Neighbours of the refused ranges stay allowed.
+        for ok in [
+            "a\u{00AC}",
+            "a\u{200A}",
+            "a\u{2030}",
+            "a\u{2065}",
+            "a\u{FEFE}",
+            "a\u{FF10}",
+        ] {
+            assert!(LockName::new(ok).is_ok(), "{ok:?}");
+        }
     }
 
     #[test]

@@ -33,6 +33,7 @@
 
 use std::fmt;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -117,7 +118,8 @@ pub enum Action {
     Read,
     /// Stream lock events (reader).
     Watch,
-    /// Read `/metrics` (reader).
+    /// Read `/metrics` (reader whose prefixes include `""`: the metrics count every
+    /// lock).
     Metrics,
     /// Read the audit log (reader; entries are filtered by prefix).
     Audit,
@@ -273,6 +275,8 @@ struct Identity {
     request_bucket: Option<Mutex<TokenBucket>>,
     /// `None` for the anonymous principal (authentication off).
     quotas: Option<Quotas>,
+    /// Event streams open now (see [`Principal::open_stream`]).
+    streams: AtomicU32,
 }
 
 /// Who is calling: a configured token (name, role, prefixes), or the anonymous
@@ -306,6 +310,7 @@ impl Principal {
                 bucket: None,
                 request_bucket: None,
                 quotas: None,
+                streams: AtomicU32::new(0),
             }),
         }
     }
@@ -354,6 +359,14 @@ impl Principal {
         if action == Action::Snapshot && !self.covers_everything() {
             return Err(denied(format!(
                 "token {:?} is limited to some prefixes; a snapshot holds every lock",
+                self.name()
+            )));
+        }
+        // The metrics count every tenant's locks, sessions and traffic.
+        if action == Action::Metrics && !self.covers_everything() {
+            return Err(denied(format!(
+                "token {:?} is limited to some prefixes; /metrics counts every lock, so it \
+                 needs a token whose prefixes include \"\" (every lock)",
                 self.name()
             )));
         }
@@ -469,6 +482,41 @@ impl Principal {
     /// core's global bounds apply then).
     pub fn quotas(&self) -> Option<Quotas> {
         self.identity.quotas
+    }
+
+    /// Counts one more open event stream (gRPC `Watch`, dashboard live stream)
+    /// against the token's [`Quotas::max_streams`], for as long as the returned slot
+    /// lives: 429 `resource_exhausted` when the token has that many open already.
+    /// Every stream of the token counts, whichever connection it came on.
+    pub fn open_stream(&self) -> Result<StreamSlot, ApiError> {
+        let open = self.identity.streams.fetch_add(1, Ordering::AcqRel);
+        let slot = StreamSlot {
+            identity: self.identity.clone(),
+        };
+        match self.identity.quotas {
+            Some(q) if open >= q.max_streams => Err(ApiError::new(
+                ApiErrorKind::ResourceExhausted,
+                format!(
+                    "token {:?} has {} event streams open (watches and dashboard streams), \
+                     its quota max_streams; close one first",
+                    self.name(),
+                    q.max_streams
+                ),
+            )),
+            _ => Ok(slot),
+        }
+    }
+}
+
+/// One open event stream of a token ([`Principal::open_stream`]); dropping it gives
+/// the slot back.
+pub struct StreamSlot {
+    identity: Arc<Identity>,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.identity.streams.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -598,6 +646,7 @@ impl Authenticator {
                     request_bucket: request_rate
                         .map(|r| Mutex::new(TokenBucket::new(r, Instant::now()))),
                     quotas: Some(quotas),
+                    streams: AtomicU32::new(0),
                 }),
             });
         }
@@ -971,7 +1020,15 @@ mod tests {
         assert!(!allowed("adm", Action::ForceRelease, Some("b:1")));
         assert!(!allowed("adm", Action::Snapshot, None));
         assert!(allowed("root", Action::Snapshot, None));
-        assert!(allowed("r", Action::Metrics, None));
+        // Issue 19 item 8: /metrics counts every tenant, so a reader limited to
+        // some prefixes may not read it.
+        assert!(!allowed("r", Action::Metrics, None));
+        assert!(p("r")
+            .authorize(Action::Metrics, None)
+            .unwrap_err()
+            .message()
+            .contains("every lock"));
+        assert!(allowed("root", Action::Metrics, None));
         assert!(!allowed("r", Action::Session, None));
         let err = p("c")
             .authorize(Action::ForceRelease, Some("a:1"))
@@ -981,6 +1038,33 @@ mod tests {
         assert!(Principal::anonymous()
             .authorize(Action::Snapshot, None)
             .is_ok());
+    }
+
+    /// A token's open streams are counted together, whichever kind; a closed one
+    /// gives its slot back. Anonymous (authentication off) has no quota.
+    #[test]
+    fn streams_count_against_the_token_quota() {
+        let limits = Limits {
+            quotas: Quotas {
+                max_streams: 2,
+                ..Quotas::default()
+            },
+            ..Limits::default()
+        };
+        let auth =
+            Authenticator::with_limits(&config(&[("r", Role::Reader, &["a:"], "r")]), &limits)
+                .unwrap();
+        let p = auth.authenticate("r").unwrap();
+        let first = p.open_stream().unwrap();
+        // The same token on another request is the same count.
+        let _second = auth.authenticate("r").unwrap().open_stream().unwrap();
+        let e = p.open_stream().err().unwrap();
+        assert_eq!(e.kind(), ApiErrorKind::ResourceExhausted, "{e}");
+        assert!(e.message().contains("max_streams"), "{e}");
+        drop(first);
+        assert!(p.open_stream().is_ok());
+        let anonymous = Principal::anonymous();
+        let _many: Vec<_> = (0..100).map(|_| anonymous.open_stream().unwrap()).collect();
     }
 
     #[test]

@@ -182,7 +182,7 @@ impl<'a> Dec<'a> {
         })
     }
     pub(crate) fn name(&mut self) -> Result<LockName, DecodeError> {
-        LockName::new(self.str()?).map_err(|e| bad(e.to_string()))
+        LockName::recorded(self.str()?).map_err(|e| bad(e.to_string()))
     }
     pub(crate) fn owner(&mut self) -> Result<Owner, DecodeError> {
         Owner::new(self.str()?).map_err(|e| bad(e.to_string()))

@@ -15,24 +15,29 @@
 //! reason, is confirmed in the browser (`hx-confirm`), and is recorded in the audit
 //! log with the caller's token name as actor.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::fmt::Write as _;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::rejection::{FormRejection, PathRejection, QueryRejection};
-use axum::extract::{Form, Path, Query, State};
+use axum::extract::{Extension, Form, Path, Query, State};
 use axum::http::{header, Extensions, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use fencelock_core::{Event, EventKind, Fence, GrantEnd, LockName, LockView, Reason};
+use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::RecvError;
 
 use crate::audit::{AuditEntry, AuditQuery};
 use crate::auth::{self, Action, Principal};
-use crate::engine::{Handle, RunState};
+use crate::engine::{Handle, RunState, SharedEvent};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::input::{self, invalid};
 
@@ -343,8 +348,22 @@ fn locks_table(views: &[LockView]) -> String {
     s
 }
 
-fn health(h: &Handle) -> String {
-    use std::sync::atomic::Ordering::Relaxed;
+/// The health panel. The counts are the whole server's, so a token limited to some
+/// prefixes sees only the state and uptime (issue 19: a tenant must not learn how
+/// many locks, sessions and waiters the others have).
+fn health(h: &Handle, who: &Principal) -> String {
+    let state = match h.state() {
+        RunState::Running => "running".to_owned(),
+        other => format!("{other:?}"),
+    };
+    if !who.covers_everything() {
+        return format!(
+            "<div class=\"health\" id=\"health-panel\"><div>state<b>{}</b></div><div>uptime<b>{}</b></div>\
+<div class=\"muted\">Counts cover every lock; they need a token whose prefixes include every lock.</div></div>",
+            esc(&state),
+            dur(h.uptime().as_millis() as u64),
+        );
+    }
     let m = h.metrics();
     let fsync = match (m.fsync.mean(), m.fsync.quantile_bound(0.99)) {
         (Some(mean), Some(p99)) => format!(
@@ -363,10 +382,6 @@ fn health(h: &Handle) -> String {
         .batch_size
         .mean()
         .map_or("—".to_owned(), |b| format!("{b:.1}"));
-    let state = match h.state() {
-        RunState::Running => "running".to_owned(),
-        other => format!("{other:?}"),
-    };
     format!(
         "<div class=\"health\" id=\"health-panel\">\
 <div>state<b>{}</b></div><div>uptime<b>{}</b></div><div>held<b>{}</b></div><div>waiters<b>{}</b></div>\
@@ -491,7 +506,7 @@ async fn index(
 </div>",
         esc(&prefix),
         url(&prefix),
-        health(&h),
+        health(&h, &who),
         table,
         events
     );
@@ -499,9 +514,11 @@ async fn index(
 }
 
 /// The live stream of a page: `locks` and `health` every [`REFRESH`] and after
-/// events, `event` per durable lock event. Ends when the server drains.
+/// events, `event` per durable lock event, all from the page's shared [`LiveViews`]
+/// renderer. Counted against the token's stream quota. Ends when the server drains.
 async fn stream(
     State(h): State<Handle>,
+    Extension(views): Extension<LiveViews>,
     ext: Extensions,
     params: Result<Query<PrefixParams>, QueryRejection>,
 ) -> Result<Response, ApiError> {
@@ -509,64 +526,222 @@ async fn stream(
     let Query(params) = params.map_err(|e| invalid("query", e.body_text()))?;
     let prefix = input::prefix(params.prefix)?;
     who.ranges(&prefix)?;
-    let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
-    let mut events = h.subscribe();
-    let mut state = h.watch_state();
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(REFRESH);
+    let slot = who.open_stream()?;
+    let frames = views.subscribe(&h, &who, prefix)?;
+    let stream = futures_util::stream::unfold((frames, slot), |(mut frames, slot)| async move {
         loop {
-            let mut rows = Vec::new();
-            tokio::select! {
-                _ = tick.tick() => {}
-                got = events.recv() => {
-                    let mut next = got;
-                    loop {
-                        match next {
-                            Ok(e) => {
-                                if e.name.as_str().starts_with(&prefix) && who.covers(e.name.as_str()) {
-                                    rows.extend(event_row(&e));
-                                }
-                            }
-                            Err(RecvError::Lagged(_)) => {}
-                            Err(RecvError::Closed) => return,
-                        }
-                        match events.try_recv() {
-                            Ok(e) => next = Ok(e),
-                            Err(_) => break,
-                        }
-                    }
-                }
-                changed = state.changed() => {
-                    if changed.is_err() || *state.borrow() != RunState::Running {
-                        return;
-                    }
-                }
-            }
-            let table = match visible_locks(&h, &who, &prefix).await {
-                Ok(views) => locks_table(&views),
-                Err(e) => format!("<p class=\"error\">{}</p>", esc(e.message())),
-            };
-            let mut out = vec![
-                SseEvent::default().event("locks").data(table),
-                SseEvent::default().event("health").data(health(&h)),
-            ];
-            out.extend(
-                rows.into_iter()
-                    .map(|r| SseEvent::default().event("event").data(r)),
-            );
-            for e in out {
-                if tx.send(e).await.is_err() {
-                    return; // the browser went away
-                }
+            match frames.recv().await {
+                Ok(frame) => return Some((frame, (frames, slot))),
+                // A slow browser skips frames; the next one has the whole table.
+                Err(RecvError::Lagged(_)) => continue,
+                Err(RecvError::Closed) => return None,
             }
         }
-    });
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|e| (Ok::<_, Infallible>(e), rx))
+    })
+    .flat_map(|frame: Arc<Frame>| {
+        let mut out = vec![
+            SseEvent::default().event("locks").data(&frame.table),
+            SseEvent::default().event("health").data(&frame.health),
+        ];
+        out.extend(
+            frame
+                .rows
+                .iter()
+                .map(|r| SseEvent::default().event("event").data(r)),
+        );
+        futures_util::stream::iter(out.into_iter().map(Ok::<_, Infallible>))
     });
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// Most distinct live views (prefix and token prefixes) rendered at once; a stream
+/// of one more is refused with 429 `resource_exhausted`.
+pub const MAX_LIVE_VIEWS: usize = 64;
+/// Shortest time between two renders of one live view: a burst of changes costs
+/// one render per interval, however many changes and viewers.
+const MIN_RENDER_INTERVAL: Duration = Duration::from_millis(250);
+/// Frames a viewer may fall behind before it skips to the newest.
+const FRAMES_BUFFERED: usize = 8;
+
+/// What a live view shows: the prefix, and the prefixes of the token looking (the
+/// rows and counts it may see). Tokens with the same prefixes share a view.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct ViewKey {
+    prefix: String,
+    scope: Vec<String>,
+}
+
+/// One render of a live view, sent to every stream of that view.
+#[derive(Debug)]
+struct Frame {
+    table: String,
+    health: String,
+    /// Rows of "recent events" since the previous frame, oldest first.
+    rows: Vec<String>,
+}
+
+/// The dashboard's live views: one renderer task per distinct [`ViewKey`], which
+/// renders the lock table and health panel once per change (at most every
+/// [`MIN_RENDER_INTERVAL`]) and every [`REFRESH`], and publishes the result to all
+/// the streams of that view, so N viewers cost one render. A renderer stops once
+/// its last viewer is gone.
+#[derive(Clone, Default)]
+pub struct LiveViews {
+    views: Arc<Mutex<HashMap<ViewKey, broadcast::Sender<Arc<Frame>>>>>,
+}
+
+impl LiveViews {
+    /// The frames of the view of `prefix` for `who`, starting its renderer if no
+    /// one is watching it yet. 429 `resource_exhausted` beyond [`MAX_LIVE_VIEWS`].
+    fn subscribe(
+        &self,
+        h: &Handle,
+        who: &Principal,
+        prefix: String,
+    ) -> Result<broadcast::Receiver<Arc<Frame>>, ApiError> {
+        let mut scope: Vec<String> = who.prefixes().map(str::to_owned).collect();
+        scope.sort_unstable();
+        scope.dedup();
+        let key = ViewKey { prefix, scope };
+        let mut views = self.views.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(frames) = views.get(&key) {
+            return Ok(frames.subscribe());
+        }
+        if views.len() >= MAX_LIVE_VIEWS {
+            return Err(ApiError::new(
+                ApiErrorKind::ResourceExhausted,
+                format!(
+                    "the dashboard is rendering {MAX_LIVE_VIEWS} different live views \
+                     (prefix and token prefixes) already; watch one of them, or retry later"
+                ),
+            ));
+        }
+        let (frames, viewer) = broadcast::channel(FRAMES_BUFFERED);
+        views.insert(key.clone(), frames.clone());
+        h.metrics()
+            .dashboard_views
+            .store(views.len() as u64, Relaxed);
+        tokio::spawn(render_view(
+            self.clone(),
+            key,
+            h.clone(),
+            who.clone(),
+            frames,
+        ));
+        Ok(viewer)
+    }
+
+    /// Removes the view `key` if it has no viewer (under the same lock that
+    /// [`LiveViews::subscribe`] takes, so no viewer can join a renderer that stops),
+    /// or whatever `always` says. Whether it was removed.
+    fn retire(
+        &self,
+        h: &Handle,
+        key: &ViewKey,
+        frames: &broadcast::Sender<Arc<Frame>>,
+        always: bool,
+    ) -> bool {
+        let mut views = self.views.lock().unwrap_or_else(|e| e.into_inner());
+        if !always && frames.receiver_count() > 0 {
+            return false;
+        }
+        if views.get(key).is_some_and(|f| f.same_channel(frames)) {
+            views.remove(key);
+        }
+        h.metrics()
+            .dashboard_views
+            .store(views.len() as u64, Relaxed);
+        true
+    }
+
+    /// How many views are being rendered.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.views.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+/// The renderer of one live view: see [`LiveViews`].
+async fn render_view(
+    views: LiveViews,
+    key: ViewKey,
+    h: Handle,
+    who: Principal,
+    frames: broadcast::Sender<Arc<Frame>>,
+) {
+    let mut events = h.subscribe();
+    let mut state = h.watch_state();
+    let mut tick = tokio::time::interval(REFRESH);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_render: Option<tokio::time::Instant> = None;
+    let mut rows = Vec::new();
+    // Keeps an event's row if the view shows its lock; false once events end.
+    let take = |got: Result<SharedEvent, RecvError>, rows: &mut Vec<String>| match got {
+        Ok(e) => {
+            if e.name.as_str().starts_with(&key.prefix) && who.covers(e.name.as_str()) {
+                rows.extend(event_row(&e));
+                if rows.len() > RECENT_EVENTS {
+                    rows.remove(0);
+                }
+            }
+            true
+        }
+        // Missed events: the table, rendered next, shows the state after them.
+        Err(RecvError::Lagged(_)) => true,
+        Err(RecvError::Closed) => false,
+    };
+    'views: loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            got = events.recv() => {
+                if !take(got, &mut rows) {
+                    break 'views;
+                }
+                while let Ok(e) = events.try_recv() {
+                    take(Ok(e), &mut rows);
+                }
+            }
+            changed = state.changed() => {
+                if changed.is_err() || *state.borrow() != RunState::Running {
+                    break 'views;
+                }
+            }
+        }
+        // A burst of changes: wait out the interval, collecting its events.
+        if let Some(last) = last_render {
+            let due = last + MIN_RENDER_INTERVAL;
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(due) => break,
+                    got = events.recv() => {
+                        if !take(got, &mut rows) {
+                            break 'views;
+                        }
+                    }
+                }
+            }
+        }
+        if views.retire(&h, &key, &frames, false) {
+            return;
+        }
+        let table = match visible_locks(&h, &who, &key.prefix).await {
+            Ok(locks) => locks_table(&locks),
+            Err(e) => format!("<p class=\"error\">{}</p>", esc(e.message())),
+        };
+        let frame = Frame {
+            table,
+            health: health(&h, &who),
+            rows: std::mem::take(&mut rows),
+        };
+        h.metrics().dashboard_renders.fetch_add(1, Relaxed);
+        last_render = Some(tokio::time::Instant::now());
+        // No receiver: the last viewer just left; the next turn retires the view.
+        let _ = frames.send(Arc::new(frame));
+    }
+    // The server is stopping: the streams end once this sender is gone.
+    views.retire(&h, &key, &frames, true);
 }
 
 async fn lock_page(
@@ -854,6 +1029,7 @@ pub fn routes() -> Router<Handle> {
         .route("/ui/stream", get(stream))
         .route("/ui/lock/{*name}", get(lock_page))
         .route("/ui/force-release", post(force_release_form))
+        .layer(Extension(LiveViews::default()))
         .layer(axum::middleware::map_response(security_headers));
     pages.route("/v1/audit", get(audit_api))
 }
@@ -887,5 +1063,99 @@ mod tests {
         assert!(!cookie_safe("abc; Domain=evil"));
         assert!(!cookie_safe("a b"));
         assert!(!cookie_safe(""));
+    }
+
+    fn engine() -> (Handle, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = crate::engine::EngineConfig::new(dir.path());
+        config.durability = crate::engine::Durability::None;
+        (crate::engine::start(config).unwrap(), dir)
+    }
+
+    async fn acquire(h: &Handle, name: &str) {
+        h.acquire(crate::engine::AcquireArgs {
+            name: LockName::new(name).unwrap(),
+            ttl_ms: Some(600_000),
+            wait_ms: 0,
+            owner: fencelock_core::Owner::default(),
+            request_id: None,
+            limit: 1,
+            lock_delay_ms: 0,
+            session: None,
+        })
+        .await
+        .unwrap();
+    }
+
+    /// Issue 19 item 4: every `/ui/stream` rendered the lock table itself, so N
+    /// viewers cost N renders per change. Now the viewers of one view share its
+    /// renders: with 40 viewers and 20 changes there are about as many renders as
+    /// changes (plus one a second), not 40 × 20. With the sharing taken out (a
+    /// renderer per stream, as before) it counted 80 renders and failed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn viewers_of_one_view_share_its_renders() {
+        const VIEWERS: usize = 40;
+        const CHANGES: usize = 20;
+        let (h, _dir) = engine();
+        let views = LiveViews::default();
+        let who = Principal::anonymous();
+        let started = std::time::Instant::now();
+        let mut viewers: Vec<_> = (0..VIEWERS)
+            .map(|_| views.subscribe(&h, &who, "job:".to_owned()).unwrap())
+            .collect();
+        assert_eq!(views.len(), 1);
+        for i in 0..CHANGES {
+            acquire(&h, &format!("job:{i:02}")).await;
+        }
+        let last = format!("job:{:02}", CHANGES - 1);
+        // Every viewer gets a frame that shows the last change (bounded wait).
+        for viewer in &mut viewers {
+            loop {
+                let frame = tokio::time::timeout(Duration::from_secs(10), viewer.recv())
+                    .await
+                    .expect("a frame within 10 s")
+                    .expect("the view is live");
+                if frame.table.contains(&last) {
+                    break;
+                }
+            }
+        }
+        let renders = h.metrics().dashboard_renders.load(Relaxed);
+        // One render per change at most, and one per REFRESH tick.
+        let bound = CHANGES as u64 + 2 + started.elapsed().as_secs();
+        println!("{VIEWERS} viewers, {CHANGES} changes: {renders} renders (bound {bound})");
+        assert!(renders <= bound, "{renders} renders for {CHANGES} changes");
+
+        // The renderer stops once its last viewer is gone.
+        drop(viewers);
+        for _ in 0..50 {
+            if views.len() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(
+            views.len(),
+            0,
+            "the renderer of a view nobody watches stopped"
+        );
+        assert_eq!(h.metrics().dashboard_views.load(Relaxed), 0);
+    }
+
+    /// Distinct views are bounded: each costs a renderer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn distinct_views_are_bounded() {
+        let (h, _dir) = engine();
+        let views = LiveViews::default();
+        let who = Principal::anonymous();
+        let _viewers: Vec<_> = (0..MAX_LIVE_VIEWS)
+            .map(|i| views.subscribe(&h, &who, format!("p{i}:")).unwrap())
+            .collect();
+        let e = views
+            .subscribe(&h, &who, "one-more:".to_owned())
+            .unwrap_err();
+        assert_eq!(e.kind(), ApiErrorKind::ResourceExhausted, "{e}");
+        // Another viewer of a view already rendered is fine.
+        assert!(views.subscribe(&h, &who, "p0:".to_owned()).is_ok());
     }
 }

@@ -579,6 +579,8 @@ impl Locks for LocksService {
         caller.authorize(Action::Watch, None)?;
         let prefix = prefix(request.into_inner().prefix)?;
         let ranges = caller.ranges(&prefix)?;
+        // Counted against the token's stream quota for as long as the stream lives.
+        let slot = caller.open_stream()?;
         let call = WatchCall {
             // Subscribed before the response goes out: every event made durable after
             // the client sees the stream open is delivered.
@@ -587,7 +589,10 @@ impl Locks for LocksService {
             run: self.handle.watch_state(),
             closing: None,
         };
-        Ok(Response::new(call.into_stream()))
+        let stream = futures_util::StreamExt::inspect(call.into_stream(), move |_| {
+            let _held = &slot;
+        });
+        Ok(Response::new(Box::pin(stream)))
     }
 }
 
@@ -633,6 +638,10 @@ mod tests {
                 .unwrap();
             assert!(handle.release(grant.name, grant.token).await.unwrap());
         }
+        // A release is answered once written, its event only after the sync: a read
+        // is a delivery of a batch no earlier than the last release's, so once it is
+        // answered every event is in the channel (else the count below is one short).
+        handle.lock(LockName::new("lag").unwrap()).await.unwrap();
 
         let status = stream.next().await.unwrap().unwrap_err();
         assert_eq!(status.code(), Code::DataLoss, "{status:?}");

@@ -1,8 +1,9 @@
 //! HTTP/JSON v1: the contract curl, other languages and the dashboard rely on.
 //!
 //! Every request body is read with a size limit and parsed as JSON whatever its
-//! content type (so `curl -d` works); any client mistake is a 4xx with a stable
-//! `{"error":{"code","message"}}`, never a 500.
+//! content type (with tokens, `curl -d` works; with authentication off the origin
+//! layer, `crate::origin`, lets only JSON bodies through, so `curl --json`); any
+//! client mistake is a 4xx with a stable `{"error":{"code","message"}}`, never a 500.
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::{PathRejection, QueryRejection};

@@ -17,6 +17,7 @@ pub mod http;
 mod input;
 pub mod limits;
 pub mod metrics;
+pub mod origin;
 mod preface;
 pub mod tls;
 pub mod wire;
@@ -106,8 +107,12 @@ pub fn secure_app(
     // The same limit for axum's own extractors (the dashboard's forms).
     .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
     .layer(axum::middleware::from_fn_with_state(
-        authenticator,
+        authenticator.clone(),
         auth::layer,
+    ))
+    .layer(axum::middleware::from_fn_with_state(
+        authenticator.enabled(),
+        origin::layer,
     ))
     .layer(axum::middleware::map_response_with_state(
         handle,

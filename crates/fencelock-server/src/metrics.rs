@@ -1,5 +1,6 @@
 //! Prometheus metrics: lock-free counters and fixed-bucket histograms, rendered in the
-//! text exposition format at `/metrics`.
+//! text exposition format at `/metrics`. They count every tenant's locks and traffic,
+//! so only a token that covers every lock may read them ([`crate::auth::Action::Metrics`]).
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -135,6 +136,11 @@ pub struct Metrics {
     pub refused_connections: AtomicU64,
     /// Connections that spoke the wire protocol `flw/1`.
     pub wire_connections: AtomicU64,
+    /// Renders of a dashboard live view (lock table and health panel), each shared
+    /// by every stream of that view.
+    pub dashboard_renders: AtomicU64,
+    /// Gauge: distinct dashboard live views being rendered.
+    pub dashboard_views: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -162,6 +168,8 @@ impl Default for Metrics {
             refused_rate_limited: AtomicU64::new(0),
             refused_connections: AtomicU64::new(0),
             wire_connections: AtomicU64::new(0),
+            dashboard_renders: AtomicU64::new(0),
+            dashboard_views: AtomicU64::new(0),
         }
     }
 }
@@ -188,6 +196,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "fencelock_requests_refused_total",
     "fencelock_connections_refused_total",
     "fencelock_wire_connections_total",
+    "fencelock_dashboard_renders_total",
+    "fencelock_dashboard_views",
 ];
 
 impl Metrics {
@@ -307,6 +317,18 @@ impl Metrics {
             out,
             "# HELP {name} Connections that spoke the wire protocol flw/1.\n# TYPE {name} counter\n{name} {}",
             load(&self.wire_connections)
+        );
+        let name = METRIC_NAMES[20];
+        let _ = writeln!(
+            out,
+            "# HELP {name} Renders of a dashboard live view, each shared by all its streams.\n# TYPE {name} counter\n{name} {}",
+            load(&self.dashboard_renders)
+        );
+        let name = METRIC_NAMES[21];
+        let _ = writeln!(
+            out,
+            "# HELP {name} Distinct dashboard live views being rendered.\n# TYPE {name} gauge\n{name} {}",
+            load(&self.dashboard_views)
         );
         out
     }

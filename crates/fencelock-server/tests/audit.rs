@@ -277,15 +277,23 @@ async fn dashboard_shows_locks_escapes_names_and_force_releases_with_a_reason() 
     assert_eq!(js.status, 200);
     assert!(js.text().starts_with("/*! htmx.org 2.0.11"));
     assert_eq!(c.get("/ui/assets/nope.js").await.status, 404);
-    // Force release through the dashboard's form: a reason is required.
-    let form = |body: String| async move {
-        c.request(
-            "POST",
-            "/ui/force-release",
-            &[("Content-Type", "application/x-www-form-urlencoded")],
-            body.as_bytes(),
-        )
-        .await
+    // Force release through the dashboard's form: a reason is required. The browser
+    // names the page's origin, which must be the server's own.
+    let origin = format!("http://{}", s.addr());
+    let form = |body: String| {
+        let origin = origin.clone();
+        async move {
+            c.request(
+                "POST",
+                "/ui/force-release",
+                &[
+                    ("Content-Type", "application/x-www-form-urlencoded"),
+                    ("Origin", &origin),
+                ],
+                body.as_bytes(),
+            )
+            .await
+        }
     };
     let r = form(format!("name={}&reason=", pct(evil))).await;
     assert_eq!(r.status, 400, "{}", r.text());

@@ -870,7 +870,15 @@ async fn a_waiter_whose_connection_closes_leaves_the_queue() {
     // The same, for a client that asked for `Connection: close` (Python's urllib).
     let bytes = serde_json::to_vec(&body("gone-too")).unwrap();
     let gone_too = c
-        .send("POST", "/v1/acquire", &[("Connection", "close")], &bytes)
+        .send(
+            "POST",
+            "/v1/acquire",
+            &[
+                ("Connection", "close"),
+                ("Content-Type", "application/json"),
+            ],
+            &bytes,
+        )
         .await;
     poll_lock(&c, "q", "second waiter", waiters_are(2)).await;
     let mut stays = c.send_json("/v1/acquire", &body("stays")).await;
@@ -914,11 +922,18 @@ struct Case {
 }
 
 fn case(what: &str, method: &'static str, path: &str, body: impl AsRef<[u8]>) -> Case {
+    // Bodies go as JSON (with authentication off nothing else is accepted); a case
+    // can say otherwise with `header`.
+    let headers = if body.as_ref().is_empty() {
+        Vec::new()
+    } else {
+        vec![("Content-Type", "application/json".to_owned())]
+    };
     Case {
         what: what.to_owned(),
         method,
         path: path.to_owned(),
-        headers: Vec::new(),
+        headers,
         body: body.as_ref().to_vec(),
         status: 400,
         code: "invalid_argument",
@@ -932,6 +947,7 @@ impl Case {
         self
     }
     fn header(mut self, name: &'static str, value: &str) -> Case {
+        self.headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
         self.headers.push((name, value.to_owned()));
         self
     }
@@ -1420,8 +1436,8 @@ async fn bad_input_is_a_stable_4xx_and_changes_nothing() {
         cases.push(post(what, path, body).expect(status, code));
     }
 
-    // Any content type (or none) is parsed as JSON, so `curl -d` works; the body is
-    // what is judged.
+    // With authentication off, a body must be sent as JSON: the content types a web
+    // page may send to another site without asking are refused (issue 19 item 6).
     for ct in [
         "text/plain",
         "application/x-www-form-urlencoded",
@@ -1435,14 +1451,14 @@ async fn bad_input_is_a_stable_4xx_and_changes_nothing() {
                 b"name=x&ttl_ms=100",
             )
             .header("Content-Type", ct)
-            .expect(400, "invalid_json"),
+            .expect(403, "permission_denied"),
         );
     }
     check(&c, &cases).await;
 
     // The limit is on the body, not its meaning: exactly 64 KiB is read and judged.
     let exact = padded(json!({"name": "victim", "ttl_ms": 100}), 64 * 1024);
-    c.post_raw("/v1/acquire", &exact, Some("text/plain"))
+    c.post_raw("/v1/acquire", &exact, Some("application/json"))
         .await
         .expect_error(409, "held");
 
@@ -1492,7 +1508,7 @@ async fn a_body_that_cannot_be_read_is_400_not_413() {
     // The client half-closes after 8 of 1000 announced bytes; it can still read.
     let answer = c
         .raw(
-            b"POST /v1/acquire HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"name\":",
+            b"POST /v1/acquire HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"name\":",
             Duration::from_secs(10),
         )
         .await;
@@ -1568,7 +1584,7 @@ async fn limits_are_inclusive() {
         .post_raw(
             "/v1/acquire",
             &padded(json!({"name": "big-body", "ttl_ms": 1000}), 64 * 1024),
-            None,
+            Some("application/json"),
         )
         .await;
     assert_eq!(r.expect_json(200)["name"], "big-body");
@@ -1585,7 +1601,7 @@ async fn garbage_on_the_socket_does_not_hurt_the_server() {
     ];
     tls_hello.extend([0xAB; 200]);
     let long_header = format!(
-        "GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: {}\r\n\r\n",
+        "GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Long: {}\r\n\r\n",
         "a".repeat(512 * 1024)
     );
     let garbage: Vec<(&str, Vec<u8>)> = vec![
@@ -1597,16 +1613,16 @@ async fn garbage_on_the_socket_does_not_hurt_the_server() {
         ("HTTP/2 preface then noise", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x12\x04garbage".to_vec()),
         ("bad version", b"GET /healthz HTTP/9.9\r\n\r\n".to_vec()),
         ("no version", b"GET /healthz\r\n\r\n".to_vec()),
-        ("invalid UTF-8 path", b"GET /v1/locks/\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),
-        ("space in path", b"GET /v1/locks/a b HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),
+        ("invalid UTF-8 path", b"GET /v1/locks/\xff\xfe HTTP/1.1\r\nHost: localhost\r\n\r\n".to_vec()),
+        ("space in path", b"GET /v1/locks/a b HTTP/1.1\r\nHost: localhost\r\n\r\n".to_vec()),
         ("bad header", b"POST /v1/acquire HTTP/1.1\r\nHost x\r\n\r\n".to_vec()),
-        ("two content lengths", b"POST /v1/acquire HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 5\r\n\r\n{}".to_vec()),
-        ("negative content length", b"POST /v1/acquire HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n".to_vec()),
-        ("bad chunk size", b"POST /v1/acquire HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n".to_vec()),
-        ("truncated body", b"POST /v1/acquire HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"name\":".to_vec()),
-        ("truncated head", b"POST /v1/acquire HTTP/1.1\r\nHost: x\r\nContent-Le".to_vec()),
+        ("two content lengths", b"POST /v1/acquire HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2\r\nContent-Length: 5\r\n\r\n{}".to_vec()),
+        ("negative content length", b"POST /v1/acquire HTTP/1.1\r\nHost: localhost\r\nContent-Length: -5\r\n\r\n".to_vec()),
+        ("bad chunk size", b"POST /v1/acquire HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n".to_vec()),
+        ("truncated body", b"POST /v1/acquire HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1000\r\n\r\n{\"name\":".to_vec()),
+        ("truncated head", b"POST /v1/acquire HTTP/1.1\r\nHost: localhost\r\nContent-Le".to_vec()),
         ("huge header", long_header.into_bytes()),
-        ("pipelined junk after a request", b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n\x00\x01\x02garbage\r\n\r\n".to_vec()),
+        ("pipelined junk after a request", b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n\x00\x01\x02garbage\r\n\r\n".to_vec()),
     ];
     for (what, bytes) in &garbage {
         let answer = c.raw(bytes, Duration::from_secs(5)).await;
@@ -1618,7 +1634,7 @@ async fn garbage_on_the_socket_does_not_hurt_the_server() {
     }
     // Connections that go away at every stage.
     for cut in [1, 10, 30, 60] {
-        let req = b"POST /v1/acquire HTTP/1.1\r\nHost: x\r\nContent-Length: 30\r\n\r\n{\"name\":\"survivor\",\"ttl_ms\":1}";
+        let req = b"POST /v1/acquire HTTP/1.1\r\nHost: localhost\r\nContent-Length: 30\r\n\r\n{\"name\":\"survivor\",\"ttl_ms\":1}";
         let mut stream = tokio::net::TcpStream::connect(s.addr()).await.unwrap();
         use tokio::io::AsyncWriteExt;
         stream.write_all(&req[..cut.min(req.len())]).await.unwrap();
@@ -1813,7 +1829,7 @@ async fn stalled_and_idle_connections_are_closed() {
     // Headers that never finish (slowloris).
     let mut stalled = tokio::net::TcpStream::connect(s.addr()).await.unwrap();
     stalled
-        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n")
         .await
         .unwrap();
     let sent = read_until_closed(&mut stalled, Duration::from_secs(10)).await;
@@ -1824,7 +1840,7 @@ async fn stalled_and_idle_connections_are_closed() {
 
     // A keep-alive connection that goes quiet after one request.
     let mut idle = tokio::net::TcpStream::connect(s.addr()).await.unwrap();
-    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         .await
         .unwrap();
     let sent = read_until_closed(&mut idle, Duration::from_secs(10)).await;
