@@ -41,6 +41,11 @@ pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// before the connection is closed as dead.
 pub const HTTP2_KEEPALIVE: Duration = Duration::from_secs(20);
 
+/// How long an idle connection that is being closed has to finish closing (HTTP/2:
+/// to answer the PING of its graceful GOAWAY) before it is dropped. Nothing is in
+/// flight on it, so dropping loses nothing.
+const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(1);
+
 /// Everything a server needs to start.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -504,10 +509,20 @@ impl Connection {
             self.idle_timeout,
         );
         let mut closing = false;
+        // Set when an idle connection is shut down: HTTP/2's graceful shutdown waits
+        // for the client to answer a PING after the first GOAWAY, and a client that
+        // never answers would keep it open until keepalive gives up.
+        let grace = tokio::time::sleep(Duration::MAX);
+        tokio::pin!(grace);
+        let mut grace_armed = false;
         loop {
             tokio::select! {
                 // An I/O or protocol error concerns only its client.
                 _ = connection.as_mut() => return,
+                () = &mut grace, if grace_armed => {
+                    tracing::debug!("dropped an idle connection that did not close after GOAWAY");
+                    return;
+                }
                 _ = self.stopping.changed(), if !closing => {
                     connection.as_mut().graceful_shutdown();
                     closing = true;
@@ -525,6 +540,10 @@ impl Connection {
                             .fetch_add(1, Relaxed);
                         connection.as_mut().graceful_shutdown();
                         closing = true;
+                        grace
+                            .as_mut()
+                            .reset(tokio::time::Instant::now() + IDLE_CLOSE_GRACE);
+                        grace_armed = true;
                     }
                 }
             }
