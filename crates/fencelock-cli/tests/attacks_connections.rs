@@ -522,3 +522,84 @@ fn a_failed_re_hello_drops_the_principal() {
          principal dropped, the acquire not run, the connection closed"
     );
 }
+
+/// Runs `openssl ARGS` (split at spaces) in `dir`: the Debian package openssl, as
+/// the TLS test CA uses.
+fn openssl(dir: &std::path::Path, args: &str) {
+    let out = std::process::Command::new("openssl")
+        .args(args.split_whitespace())
+        .current_dir(dir)
+        .output()
+        .expect("run openssl (install the Debian package openssl)");
+    assert!(out.status.success(), "openssl {args}: {out:?}");
+}
+
+/// Regression (issue 19, item 8): an expired TLS certificate was loaded without a
+/// word, and clients then failed their handshakes with nothing in the server's log.
+#[test]
+fn an_expired_certificate_is_loaded_with_a_warning_naming_its_not_after() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    // A self-signed X.509 v3 certificate (rustls refuses v1) whose notAfter is a day
+    // before its notBefore.
+    std::fs::write(dir.path().join("ext.cnf"), "subjectAltName=DNS:localhost\n").unwrap();
+    openssl(
+        dir.path(),
+        "req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout key.pem \
+         -out fresh.pem -days 1 -subj /CN=localhost",
+    );
+    openssl(
+        dir.path(),
+        "x509 -x509toreq -in fresh.pem -signkey key.pem -out req.pem",
+    );
+    openssl(
+        dir.path(),
+        "x509 -req -in req.pem -signkey key.pem -days -1 -extfile ext.cnf -out expired.pem",
+    );
+    let mut child = std::process::Command::new(support::BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--log-format", "json"])
+        .arg("--tls-cert")
+        .arg(dir.path().join("expired.pem"))
+        .arg("--tls-key")
+        .arg(dir.path().join("key.pem"))
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn fencelock serve");
+    let stderr = child.stderr.take().unwrap();
+    let mut log = Vec::new();
+    for line in std::io::BufReader::new(stderr).lines().take(100) {
+        let line = line.expect("read stderr");
+        let serving = line.contains("\"listen\"");
+        log.push(line);
+        if serving {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let warning = log
+        .iter()
+        .find(|l| l.contains("EXPIRED"))
+        .unwrap_or_else(|| panic!("no warning about the expired certificate in {log:#?}"));
+    let v: serde_json::Value = serde_json::from_str(warning).unwrap();
+    assert_eq!(v["level"], "WARN", "{warning}");
+    let not_after = v["fields"]["not_after"]
+        .as_str()
+        .or(v["not_after"].as_str())
+        .unwrap_or_else(|| panic!("no not_after field: {warning}"));
+    assert!(
+        not_after.len() == 20 && not_after.ends_with('Z') && not_after.contains('T'),
+        "{not_after}"
+    );
+    assert!(
+        log.last().is_some_and(|l| l.contains("\"listen\"")),
+        "the server still starts: {log:#?}"
+    );
+    println!(
+        "ATTACK 8: fencelock serve with a TLS certificate that expired (notAfter \
+         {not_after}) -> started with a WARN log line naming its notAfter"
+    );
+}

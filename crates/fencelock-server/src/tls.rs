@@ -54,7 +54,7 @@ fn warn_if_not_valid_now(path: &std::path::Path, leaf: &CertificateDer<'_>) {
     }
 }
 
-/// A certificate's validity period: Unix seconds, and the times as written.
+/// A certificate's validity period: Unix seconds, and as RFC 3339 text.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Validity {
     not_before: i64,
@@ -82,11 +82,13 @@ impl Validity {
         };
         let (before_tag, before, rest) = tlv(validity)?;
         let (after_tag, after, _) = tlv(rest)?;
+        let (not_before, not_before_text) = time(before_tag, before)?;
+        let (not_after, not_after_text) = time(after_tag, after)?;
         Some(Validity {
-            not_before: time(before_tag, before)?,
-            not_after: time(after_tag, after)?,
-            not_before_text: String::from_utf8_lossy(before).into_owned(),
-            not_after_text: String::from_utf8_lossy(after).into_owned(),
+            not_before,
+            not_after,
+            not_before_text,
+            not_after_text,
         })
     }
 }
@@ -111,8 +113,8 @@ fn tlv(der: &[u8]) -> Option<(u8, &[u8], &[u8])> {
 }
 
 /// UTCTime (`YYMMDDHHMMSSZ`, tag 0x17) or GeneralizedTime (`YYYYMMDDHHMMSSZ`, tag
-/// 0x18) as Unix seconds.
-fn time(tag: u8, text: &[u8]) -> Option<i64> {
+/// 0x18) as Unix seconds, and as RFC 3339 text.
+fn time(tag: u8, text: &[u8]) -> Option<(i64, String)> {
     let digits = |s: &[u8]| -> Option<i64> {
         s.iter().try_fold(0i64, |n, c| {
             c.is_ascii_digit().then(|| n * 10 + i64::from(c - b'0'))
@@ -145,7 +147,9 @@ fn time(tag: u8, text: &[u8]) -> Option<i64> {
     let doy = (153 * mp + 2) / 5 + day - 1;
     let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
     let days = era * 146_097 + doe - 719_468;
-    Some(days * 86_400 + hour * 3600 + minute * 60 + second)
+    let seconds = days * 86_400 + hour * 3600 + minute * 60 + second;
+    let text = format!("{year:04}-{month:02}-{day:02}T{hour:02}:{minute:02}:{second:02}Z");
+    Some((seconds, text))
 }
 
 /// The one crypto provider fencelock uses.
@@ -240,7 +244,7 @@ mod tests {
         let v = Validity::of(&c).unwrap();
         assert_eq!(v.not_before, 1_704_067_200); // 2024-01-01T00:00:00Z
         assert_eq!(v.not_after, 2_571_782_399); // 2051-06-30T23:59:59Z
-        assert_eq!(v.not_after_text, "20510630235959Z");
+        assert_eq!(v.not_after_text, "2051-06-30T23:59:59Z");
         let old = cert((0x17, "991231235959Z"), (0x17, "000229120000Z"), false);
         let v = Validity::of(&old).unwrap();
         assert_eq!(v.not_before, 946_684_799); // 1999-12-31T23:59:59Z
