@@ -358,6 +358,11 @@ fn a_connection_that_never_authenticates_is_closed_at_the_auth_deadline() {
     assert!(took >= Duration::from_millis(900), "closed early: {took:?}");
     let timed_out = server.metric("fencelock_connections_closed_total{reason=\"auth_timeout\"}");
     assert!(timed_out >= 2.0, "{timed_out}");
+    println!(
+        "ATTACK 1: a flw/1 connection pinging and an HTTP/1.1 connection asking for /healthz \
+         every 100 ms, neither authenticating, auth_timeout=1s -> both closed within {:.1} s",
+        took.as_secs_f64()
+    );
 }
 
 /// `max_connections_per_ip` refuses the next connection from an address that has
@@ -472,6 +477,12 @@ fn idle_connections_are_closed_but_watches_are_not() {
     assert!(matches!(event, Ok(Some(_))), "the watch was cut: {event:?}");
     assert!(server.metric("fencelock_connections_closed_total{reason=\"idle\"}") >= 1.0);
     drop(backend);
+    println!(
+        "ATTACK 1: an HTTP/2 connection sending only the preface and SETTINGS, \
+         idle_timeout=1s -> closed with GOAWAY after \
+         {:.1} s; a watch stream open longer on another connection still delivered",
+        took.as_secs_f64()
+    );
 }
 
 /// Regression (issue 19, item 8): a failed re-Hello on a `flw/1` connection kept
