@@ -429,8 +429,9 @@ fn one_address_cannot_take_more_than_its_share() {
 }
 
 /// An HTTP/2 connection with no request in flight is closed gracefully (GOAWAY)
-/// after `idle_timeout`; a watch stream on another connection is a request in
-/// flight and is not cut.
+/// after `idle_timeout`, and so is an authenticated `flw/1` connection that only
+/// pings; a watch stream on another connection is a request in flight and is not
+/// cut.
 #[test]
 fn idle_connections_are_closed_but_watches_are_not() {
     let server = Server::start(&format!(
@@ -469,8 +470,31 @@ fn idle_connections_are_closed_but_watches_are_not() {
         kinds.contains(&0x7),
         "closed without GOAWAY: frames {kinds:?}"
     );
+    // An authenticated flw/1 connection that only pings (pings are no requests).
+    let mut pinging = TcpStream::connect(server.addr).unwrap();
+    let hello = Request::Hello(Hello {
+        token: CLIENT.to_owned(),
+    });
+    pinging.write_all(&frames(&[(1, hello)])).unwrap();
+    let opened = Instant::now();
+    let mut pinging_open = true;
+    while pinging_open && opened.elapsed() < BOUND {
+        std::thread::sleep(Duration::from_millis(100));
+        pinging_open = pinging
+            .write_all(&frames(&[(2, Request::Ping)])[wire::CLIENT_MAGIC.len()..])
+            .is_ok()
+            && !closed_now(&mut pinging);
+    }
+    let pinged = opened.elapsed();
+    assert!(
+        !pinging_open,
+        "a pinging flw/1 connection open after {pinged:?}"
+    );
+    assert!(
+        pinged >= Duration::from_millis(900),
+        "closed early: {pinged:?}"
+    );
     // The watch has been open longer than idle_timeout and still delivers.
-    std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(server.acquire_http("a:watched"), 200);
     let event = runtime.block_on(async { tokio::time::timeout(BOUND, watch.next()).await });
     let event = event.expect("the watch delivers in time");
@@ -479,9 +503,11 @@ fn idle_connections_are_closed_but_watches_are_not() {
     drop(backend);
     println!(
         "ATTACK 1: an HTTP/2 connection sending only the preface and SETTINGS, \
-         idle_timeout=1s -> closed with GOAWAY after \
-         {:.1} s; a watch stream open longer on another connection still delivered",
-        took.as_secs_f64()
+         and an authenticated flw/1 connection that only pings, idle_timeout=1s -> closed \
+         after {:.1} s (with GOAWAY) and {:.1} s; a watch stream open longer on another \
+         connection still delivered",
+        took.as_secs_f64(),
+        pinged.as_secs_f64()
     );
 }
 
