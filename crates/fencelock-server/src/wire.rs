@@ -21,7 +21,12 @@
 //! as many again of everything else (beyond that the connection is not read until
 //! something is answered); a connection that sends nothing for [`IDLE_TIMEOUT`] is
 //! closed (the client pings while idle), and so is one with no request in flight
-//! for `Limits::idle_timeout` (pings do not count; see `IdleCheck` in `lib.rs`).
+//! for `Limits::idle_timeout` (pings do not count; see `IdleCheck` in `lib.rs`). A
+//! waiting acquire leaves the queue on [`Op::Cancel`], or when the connection ends.
+//! Every request gets exactly one answer; a cancelled one gets `cancelled` (after its
+//! real answer, if that was sent first — the client then gives back a grant it no
+//! longer wants), and a grant that finds its request cancelled or its connection
+//! gone is released by the engine.
 //!
 //! Admission (see `admission.rs`): a connection is admitted by a Hello that
 //! succeeds (with authentication off: by its first Hello or request; pings admit
@@ -29,11 +34,7 @@
 //! closes the connection once what is in flight is answered: the client presented
 //! a token the server does not know, and nothing it sends after that may run as the
 //! earlier principal (issue 19, item 8). A failed first Hello leaves the connection
-//! unauthenticated, to try again until its auth deadline. A waiting acquire leaves the queue on
-//! [`Op::Cancel`], or when the connection ends. Every request gets exactly one
-//! answer; a cancelled one gets `cancelled` (after its real answer, if that was sent
-//! first — the client then gives back a grant it no longer wants), and a grant that
-//! finds its request cancelled or its connection gone is released by the engine.
+//! unauthenticated, to try again until its auth deadline.
 //!
 //! [`Op::Cancel`]: fencelock_proto::wire::Op::Cancel
 
@@ -101,7 +102,9 @@ pub async fn serve_stream<I>(io: I, handle: Handle, auth: Authenticator, limits:
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let admission = Admission::new(limits, handle.metrics().connections.clone());
+    // Pools of its own, counted apart: not the server's gauge of unauthenticated
+    // connections.
+    let admission = Admission::new(limits, Arc::default());
     let Ok(ticket) = admission.enter(std::net::Ipv4Addr::LOCALHOST.into()) else {
         unreachable!("the first connection of fresh pools is always taken")
     };
