@@ -1,5 +1,5 @@
 //! Load and resource limits of the real binary, at scale: thousands of idle
-//! connections and the connection cap, thousands of waiters up to the configured
+//! admitted connections and the connection cap, thousands of waiters up to the configured
 //! bounds (on one lock and across locks), and oversized requests over both protocols.
 //! Each test checks the server keeps serving and that its resident memory (from
 //! `/proc/<pid>/status`) stays under a generous bound.
@@ -206,17 +206,6 @@ fn error_code(body: &Value) -> &str {
     body["error"]["code"].as_str().unwrap_or("")
 }
 
-/// Opens an idle HTTP/2 connection, as an idle gRPC client keeps: the client preface
-/// and an empty SETTINGS frame, then nothing. The server keeps it (until its
-/// keepalive pings go unanswered, 40 s).
-fn idle_http2(addr: SocketAddr) -> TcpStream {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    hello.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
-    s.write_all(&hello).expect("send the preface");
-    s
-}
-
 /// Reads until the server closes `s`; false if it is still open after `within`.
 fn closed_by_server(s: &mut TcpStream, within: Duration) -> bool {
     s.set_read_timeout(Some(within)).unwrap();
@@ -231,41 +220,68 @@ fn closed_by_server(s: &mut TcpStream, within: Duration) -> bool {
     }
 }
 
-/// 3,000 idle (HTTP/2) connections fill the cap; the next connection is refused with
-/// a clean 503; closing some frees their slots; and connections that never send a
-/// byte are closed by the server after its header read timeout.
+/// Opens an idle, admitted connection, as an idle client library keeps: `flw/1`'s
+/// magic and a Hello (with authentication off, a Hello admits the connection into
+/// `max_connections`), then nothing once it is welcomed.
+fn idle_admitted(addr: SocketAddr) -> TcpStream {
+    use fencelock_proto::wire::{self, Hello, Request, Response};
+    let mut s = TcpStream::connect(addr).expect("connect");
+    let mut hello = wire::CLIENT_MAGIC.to_vec();
+    wire::encode_request(&mut hello, 1, &Request::Hello(Hello::default()));
+    s.write_all(&hello).expect("send the Hello");
+    s.set_read_timeout(Some(BOUND)).unwrap();
+    let mut answer = vec![0u8; wire::SERVER_MAGIC.len()];
+    s.read_exact(&mut answer).expect("the server's magic");
+    let mut frame = Vec::new();
+    let n = loop {
+        if let Some(n) = wire::frame_len(&frame, wire::MAX_FRAME_BYTES).unwrap() {
+            break n;
+        }
+        let mut buf = [0u8; 64];
+        let got = s.read(&mut buf).expect("read the welcome");
+        assert!(got > 0, "closed before the welcome");
+        frame.extend_from_slice(&buf[..got]);
+    };
+    assert_eq!(
+        wire::decode_response(&frame[..n]).unwrap(),
+        (1, Response::Welcome)
+    );
+    s
+}
+
+/// 3,000 idle admitted connections fill the cap; the next connection that would be
+/// admitted is refused with a clean 503 while `/healthz` still answers (only
+/// authenticated connections count against the cap, issue 19 item 1); closing some
+/// frees their slots; and connections that never send a byte are closed by the
+/// server (at its auth deadline, 5 s).
 #[test]
 fn thousands_of_idle_connections_fill_the_cap_and_the_rest_are_refused_cleanly() {
     const CAP: usize = 3000;
     raise_open_files(CAP as u64 + 1000);
-    let mut server = Server::start(&format!("[limits]\nmax_connections = {CAP}\n"));
+    let mut server = Server::start(&format!(
+        "[limits]\nmax_connections = {CAP}\nmax_connections_per_ip = {}\n",
+        CAP + 1000
+    ));
     let before = server.rss();
 
     let opening = Instant::now();
-    let mut idle: Vec<TcpStream> = (0..CAP).map(|_| idle_http2(server.addr)).collect();
+    let mut idle: Vec<TcpStream> = (0..CAP).map(|_| idle_admitted(server.addr)).collect();
     println!(
-        "opened {CAP} idle HTTP/2 connections in {:?}",
+        "opened {CAP} idle admitted connections in {:?}",
         opening.elapsed()
     );
-    // Once the server has accepted them all, the next connection gets a 503.
-    let deadline = Instant::now() + BOUND;
-    let refusal = loop {
-        let (status, body) = server.call("GET", "/healthz", None);
-        if status == 503 {
-            break body;
-        }
-        assert_eq!(status, 200);
-        assert!(
-            Instant::now() < deadline,
-            "no 503 with {CAP} connections open"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let (status, refusal) = server.call("GET", "/v1/locks", None);
+    assert_eq!(status, 503, "{refusal}");
     assert_eq!(error_code(&refusal), "unavailable", "{refusal}");
     let message = refusal["error"]["message"].as_str().unwrap_or("");
     assert!(
         message.contains(&format!("maximum of {CAP} connections")),
         "{message}"
+    );
+    let (status, _) = server.call("GET", "/healthz", None);
+    assert_eq!(
+        status, 200,
+        "/healthz admits nobody, so it is always answered"
     );
     let during = server.assert_rss_bounded("3000 idle connections", before);
 
@@ -273,7 +289,7 @@ fn thousands_of_idle_connections_fill_the_cap_and_the_rest_are_refused_cleanly()
     idle.truncate(CAP - 100);
     let deadline = Instant::now() + BOUND;
     loop {
-        let (status, _) = server.call("GET", "/healthz", None);
+        let (status, _) = server.call("GET", "/v1/locks", None);
         if status == 200 {
             break;
         }
@@ -292,7 +308,7 @@ fn thousands_of_idle_connections_fill_the_cap_and_the_rest_are_refused_cleanly()
 
     // Regression: a connection that never sent a byte was never timed out (protocol
     // detection waited without a deadline), so silent clients could hold every slot
-    // forever. Now the header read timeout (10 s) covers them too.
+    // forever. Now the auth deadline (and the header read timeout) cover them too.
     let mut silent: Vec<TcpStream> = (0..50)
         .map(|_| TcpStream::connect(server.addr).expect("connect"))
         .collect();

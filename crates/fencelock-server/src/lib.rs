@@ -6,6 +6,7 @@
 //! protocols until [`Server::shutdown`].
 #![deny(missing_docs)]
 
+mod admission;
 pub mod audit;
 pub mod auth;
 pub mod codec;
@@ -40,6 +41,11 @@ pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often an HTTP/2 (gRPC) connection is pinged, and how long an answer may take
 /// before the connection is closed as dead.
 pub const HTTP2_KEEPALIVE: Duration = Duration::from_secs(20);
+
+/// How long an idle connection that is being closed has to finish closing (HTTP/2:
+/// to answer the PING of its graceful GOAWAY) before it is dropped. Nothing is in
+/// flight on it, so dropping loses nothing.
+const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// Everything a server needs to start.
 #[derive(Debug, Clone)]
@@ -106,6 +112,8 @@ pub fn secure_app(
     .layer(axum::Extension(http::BodyLimit(limits.max_body_bytes)))
     // The same limit for axum's own extractors (the dashboard's forms).
     .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
+    // Inside the authentication layer: sees the `Principal` it inserted.
+    .layer(axum::middleware::from_fn(admit))
     .layer(axum::middleware::from_fn_with_state(
         authenticator.clone(),
         auth::layer,
@@ -118,6 +126,31 @@ pub fn secure_app(
         handle,
         count_refusals,
     ))
+}
+
+/// Admits the request's connection (see [`admission`]) once a request on it passed
+/// authentication with a [`Principal`]; `/healthz` and `/readyz` admit nobody. If
+/// `max_connections` connections are admitted already, the request is refused with
+/// 503 `unavailable` and the connection stays unauthenticated (so it is closed at
+/// its auth deadline). Requests served without an accept loop (tests of
+/// [`secure_app`]) carry no connection and pass.
+async fn admit(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    if let Some(connection) = request.extensions().get::<HttpConnection>() {
+        let open = matches!(request.uri().path(), "/healthz" | "/readyz");
+        if !open && request.extensions().get::<Principal>().is_some() {
+            if let Err(refused) = connection.ticket.admit() {
+                let grpc = request
+                    .headers()
+                    .get(axum::http::header::CONTENT_TYPE)
+                    .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+                return auth::refuse(grpc, refused.into_error());
+            }
+        }
+    }
+    next.run(request).await
 }
 
 /// Counts the requests refused at the edge (401, 403, 429) in the metrics: HTTP
@@ -179,6 +212,7 @@ impl Server {
             max_frame: config.limits.max_body_bytes,
             max_in_flight: config.limits.max_streams_per_connection as usize,
             header_read_timeout: config.header_read_timeout,
+            idle_timeout: config.limits.idle_timeout,
         });
         let options = ServeOptions {
             wire,
@@ -227,14 +261,73 @@ struct ServeOptions {
     header_read_timeout: Duration,
     limits: Limits,
     tls: Option<tokio_rustls::TlsAcceptor>,
-    /// For the refused-connection counter.
+    /// For the connection counters.
     handle: Handle,
 }
 
-/// The accept loop: HTTP/1.1 and HTTP/2 (prior knowledge, for gRPC) on one listener,
-/// optionally inside TLS, with a header read timeout and HTTP/2 keepalive pings so
-/// that stalled, idle or dead connections are closed, a cap on connections and on
-/// streams per connection, and a graceful stop (in-flight requests finish).
+/// What one HTTP connection's requests carry in their extensions: its place in the
+/// pools (for [`admit`]) and what tells whether it is idle.
+#[derive(Clone)]
+struct HttpConnection {
+    ticket: Arc<admission::Ticket>,
+    activity: Arc<Activity>,
+}
+
+/// Requests on one HTTP connection: started, and in flight (until the response body
+/// ends, so a long-lived watch stream counts as in flight).
+#[derive(Default)]
+struct Activity {
+    started: std::sync::atomic::AtomicU64,
+    in_flight: std::sync::atomic::AtomicU64,
+}
+
+/// Drops with the request it counts in flight (its response body, or its future).
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn start(activity: &Arc<Activity>) -> InFlight {
+        use std::sync::atomic::Ordering::Relaxed;
+        activity.started.fetch_add(1, Relaxed);
+        activity.in_flight.fetch_add(1, Relaxed);
+        InFlight(activity.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0
+            .in_flight
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Tells when a connection has been idle for a whole `idle_timeout`, checked once
+/// per `idle_timeout`: idle at a check if nothing was in flight at the previous
+/// check, nothing started since, and nothing is in flight now. So a connection is
+/// closed between one and two `idle_timeout`s after its last request ended, at the
+/// price of two counters per request (no clock read on the request path).
+#[derive(Default)]
+pub(crate) struct IdleCheck {
+    started_before: u64,
+    busy_before: bool,
+}
+
+impl IdleCheck {
+    /// One check: `started` requests so far, `in_flight` now. True: close it.
+    pub(crate) fn idle(&mut self, started: u64, in_flight: bool) -> bool {
+        let idle = !self.busy_before && !in_flight && started == self.started_before;
+        self.started_before = started;
+        self.busy_before = in_flight;
+        idle
+    }
+}
+
+/// The accept loop: HTTP/1.1 and HTTP/2 (prior knowledge, for gRPC) and `flw/1` on
+/// one listener, optionally inside TLS, with a header read timeout and HTTP/2
+/// keepalive pings so that stalled or dead connections are closed, connection
+/// admission ([`admission`]: an unauthenticated pool with a deadline, the
+/// `max_connections` pool, a cap per IP), idle connections closed, a cap on streams
+/// per connection, and a graceful stop (in-flight requests finish).
 ///
 /// The loop itself only accepts: the TLS handshake (bounded by
 /// `limits.tls_handshake_timeout`) and everything after it run in the connection's
@@ -260,15 +353,17 @@ async fn serve(
         .keep_alive_timeout(HTTP2_KEEPALIVE)
         .max_concurrent_streams(options.limits.max_streams_per_connection);
     let builder = Arc::new(builder);
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let max_connections = options.limits.max_connections;
-    let connections = Arc::new(tokio::sync::Semaphore::new(max_connections));
-    // Tells connections still in their TLS handshake to give up.
+    let admission = admission::Admission::new(
+        &options.limits,
+        options.handle.metrics().connections.clone(),
+    );
+    // Tells connections to stop: those in their TLS handshake give up, the others
+    // finish what is in flight.
     let (stopping, stopping_rx) = tokio::sync::watch::channel(());
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of file descriptors and the like: back off, keep serving.
                     tracing::warn!(error = %e, "accept failed");
@@ -279,109 +374,197 @@ async fn serve(
             _ = &mut stop => break,
         };
         let _ = stream.set_nodelay(true);
-        let Ok(permit) = connections.clone().try_acquire_owned() else {
-            options
-                .handle
-                .metrics()
-                .refused_connections
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            tracing::debug!(
-                max_connections,
-                "refused a connection: too many connections"
-            );
-            tokio::spawn(refuse_connection(
-                stream,
-                options.tls.is_some(),
-                max_connections,
-            ));
-            continue;
-        };
-        let watcher = graceful.watcher();
-        let builder = builder.clone();
-        let router = router.clone();
-        let tls = options.tls.clone();
-        let handshake_timeout = options.limits.tls_handshake_timeout;
-        let header_read_timeout = options.header_read_timeout;
-        let wire = options.wire.clone();
-        let mut stopping = stopping_rx.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let Some(acceptor) = tls else {
-                let mut stream = stream;
-                let start = tokio::select! {
-                    start = preface::read_start(&mut stream, header_read_timeout) => start,
-                    _ = stopping.changed() => None,
-                };
-                let Some(start) = start else { return };
-                let stream = preface::Prefixed::new(start, stream);
-                if preface::is_wire(stream.prefix()) {
-                    return wire::serve_tcp(stream, wire, stopping).await;
-                }
-                return serve_connection(&builder, stream, router, watcher).await;
-            };
-            let handshake = tokio::time::timeout(handshake_timeout, acceptor.accept(stream));
-            let stream = tokio::select! {
-                done = handshake => match done {
-                    Ok(Ok(stream)) => stream,
-                    Ok(Err(e)) => {
-                        tracing::debug!(error = %e, "TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::debug!("TLS handshake timed out");
-                        return;
-                    }
-                },
-                _ = stopping.changed() => return,
-            };
-            let mut stream = stream;
-            let start = tokio::select! {
-                start = preface::read_start(&mut stream, header_read_timeout) => start,
-                _ = stopping.changed() => None,
-            };
-            let Some(start) = start else { return };
-            let stream = preface::Prefixed::new(start, stream);
-            if preface::is_wire(stream.prefix()) {
-                return wire::serve_connection(stream, wire, stopping).await;
+        let ticket = match admission.enter(peer.ip()) {
+            Ok(ticket) => Arc::new(ticket),
+            Err(admission::Refused::PerIp(max)) => {
+                tracing::debug!(%peer, max, "refused a connection: too many from its address");
+                let message = format!(
+                    "the server is serving its maximum of {max} connections from one address; \
+                     retry later"
+                );
+                tokio::spawn(refuse_connection(stream, options.tls.is_some(), message));
+                continue;
             }
-            serve_connection(&builder, stream, router, watcher).await
+        };
+        let connection = Connection {
+            builder: builder.clone(),
+            router: router.clone(),
+            tls: options.tls.clone(),
+            handshake_timeout: options.limits.tls_handshake_timeout,
+            header_read_timeout: options.header_read_timeout,
+            idle_timeout: options.limits.idle_timeout,
+            wire: options.wire.clone(),
+            handle: options.handle.clone(),
+            stopping: stopping_rx.clone(),
+        };
+        tokio::spawn(async move {
+            // Dropping the connection's future closes it. Once this resolves the
+            // connection can no longer be admitted, so it has nothing in flight
+            // beyond `/healthz`, `/readyz` and refusals.
+            tokio::select! {
+                () = connection.serve(stream, ticket.clone()) => {}
+                () = ticket.unauthenticated_end() => {}
+            }
         });
     }
     let _ = stopping.send(());
     drop(listener);
-    graceful.shutdown().await;
-    // Wire connections answer what they have in flight, then close; give them as
-    // long as HTTP connections had.
-    let closed = connections.acquire_many(u32::try_from(max_connections).unwrap_or(u32::MAX));
-    let _ = tokio::time::timeout(Duration::from_secs(10), closed).await;
+    // Connections answer what they have in flight, then close.
+    admission.all_ended(Duration::from_secs(10)).await;
     Ok(())
 }
 
-/// Serves HTTP/1.1 or HTTP/2 on one (plain or TLS) connection until it ends.
-async fn serve_connection<I>(
-    builder: &hyper_util::server::conn::auto::Builder<hyper_util::rt::TokioExecutor>,
-    io: I,
+/// What one connection's task needs.
+struct Connection {
+    builder: Arc<hyper_util::server::conn::auto::Builder<hyper_util::rt::TokioExecutor>>,
     router: axum::Router,
-    watcher: hyper_util::server::graceful::Watcher,
-) where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let service = hyper_util::service::TowerToHyperService::new(router);
-    let connection = builder
-        .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(io), service)
-        .into_owned();
-    // A connection that ends in an I/O or protocol error concerns only its client.
-    let _ = watcher.watch(connection).await;
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    handshake_timeout: Duration,
+    header_read_timeout: Duration,
+    idle_timeout: Duration,
+    wire: Arc<wire::WireOptions>,
+    handle: Handle,
+    stopping: tokio::sync::watch::Receiver<()>,
 }
 
-/// Answers a connection over the cap: a 503 `unavailable` for plain HTTP/1.1, a
-/// bare close for TLS (there is no session to answer in without a handshake).
-async fn refuse_connection(mut stream: tokio::net::TcpStream, tls: bool, max: usize) {
+impl Connection {
+    /// TLS (if configured), then `flw/1` or HTTP by the first bytes, until the
+    /// connection ends.
+    async fn serve(mut self, stream: tokio::net::TcpStream, ticket: Arc<admission::Ticket>) {
+        let Some(acceptor) = self.tls.clone() else {
+            let mut stream = stream;
+            let start = tokio::select! {
+                start = preface::read_start(&mut stream, self.header_read_timeout) => start,
+                _ = self.stopping.changed() => None,
+            };
+            let Some(start) = start else { return };
+            let stream = preface::Prefixed::new(start, stream);
+            if preface::is_wire(stream.prefix()) {
+                return wire::serve_tcp(stream, self.wire, ticket, self.stopping).await;
+            }
+            return self.serve_http(stream, ticket).await;
+        };
+        let handshake = tokio::time::timeout(self.handshake_timeout, acceptor.accept(stream));
+        let stream = tokio::select! {
+            done = handshake => match done {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!("TLS handshake timed out");
+                    return;
+                }
+            },
+            _ = self.stopping.changed() => return,
+        };
+        let mut stream = stream;
+        let start = tokio::select! {
+            start = preface::read_start(&mut stream, self.header_read_timeout) => start,
+            _ = self.stopping.changed() => None,
+        };
+        let Some(start) = start else { return };
+        let stream = preface::Prefixed::new(start, stream);
+        if preface::is_wire(stream.prefix()) {
+            return wire::serve_connection(stream, self.wire, ticket, self.stopping).await;
+        }
+        self.serve_http(stream, ticket).await
+    }
+
+    /// Serves HTTP/1.1 or HTTP/2 on one (plain or TLS) connection until it ends; on
+    /// stop, or once idle for `idle_timeout`, it is shut down gracefully (hyper
+    /// finishes the requests in flight, HTTP/2 sends GOAWAY).
+    async fn serve_http<I>(mut self, io: I, ticket: Arc<admission::Ticket>)
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        use http_body_util::BodyExt;
+        use tower::ServiceExt;
+
+        let state = HttpConnection {
+            ticket,
+            activity: Arc::default(),
+        };
+        let activity = state.activity.clone();
+        let router = self.router.clone();
+        let service = tower::service_fn(move |mut request: axum::extract::Request<_>| {
+            let in_flight = InFlight::start(&state.activity);
+            request.extensions_mut().insert(state.clone());
+            let router = router.clone();
+            async move {
+                let response = router.oneshot(request).await?;
+                // In flight until the body ends (or is dropped with the connection).
+                Ok::<_, std::convert::Infallible>(response.map(|body| {
+                    axum::body::Body::new(body.map_frame(move |frame| {
+                        let _ = &in_flight;
+                        frame
+                    }))
+                }))
+            }
+        });
+        let service = hyper_util::service::TowerToHyperService::new(service);
+        let connection = self
+            .builder
+            .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(io), service);
+        tokio::pin!(connection);
+        let mut idle = IdleCheck::default();
+        let mut checks = tokio::time::interval_at(
+            tokio::time::Instant::now() + self.idle_timeout,
+            self.idle_timeout,
+        );
+        let mut closing = false;
+        // Set when an idle connection is shut down: HTTP/2's graceful shutdown waits
+        // for the client to answer a PING after the first GOAWAY, and a client that
+        // never answers would keep it open until keepalive gives up.
+        let grace = tokio::time::sleep(Duration::MAX);
+        tokio::pin!(grace);
+        let mut grace_armed = false;
+        loop {
+            tokio::select! {
+                // An I/O or protocol error concerns only its client.
+                _ = connection.as_mut() => return,
+                () = &mut grace, if grace_armed => {
+                    tracing::debug!("dropped an idle connection that did not close after GOAWAY");
+                    return;
+                }
+                _ = self.stopping.changed(), if !closing => {
+                    connection.as_mut().graceful_shutdown();
+                    closing = true;
+                }
+                _ = checks.tick(), if !closing => {
+                    use std::sync::atomic::Ordering::Relaxed;
+                    let started = activity.started.load(Relaxed);
+                    let in_flight = activity.in_flight.load(Relaxed) > 0;
+                    if idle.idle(started, in_flight) {
+                        tracing::debug!(idle_timeout = ?self.idle_timeout, "closing an idle connection");
+                        self.handle
+                            .metrics()
+                            .connections
+                            .closed_idle
+                            .fetch_add(1, Relaxed);
+                        connection.as_mut().graceful_shutdown();
+                        closing = true;
+                        grace
+                            .as_mut()
+                            .reset(tokio::time::Instant::now() + IDLE_CLOSE_GRACE);
+                        grace_armed = true;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Answers a connection that is refused at once (over `max_connections_per_ip`): a
+/// 503 `unavailable` for plain HTTP/1.1, a bare close for TLS (there is no session
+/// to answer in without a handshake).
+async fn refuse_connection(mut stream: tokio::net::TcpStream, tls: bool, message: String) {
     use tokio::io::AsyncWriteExt;
     if !tls {
         let body = serde_json::json!({"error": {
             "code": ApiErrorKind::Unavailable.code(),
-            "message": format!("the server is serving its maximum of {max} connections; retry later"),
+            "message": message,
         }})
         .to_string();
         let response = format!(
@@ -394,5 +577,28 @@ async fn refuse_connection(mut stream: tokio::net::TcpStream, tls: bool, max: us
             stream.shutdown().await
         };
         let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::IdleCheck;
+
+    #[test]
+    fn idle_means_a_whole_check_period_without_requests() {
+        let mut check = IdleCheck::default();
+        // A fresh connection that sends nothing is idle at the first check.
+        assert!(check.idle(0, false));
+        let mut check = IdleCheck::default();
+        assert!(
+            !check.idle(1, false),
+            "a request started since the last check"
+        );
+        assert!(check.idle(1, false));
+        let mut check = IdleCheck::default();
+        assert!(!check.idle(1, true), "a request in flight (a watch)");
+        assert!(!check.idle(1, true));
+        assert!(!check.idle(1, false), "it may have ended just now");
+        assert!(check.idle(1, false));
     }
 }

@@ -4,6 +4,7 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// A fixed-bucket histogram. Observations are in the histogram's own unit; the
 /// rendering divides by `scale` to report seconds (or leaves counts as they are).
@@ -132,8 +133,9 @@ pub struct Metrics {
     pub refused_permission_denied: AtomicU64,
     /// Acquires refused by a token's rate limit (429).
     pub refused_rate_limited: AtomicU64,
-    /// Connections refused over `max_connections`.
-    pub refused_connections: AtomicU64,
+    /// Connection admission (see `admission.rs`): refusals, closes, the
+    /// unauthenticated pool. Shared with the accept loop.
+    pub connections: Arc<ConnectionMetrics>,
     /// Connections that spoke the wire protocol `flw/1`.
     pub wire_connections: AtomicU64,
     /// Renders of a dashboard live view (lock table and health panel), each shared
@@ -166,12 +168,29 @@ impl Default for Metrics {
             refused_unauthenticated: AtomicU64::new(0),
             refused_permission_denied: AtomicU64::new(0),
             refused_rate_limited: AtomicU64::new(0),
-            refused_connections: AtomicU64::new(0),
+            connections: Arc::default(),
             wire_connections: AtomicU64::new(0),
             dashboard_renders: AtomicU64::new(0),
             dashboard_views: AtomicU64::new(0),
         }
     }
+}
+
+/// What the accept loop and connection admission count.
+#[derive(Debug, Default)]
+pub struct ConnectionMetrics {
+    /// Connections refused over `max_connections` (when they tried to authenticate).
+    pub refused_over_cap: AtomicU64,
+    /// Connections refused over `max_connections_per_ip`.
+    pub refused_per_ip: AtomicU64,
+    /// Unauthenticated connections closed to make room for a new one.
+    pub evicted_unauthenticated: AtomicU64,
+    /// Connections closed because they did not authenticate within `auth_timeout`.
+    pub closed_auth_timeout: AtomicU64,
+    /// Connections closed after `idle_timeout` with no request in flight.
+    pub closed_idle: AtomicU64,
+    /// Gauge: connections not yet authenticated.
+    pub unauthenticated: AtomicU64,
 }
 
 /// Every metric name exported, for dashboards and their tests.
@@ -198,6 +217,9 @@ pub const METRIC_NAMES: &[&str] = &[
     "fencelock_wire_connections_total",
     "fencelock_dashboard_renders_total",
     "fencelock_dashboard_views",
+    "fencelock_connections_refused_per_ip_total",
+    "fencelock_connections_closed_total",
+    "fencelock_unauthenticated_connections",
 ];
 
 impl Metrics {
@@ -310,7 +332,7 @@ impl Metrics {
         let _ = writeln!(
             out,
             "# HELP {name} Connections refused over max_connections.\n# TYPE {name} counter\n{name} {}",
-            load(&self.refused_connections)
+            load(&self.connections.refused_over_cap)
         );
         let name = METRIC_NAMES[19];
         let _ = writeln!(
@@ -329,6 +351,31 @@ impl Metrics {
             out,
             "# HELP {name} Distinct dashboard live views being rendered.\n# TYPE {name} gauge\n{name} {}",
             load(&self.dashboard_views)
+        );
+        let c = &self.connections;
+        let name = METRIC_NAMES[22];
+        let _ = writeln!(
+            out,
+            "# HELP {name} Connections refused over max_connections_per_ip.\n# TYPE {name} counter\n{name} {}",
+            load(&c.refused_per_ip)
+        );
+        let name = METRIC_NAMES[23];
+        let _ = writeln!(
+            out,
+            "# HELP {name} Connections the server closed, by reason.\n# TYPE {name} counter"
+        );
+        for (reason, value) in [
+            ("unauthenticated_evicted", &c.evicted_unauthenticated),
+            ("auth_timeout", &c.closed_auth_timeout),
+            ("idle", &c.closed_idle),
+        ] {
+            let _ = writeln!(out, "{name}{{reason=\"{reason}\"}} {}", load(value));
+        }
+        let name = METRIC_NAMES[24];
+        let _ = writeln!(
+            out,
+            "# HELP {name} Connections not yet authenticated.\n# TYPE {name} gauge\n{name} {}",
+            load(&c.unauthenticated)
         );
         out
     }

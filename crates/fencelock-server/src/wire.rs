@@ -20,11 +20,21 @@
 //! `resource_exhausted`, so that renewals behind it are never held up by waits), and
 //! as many again of everything else (beyond that the connection is not read until
 //! something is answered); a connection that sends nothing for [`IDLE_TIMEOUT`] is
-//! closed (the client pings while idle). A waiting acquire leaves the queue on
-//! [`Op::Cancel`], or when the connection ends. Every request gets exactly one
-//! answer; a cancelled one gets `cancelled` (after its real answer, if that was sent
-//! first — the client then gives back a grant it no longer wants), and a grant that
-//! finds its request cancelled or its connection gone is released by the engine.
+//! closed (the client pings while idle), and so is one with no request in flight
+//! for `Limits::idle_timeout` (pings do not count; see `IdleCheck` in `lib.rs`). A
+//! waiting acquire leaves the queue on [`Op::Cancel`], or when the connection ends.
+//! Every request gets exactly one answer; a cancelled one gets `cancelled` (after its
+//! real answer, if that was sent first — the client then gives back a grant it no
+//! longer wants), and a grant that finds its request cancelled or its connection
+//! gone is released by the engine.
+//!
+//! Admission (see `admission.rs`): a connection is admitted by a Hello that
+//! succeeds (with authentication off: by its first Hello or request; pings admit
+//! nothing). A Hello that fails on a connection that had a principal drops it and
+//! closes the connection once what is in flight is answered: the client presented
+//! a token the server does not know, and nothing it sends after that may run as the
+//! earlier principal (issue 19, item 8). A failed first Hello leaves the connection
+//! unauthenticated, to try again until its auth deadline.
 //!
 //! [`Op::Cancel`]: fencelock_proto::wire::Op::Cancel
 
@@ -40,6 +50,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
+use crate::admission::{Admission, Ticket};
 use crate::auth::{Authenticator, Principal};
 use crate::engine::{GrantSink, Handle, ReplySink};
 use crate::error::{ApiError, ApiErrorKind};
@@ -60,6 +71,8 @@ pub(crate) struct WireOptions {
     pub(crate) max_in_flight: usize,
     /// Time to send the magic bytes.
     pub(crate) header_read_timeout: Duration,
+    /// A connection with no request in flight this long is closed.
+    pub(crate) idle_timeout: Duration,
 }
 
 fn error_response(error: &ApiError) -> Response {
@@ -82,21 +95,30 @@ fn count_refusal(handle: &Handle, error: &ApiError) {
 /// Serves `flw/1` on `io` — a stream whose first bytes are the client's magic — for
 /// `handle`, as the accept loop serves a connection it told apart: tokens checked by
 /// `auth`, frames and requests in flight bounded by `limits`. Ends when the client
-/// leaves or breaks the protocol. For tests and fuzzing over in-memory streams.
+/// leaves or breaks the protocol. For tests and fuzzing over in-memory streams: the
+/// connection is alone in its pools, and its auth deadline is not enforced (the
+/// accept loop does that).
 pub async fn serve_stream<I>(io: I, handle: Handle, auth: Authenticator, limits: &Limits)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    // Pools of its own, counted apart: not the server's gauge of unauthenticated
+    // connections.
+    let admission = Admission::new(limits, Arc::default());
+    let Ok(ticket) = admission.enter(std::net::Ipv4Addr::LOCALHOST.into()) else {
+        unreachable!("the first connection of fresh pools is always taken")
+    };
     let options = Arc::new(WireOptions {
         handle,
         auth,
         max_frame: limits.max_body_bytes,
         max_in_flight: limits.max_streams_per_connection as usize,
         header_read_timeout: crate::DEFAULT_HEADER_READ_TIMEOUT,
+        idle_timeout: limits.idle_timeout,
     });
     // Never stopping: the sender lives as long as the connection.
     let (_never, stopping) = watch::channel(());
-    serve_connection(io, options, stopping).await;
+    serve_connection(io, options, Arc::new(ticket), stopping).await;
 }
 
 /// Serves `flw/1` on a plain TCP connection whose first bytes (the client's magic)
@@ -105,6 +127,7 @@ where
 pub(crate) async fn serve_tcp(
     stream: Prefixed<TcpStream>,
     options: Arc<WireOptions>,
+    ticket: Arc<Ticket>,
     stopping: watch::Receiver<()>,
 ) {
     let (prefix, tcp) = stream.into_parts();
@@ -115,6 +138,7 @@ pub(crate) async fn serve_tcp(
         Sink::Direct(wr.clone()),
         Some(wr),
         options,
+        ticket,
         stopping,
     )
     .await;
@@ -127,12 +151,21 @@ pub(crate) async fn serve_tcp(
 pub(crate) async fn serve_connection<I>(
     io: I,
     options: Arc<WireOptions>,
+    ticket: Arc<Ticket>,
     stopping: watch::Receiver<()>,
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (rd, wr) = tokio::io::split(io);
-    serve(rd, Sink::Stream(Box::new(wr)), None, options, stopping).await;
+    serve(
+        rd,
+        Sink::Stream(Box::new(wr)),
+        None,
+        options,
+        ticket,
+        stopping,
+    )
+    .await;
 }
 
 async fn serve<R>(
@@ -140,6 +173,7 @@ async fn serve<R>(
     mut sink: Sink,
     direct: Option<Arc<OwnedWriteHalf>>,
     options: Arc<WireOptions>,
+    ticket: Arc<Ticket>,
     mut stopping: watch::Receiver<()>,
 ) where
     R: AsyncRead + Unpin,
@@ -170,6 +204,8 @@ async fn serve<R>(
         principal: (!options.auth.enabled()).then(Principal::anonymous),
         outbox: outbox.clone(),
         reading: true,
+        ticket,
+        requests: 0,
     };
     serve_requests(&mut conn, &mut rd, &mut sink, &mut stopping).await;
     // Answers still to come are refused (a grant is then released), waits leave their
@@ -200,6 +236,9 @@ async fn serve_requests<R: AsyncRead + Unpin>(
     // timer-wheel update per request.
     let idle = tokio::time::sleep(IDLE_TIMEOUT);
     tokio::pin!(idle);
+    let idle_timeout = conn.options.idle_timeout;
+    let mut checks = tokio::time::interval_at(Instant::now() + idle_timeout, idle_timeout);
+    let mut no_requests = crate::IdleCheck::default();
     loop {
         if flush(&conn.outbox, sink, &mut writing).await.is_err() {
             return;
@@ -236,6 +275,19 @@ async fn serve_requests<R: AsyncRead + Unpin>(
                     return;
                 }
                 idle.as_mut().reset(heard + IDLE_TIMEOUT);
+            }
+            _ = checks.tick(), if conn.reading => {
+                let in_flight = !conn.outbox.lock().in_flight.is_empty();
+                if no_requests.idle(conn.requests, in_flight) {
+                    tracing::debug!(?idle_timeout, "closing a wire connection with no requests");
+                    conn.options
+                        .handle
+                        .metrics()
+                        .connections
+                        .closed_idle
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    return;
+                }
             }
             _ = stopping.changed(), if conn.reading => conn.reading = false,
         }
@@ -442,8 +494,13 @@ struct Connection {
     /// Who the connection speaks for; `None` until a good `Hello` when tokens are on.
     principal: Option<Principal>,
     outbox: Arc<Outbox>,
-    /// Still reading requests (false once stopping, or after a framing error).
+    /// Still reading requests (false once stopping, after a framing error, or a
+    /// failed re-Hello).
     reading: bool,
+    /// The connection's place in the pools: admitted by the first good Hello.
+    ticket: Arc<Ticket>,
+    /// Frames other than pings so far (for the idle check).
+    requests: u64,
 }
 
 impl Connection {
@@ -491,6 +548,9 @@ impl Connection {
                 return self.reply(e.id.unwrap_or(0), &error_response(&error));
             }
         };
+        if !matches!(request, Request::Ping) {
+            self.requests += 1;
+        }
         match request {
             Request::Ping => self.reply(id, &Response::Pong),
             Request::Cancel => {
@@ -519,17 +579,48 @@ impl Connection {
 
     fn hello(&mut self, id: u64, token: &str) {
         if !self.options.auth.enabled() {
-            return self.reply(id, &Response::Welcome);
+            if self.admit(id) {
+                self.reply(id, &Response::Welcome);
+            }
+            return;
         }
         match self.options.auth.authenticate(token) {
             Some(principal) => {
-                self.principal = Some(principal);
-                self.reply(id, &Response::Welcome);
+                // Admitted before the principal is set: no request runs on a
+                // connection that is not admitted.
+                if self.admit(id) {
+                    self.principal = Some(principal);
+                    self.reply(id, &Response::Welcome);
+                }
             }
-            None => self.refuse(
-                id,
-                ApiError::new(ApiErrorKind::Unauthenticated, "unknown token"),
-            ),
+            None => {
+                let unknown = ApiError::new(ApiErrorKind::Unauthenticated, "unknown token");
+                if self.principal.take().is_some() {
+                    // A failed re-Hello: nothing more runs as the earlier principal.
+                    tracing::debug!("closing a wire connection after a failed re-Hello");
+                    self.reading = false;
+                    let closing = ApiError::new(
+                        ApiErrorKind::Unauthenticated,
+                        "unknown token; this connection's earlier token no longer applies \
+                         and the connection closes",
+                    );
+                    return self.refuse(id, closing);
+                }
+                self.refuse(id, unknown);
+            }
+        }
+    }
+
+    /// Admits the connection (see the module docs); if it cannot be, answers `id`
+    /// with `unavailable` and stops reading, so the connection closes.
+    fn admit(&mut self, id: u64) -> bool {
+        match self.ticket.admit() {
+            Ok(()) => true,
+            Err(refused) => {
+                self.reading = false;
+                self.reply(id, &error_response(&refused.into_error()));
+                false
+            }
         }
     }
 
@@ -543,6 +634,9 @@ impl Connection {
                 ),
             );
         };
+        if !self.admit(id) {
+            return;
+        }
         let handle = &self.options.handle;
         let acquire = matches!(request, Request::Acquire(_));
         {

@@ -595,31 +595,50 @@ async fn body_limit_is_configurable() {
     t.stop().await;
 }
 
+/// An authenticated request on a new connection, which then closes.
+const AUTHENTICATED_GET: &[u8] =
+    b"GET /v1/locks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer admin-secret\r\n\r\n";
+
+/// A keep-alive connection that made one authenticated request (so it holds a slot
+/// of `max_connections`) and then idles.
+async fn admitted_idle_connection(t: &TestServer) -> tokio::net::TcpStream {
+    let mut idle = tokio::net::TcpStream::connect(t.addr()).await.unwrap();
+    idle.write_all(AUTHENTICATED_GET).await.unwrap();
+    let mut head = Vec::new();
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let mut buf = [0u8; 1024];
+        let n = tokio::time::timeout(IO_TIMEOUT, idle.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "closed before answering");
+        head.extend_from_slice(&buf[..n]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+    idle
+}
+
+/// Only authenticated connections count against `max_connections` (issue 19, item
+/// 1): over it, an authenticated request is refused with 503, while `/healthz`
+/// still answers (a connection that has not authenticated holds no slot).
 #[tokio::test]
 async fn connections_over_the_cap_get_503_until_one_closes() {
     let t = secure_server(|c| c.limits.max_connections = 1).await;
-    // An open, idle connection takes the only slot.
-    let idle = tokio::net::TcpStream::connect(t.addr()).await.unwrap();
-    let answer = t
-        .client
-        .raw(
-            b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n",
-            IO_TIMEOUT,
-        )
-        .await;
+    // An open, idle, authenticated connection takes the only slot.
+    let idle = admitted_idle_connection(&t).await;
+    let answer = t.client.raw(AUTHENTICATED_GET, IO_TIMEOUT).await;
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     assert!(answer.contains("\"unavailable\""), "{answer}");
     assert!(answer.contains("maximum of 1 connections"), "{answer}");
+    let health = t
+        .client
+        .raw(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", IO_TIMEOUT)
+        .await;
+    assert!(health.starts_with(b"HTTP/1.1 200"), "{health:?}");
     drop(idle);
     poll_until("a connection slot to free up", IO_TIMEOUT, || async {
-        let answer = t
-            .client
-            .raw(
-                b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n",
-                IO_TIMEOUT,
-            )
-            .await;
+        let answer = t.client.raw(AUTHENTICATED_GET, IO_TIMEOUT).await;
         answer.starts_with(b"HTTP/1.1 200").then_some(())
     })
     .await;
@@ -983,14 +1002,8 @@ async fn refusals_are_counted_in_the_metrics() {
     t.stop().await;
 
     let t = secure_server(|c| c.limits.max_connections = 1).await;
-    let idle = tokio::net::TcpStream::connect(t.addr()).await.unwrap();
-    let answer = t
-        .client
-        .raw(
-            b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n",
-            IO_TIMEOUT,
-        )
-        .await;
+    let idle = admitted_idle_connection(&t).await;
+    let answer = t.client.raw(AUTHENTICATED_GET, IO_TIMEOUT).await;
     assert!(answer.starts_with(b"HTTP/1.1 503"));
     drop(idle);
     let count = poll_until("a connection slot to free up", IO_TIMEOUT, || async {
