@@ -22,12 +22,18 @@ const BOUND: Duration = Duration::from_secs(20);
 
 /// A client token for `a:` (its hash is in the config) and its config entry.
 const CLIENT: &str = "attack-test-client-token";
+/// A reader over every lock: `/metrics` counts every tenant, so only such a token
+/// may read it.
+const METRICS: &str = "attack-test-metrics-token";
 
 fn client_entry() -> String {
     format!(
         "[[auth.tokens]]\nname = \"client-a\"\nrole = \"client\"\nprefixes = [\"a:\"]\n\
+         sha256 = \"{}\"\n\
+         [[auth.tokens]]\nname = \"metrics\"\nrole = \"reader\"\nprefixes = [\"\"]\n\
          sha256 = \"{}\"\n",
-        fencelock_server::auth::hash_token(CLIENT)
+        fencelock_server::auth::hash_token(CLIENT),
+        fencelock_server::auth::hash_token(METRICS)
     )
 }
 
@@ -77,7 +83,7 @@ impl Server {
 
     /// A metric's value (with its labels, if any, as in `name{reason="x"}`).
     fn metric(&self, name: &str) -> f64 {
-        let (status, text) = self.http("GET", "/metrics", Some(CLIENT), "");
+        let (status, text) = self.http("GET", "/metrics", Some(METRICS), "");
         assert_eq!(status, 200, "{text}");
         text.lines()
             .filter(|l| !l.starts_with('#'))
