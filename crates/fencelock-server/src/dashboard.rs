@@ -701,7 +701,12 @@ async fn force_release_form(
         },
     };
     match h
-        .force_release_as(name.clone(), fence, reason, Some(who.name().to_owned()))
+        .force_release(
+            &crate::engine::Requester::of(&who),
+            name.clone(),
+            fence,
+            reason,
+        )
         .await
     {
         Ok(fences) if fences.is_empty() => fragment(

@@ -141,6 +141,8 @@ fn acquire_strategy() -> impl Strategy<Value = Command> {
                 limit: limit.unwrap_or(n as u32 + 1),
                 lock_delay_ms,
                 session,
+                tenant: None,
+                quota: None,
             })
         },
     )
@@ -172,6 +174,8 @@ fn command_strategy() -> impl Strategy<Value = Command> {
             id,
             ttl_ms,
             owner: Owner::new(&format!("s{}", id.as_u128())).expect("valid"),
+            tenant: None,
+            quota: None,
         }),
         3 => session_strategy().prop_map(|id| Command::KeepAlive { id }),
         1 => session_strategy().prop_map(|id| Command::CloseSession { id }),
