@@ -198,14 +198,41 @@ fn one_token_cannot_exhaust_the_session_table() {
         "{closed}"
     );
     assert_eq!(server.open_session("a").0, 200, "a has room for one again");
+
+    // The same through the CLI: `fencelock sessions ls --json` and `close HANDLE`.
+    let cli = |args: &[&str]| {
+        let url = format!("http://{}", server.addr);
+        let out = std::process::Command::new(support::BIN)
+            .args(args)
+            .args(["--server", &url, "--token", &secret("ops")])
+            .output()
+            .expect("run the CLI");
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8(out.stdout).expect("UTF-8")
+    };
+    let listed: Value = serde_json::from_str(&cli(&["sessions", "ls", "--json"])).expect("JSON");
+    let other = listed["sessions"]
+        .as_array()
+        .expect("sessions")
+        .iter()
+        .find(|s| s["principal"] == "a")
+        .and_then(|s| s["handle"].as_str())
+        .expect("one of a's sessions")
+        .to_owned();
+    assert!(
+        cli(&["sessions", "ls"]).contains(&other),
+        "the table lists it"
+    );
+    let closed = cli(&["sessions", "close", &other]);
+    assert!(closed.contains("closed"), "{closed}");
     let audit = server.text("reader", "/v1/audit?limit=1000");
     assert!(
-        audit.contains(&format!("\"actor\":\"ops\"")),
+        audit.contains("\"actor\":\"ops\""),
         "the close names ops: {audit}"
     );
 
     println!(
-        "ATTACK 2: token a opened sessions until refused ({opened} opened, quota {MAX_SESSIONS}), then a restart -> a refused 429 resource_exhausted (max_sessions) before and after the restart; b and both admins still opened sessions; an admin listed a's {MAX_SESSIONS} sessions by handle and closed one"
+        "ATTACK 2: token a opened sessions until refused ({opened} opened, quota {MAX_SESSIONS}), then a restart -> a refused 429 resource_exhausted (max_sessions) before and after the restart; b and both admins still opened sessions; an admin listed a's {MAX_SESSIONS} sessions by handle and closed one (HTTP and `fencelock sessions ls/close`)"
     );
 }
 
