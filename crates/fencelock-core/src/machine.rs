@@ -1304,11 +1304,16 @@ impl Core {
         })
     }
 
-    /// The ids of every open session, in id order. O(sessions): for operators.
+    /// The principal that opened session `id` (`Some(None)`: recorded none), or
+    /// `None` if it is not open. O(1): for checks on every keep-alive.
+    pub fn session_tenant(&self, id: SessionId) -> Option<Option<&Tenant>> {
+        self.sessions.get(&id).map(|s| s.tenant.as_ref())
+    }
+
+    /// The ids of every open session, in no particular order. O(sessions): for
+    /// operators.
     pub fn session_ids(&self) -> Vec<SessionId> {
-        let mut ids: Vec<SessionId> = self.sessions.keys().copied().collect();
-        ids.sort_unstable();
-        ids
+        self.sessions.keys().copied().collect()
     }
 
     /// What `tenant` uses now: (open sessions, held grants, queued requests).

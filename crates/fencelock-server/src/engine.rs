@@ -297,12 +297,6 @@ enum Msg {
         caller: Requester,
         reply: CommandReply,
     },
-    /// An admin closes a session it knows by its handle only.
-    CloseByHandle {
-        handle: String,
-        caller: Requester,
-        reply: CommandReply,
-    },
     /// The client behind `listener` stopped waiting.
     CancelListener {
         listener: u128,
@@ -852,11 +846,16 @@ impl EngineTask {
                     _ => None,
                 };
                 // Another principal's session answers like a missing one (nothing
-                // to apply, so nothing logged): its existence is not revealed.
-                if let Some(id) = session.filter(|id| {
-                    self.core
+                // to apply, so nothing logged): its existence is not revealed. The
+                // owner is told apart in O(1); only others cost a walk of the
+                // session's locks.
+                if let Some(id) = session.filter(|id| match self.core.session_tenant(*id) {
+                    None => false,
+                    Some(Some(owner)) if Some(owner) == caller.tenant.as_ref() => false,
+                    Some(_) => self
+                        .core
                         .session(*id)
-                        .is_some_and(|view| !caller.may_manage(&view))
+                        .is_some_and(|view| !caller.may_manage(&view)),
                 }) {
                     let missing = session_missing(id);
                     self.deliveries
@@ -865,11 +864,6 @@ impl EngineTask {
                 }
                 self.execute_as(command, caller, move |result| reply.send(result));
             }
-            Msg::CloseByHandle {
-                handle,
-                caller,
-                reply,
-            } => self.close_by_handle(&handle, caller, reply),
             Msg::CancelListener { listener } => self.cancel_listener(listener),
             Msg::ReleaseOrphan { name, token } => {
                 self.execute(Command::Release { name, token }, |_| {});
@@ -964,36 +958,6 @@ impl EngineTask {
             self.written.push(delivery);
         } else {
             self.deliveries.push(delivery);
-        }
-    }
-
-    /// An admin's close of the session whose handle is `handle`: resolved, checked
-    /// and applied in one step of the engine, so the session cannot change between.
-    fn close_by_handle(&mut self, handle: &str, caller: Requester, reply: CommandReply) {
-        let found: Vec<SessionView> = self
-            .core
-            .session_ids()
-            .into_iter()
-            .filter(|id| crate::input::session_handle(*id) == handle)
-            .filter_map(|id| self.core.session(id))
-            .collect();
-        let refusal = match found.as_slice() {
-            [view] if caller.may_manage(view) => None,
-            [_, _, ..] => Some(CoreError::new(
-                ErrorKind::InvalidArgument,
-                format!("{} open sessions share the handle {handle}: wait for one to end", found.len()),
-            )),
-            _ => Some(CoreError::new(
-                ErrorKind::SessionNotFound,
-                format!("no session with handle {handle} (expired, closed, never opened, or not within your prefixes)"),
-            )),
-        };
-        match refusal {
-            Some(e) => self.deliveries.push(Box::new(move || reply.send(Err(e)))),
-            None => {
-                let id = found[0].id;
-                self.execute_as(Command::CloseSession { id }, caller, move |r| reply.send(r));
-            }
         }
     }
 
@@ -1719,6 +1683,15 @@ impl Drop for AcquireGuard {
     }
 }
 
+fn handle_missing(handle: &str) -> ApiError {
+    ApiError::new(
+        ApiErrorKind::SessionNotFound,
+        format!(
+            "no session with handle {handle} you may manage (expired, closed, never opened, or not within your prefixes)"
+        ),
+    )
+}
+
 fn session_missing(id: SessionId) -> CoreError {
     CoreError::new(
         ErrorKind::SessionNotFound,
@@ -1944,22 +1917,40 @@ impl Handle {
     /// An admin closes the session with handle `handle` (see
     /// [`crate::input::session_handle`]) if [`Requester::may_manage`] allows; the audit
     /// log names the admin. Returns how many locks it released.
+    ///
+    /// The handle is resolved off the engine (hashing every open session's id is
+    /// O(sessions): a million take a fraction of a second the engine must not
+    /// stall for), then the close goes through the same ownership check as by id.
     pub async fn close_session_by_handle(
         &self,
         caller: &Requester,
         handle: String,
     ) -> Result<usize, ApiError> {
-        let (tx, rx) = oneshot::channel();
-        self.send(Msg::CloseByHandle {
-            handle,
-            caller: caller.clone(),
-            reply: CommandReply::Channel(tx),
-        })?;
-        match rx.await {
-            Ok(Ok(Reply::SessionClosed { released })) => Ok(released),
-            Ok(Ok(other)) => unreachable!("close session replied {other:?}"),
-            Ok(Err(e)) => Err(ApiError::from(e)),
-            Err(_) => Err(unavailable()),
+        let ids = self.read(|core| core.session_ids()).await?;
+        let wanted = handle.clone();
+        let found: Vec<SessionId> = tokio::task::spawn_blocking(move || {
+            ids.into_iter()
+                .filter(|id| crate::input::session_handle(*id) == wanted)
+                .collect()
+        })
+        .await
+        .map_err(|_| unavailable())?;
+        match found.as_slice() {
+            [id] => self.close_session(caller, *id).await.map_err(|e| {
+                if e.kind() == ApiErrorKind::SessionNotFound {
+                    handle_missing(&handle)
+                } else {
+                    e
+                }
+            }),
+            [] => Err(handle_missing(&handle)),
+            _ => Err(ApiError::new(
+                ApiErrorKind::InvalidArgument,
+                format!(
+                    "{} open sessions share the handle {handle}: close by id, or wait for one to end",
+                    found.len()
+                ),
+            )),
         }
     }
 
@@ -1973,8 +1964,9 @@ impl Handle {
     ) -> Result<Vec<SessionView>, ApiError> {
         let caller = caller.clone();
         self.read(move |core| {
-            core.session_ids()
-                .into_iter()
+            let mut ids = core.session_ids();
+            ids.sort_unstable();
+            ids.into_iter()
                 .filter_map(|id| core.session(id))
                 .filter(|s| caller.may_manage(s))
                 .filter(|s| {
