@@ -675,7 +675,9 @@ async fn force_release_form(
         Ok(n) => n,
         Err(e) => return fragment(StatusCode::BAD_REQUEST, "error", &format!("name: {e}")),
     };
-    let who = match auth::authorize(&ext, Action::ForceRelease, Some(name.as_str())) {
+    let allowed = auth::authorize(&ext, Action::ForceRelease, Some(name.as_str()))
+        .and_then(|p| p.take_request().map(|()| p));
+    let who = match allowed {
         Ok(p) => p,
         Err(e) => {
             let status =

@@ -556,6 +556,7 @@ impl Locks for LocksService {
             .await?;
         Ok(Response::new(pb::OpenSessionResponse {
             session: id.to_string(),
+            handle: crate::input::session_handle(id),
             ttl_ms,
         }))
     }

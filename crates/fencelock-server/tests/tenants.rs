@@ -144,15 +144,38 @@ async fn only_the_opener_or_a_covering_admin_manages_a_session() {
     assert_eq!(status.code(), Code::NotFound, "{status:?}");
     // The owner keeps it alive.
     call(&t, "a1", "POST", &keep, None).await.expect_json(200);
+    // gRPC's OpenSession answers the id and the handle everyone else sees.
+    let mut request = tonic::Request::new(fencelock_server::grpc::pb::OpenSessionRequest {
+        ttl_ms: 60_000,
+        owner: String::new(),
+    });
+    let a1 = format!("Bearer {}", secret("a1"));
+    request
+        .metadata_mut()
+        .insert("authorization", a1.parse().unwrap());
+    let opened = grpc.open_session(request).await.unwrap().into_inner();
+    attach(&t, "a1", "a:3", &opened.session)
+        .await
+        .expect_json(200);
+    let shown = call(&t, "a1", "GET", "/v1/locks/a:3", None)
+        .await
+        .expect_json(200);
+    assert_eq!(shown["holders"][0]["session"], opened.handle.as_str());
+    assert_ne!(opened.handle, opened.session);
 
     // adm (admin of a:) may manage it: it holds only a: locks. It lists it by
     // handle, with its principal, and never sees the id.
     let list = call(&t, "adm", "GET", "/v1/admin/sessions", None).await;
     assert!(!list.text().contains(&id), "{}", list.text());
     let list = list.expect_json(200);
-    assert_eq!(list["sessions"][0]["handle"], handle.as_str());
-    assert_eq!(list["sessions"][0]["principal"], "a1");
-    assert_eq!(list["sessions"][0]["locks"], 1);
+    let first = list["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["handle"] == handle.as_str())
+        .expect("a1's session is listed");
+    assert_eq!(first["principal"], "a1");
+    assert_eq!(first["locks"], 1);
 
     // A session of `wide` holding a: and b: locks is beyond adm, not beyond root.
     let (wide, wide_handle) = open(&t, "wide").await;
