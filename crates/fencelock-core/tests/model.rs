@@ -180,7 +180,7 @@ impl Model {
         };
         let name = self.locks[li].name.clone();
         out.events.push(Event {
-            tenant: None,
+            tenant: common::model_tenant(),
             kind: EventKind::Granted,
             name: name.clone(),
             fence: Fence::new(fence),
@@ -247,7 +247,7 @@ impl Model {
         };
         let name = self.locks[li].name.clone();
         out.events.push(Event {
-            tenant: None,
+            tenant: common::model_tenant(),
             kind: EventKind::Ended(end),
             name: name.clone(),
             fence: Fence::new(h.fence),
@@ -268,7 +268,7 @@ impl Model {
     fn push_wait_end(&mut self, li: usize, w: MWaiter, why: WaitEnd, out: &mut MOut) {
         let name = self.locks[li].name.clone();
         out.events.push(Event {
-            tenant: None,
+            tenant: common::model_tenant(),
             kind: EventKind::WaitEnded(why),
             name: name.clone(),
             fence: None,
@@ -729,7 +729,7 @@ impl Model {
             return Err(ResourceExhausted);
         }
         out.events.push(Event {
-            tenant: None,
+            tenant: common::model_tenant(),
             kind: EventKind::Queued,
             name: a.name.clone(),
             fence: None,
@@ -773,7 +773,7 @@ impl Model {
                     .holders
                     .iter()
                     .map(|h| HolderImage {
-                        tenant: None,
+                        tenant: common::model_tenant(),
                         token: h.token,
                         fence: Fence::new(h.fence).expect("fence > 0"),
                         owner: h.owner.clone(),
@@ -793,7 +793,7 @@ impl Model {
                     .queue
                     .iter()
                     .map(|w| WaiterImage {
-                        tenant: None,
+                        tenant: common::model_tenant(),
                         token: w.token,
                         owner: w.owner.clone(),
                         request_id: w.request_id.clone(),
@@ -811,7 +811,7 @@ impl Model {
             .sessions
             .iter()
             .map(|s| SessionImage {
-                tenant: None,
+                tenant: common::model_tenant(),
                 id: s.id,
                 owner: s.owner.clone(),
                 ttl_ms: s.ttl,
@@ -1214,7 +1214,7 @@ fn model_agrees_on_a_fixed_busy_script() {
                 limit: if n == "b" { 2 } else { 1 },
                 lock_delay_ms: delay,
                 session: s.map(sid),
-                tenant: None,
+                tenant: common::model_tenant(),
                 quota: None,
             })
         };
@@ -1226,7 +1226,7 @@ fn model_agrees_on_a_fixed_busy_script() {
                 id: sid(1),
                 ttl_ms: 20,
                 owner: Owner::default(),
-                tenant: None,
+                tenant: common::model_tenant(),
                 quota: None,
             },
         ),
