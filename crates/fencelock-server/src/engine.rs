@@ -162,11 +162,11 @@ pub struct AcquireArgs {
 /// sessions within.
 #[derive(Debug, Clone)]
 pub struct Requester {
-    actor: String,
+    /// `None`: the server itself. Cloning a `Principal` is cloning an `Arc`, so a
+    /// requester costs one allocation (its `Tenant`) per request.
+    principal: Option<Principal>,
     tenant: Option<Tenant>,
     quota: Option<Quota>,
-    /// An admin's prefixes (`""`: every lock); `None` for other roles.
-    admin_prefixes: Option<Arc<[String]>>,
 }
 
 /// The actor of what the server does by itself: expiries, hand-offs, restarts,
@@ -177,15 +177,13 @@ impl Requester {
     /// The caller behind an authenticated request (or the anonymous principal).
     pub fn of(principal: &Principal) -> Requester {
         Requester {
-            actor: principal.name().to_owned(),
+            principal: Some(principal.clone()),
             tenant: Tenant::new(principal.name()).ok(),
             quota: principal.quotas().map(|q| Quota {
                 max_sessions: q.max_sessions,
                 max_held_locks: q.max_held_locks,
                 max_waiters: q.max_waiters,
             }),
-            admin_prefixes: (principal.role() == Role::Admin)
-                .then(|| principal.prefixes().map(str::to_owned).collect()),
         }
     }
 
@@ -197,16 +195,17 @@ impl Requester {
 
     fn server() -> Requester {
         Requester {
-            actor: SERVER_ACTOR.to_owned(),
+            principal: None,
             tenant: None,
             quota: None,
-            admin_prefixes: None,
         }
     }
 
     /// The name the audit log records.
     pub fn actor(&self) -> &str {
-        &self.actor
+        self.principal
+            .as_ref()
+            .map_or(SERVER_ACTOR, Principal::name)
     }
 
     /// Whether this caller may keep alive or close `session`: the principal that
@@ -219,15 +218,14 @@ impl Requester {
         if session.tenant.is_some() && session.tenant == self.tenant {
             return true;
         }
-        let Some(prefixes) = &self.admin_prefixes else {
+        let Some(admin) = self.principal.as_ref().filter(|p| p.role() == Role::Admin) else {
             return false;
         };
-        if prefixes.iter().any(String::is_empty) {
+        if admin.covers_everything() {
             return true;
         }
         let mut names = session.holding.iter().chain(&session.waiting).peekable();
-        names.peek().is_some()
-            && names.all(|n| prefixes.iter().any(|p| n.as_str().starts_with(p.as_str())))
+        names.peek().is_some() && names.all(|n| admin.covers(n.as_str()))
     }
 }
 
@@ -894,7 +892,7 @@ impl EngineTask {
             seq: 0,
             now_ms: now,
             wall_ms: audit::wall_ms(),
-            actor: Some(caller.actor),
+            actor: Some(caller.actor().to_owned()),
         };
         if logged {
             meta.seq = self.next_seq;
