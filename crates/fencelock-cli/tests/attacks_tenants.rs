@@ -325,8 +325,7 @@ async fn sessions_are_not_bearer_secrets_across_principals() {
         );
         refused.push(format!("{what} {status}"));
     }
-    // adm covers a: and the session holds only a: locks: an admin may close it.
-    // (Checked last-but-one: a's locks must survive c's attempts first.)
+    // a's locks survived c's attempts; c:evil was never taken.
     let (status, lock) = server.call("reader", "GET", "/v1/locks/a:1", None);
     assert_eq!(status, 200, "a:1 is still held: {lock}");
     assert_eq!(lock["holders"].as_array().map(Vec::len), Some(1));
@@ -362,7 +361,7 @@ async fn sessions_are_not_bearer_secrets_across_principals() {
     assert!(!server.text("reader", "/v1/locks").contains(&id));
 
     println!(
-        "ATTACK 3: token c (prefix c:) used token a's session id: {} -> each 404 session_not_found, same as a missing session; a's 2 locks stayed held; lock views, watch events and {} audit entries showed the handle {handle}, never the id; every audit entry named its actor",
+        "ATTACK 3: token c (prefix c:) used token a's session id: {} -> each 404 session_not_found, same as a missing session; a's 2 locks stayed held; lock views, watch events and {} audit entries showed the session's 16-hex handle, never its id; every audit entry named its actor",
         refused.join(", "),
         entries.len()
     );
