@@ -20,8 +20,11 @@ const RECORD_VERSION_2: u8 = 2;
 const RECORD_VERSION: u8 = 3;
 /// Format version of snapshots before principals (decoded with none recorded).
 const SNAPSHOT_VERSION_1: u8 = 1;
-/// Format version of snapshots: version 1 plus the principal of every session,
-/// holder and queued request.
+/// Format version of snapshots: version 1 plus a table of the principals (after
+/// `next_fence`: count, then each name once, in order of first use) and, for every
+/// session, holder and queued request, its principal as an index into it (u32: 0 =
+/// none, i = the i-th name). A million holders of one token cost 4 bytes each, not
+/// its name each, and decode to one shared name.
 const SNAPSHOT_VERSION: u8 = 2;
 /// A snapshot starts with these bytes (inside the log layer's checksummed envelope).
 const SNAPSHOT_MAGIC: &[u8; 8] = b"FLSNAP01";
@@ -461,12 +464,36 @@ fn encode_snapshot_version(image: &StateImage, version: u8) -> Vec<u8> {
     e.u8(version);
     e.u64(image.now_ms);
     e.u64(image.next_fence);
+    let mut table: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
+    if principals {
+        let used =
+            image
+                .sessions
+                .iter()
+                .map(|s| s.tenant.as_ref())
+                .chain(image.locks.iter().flat_map(|l| {
+                    let holders = l.holders.iter().map(|h| h.tenant.as_ref());
+                    holders.chain(l.waiters.iter().map(|w| w.tenant.as_ref()))
+                }));
+        let mut names: Vec<&str> = Vec::new();
+        for t in used.flatten() {
+            if !table.contains_key(t.as_str()) {
+                names.push(t.as_str());
+                table.insert(t.as_str(), names.len() as u32);
+            }
+        }
+        e.u32(names.len() as u32);
+        for name in names {
+            e.str(name);
+        }
+    }
+    let index = |t: Option<&Tenant>| t.map_or(0, |t| table[t.as_str()]);
     e.u32(image.sessions.len() as u32);
     for s in &image.sessions {
         e.u128(s.id.as_u128());
         e.str(s.owner.as_str());
         if principals {
-            e.opt_str(s.tenant.as_ref().map(Tenant::as_str));
+            e.u32(index(s.tenant.as_ref()));
         }
         e.u64(s.ttl_ms);
         e.u64(s.deadline_ms);
@@ -499,7 +526,7 @@ fn encode_snapshot_version(image: &StateImage, version: u8) -> Vec<u8> {
             e.u64(h.granted_at_ms);
             e.u64(h.lock_delay_ms);
             if principals {
-                e.opt_str(h.tenant.as_ref().map(Tenant::as_str));
+                e.u32(index(h.tenant.as_ref()));
             }
         }
         e.u32(l.waiters.len() as u32);
@@ -513,7 +540,7 @@ fn encode_snapshot_version(image: &StateImage, version: u8) -> Vec<u8> {
             e.u64(w.enqueued_at_ms);
             e.u64(w.wait_deadline_ms);
             if principals {
-                e.opt_str(w.tenant.as_ref().map(Tenant::as_str));
+                e.u32(index(w.tenant.as_ref()));
             }
         }
     }
@@ -537,22 +564,34 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
         return Err(bad(format!("unknown snapshot version {version}")));
     }
     let principals = version >= SNAPSHOT_VERSION;
-    // Like owners, a few principals own most entries: one allocation per run.
-    let mut last_tenant: Option<Tenant> = None;
+    let now_ms = d.time()?;
+    let next_fence = d.u64()?;
+    let mut table: Vec<Tenant> = Vec::new();
+    if principals {
+        for _ in 0..d.count()? {
+            let name = d.str()?;
+            if table.iter().any(|t| t.as_str() == name) {
+                return Err(bad(format!("principal {name:?} listed twice")));
+            }
+            table.push(Tenant::new(name).map_err(|e| bad(e.to_string()))?);
+        }
+    }
+    // One encoding per image: names are listed in order of first use, each used.
+    let mut seen = 0;
     let mut tenant = |d: &mut Dec<'_>| -> Result<Option<Tenant>, DecodeError> {
         if !principals {
             return Ok(None);
         }
-        let Some(text) = d.opt_str()? else {
+        let i = d.u32()? as usize;
+        if i == 0 {
             return Ok(None);
-        };
-        if last_tenant.as_ref().is_none_or(|t| t.as_str() != text) {
-            last_tenant = Some(Tenant::new(text).map_err(|e| bad(e.to_string()))?);
         }
-        Ok(last_tenant.clone())
+        if i > seen + 1 || i > table.len() {
+            return Err(bad(format!("principal index {i} out of order or range")));
+        }
+        seen = seen.max(i);
+        Ok(Some(table[i - 1].clone()))
     };
-    let now_ms = d.time()?;
-    let next_fence = d.u64()?;
     let mut sessions = Vec::new();
     for _ in 0..d.count()? {
         sessions.push(SessionImage {
@@ -634,6 +673,9 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
             b => return Err(bad(format!("bad grant end {b}"))),
         };
         recent_ends.push((token, name, end));
+    }
+    if seen != table.len() {
+        return Err(bad("a listed principal is never used"));
     }
     d.finish()?;
     Ok(StateImage {
