@@ -126,3 +126,33 @@ fn pct(text: &str) -> String {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_lines_up_and_shows_no_id() {
+        let sessions = vec![
+            serde_json::json!({"handle": "00112233445566ff", "principal": "billing", "owner": "w-1",
+                "ttl_ms": 30000, "ttl_remaining_ms": 29000, "locks": 3, "waiting": 1}),
+            serde_json::json!({"handle": "ffeeddccbbaa9988", "principal": null, "owner": "",
+                "ttl_ms": 10000, "ttl_remaining_ms": 5, "locks": 0, "waiting": 0}),
+        ];
+        let text = table(&sessions);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(lines[0].starts_with("HANDLE "), "{text}");
+        assert!(lines[1].starts_with("00112233445566ff  billing "), "{text}");
+        // A session from before principals were recorded shows "-".
+        assert!(lines[2].starts_with("ffeeddccbbaa9988  -  "), "{text}");
+        let column = |l: &str| l.find("ms").expect("a ttl column");
+        assert_eq!(column(lines[1]), column(lines[2]), "{text}");
+    }
+
+    #[test]
+    fn prefixes_are_percent_encoded() {
+        assert_eq!(pct("a:b/c d"), "a%3Ab%2Fc%20d");
+        assert_eq!(pct(""), "");
+    }
+}
