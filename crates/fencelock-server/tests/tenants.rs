@@ -4,11 +4,14 @@
 
 mod support;
 
+use fencelock_proto::wire::{self, Hello, Request, Response as WireResponse};
+use fencelock_proto::AcquireRequest;
 use fencelock_server::grpc::pb::locks_client::LocksClient;
 use fencelock_server::grpc::pb::{CloseSessionRequest, KeepAliveRequest};
-use fencelock_server::{AuthConfig, RateLimit, Role, TokenConfig};
+use fencelock_server::{AuthConfig, QuotaOverrides, RateLimit, Role, TokenConfig};
 use serde_json::{json, Value};
 use support::{Response, TestServer};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::Code;
 
 fn token(name: &str, role: Role, prefixes: &[&str]) -> TokenConfig {
@@ -31,6 +34,11 @@ fn secret(name: &str) -> String {
 /// client of everything, an admin of `a:`, an admin of everything, and a token
 /// allowed 2 mutating requests at once.
 async fn server() -> TestServer {
+    let mut one = token("one", Role::Client, &["a:"]);
+    one.quotas = QuotaOverrides {
+        max_held_locks: Some(1),
+        ..QuotaOverrides::default()
+    };
     let mut slow = token("slow", Role::Client, &["a:"]);
     slow.request_rate = Some(RateLimit {
         per_second: 1,
@@ -45,6 +53,7 @@ async fn server() -> TestServer {
                 token("adm", Role::Admin, &["a:"]),
                 token("root", Role::Admin, &[""]),
                 slow,
+                one,
             ],
         }
     })
@@ -260,5 +269,70 @@ async fn session_and_lock_requests_share_the_request_rate_limit() {
         assert_eq!(r.status, 429, "{method} {path}: {}", r.text());
         assert_eq!(r.error_code().as_deref(), Some("rate_limited"), "{path}");
     }
+    t.stop().await;
+}
+
+/// One `flw/1` call on a fresh connection after `Hello` as `who`.
+async fn wire_acquire(t: &TestServer, who: &str, request: AcquireRequest) -> WireResponse {
+    let mut stream = tokio::net::TcpStream::connect(t.addr()).await.unwrap();
+    stream.write_all(&wire::CLIENT_MAGIC).await.unwrap();
+    let mut out = Vec::new();
+    let hello = Request::Hello(Hello { token: secret(who) });
+    wire::encode_request(&mut out, 1, &hello);
+    wire::encode_request(&mut out, 2, &Request::Acquire(request));
+    stream.write_all(&out).await.unwrap();
+    let mut input = Vec::new();
+    let mut magic = [0u8; 8];
+    stream.read_exact(&mut magic).await.unwrap();
+    let read = async {
+        let mut answers = Vec::new();
+        while answers.len() < 2 {
+            if let Some(n) = wire::frame_len(&input, wire::MAX_FRAME_BYTES).unwrap() {
+                answers.push(wire::decode_response(&input[..n]).unwrap());
+                input.drain(..n);
+                continue;
+            }
+            assert!(
+                stream.read_buf(&mut input).await.unwrap() > 0,
+                "closed early"
+            );
+        }
+        answers
+    };
+    let answers = tokio::time::timeout(support::IO_TIMEOUT, read)
+        .await
+        .expect("answers in time");
+    assert_eq!(answers[0], (1, WireResponse::Welcome));
+    answers[1].1.clone()
+}
+
+fn wire_error(response: &WireResponse) -> &str {
+    match response {
+        WireResponse::Error(e) => &e.code,
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+/// `flw/1` goes through the same core checks: another principal's session is
+/// `session_not_found`, and a token at its `max_held_locks` is `resource_exhausted`.
+#[tokio::test]
+async fn the_wire_protocol_enforces_ownership_and_quotas_too() {
+    let t = server().await;
+    let (id, _) = open(&t, "a1").await;
+    let on_session = |name: &str, session: Option<String>| AcquireRequest {
+        name: name.into(),
+        ttl_ms: session.is_none().then_some(30_000),
+        session,
+        ..Default::default()
+    };
+    let stolen = wire_acquire(&t, "a2", on_session("a:w", Some(id.clone()))).await;
+    assert_eq!(wire_error(&stolen), "session_not_found");
+    let mine = wire_acquire(&t, "a1", on_session("a:w", Some(id.clone()))).await;
+    assert!(matches!(mine, WireResponse::Grant(_)), "{mine:?}");
+
+    let first = wire_acquire(&t, "one", on_session("a:1", None)).await;
+    assert!(matches!(first, WireResponse::Grant(_)), "{first:?}");
+    let second = wire_acquire(&t, "one", on_session("a:2", None)).await;
+    assert_eq!(wire_error(&second), "resource_exhausted");
     t.stop().await;
 }
