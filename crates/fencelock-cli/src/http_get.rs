@@ -1,5 +1,6 @@
-//! A minimal blocking HTTP/1.1 GET for admin commands (`backup`, `audit`), over plain
-//! TCP for `http://` and rustls (ring provider) for `https://` URLs.
+//! A minimal blocking HTTP/1.1 client for admin commands (`backup`, `audit`,
+//! `sessions`), over plain TCP for `http://` and rustls (ring provider) for
+//! `https://` URLs.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -15,6 +16,18 @@ use anyhow::{bail, Context, Result};
 /// For `https://`, the server's certificate is checked against `ca_cert` (a PEM file)
 /// if given, else against the system's roots.
 pub fn get_as(
+    base: &str,
+    path: &str,
+    token: Option<&str>,
+    ca_cert: Option<&Path>,
+) -> Result<Vec<u8>> {
+    request_as("GET", base, path, token, ca_cert)
+}
+
+/// [`get_as`] with another bodiless `method` (`DELETE`). State-changing requests
+/// say `Content-Type: application/json`, as the server asks of them.
+pub fn request_as(
+    method: &str,
     base: &str,
     path: &str,
     token: Option<&str>,
@@ -41,8 +54,14 @@ pub fn get_as(
     let tcp =
         TcpStream::connect(authority).with_context(|| format!("cannot connect to {authority}"))?;
     tcp.set_read_timeout(Some(Duration::from_secs(60)))?;
-    let request =
-        format!("GET {path} HTTP/1.1\r\nHost: {authority}\r\n{auth}Connection: close\r\n\r\n");
+    let body_headers = if method == "GET" {
+        ""
+    } else {
+        "Content-Type: application/json\r\nContent-Length: 0\r\n"
+    };
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {authority}\r\n{auth}{body_headers}Connection: close\r\n\r\n"
+    );
     let mut response = Vec::new();
     if tls {
         let mut stream = tls_stream(tcp, authority, ca_cert)?;

@@ -13,6 +13,7 @@ mod exit;
 mod http_get;
 mod remote;
 mod run;
+mod sessions_cmd;
 mod token;
 
 use std::io::IsTerminal;
@@ -96,6 +97,13 @@ enum Commands {
     /// Show a running server's audit log: grants, hand-offs, releases, expiries,
     /// forced releases (with actor and reason), session ends, refused renews.
     Audit(audit_cmd::AuditArgs),
+    /// Admin: list open sessions (by handle, with their principal, locks and lease
+    /// left) and close one by its handle.
+    Sessions {
+        /// `ls` or `close HANDLE`.
+        #[command(subcommand)]
+        cmd: sessions_cmd::SessionsCmd,
+    },
 }
 
 fn main() -> ExitCode {
@@ -119,6 +127,7 @@ fn main() -> ExitCode {
         Commands::ForceRelease(args) => return client_command(remote::force_release(args)),
         Commands::Token(args) => token::run(args),
         Commands::Audit(args) => audit_cmd::run(args),
+        Commands::Sessions { cmd } => sessions_cmd::run(cmd),
     };
     match result {
         Ok(code) => code,

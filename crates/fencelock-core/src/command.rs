@@ -2,7 +2,24 @@
 
 use std::fmt;
 
-use crate::types::{Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId};
+use crate::types::{Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId, Tenant};
+
+/// One principal's quotas, carried inside the logged command that they limit (so
+/// replay decides exactly as the live server did, whatever the configuration says
+/// by then).
+///
+/// A queued acquire counts against `max_waiters` *and* `max_held_locks`: handing
+/// it the lock later turns a waiter into a holder, which then never takes the
+/// principal over its `max_held_locks`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Quota {
+    /// Most open sessions.
+    pub max_sessions: u32,
+    /// Most held grants plus queued acquires.
+    pub max_held_locks: u32,
+    /// Most queued acquires.
+    pub max_waiters: u32,
+}
 
 /// An acquire request. The server supplies `token` (fresh random bits); the core never
 /// makes up randomness, so replaying the same commands gives the same state.
@@ -27,7 +44,13 @@ pub struct Acquire {
     /// unavailable this long (Chubby's lock-delay). 0 = none.
     pub lock_delay_ms: u64,
     /// Hold the lock under this session's lease instead of a lease of its own.
+    /// Only the principal that opened the session may attach locks to it.
     pub session: Option<SessionId>,
+    /// Who asks: the grant (or queued request) counts against this principal's
+    /// usage. `None` in records written before principals were recorded.
+    pub tenant: Option<Tenant>,
+    /// The principal's quota; `None` = unlimited (anonymous, or an old record).
+    pub quota: Option<Quota>,
 }
 
 /// A state change proposed to the core. Every command is logged before its reply is
@@ -76,6 +99,11 @@ pub enum Command {
         ttl_ms: u64,
         /// Who owns the session.
         owner: Owner,
+        /// The principal opening it: the session's owner for keep-alive, attach
+        /// and close. `None` in old records: owned by nobody.
+        tenant: Option<Tenant>,
+        /// The principal's quota; `None` = unlimited.
+        quota: Option<Quota>,
     },
     /// Renew a session lease (and so every lock it holds).
     KeepAlive {
@@ -224,6 +252,8 @@ pub struct Event {
     pub owner: Owner,
     /// The session involved, if any.
     pub session: Option<SessionId>,
+    /// The principal the grant or request belongs to, if recorded.
+    pub tenant: Option<Tenant>,
     /// Service time of the event.
     pub at_ms: u64,
     /// For `Granted`: time spent queued. For `Ended`: time held.
@@ -276,6 +306,8 @@ pub enum ErrorKind {
     SessionNotFound,
     /// A bound was reached (locks, waiters, sessions, locks per session).
     ResourceExhausted,
+    /// A per-principal quota ([`Quota`]) was reached; the message names it.
+    QuotaExceeded,
 }
 
 impl ErrorKind {
@@ -289,6 +321,7 @@ impl ErrorKind {
             ErrorKind::LimitMismatch => "limit_mismatch",
             ErrorKind::SessionNotFound => "session_not_found",
             ErrorKind::ResourceExhausted => "resource_exhausted",
+            ErrorKind::QuotaExceeded => "quota_exceeded",
         }
     }
 }

@@ -2,7 +2,7 @@
 //! the core stays free of any serialization format.
 
 use crate::command::GrantEnd;
-use crate::types::{Fence, LockName, Owner, OwnerToken, RequestId, SessionId};
+use crate::types::{Fence, LockName, Owner, OwnerToken, RequestId, SessionId, Tenant};
 
 /// The whole state of a [`crate::Core`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,6 +65,8 @@ pub struct HolderImage {
     pub granted_at_ms: u64,
     /// Lock-delay on expiry or forced release.
     pub lock_delay_ms: u64,
+    /// The principal it counts against (`None`: not recorded).
+    pub tenant: Option<Tenant>,
 }
 
 /// One queued request.
@@ -86,6 +88,8 @@ pub struct WaiterImage {
     pub enqueued_at_ms: u64,
     /// When it gives up (service time).
     pub wait_deadline_ms: u64,
+    /// The principal it counts against (`None`: not recorded).
+    pub tenant: Option<Tenant>,
 }
 
 /// One open session.
@@ -95,6 +99,8 @@ pub struct SessionImage {
     pub id: SessionId,
     /// Owner text.
     pub owner: Owner,
+    /// The principal that opened it (`None`: owned by nobody).
+    pub tenant: Option<Tenant>,
     /// Lease length.
     pub ttl_ms: u64,
     /// Expiry (service time).

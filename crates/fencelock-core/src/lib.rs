@@ -26,14 +26,16 @@ mod machine;
 mod types;
 
 pub use command::{
-    Acquire, Command, Error, ErrorKind, Event, EventKind, Grant, GrantEnd, Outcome, Reply, WaitEnd,
+    Acquire, Command, Error, ErrorKind, Event, EventKind, Grant, GrantEnd, Outcome, Quota, Reply,
+    WaitEnd,
 };
 pub use image::{HolderImage, LeaseImage, LockImage, SessionImage, StateImage, WaiterImage};
 #[cfg(feature = "planted-bugs")]
 #[doc(hidden)]
 pub use machine::PlantedBugs;
-pub use machine::{Config, Core, HolderView, LockView, Stats, MAX_FENCE_FLOOR};
+pub use machine::{Config, Core, HolderView, LockView, SessionView, Stats, MAX_FENCE_FLOOR};
 pub use types::{
-    Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId, TextError, TextProblem,
-    TokenParseError, MAX_NAME_BYTES, MAX_OWNER_BYTES, MAX_REASON_BYTES, MAX_REQUEST_ID_BYTES,
+    Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId, Tenant, TextError,
+    TextProblem, TokenParseError, MAX_NAME_BYTES, MAX_OWNER_BYTES, MAX_REASON_BYTES,
+    MAX_REQUEST_ID_BYTES, MAX_TENANT_BYTES,
 };

@@ -4,11 +4,12 @@ use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use crate::command::{
-    Acquire, Command, Error, ErrorKind, Event, EventKind, Grant, GrantEnd, Outcome, Reply, WaitEnd,
+    Acquire, Command, Error, ErrorKind, Event, EventKind, Grant, GrantEnd, Outcome, Quota, Reply,
+    WaitEnd,
 };
 use crate::idhash::IdMap;
 use crate::image::{HolderImage, LeaseImage, LockImage, SessionImage, StateImage, WaiterImage};
-use crate::types::{Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId};
+use crate::types::{Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId, Tenant};
 
 /// The highest fence floor [`Command::RaiseFenceFloor`] accepts: 2^63, which leaves
 /// 2^63 fences (centuries at any rate) before the counter could run out.
@@ -76,6 +77,7 @@ struct Holder {
     lease: Lease,
     granted_at_ms: u64,
     lock_delay_ms: u64,
+    tenant: Option<Tenant>,
 }
 
 #[derive(Debug, Clone)]
@@ -88,6 +90,7 @@ struct Waiter {
     lock_delay_ms: u64,
     enqueued_at_ms: u64,
     wait_deadline_ms: u64,
+    tenant: Option<Tenant>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -104,10 +107,23 @@ struct Lock {
 #[derive(Debug, Clone)]
 struct Session {
     owner: Owner,
+    /// The principal that opened it (`None`: an old record's, owned by nobody).
+    tenant: Option<Tenant>,
     ttl_ms: u64,
     deadline_ms: u64,
     holders: BTreeSet<OwnerToken>,
     waiters: BTreeSet<OwnerToken>,
+}
+
+/// What one principal uses now, kept in step with the tables on every grant,
+/// release, expiry, hand-off and session end (checked by
+/// [`Core::check_invariants`]). A queued request counts in `waiting` only; quotas
+/// compare `held + waiting` with `max_held_locks`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Usage {
+    sessions: u64,
+    held: u64,
+    waiting: u64,
 }
 
 /// The lock table's key: the name, with its first 16 bytes also kept inline (zero
@@ -215,6 +231,26 @@ pub struct LockView {
     pub lock_delay_remaining_ms: u64,
 }
 
+/// The read-only view of one open session (for operators; the id is the owner's
+/// secret and the server shows it to nobody else).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionView {
+    /// The session.
+    pub id: SessionId,
+    /// Its owner text.
+    pub owner: Owner,
+    /// The principal that opened it (`None`: opened before principals were recorded).
+    pub tenant: Option<Tenant>,
+    /// Its lease length.
+    pub ttl_ms: u64,
+    /// Lease time left.
+    pub ttl_remaining_ms: u64,
+    /// Locks it holds.
+    pub holding: Vec<LockName>,
+    /// Locks it waits for.
+    pub waiting: Vec<LockName>,
+}
+
 /// Counts for gauges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Stats {
@@ -251,6 +287,8 @@ pub struct Core {
     holders: IdMap<OwnerToken, Holder>,
     waiters: IdMap<OwnerToken, Waiter>,
     sessions: IdMap<SessionId, Session>,
+    /// Per-principal usage, for quotas; a principal using nothing has no entry.
+    usage: HashMap<Tenant, Usage>,
     request_ids: HashMap<(LockName, RequestId), OwnerToken>,
     timers: BTreeSet<(u64, Timer)>,
     recent_ends: IdMap<OwnerToken, (LockName, GrantEnd)>,
@@ -273,6 +311,9 @@ pub struct PlantedBugs {
     pub release_by_name_only: bool,
     /// Hand-off grants the head waiter even when its wait or its session is over.
     pub grant_expired_waiters: bool,
+    /// An expired grant is not taken off its principal's usage (so the principal
+    /// is refused by its quota while holding less than it).
+    pub leak_usage_on_expiry: bool,
 }
 
 fn err(kind: ErrorKind, message: impl Into<String>) -> Error {
@@ -300,6 +341,7 @@ impl Core {
             holders: IdMap::default(),
             waiters: IdMap::default(),
             sessions: IdMap::default(),
+            usage: HashMap::new(),
             request_ids: HashMap::new(),
             timers: BTreeSet::new(),
             recent_ends: IdMap::default(),
@@ -383,7 +425,13 @@ impl Core {
                 reason,
             } => self.force_release(name, fence, reason),
             Command::CancelWait { name, token } => Ok(self.cancel_wait(&name, token)),
-            Command::OpenSession { id, ttl_ms, owner } => self.open_session(id, ttl_ms, owner),
+            Command::OpenSession {
+                id,
+                ttl_ms,
+                owner,
+                tenant,
+                quota,
+            } => self.open_session(id, ttl_ms, owner, tenant, quota),
             Command::KeepAlive { id } => self.keep_alive(id),
             Command::CloseSession { id } => self.close_session(id),
             Command::Tick => Ok(Reply::Ticked),
@@ -460,12 +508,13 @@ impl Core {
         }
 
         if let Some(id) = a.session {
-            let session = self.sessions.get(&id).ok_or_else(|| {
-                err(
-                    ErrorKind::SessionNotFound,
-                    format!("session {id} does not exist (expired, closed or never opened)"),
-                )
-            })?;
+            // Another principal's session answers exactly like a missing one: its
+            // existence is not revealed.
+            let session = self
+                .sessions
+                .get(&id)
+                .filter(|s| s.tenant == a.tenant)
+                .ok_or_else(|| Self::session_missing(id))?;
             if session.holders.len() + session.waiters.len() >= self.config.max_locks_per_session {
                 return Err(err(
                     ErrorKind::ResourceExhausted,
@@ -484,6 +533,20 @@ impl Core {
         }
         if self.next_fence == u64::MAX {
             return Err(err(ErrorKind::ResourceExhausted, "fence space exhausted"));
+        }
+        // Checked before anything changes: a grant or a queued request both count
+        // against `max_held_locks` (see [`Quota`]).
+        if let (Some(tenant), Some(quota)) = (&a.tenant, &a.quota) {
+            let used = self.usage_of(tenant);
+            if used.held + used.waiting >= u64::from(quota.max_held_locks) {
+                return Err(err(
+                    ErrorKind::QuotaExceeded,
+                    format!(
+                        "principal {tenant} holds or waits for its quota of {} locks (max_held_locks)",
+                        quota.max_held_locks
+                    ),
+                ));
+            }
         }
 
         let now = self.now_ms;
@@ -542,6 +605,7 @@ impl Core {
                 lock_delay_ms: a.lock_delay_ms,
                 enqueued_at_ms: now,
                 wait_deadline_ms: now,
+                tenant: a.tenant,
             };
             let grant = self.grant_pushed(a.token, waiter);
             return Ok(Reply::Granted(grant));
@@ -574,6 +638,17 @@ impl Core {
                 format!("too many queued requests for lock {}", a.name),
             ));
         }
+        if let (Some(tenant), Some(quota)) = (&a.tenant, &a.quota) {
+            if self.usage_of(tenant).waiting >= u64::from(quota.max_waiters) {
+                return Err(err(
+                    ErrorKind::QuotaExceeded,
+                    format!(
+                        "principal {tenant} has its quota of {} queued acquires (max_waiters)",
+                        quota.max_waiters
+                    ),
+                ));
+            }
+        }
 
         // Queue.
         let deadline = now.saturating_add(a.wait_ms);
@@ -595,12 +670,14 @@ impl Core {
             .expect("exists when not available");
         lock.waiters.push_back(a.token);
         let position = lock.waiters.len() - 1;
+        self.count(a.tenant.as_ref(), |u| u.waiting += 1);
         self.outcomes.push(Outcome::Event(Event {
             kind: EventKind::Queued,
             name: a.name.clone(),
             fence: None,
             owner: a.owner.clone(),
             session: a.session,
+            tenant: a.tenant.clone(),
             at_ms: now,
             duration_ms: 0,
             reason: None,
@@ -616,6 +693,7 @@ impl Core {
                 lock_delay_ms: a.lock_delay_ms,
                 enqueued_at_ms: now,
                 wait_deadline_ms: deadline,
+                tenant: a.tenant,
             },
         );
         Ok(Reply::Queued {
@@ -665,12 +743,14 @@ impl Core {
                 .insert((w.name.clone(), request_id.clone()), token);
         }
         debug_assert!(self.locks[&NameKey::of(&w.name)].holders.contains(&token));
+        self.count(w.tenant.as_ref(), |u| u.held += 1);
         self.outcomes.push(Outcome::Event(Event {
             kind: EventKind::Granted,
             name: w.name.clone(),
             fence: Some(fence),
             owner: w.owner.clone(),
             session: w.session,
+            tenant: w.tenant.clone(),
             at_ms: now,
             duration_ms: now - w.enqueued_at_ms,
             reason: None,
@@ -685,6 +765,7 @@ impl Core {
                 lease,
                 granted_at_ms: now,
                 lock_delay_ms: w.lock_delay_ms,
+                tenant: w.tenant,
             },
         );
         self.grant_of(token)
@@ -793,6 +874,13 @@ impl Core {
             }
         }
         self.remember_end(token, h.name.clone(), end);
+        #[cfg(feature = "planted-bugs")]
+        let leak = self.planted.leak_usage_on_expiry && end == GrantEnd::Expired;
+        #[cfg(not(feature = "planted-bugs"))]
+        let leak = false;
+        if !leak {
+            self.count(h.tenant.as_ref(), |u| u.held -= 1);
+        }
         self.outcomes.push(Outcome::Event(Event {
             kind: EventKind::Ended(end),
             name: h.name,
@@ -802,6 +890,7 @@ impl Core {
                 Lease::Session(id) => Some(id),
                 Lease::Own { .. } => None,
             },
+            tenant: h.tenant,
             at_ms: now,
             duration_ms: now - h.granted_at_ms,
             reason,
@@ -825,6 +914,7 @@ impl Core {
     /// Removes a queued request from every index, without telling anyone.
     fn take_waiter(&mut self, token: OwnerToken) -> Waiter {
         let w = self.waiters.remove(&token).expect("taking a live waiter");
+        self.count(w.tenant.as_ref(), |u| u.waiting -= 1);
         self.timers
             .remove(&(w.wait_deadline_ms, Timer::Wait(token)));
         if let Some(id) = w.session {
@@ -853,6 +943,7 @@ impl Core {
             fence: None,
             owner: w.owner,
             session: w.session,
+            tenant: w.tenant,
             at_ms: self.now_ms,
             duration_ms: self.now_ms - w.enqueued_at_ms,
             reason: None,
@@ -1003,10 +1094,28 @@ impl Core {
         Reply::WaitCancelled { cancelled: queued }
     }
 
-    fn open_session(&mut self, id: SessionId, ttl_ms: u64, owner: Owner) -> Result<Reply, Error> {
+    fn open_session(
+        &mut self,
+        id: SessionId,
+        ttl_ms: u64,
+        owner: Owner,
+        tenant: Option<Tenant>,
+        quota: Option<Quota>,
+    ) -> Result<Reply, Error> {
         self.check_ttl("session ttl_ms", ttl_ms)?;
         if self.sessions.contains_key(&id) {
             return Err(err(ErrorKind::InvalidArgument, "session id already in use"));
+        }
+        if let (Some(tenant), Some(quota)) = (&tenant, &quota) {
+            if self.usage_of(tenant).sessions >= u64::from(quota.max_sessions) {
+                return Err(err(
+                    ErrorKind::QuotaExceeded,
+                    format!(
+                        "principal {tenant} has its quota of {} open sessions (max_sessions)",
+                        quota.max_sessions
+                    ),
+                ));
+            }
         }
         if self.sessions.len() >= self.config.max_sessions {
             return Err(err(
@@ -1019,10 +1128,12 @@ impl Core {
         }
         let deadline_ms = self.now_ms + ttl_ms;
         self.timers.insert((deadline_ms, Timer::Session(id)));
+        self.count(tenant.as_ref(), |u| u.sessions += 1);
         self.sessions.insert(
             id,
             Session {
                 owner,
+                tenant,
                 ttl_ms,
                 deadline_ms,
                 holders: BTreeSet::new(),
@@ -1076,7 +1187,8 @@ impl Core {
         for token in holders {
             self.end_grant(token, end, None);
         }
-        self.sessions.remove(&id);
+        let s = self.sessions.remove(&id).expect("checked above");
+        self.count(s.tenant.as_ref(), |u| u.sessions -= 1);
         for name in names {
             self.hand_off(&name);
         }
@@ -1149,6 +1261,65 @@ impl Core {
         }
         timers.sort_unstable();
         self.timers = timers.into_iter().collect();
+    }
+
+    fn usage_of(&self, tenant: &Tenant) -> Usage {
+        self.usage.get(tenant).copied().unwrap_or_default()
+    }
+
+    /// Changes `tenant`'s usage by `change`; a principal left using nothing loses its
+    /// entry, so the table holds only principals that use something.
+    fn count(&mut self, tenant: Option<&Tenant>, change: impl FnOnce(&mut Usage)) {
+        let Some(tenant) = tenant else { return };
+        let usage = self.usage.entry(tenant.clone()).or_default();
+        change(usage);
+        if *usage == Usage::default() {
+            self.usage.remove(tenant);
+        }
+    }
+
+    /// The view of one open session, if it exists.
+    pub fn session(&self, id: SessionId) -> Option<SessionView> {
+        let s = self.sessions.get(&id)?;
+        let mut holding: Vec<LockName> = s
+            .holders
+            .iter()
+            .map(|t| self.holders[t].name.clone())
+            .collect();
+        holding.sort();
+        let mut waiting: Vec<LockName> = s
+            .waiters
+            .iter()
+            .map(|t| self.waiters[t].name.clone())
+            .collect();
+        waiting.sort();
+        Some(SessionView {
+            id,
+            owner: s.owner.clone(),
+            tenant: s.tenant.clone(),
+            ttl_ms: s.ttl_ms,
+            ttl_remaining_ms: s.deadline_ms.saturating_sub(self.now_ms),
+            holding,
+            waiting,
+        })
+    }
+
+    /// The principal that opened session `id` (`Some(None)`: recorded none), or
+    /// `None` if it is not open. O(1): for checks on every keep-alive.
+    pub fn session_tenant(&self, id: SessionId) -> Option<Option<&Tenant>> {
+        self.sessions.get(&id).map(|s| s.tenant.as_ref())
+    }
+
+    /// The ids of every open session, in no particular order. O(sessions): for
+    /// operators.
+    pub fn session_ids(&self) -> Vec<SessionId> {
+        self.sessions.keys().copied().collect()
+    }
+
+    /// What `tenant` uses now: (open sessions, held grants, queued requests).
+    pub fn usage(&self, tenant: &Tenant) -> (u64, u64, u64) {
+        let u = self.usage_of(tenant);
+        (u.sessions, u.held, u.waiting)
     }
 
     /// The view of one lock, or `None` if nobody holds, waits for or delays it.
@@ -1306,6 +1477,19 @@ impl Core {
         {
             return Err("request id points at nothing".into());
         }
+        let mut usage: HashMap<Tenant, Usage> = HashMap::new();
+        for t in self.sessions.values().filter_map(|s| s.tenant.clone()) {
+            usage.entry(t).or_default().sessions += 1;
+        }
+        for t in self.holders.values().filter_map(|h| h.tenant.clone()) {
+            usage.entry(t).or_default().held += 1;
+        }
+        for t in self.waiters.values().filter_map(|w| w.tenant.clone()) {
+            usage.entry(t).or_default().waiting += 1;
+        }
+        if usage != self.usage {
+            return Err("per-principal usage counts out of step with the tables".into());
+        }
         Ok(())
     }
 
@@ -1340,6 +1524,7 @@ impl Core {
                             },
                             granted_at_ms: h.granted_at_ms,
                             lock_delay_ms: h.lock_delay_ms,
+                            tenant: h.tenant.clone(),
                         }
                     })
                     .collect(),
@@ -1357,6 +1542,7 @@ impl Core {
                             lock_delay_ms: w.lock_delay_ms,
                             enqueued_at_ms: w.enqueued_at_ms,
                             wait_deadline_ms: w.wait_deadline_ms,
+                            tenant: w.tenant.clone(),
                         }
                     })
                     .collect(),
@@ -1368,6 +1554,7 @@ impl Core {
             .map(|(id, s)| SessionImage {
                 id: *id,
                 owner: s.owner.clone(),
+                tenant: s.tenant.clone(),
                 ttl_ms: s.ttl_ms,
                 deadline_ms: s.deadline_ms,
             })
@@ -1443,10 +1630,12 @@ impl Core {
                 return Err(format!("session {} past its lease", s.id));
             }
             timers.push((s.deadline_ms, Timer::Session(s.id)));
+            core.count(s.tenant.as_ref(), |u| u.sessions += 1);
             let dup = core.sessions.insert(
                 s.id,
                 Session {
                     owner: s.owner,
+                    tenant: s.tenant,
                     ttl_ms: s.ttl_ms,
                     deadline_ms: s.deadline_ms,
                     holders: BTreeSet::new(),
@@ -1529,6 +1718,7 @@ impl Core {
                     }
                 }
                 lock.holders.push(h.token);
+                core.count(h.tenant.as_ref(), |u| u.held += 1);
                 let dup = core.holders.insert(
                     h.token,
                     Holder {
@@ -1539,6 +1729,7 @@ impl Core {
                         lease,
                         granted_at_ms: h.granted_at_ms,
                         lock_delay_ms: h.lock_delay_ms,
+                        tenant: h.tenant,
                     },
                 );
                 if dup.is_some() || core.waiters.contains_key(&h.token) {
@@ -1579,6 +1770,7 @@ impl Core {
                 }
                 timers.push((w.wait_deadline_ms, Timer::Wait(w.token)));
                 lock.waiters.push_back(w.token);
+                core.count(w.tenant.as_ref(), |u| u.waiting += 1);
                 let dup = core.waiters.insert(
                     w.token,
                     Waiter {
@@ -1590,6 +1782,7 @@ impl Core {
                         lock_delay_ms: w.lock_delay_ms,
                         enqueued_at_ms: w.enqueued_at_ms,
                         wait_deadline_ms: w.wait_deadline_ms,
+                        tenant: w.tenant,
                     },
                 );
                 if dup.is_some() || core.holders.contains_key(&w.token) {

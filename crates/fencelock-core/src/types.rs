@@ -182,6 +182,34 @@ impl Owner {
     }
 }
 
+/// The principal (token name, `anonymous` with authentication off) a session, grant
+/// or queued request belongs to: 1..=256 bytes, no control characters. The core keys
+/// per-principal quotas and session ownership by it; it is never a secret.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Tenant(std::sync::Arc<str>);
+
+/// Longest [`Tenant`] name, in bytes.
+pub const MAX_TENANT_BYTES: usize = 256;
+
+impl Tenant {
+    /// Validates `name` and wraps it.
+    pub fn new(name: &str) -> Result<Tenant, TextError> {
+        check_text("principal", name, false, MAX_TENANT_BYTES)?;
+        Ok(Tenant(name.into()))
+    }
+
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Tenant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// A client-chosen idempotency key for acquire, 1..=128 bytes, no control characters.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RequestId(Box<str>);

@@ -180,6 +180,7 @@ impl Model {
         };
         let name = self.locks[li].name.clone();
         out.events.push(Event {
+            tenant: common::model_tenant(),
             kind: EventKind::Granted,
             name: name.clone(),
             fence: Fence::new(fence),
@@ -246,6 +247,7 @@ impl Model {
         };
         let name = self.locks[li].name.clone();
         out.events.push(Event {
+            tenant: common::model_tenant(),
             kind: EventKind::Ended(end),
             name: name.clone(),
             fence: Fence::new(h.fence),
@@ -266,6 +268,7 @@ impl Model {
     fn push_wait_end(&mut self, li: usize, w: MWaiter, why: WaitEnd, out: &mut MOut) {
         let name = self.locks[li].name.clone();
         out.events.push(Event {
+            tenant: common::model_tenant(),
             kind: EventKind::WaitEnded(why),
             name: name.clone(),
             fence: None,
@@ -521,7 +524,9 @@ impl Model {
                     cancelled: found.is_some(),
                 })
             }
-            Command::OpenSession { id, ttl_ms, owner } => {
+            Command::OpenSession {
+                id, ttl_ms, owner, ..
+            } => {
                 if !self.ttl_ok(*ttl_ms) || self.session(*id).is_some() {
                     Err(ErrorKind::InvalidArgument)
                 } else if self.sessions.len() >= self.cfg.max_sessions {
@@ -724,6 +729,7 @@ impl Model {
             return Err(ResourceExhausted);
         }
         out.events.push(Event {
+            tenant: common::model_tenant(),
             kind: EventKind::Queued,
             name: a.name.clone(),
             fence: None,
@@ -767,6 +773,7 @@ impl Model {
                     .holders
                     .iter()
                     .map(|h| HolderImage {
+                        tenant: common::model_tenant(),
                         token: h.token,
                         fence: Fence::new(h.fence).expect("fence > 0"),
                         owner: h.owner.clone(),
@@ -786,6 +793,7 @@ impl Model {
                     .queue
                     .iter()
                     .map(|w| WaiterImage {
+                        tenant: common::model_tenant(),
                         token: w.token,
                         owner: w.owner.clone(),
                         request_id: w.request_id.clone(),
@@ -803,6 +811,7 @@ impl Model {
             .sessions
             .iter()
             .map(|s| SessionImage {
+                tenant: common::model_tenant(),
                 id: s.id,
                 owner: s.owner.clone(),
                 ttl_ms: s.ttl,
@@ -1205,6 +1214,8 @@ fn model_agrees_on_a_fixed_busy_script() {
                 limit: if n == "b" { 2 } else { 1 },
                 lock_delay_ms: delay,
                 session: s.map(sid),
+                tenant: common::model_tenant(),
+                quota: None,
             })
         };
     let step = |dt_ms, command| Step { dt_ms, command };
@@ -1215,6 +1226,8 @@ fn model_agrees_on_a_fixed_busy_script() {
                 id: sid(1),
                 ttl_ms: 20,
                 owner: Owner::default(),
+                tenant: common::model_tenant(),
+                quota: None,
             },
         ),
         step(0, acquire("a", 1, Some(10), None, 0, 5)),

@@ -114,6 +114,7 @@ fn busy_image() -> StateImage {
         lease,
         granted_at_ms: 90,
         lock_delay_ms: 0,
+        tenant: None,
     };
     let own = |deadline_ms| LeaseImage::Own {
         ttl_ms: 30,
@@ -128,6 +129,7 @@ fn busy_image() -> StateImage {
         lock_delay_ms: 0,
         enqueued_at_ms: 95,
         wait_deadline_ms: 150,
+        tenant: None,
     };
     StateImage {
         now_ms: 100,
@@ -164,6 +166,7 @@ fn busy_image() -> StateImage {
         sessions: vec![SessionImage {
             id: sid(1),
             owner: Owner::new("s1").expect("valid"),
+            tenant: None,
             ttl_ms: 40,
             deadline_ms: 140,
         }],

@@ -108,6 +108,8 @@ fn acquire(lock: &str, token: u128) -> Acq {
         limit: 1,
         lock_delay_ms: 0,
         session: None,
+        tenant: None,
+        quota: None,
     })
 }
 
@@ -197,6 +199,8 @@ fn open_session(s: u128, ttl_ms: u64) -> Command {
         id: sid(s),
         ttl_ms,
         owner: Owner::new(&format!("s{s}")).expect("valid owner"),
+        tenant: None,
+        quota: None,
     }
 }
 

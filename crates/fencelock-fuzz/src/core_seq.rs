@@ -194,6 +194,10 @@ pub(crate) fn command(op: u8, input: &mut Input<'_>) -> Command {
                 },
                 lock_delay_ms: if flags & 16 != 0 { ms(input) } else { 0 },
                 session,
+                // No principal: the bytes each command consumes stay as they were,
+                // so the kept regression inputs replay unchanged.
+                tenant: None,
+                quota: None,
             })
         }
         5 | 6 => Command::Renew {
@@ -218,6 +222,8 @@ pub(crate) fn command(op: u8, input: &mut Input<'_>) -> Command {
             id: session(input),
             ttl_ms: ms(input),
             owner: Owner::new("s").expect("valid owner"),
+            tenant: None,
+            quota: None,
         },
         12 => Command::KeepAlive { id: session(input) },
         13 => Command::CloseSession { id: session(input) },

@@ -37,7 +37,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use fencelock_core::{
-    Command, Error as CoreError, EventKind, GrantEnd, Outcome, Reply, SessionId, WaitEnd,
+    Command, Error as CoreError, EventKind, GrantEnd, Outcome, Reply, SessionId, Tenant, WaitEnd,
 };
 use fencelock_log::{Log, LogError, LogErrorKind, LogOptions};
 
@@ -152,17 +152,22 @@ pub struct AuditEntry {
     pub fence: Option<u64>,
     /// The owner text of the grant.
     pub owner: Option<String>,
-    /// The session involved (32 hex digits).
+    /// The session involved, by its handle (16 hex digits,
+    /// [`crate::input::session_handle`]): never the id, which is its owner's secret.
     pub session: Option<String>,
     /// The acquire's idempotency key (direct grants).
     pub request_id: Option<String>,
-    /// Who asked (forced releases).
+    /// Who made the change: the token name of the request (`anonymous` with
+    /// authentication off), or `server` for what the server did by itself
+    /// (expiries, hand-offs, restarts). `None` only for entries rebuilt from records
+    /// written before every record carried an actor.
     pub actor: Option<String>,
     /// Why (forced releases; `closed`/`expired` for session ends).
     pub reason: Option<String>,
     /// Time held (ends) or time queued (grants), ms.
     pub duration_ms: u64,
-    /// Extra detail: the error code of a refused renew, released count of a session.
+    /// Extra detail: the error code of a refused renew, released count of a session;
+    /// for an expiry, `principal <name>`: whose grant or session it was.
     pub detail: Option<String>,
 }
 
@@ -251,7 +256,8 @@ pub fn entries_for(
     outcomes: &[Outcome],
 ) -> Vec<AuditEntry> {
     let mut out = Vec::new();
-    let mut ended_sessions: Vec<SessionId> = Vec::new();
+    let mut ended_sessions: Vec<(SessionId, Option<Tenant>)> = Vec::new();
+    let server = || Some(crate::engine::SERVER_ACTOR.to_owned());
     for outcome in outcomes {
         let Outcome::Event(ev) = outcome else {
             continue;
@@ -270,9 +276,9 @@ pub fn entries_for(
             EventKind::Ended(GrantEnd::Expired) => {
                 if let Some(s) = ev.session {
                     if !matches!(command, Command::CloseSession { .. })
-                        && !ended_sessions.contains(&s)
+                        && !ended_sessions.iter().any(|(e, _)| *e == s)
                     {
-                        ended_sessions.push(s);
+                        ended_sessions.push((s, ev.tenant.clone()));
                     }
                 }
                 AuditKind::Expiry
@@ -281,9 +287,9 @@ pub fn entries_for(
             EventKind::WaitEnded(WaitEnd::SessionEnded) => {
                 if let Some(s) = ev.session {
                     if !matches!(command, Command::CloseSession { .. })
-                        && !ended_sessions.contains(&s)
+                        && !ended_sessions.iter().any(|(e, _)| *e == s)
                     {
-                        ended_sessions.push(s);
+                        ended_sessions.push((s, ev.tenant.clone()));
                     }
                 }
                 continue;
@@ -294,8 +300,17 @@ pub fn entries_for(
         entry.lock = Some(ev.name.as_str().to_owned());
         entry.fence = ev.fence.map(|f| f.get());
         entry.owner = Some(ev.owner.as_str().to_owned());
-        entry.session = ev.session.map(|s| s.to_string());
+        entry.session = ev.session.map(crate::input::session_handle);
         entry.duration_ms = ev.duration_ms;
+        // The command's caller made its direct effects; expiries and hand-offs the
+        // server made (also when processed ahead of some client's command).
+        entry.actor = match kind {
+            AuditKind::Expiry | AuditKind::Handoff => server(),
+            _ => meta.actor.clone(),
+        };
+        if kind == AuditKind::Expiry {
+            entry.detail = ev.tenant.as_ref().map(|t| format!("principal {t}"));
+        }
         if kind == AuditKind::Grant {
             if let Command::Acquire(a) = command {
                 entry.request_id = a.request_id.as_ref().map(|r| r.as_str().to_owned());
@@ -303,26 +318,29 @@ pub fn entries_for(
         }
         if kind == AuditKind::ForcedRelease {
             entry.reason = ev.reason.as_ref().map(|r| r.as_str().to_owned());
-            entry.actor = meta.actor.clone();
         }
         out.push(entry);
     }
-    for s in ended_sessions {
+    for (s, tenant) in ended_sessions {
         let mut entry = AuditEntry::new(meta, AuditKind::SessionEnd);
-        entry.session = Some(s.to_string());
+        entry.session = Some(crate::input::session_handle(s));
         entry.reason = Some("expired".to_owned());
+        entry.actor = server();
+        entry.detail = tenant.map(|t| format!("principal {t}"));
         out.push(entry);
     }
     match (command, result) {
         (Command::CloseSession { id }, Ok(Reply::SessionClosed { released })) => {
             let mut entry = AuditEntry::new(meta, AuditKind::SessionEnd);
-            entry.session = Some(id.to_string());
+            entry.session = Some(crate::input::session_handle(*id));
+            entry.actor = meta.actor.clone();
             entry.reason = Some("closed".to_owned());
             entry.detail = Some(format!("released {released}"));
             out.push(entry);
         }
         (Command::Renew { name, .. }, Err(e)) => {
             let mut entry = AuditEntry::new(meta, AuditKind::RenewFailed);
+            entry.actor = meta.actor.clone();
             entry.lock = Some(name.as_str().to_owned());
             entry.detail = Some(e.kind().code().to_owned());
             out.push(entry);

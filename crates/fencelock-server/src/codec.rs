@@ -6,16 +6,26 @@
 
 use fencelock_core::{
     Acquire, Command, Fence, GrantEnd, HolderImage, LeaseImage, LockImage, LockName, Owner,
-    OwnerToken, Reason, RequestId, SessionId, SessionImage, StateImage, WaiterImage,
+    OwnerToken, Quota, Reason, RequestId, SessionId, SessionImage, StateImage, Tenant, WaiterImage,
 };
 
 /// Format version of log records written before the audit log (no metadata).
 const RECORD_VERSION_1: u8 = 1;
-/// Format version of log records: version 1 plus a [`RecordMeta`] (sequence number,
-/// wall-clock time and actor), which the audit log is rebuilt from after a crash.
-const RECORD_VERSION: u8 = 2;
-/// Format version of snapshots.
-const SNAPSHOT_VERSION: u8 = 1;
+/// Format version of log records with a [`RecordMeta`] (sequence number, wall-clock
+/// time and actor), which the audit log is rebuilt from after a crash.
+const RECORD_VERSION_2: u8 = 2;
+/// Format version of log records: version 2, plus the principal and its quota at the
+/// end of `Acquire` and `OpenSession` (versions 1 and 2 decode with neither: their
+/// sessions are owned by nobody, their grants count against nobody's quota).
+const RECORD_VERSION: u8 = 3;
+/// Format version of snapshots before principals (decoded with none recorded).
+const SNAPSHOT_VERSION_1: u8 = 1;
+/// Format version of snapshots: version 1 plus a table of the principals (after
+/// `next_fence`: count, then each name once, in order of first use) and, for every
+/// session, holder and queued request, its principal as an index into it (u32: 0 =
+/// none, i = the i-th name). A million holders of one token cost 4 bytes each, not
+/// its name each, and decode to one shared name.
+const SNAPSHOT_VERSION: u8 = 2;
 /// A snapshot starts with these bytes (inside the log layer's checksummed envelope).
 const SNAPSHOT_MAGIC: &[u8; 8] = b"FLSNAP01";
 
@@ -203,6 +213,22 @@ impl<'a> Dec<'a> {
         }
         Ok(n)
     }
+    fn tenant(&mut self) -> Result<Option<Tenant>, DecodeError> {
+        self.opt_str()?
+            .map(|s| Tenant::new(s).map_err(|e| bad(e.to_string())))
+            .transpose()
+    }
+    fn quota(&mut self) -> Result<Option<Quota>, DecodeError> {
+        Ok(if self.flag()? {
+            Some(Quota {
+                max_sessions: self.u32()?,
+                max_held_locks: self.u32()?,
+                max_waiters: self.u32()?,
+            })
+        } else {
+            None
+        })
+    }
     pub(crate) fn finish(self) -> Result<(), DecodeError> {
         if self.pos != self.buf.len() {
             return Err(bad(format!("{} trailing bytes", self.buf.len() - self.pos)));
@@ -237,7 +263,9 @@ pub struct RecordMeta {
     /// Wall-clock time (ms since the Unix epoch) the command was applied at; shown to
     /// operators only, never used for decisions.
     pub wall_ms: u64,
-    /// Who asked for an operator action (for forced releases), if known.
+    /// Who asked: the token name (`anonymous` with authentication off), `server`
+    /// for what the server did by itself (expiries, orphaned grants, restarts).
+    /// `None` in records written before every command carried one.
     pub actor: Option<String>,
 }
 
@@ -261,6 +289,7 @@ pub fn encode_record(meta: &RecordMeta, command: &Command) -> Vec<u8> {
             e.u32(a.limit);
             e.u64(a.lock_delay_ms);
             e.opt_u128(a.session.map(SessionId::as_u128));
+            e.tenant_quota(a.tenant.as_ref(), a.quota.as_ref());
         }
         Command::Renew {
             name,
@@ -292,11 +321,18 @@ pub fn encode_record(meta: &RecordMeta, command: &Command) -> Vec<u8> {
             e.str(name.as_str());
             e.u128(token.as_u128());
         }
-        Command::OpenSession { id, ttl_ms, owner } => {
+        Command::OpenSession {
+            id,
+            ttl_ms,
+            owner,
+            tenant,
+            quota,
+        } => {
             e.u8(tag::OPEN_SESSION);
             e.u128(id.as_u128());
             e.u64(*ttl_ms);
             e.str(owner.as_str());
+            e.tenant_quota(tenant.as_ref(), quota.as_ref());
         }
         Command::KeepAlive { id } => {
             e.u8(tag::KEEP_ALIVE);
@@ -325,7 +361,7 @@ pub fn decode_record(bytes: &[u8]) -> Result<(RecordMeta, Command), DecodeError>
             now_ms: d.time()?,
             ..RecordMeta::default()
         },
-        RECORD_VERSION => RecordMeta {
+        RECORD_VERSION_2 | RECORD_VERSION => RecordMeta {
             now_ms: d.time()?,
             seq: d.u64()?,
             wall_ms: d.u64()?,
@@ -333,6 +369,7 @@ pub fn decode_record(bytes: &[u8]) -> Result<(RecordMeta, Command), DecodeError>
         },
         v => return Err(bad(format!("unknown record version {v}"))),
     };
+    let principals = version >= RECORD_VERSION;
     let command = match d.u8()? {
         tag::ACQUIRE => Command::Acquire(Acquire {
             name: d.name()?,
@@ -344,6 +381,8 @@ pub fn decode_record(bytes: &[u8]) -> Result<(RecordMeta, Command), DecodeError>
             limit: d.u32()?,
             lock_delay_ms: d.u64()?,
             session: d.opt_u128()?.map(SessionId::from_u128),
+            tenant: if principals { d.tenant()? } else { None },
+            quota: if principals { d.quota()? } else { None },
         }),
         tag::RENEW => Command::Renew {
             name: d.name()?,
@@ -370,6 +409,8 @@ pub fn decode_record(bytes: &[u8]) -> Result<(RecordMeta, Command), DecodeError>
             id: SessionId::from_u128(d.u128()?),
             ttl_ms: d.u64()?,
             owner: d.owner()?,
+            tenant: if principals { d.tenant()? } else { None },
+            quota: if principals { d.quota()? } else { None },
         },
         tag::KEEP_ALIVE => Command::KeepAlive {
             id: SessionId::from_u128(d.u128()?),
@@ -386,6 +427,21 @@ pub fn decode_record(bytes: &[u8]) -> Result<(RecordMeta, Command), DecodeError>
     Ok((meta, command))
 }
 
+impl Enc {
+    fn tenant_quota(&mut self, tenant: Option<&Tenant>, quota: Option<&Quota>) {
+        self.opt_str(tenant.map(Tenant::as_str));
+        match quota {
+            Some(q) => {
+                self.u8(1);
+                self.u32(q.max_sessions);
+                self.u32(q.max_held_locks);
+                self.u32(q.max_waiters);
+            }
+            None => self.u8(0),
+        }
+    }
+}
+
 fn end_code(end: GrantEnd) -> u8 {
     match end {
         GrantEnd::Released => 1,
@@ -396,15 +452,49 @@ fn end_code(end: GrantEnd) -> u8 {
 
 /// Encodes a whole state image.
 pub fn encode_snapshot(image: &StateImage) -> Vec<u8> {
+    encode_snapshot_version(image, SNAPSHOT_VERSION)
+}
+
+/// [`encode_snapshot`] in format `version` (an older one only for tests: it drops
+/// the principals).
+fn encode_snapshot_version(image: &StateImage, version: u8) -> Vec<u8> {
+    let principals = version >= SNAPSHOT_VERSION;
     let mut e = Enc::default();
     e.0.extend_from_slice(SNAPSHOT_MAGIC);
-    e.u8(SNAPSHOT_VERSION);
+    e.u8(version);
     e.u64(image.now_ms);
     e.u64(image.next_fence);
+    let mut table: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
+    if principals {
+        let used =
+            image
+                .sessions
+                .iter()
+                .map(|s| s.tenant.as_ref())
+                .chain(image.locks.iter().flat_map(|l| {
+                    let holders = l.holders.iter().map(|h| h.tenant.as_ref());
+                    holders.chain(l.waiters.iter().map(|w| w.tenant.as_ref()))
+                }));
+        let mut names: Vec<&str> = Vec::new();
+        for t in used.flatten() {
+            if !table.contains_key(t.as_str()) {
+                names.push(t.as_str());
+                table.insert(t.as_str(), names.len() as u32);
+            }
+        }
+        e.u32(names.len() as u32);
+        for name in names {
+            e.str(name);
+        }
+    }
+    let index = |t: Option<&Tenant>| t.map_or(0, |t| table[t.as_str()]);
     e.u32(image.sessions.len() as u32);
     for s in &image.sessions {
         e.u128(s.id.as_u128());
         e.str(s.owner.as_str());
+        if principals {
+            e.u32(index(s.tenant.as_ref()));
+        }
         e.u64(s.ttl_ms);
         e.u64(s.deadline_ms);
     }
@@ -435,6 +525,9 @@ pub fn encode_snapshot(image: &StateImage) -> Vec<u8> {
             }
             e.u64(h.granted_at_ms);
             e.u64(h.lock_delay_ms);
+            if principals {
+                e.u32(index(h.tenant.as_ref()));
+            }
         }
         e.u32(l.waiters.len() as u32);
         for w in &l.waiters {
@@ -446,6 +539,9 @@ pub fn encode_snapshot(image: &StateImage) -> Vec<u8> {
             e.u64(w.lock_delay_ms);
             e.u64(w.enqueued_at_ms);
             e.u64(w.wait_deadline_ms);
+            if principals {
+                e.u32(index(w.tenant.as_ref()));
+            }
         }
     }
     e.u32(image.recent_ends.len() as u32);
@@ -464,16 +560,44 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
         return Err(bad("not a fencelock snapshot (bad magic)"));
     }
     let version = d.u8()?;
-    if version != SNAPSHOT_VERSION {
+    if version != SNAPSHOT_VERSION && version != SNAPSHOT_VERSION_1 {
         return Err(bad(format!("unknown snapshot version {version}")));
     }
+    let principals = version >= SNAPSHOT_VERSION;
     let now_ms = d.time()?;
     let next_fence = d.u64()?;
+    let mut table: Vec<Tenant> = Vec::new();
+    if principals {
+        for _ in 0..d.count()? {
+            let name = d.str()?;
+            if table.iter().any(|t| t.as_str() == name) {
+                return Err(bad(format!("principal {name:?} listed twice")));
+            }
+            table.push(Tenant::new(name).map_err(|e| bad(e.to_string()))?);
+        }
+    }
+    // One encoding per image: names are listed in order of first use, each used.
+    let mut seen = 0;
+    let mut tenant = |d: &mut Dec<'_>| -> Result<Option<Tenant>, DecodeError> {
+        if !principals {
+            return Ok(None);
+        }
+        let i = d.u32()? as usize;
+        if i == 0 {
+            return Ok(None);
+        }
+        if i > seen + 1 || i > table.len() {
+            return Err(bad(format!("principal index {i} out of order or range")));
+        }
+        seen = seen.max(i);
+        Ok(Some(table[i - 1].clone()))
+    };
     let mut sessions = Vec::new();
     for _ in 0..d.count()? {
         sessions.push(SessionImage {
             id: SessionId::from_u128(d.u128()?),
             owner: d.owner()?,
+            tenant: tenant(&mut d)?,
             ttl_ms: d.time()?,
             deadline_ms: d.time()?,
         });
@@ -513,6 +637,7 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
                 },
                 granted_at_ms: d.time()?,
                 lock_delay_ms: d.time()?,
+                tenant: tenant(&mut d)?,
             });
         }
         let mut waiters = Vec::new();
@@ -526,6 +651,7 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
                 lock_delay_ms: d.time()?,
                 enqueued_at_ms: d.time()?,
                 wait_deadline_ms: d.time()?,
+                tenant: tenant(&mut d)?,
             });
         }
         locks.push(LockImage {
@@ -547,6 +673,9 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
             b => return Err(bad(format!("bad grant end {b}"))),
         };
         recent_ends.push((token, name, end));
+    }
+    if seen != table.len() {
+        return Err(bad("a listed principal is never used"));
     }
     d.finish()?;
     Ok(StateImage {
@@ -574,6 +703,12 @@ mod tests {
                 id: session,
                 ttl_ms: 5_000,
                 owner: Owner::new("worker-1").unwrap(),
+                tenant: Some(Tenant::new("worker").unwrap()),
+                quota: Some(Quota {
+                    max_sessions: 3,
+                    max_held_locks: 40,
+                    max_waiters: 5,
+                }),
             },
             Command::Acquire(Acquire {
                 name: name("a"),
@@ -585,6 +720,8 @@ mod tests {
                 limit: 1,
                 lock_delay_ms: 50,
                 session: None,
+                tenant: None,
+                quota: None,
             }),
             Command::Acquire(Acquire {
                 name: name("a"),
@@ -596,6 +733,8 @@ mod tests {
                 limit: 1,
                 lock_delay_ms: 0,
                 session: Some(session),
+                tenant: Some(Tenant::new("worker").unwrap()),
+                quota: None,
             }),
             Command::Renew {
                 name: name("a"),
@@ -637,6 +776,50 @@ mod tests {
         }
     }
 
+    /// Records written before principals were recorded (version 2) decode with
+    /// none: such sessions are owned by nobody.
+    #[test]
+    fn version_2_records_decode_without_principals() {
+        let meta = RecordMeta {
+            seq: 3,
+            now_ms: 9,
+            wall_ms: 1,
+            actor: None,
+        };
+        for c in sample_commands() {
+            let (with_none, had) = match c.clone() {
+                Command::Acquire(a) => (
+                    Command::Acquire(Acquire {
+                        tenant: None,
+                        quota: None,
+                        ..a
+                    }),
+                    true,
+                ),
+                Command::OpenSession {
+                    id, ttl_ms, owner, ..
+                } => (
+                    Command::OpenSession {
+                        id,
+                        ttl_ms,
+                        owner,
+                        tenant: None,
+                        quota: None,
+                    },
+                    true,
+                ),
+                other => (other, false),
+            };
+            let mut v2 = encode_record(&meta, &with_none);
+            v2[0] = 2;
+            if had {
+                // Version 3 appends an absent principal and an absent quota.
+                assert_eq!(v2.split_off(v2.len() - 2), [0, 0]);
+            }
+            assert_eq!(decode_record(&v2).unwrap(), (meta.clone(), with_none));
+        }
+    }
+
     #[test]
     fn version_1_records_still_decode_without_metadata() {
         // A record written before the audit log: version 1, now_ms, then the command.
@@ -664,6 +847,8 @@ mod tests {
                 id: session,
                 ttl_ms: 10_000,
                 owner: Owner::new("s").unwrap(),
+                tenant: Some(Tenant::new("worker").unwrap()),
+                quota: None,
             },
         )
         .unwrap();
@@ -682,6 +867,8 @@ mod tests {
                 limit: 2,
                 lock_delay_ms: 0,
                 session: Some(session),
+                tenant: Some(Tenant::new("worker").unwrap()),
+                quota: None,
             }),
         )
         .unwrap();
@@ -689,6 +876,21 @@ mod tests {
         let decoded = decode_snapshot(&encode_snapshot(&image)).unwrap();
         assert_eq!(decoded, image);
         assert!(!image.locks.is_empty());
+        assert!(image
+            .locks
+            .iter()
+            .any(|l| l.holders.iter().any(|h| h.tenant.is_some())));
+        // A version 1 snapshot (before principals) decodes with none recorded.
+        let mut old = image.clone();
+        for s in &mut old.sessions {
+            s.tenant = None;
+        }
+        for l in &mut old.locks {
+            l.holders.iter_mut().for_each(|h| h.tenant = None);
+            l.waiters.iter_mut().for_each(|w| w.tenant = None);
+        }
+        let v1 = encode_snapshot_version(&image, SNAPSHOT_VERSION_1);
+        assert_eq!(decode_snapshot(&v1).unwrap(), old);
     }
 
     #[test]

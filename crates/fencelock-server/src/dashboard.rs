@@ -850,7 +850,9 @@ async fn force_release_form(
         Ok(n) => n,
         Err(e) => return fragment(StatusCode::BAD_REQUEST, "error", &format!("name: {e}")),
     };
-    let who = match auth::authorize(&ext, Action::ForceRelease, Some(name.as_str())) {
+    let allowed = auth::authorize(&ext, Action::ForceRelease, Some(name.as_str()))
+        .and_then(|p| p.take_request().map(|()| p));
+    let who = match allowed {
         Ok(p) => p,
         Err(e) => {
             let status =
@@ -876,7 +878,12 @@ async fn force_release_form(
         },
     };
     match h
-        .force_release_as(name.clone(), fence, reason, Some(who.name().to_owned()))
+        .force_release(
+            &crate::engine::Requester::of(&who),
+            name.clone(),
+            fence,
+            reason,
+        )
         .await
     {
         Ok(fences) if fences.is_empty() => fragment(
@@ -1073,16 +1080,20 @@ mod tests {
     }
 
     async fn acquire(h: &Handle, name: &str) {
-        h.acquire(crate::engine::AcquireArgs {
-            name: LockName::new(name).unwrap(),
-            ttl_ms: Some(600_000),
-            wait_ms: 0,
-            owner: fencelock_core::Owner::default(),
-            request_id: None,
-            limit: 1,
-            lock_delay_ms: 0,
-            session: None,
-        })
+        let anonymous = crate::engine::Requester::anonymous();
+        h.acquire(
+            &anonymous,
+            crate::engine::AcquireArgs {
+                name: LockName::new(name).unwrap(),
+                ttl_ms: Some(600_000),
+                wait_ms: 0,
+                owner: fencelock_core::Owner::default(),
+                request_id: None,
+                limit: 1,
+                lock_delay_ms: 0,
+                session: None,
+            },
+        )
         .await
         .unwrap();
     }

@@ -32,13 +32,14 @@ use std::time::{Duration, Instant};
 
 use fencelock_core::{
     Acquire, Command, Config as CoreConfig, Core, Error as CoreError, ErrorKind, Event, EventKind,
-    Fence, Grant, GrantEnd, LockName, LockView, Outcome, Owner, OwnerToken, Reason, Reply,
-    RequestId, SessionId, WaitEnd,
+    Fence, Grant, GrantEnd, LockName, LockView, Outcome, Owner, OwnerToken, Quota, Reason, Reply,
+    RequestId, SessionId, SessionView, Tenant, WaitEnd,
 };
 use fencelock_log::{Log, LogOptions, Recovered};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
 use crate::audit::{self, AuditConfig, AuditEntry, AuditIndex, AuditQuery, AuditStore};
+use crate::auth::{Principal, Role};
 use crate::codec::{self, RecordMeta};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::metrics::Metrics;
@@ -155,6 +156,79 @@ pub struct AcquireArgs {
     pub session: Option<SessionId>,
 }
 
+/// Who sends a command to the engine: the actor its audit entries name, the
+/// principal that owns what it creates (sessions, grants, queued requests) and
+/// whose quota limits it, and, for an admin, the prefixes it may manage others'
+/// sessions within.
+#[derive(Debug, Clone)]
+pub struct Requester {
+    /// `None`: the server itself. Cloning a `Principal` is cloning an `Arc`, so a
+    /// requester costs one allocation (its `Tenant`) per request.
+    principal: Option<Principal>,
+    tenant: Option<Tenant>,
+    quota: Option<Quota>,
+}
+
+/// The actor of what the server does by itself: expiries, hand-offs, restarts,
+/// grants released because their client went away.
+pub const SERVER_ACTOR: &str = "server";
+
+impl Requester {
+    /// The caller behind an authenticated request (or the anonymous principal).
+    pub fn of(principal: &Principal) -> Requester {
+        Requester {
+            principal: Some(principal.clone()),
+            tenant: Tenant::new(principal.name()).ok(),
+            quota: principal.quotas().map(|q| Quota {
+                max_sessions: q.max_sessions,
+                max_held_locks: q.max_held_locks,
+                max_waiters: q.max_waiters,
+            }),
+        }
+    }
+
+    /// The anonymous principal's caller (authentication off): admin on every lock,
+    /// no quota. What tests and embedders use.
+    pub fn anonymous() -> Requester {
+        Requester::of(&Principal::anonymous())
+    }
+
+    fn server() -> Requester {
+        Requester {
+            principal: None,
+            tenant: None,
+            quota: None,
+        }
+    }
+
+    /// The name the audit log records.
+    pub fn actor(&self) -> &str {
+        self.principal
+            .as_ref()
+            .map_or(SERVER_ACTOR, Principal::name)
+    }
+
+    /// Whether this caller may keep alive or close `session`: the principal that
+    /// opened it may; so may an admin covering every lock it holds or waits for
+    /// (an admin limited to some prefixes only for a session that holds or waits
+    /// for at least one lock, all of them within its prefixes: an empty session
+    /// shows nothing such an admin is responsible for). A session from an old log
+    /// (no recorded principal) is owned by nobody.
+    pub fn may_manage(&self, session: &SessionView) -> bool {
+        if session.tenant.is_some() && session.tenant == self.tenant {
+            return true;
+        }
+        let Some(admin) = self.principal.as_ref().filter(|p| p.role() == Role::Admin) else {
+            return false;
+        };
+        if admin.covers_everything() {
+            return true;
+        }
+        let mut names = session.holding.iter().chain(&session.waiting).peekable();
+        names.peek().is_some() && names.all(|n| admin.covers(n.as_str()))
+    }
+}
+
 /// Events a watcher may fall behind by before it is told it missed some.
 pub const EVENT_BUFFER: usize = 4096;
 
@@ -210,13 +284,15 @@ impl CommandReply {
 enum Msg {
     Acquire {
         acquire: Acquire,
+        caller: Requester,
         listener: u128,
         reply: AcquireReply,
     },
     Command {
         command: Command,
-        /// Who asked, for the audit log (operator actions).
-        actor: Option<String>,
+        /// Who asked: the audit log's actor, and for keep-alive and close, whose
+        /// ownership of the session is checked.
+        caller: Requester,
         reply: CommandReply,
     },
     /// The client behind `listener` stopped waiting.
@@ -518,7 +594,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         seq: next_seq,
         now_ms: now,
         wall_ms: audit::wall_ms(),
-        actor: None,
+        actor: Some(SERVER_ACTOR.to_owned()),
     };
     next_seq += 1;
     let recover_record = codec::encode_record(&meta, &Command::Recover);
@@ -749,20 +825,42 @@ impl EngineTask {
         match msg {
             Msg::Acquire {
                 acquire,
+                caller,
                 listener,
                 reply,
-            } => self.acquire(acquire, listener, reply),
+            } => self.acquire(acquire, caller, listener, reply),
             Msg::Command {
                 command: command @ Command::Release { .. },
-                actor: None,
+                caller,
                 reply,
-            } => self.release(command, reply),
+            } => self.release(command, caller, reply),
             Msg::Command {
                 command,
-                actor,
+                caller,
                 reply,
             } => {
-                self.execute_as(command, actor, move |result| reply.send(result));
+                let session = match &command {
+                    Command::KeepAlive { id } | Command::CloseSession { id } => Some(*id),
+                    _ => None,
+                };
+                // Another principal's session answers like a missing one (nothing
+                // to apply, so nothing logged): its existence is not revealed. The
+                // owner is told apart in O(1); only others cost a walk of the
+                // session's locks.
+                if let Some(id) = session.filter(|id| match self.core.session_tenant(*id) {
+                    None => false,
+                    Some(Some(owner)) if Some(owner) == caller.tenant.as_ref() => false,
+                    Some(_) => self
+                        .core
+                        .session(*id)
+                        .is_some_and(|view| !caller.may_manage(&view)),
+                }) {
+                    let missing = session_missing(id);
+                    self.deliveries
+                        .push(Box::new(move || reply.send(Err(missing))));
+                    return;
+                }
+                self.execute_as(command, caller, move |result| reply.send(result));
             }
             Msg::CancelListener { listener } => self.cancel_listener(listener),
             Msg::ReleaseOrphan { name, token } => {
@@ -780,11 +878,7 @@ impl EngineTask {
 
     /// Applies one command at the current service time and logs it if it changed
     /// state. Outcomes stay in the core until [`Self::route_outcomes`].
-    fn apply_logged(
-        &mut self,
-        command: Command,
-        actor: Option<String>,
-    ) -> Result<Reply, CoreError> {
+    fn apply_logged(&mut self, command: Command, caller: Requester) -> Result<Reply, CoreError> {
         let now = self.clock.now_ms().max(self.core.now_ms());
         let due = self.core.next_deadline_ms().is_some_and(|d| d <= now);
         let is_tick = matches!(command, Command::Tick);
@@ -798,7 +892,7 @@ impl EngineTask {
             seq: 0,
             now_ms: now,
             wall_ms: audit::wall_ms(),
-            actor,
+            actor: Some(caller.actor().to_owned()),
         };
         if logged {
             meta.seq = self.next_seq;
@@ -823,17 +917,17 @@ impl EngineTask {
         command: Command,
         reply: impl FnOnce(Result<Reply, CoreError>) + Send + 'static,
     ) {
-        self.execute_as(command, None, reply);
+        self.execute_as(command, Requester::server(), reply);
     }
 
     /// [`Self::execute`] on behalf of `actor` (recorded in the audit log).
     fn execute_as(
         &mut self,
         command: Command,
-        actor: Option<String>,
+        caller: Requester,
         reply: impl FnOnce(Result<Reply, CoreError>) + Send + 'static,
     ) {
-        let result = self.apply_logged(command, actor);
+        let result = self.apply_logged(command, caller);
         // Events (and hand-offs) first: a watcher sees a change no later than the
         // client whose request made it hears back.
         self.route_outcomes();
@@ -853,8 +947,8 @@ impl EngineTask {
     /// completes, a little after the holder heard "released". Refusals (`not_held`)
     /// reflect others' changes and wait like every other reply; so do operators'
     /// forced releases.
-    fn release(&mut self, command: Command, reply: CommandReply) {
-        let result = self.apply_logged(command, None);
+    fn release(&mut self, command: Command, caller: Requester, reply: CommandReply) {
+        let result = self.apply_logged(command, caller);
         self.route_outcomes();
         let early = matches!(result, Ok(Reply::Released { .. }));
         let delivery: Delivery = Box::new(move || reply.send(result));
@@ -865,7 +959,13 @@ impl EngineTask {
         }
     }
 
-    fn acquire(&mut self, acquire: Acquire, listener: u128, reply: AcquireReply) {
+    fn acquire(
+        &mut self,
+        acquire: Acquire,
+        caller: Requester,
+        listener: u128,
+        reply: AcquireReply,
+    ) {
         if self.draining && acquire.wait_ms > 0 {
             let err = ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
             self.deliveries.push(Box::new(move || {
@@ -874,7 +974,7 @@ impl EngineTask {
             return;
         }
         let name = acquire.name.clone();
-        let result = self.apply_logged(Command::Acquire(acquire), None);
+        let result = self.apply_logged(Command::Acquire(acquire), caller);
         self.route_outcomes();
         match result {
             Ok(Reply::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
@@ -1530,8 +1630,9 @@ impl Snapshotter {
 }
 
 /// The message of an acquire with a fresh owner token.
-fn acquire_msg(args: AcquireArgs, listener: u128, reply: AcquireReply) -> Msg {
+fn acquire_msg(caller: &Requester, args: AcquireArgs, listener: u128, reply: AcquireReply) -> Msg {
     Msg::Acquire {
+        caller: caller.clone(),
         acquire: Acquire {
             name: args.name,
             token: OwnerToken::from_u128(random_u128()),
@@ -1542,6 +1643,8 @@ fn acquire_msg(args: AcquireArgs, listener: u128, reply: AcquireReply) -> Msg {
             limit: args.limit,
             lock_delay_ms: args.lock_delay_ms,
             session: args.session,
+            tenant: caller.tenant.clone(),
+            quota: caller.quota,
         },
         listener,
         reply,
@@ -1578,6 +1681,22 @@ impl Drop for AcquireGuard {
     }
 }
 
+fn handle_missing(handle: &str) -> ApiError {
+    ApiError::new(
+        ApiErrorKind::SessionNotFound,
+        format!(
+            "no session with handle {handle} you may manage (expired, closed, never opened, or not within your prefixes)"
+        ),
+    )
+}
+
+fn session_missing(id: SessionId) -> CoreError {
+    CoreError::new(
+        ErrorKind::SessionNotFound,
+        format!("session {id} does not exist (expired, closed or never opened)"),
+    )
+}
+
 fn unavailable() -> ApiError {
     ApiError::new(
         ApiErrorKind::Unavailable,
@@ -1590,15 +1709,11 @@ impl Handle {
         self.shared.tx.send(msg).map_err(|_| unavailable())
     }
 
-    async fn command(&self, command: Command) -> Result<Reply, ApiError> {
-        self.command_as(command, None).await
-    }
-
-    async fn command_as(&self, command: Command, actor: Option<String>) -> Result<Reply, ApiError> {
+    async fn command(&self, caller: &Requester, command: Command) -> Result<Reply, ApiError> {
         let (tx, rx) = oneshot::channel();
         self.send(Msg::Command {
             command,
-            actor,
+            caller: caller.clone(),
             reply: CommandReply::Channel(tx),
         })?;
         match rx.await {
@@ -1624,10 +1739,15 @@ impl Handle {
 
     /// Acquires a lock, waiting up to `args.wait_ms`. Dropping the future cancels the
     /// wait; a grant that arrives for a dropped future is released.
-    pub async fn acquire(&self, args: AcquireArgs) -> Result<Grant, ApiError> {
+    pub async fn acquire(&self, caller: &Requester, args: AcquireArgs) -> Result<Grant, ApiError> {
         let listener = self.new_listener();
         let (tx, rx) = oneshot::channel();
-        self.send(acquire_msg(args, listener, AcquireReply::Channel(tx)))?;
+        self.send(acquire_msg(
+            caller,
+            args,
+            listener,
+            AcquireReply::Channel(tx),
+        ))?;
         let mut guard = AcquireGuard {
             shared: self.shared.clone(),
             listener,
@@ -1648,11 +1768,17 @@ impl Handle {
     /// [`Handle::cancel_listener`] takes to stop the wait.
     pub(crate) fn acquire_to(
         &self,
+        caller: &Requester,
         args: AcquireArgs,
         listener: u128,
         sink: GrantSink,
     ) -> Result<(), ApiError> {
-        self.send(acquire_msg(args, listener, AcquireReply::Sink(sink)))
+        self.send(acquire_msg(
+            caller,
+            args,
+            listener,
+            AcquireReply::Sink(sink),
+        ))
     }
 
     /// The client behind `listener` stopped waiting: its request leaves the queue (a
@@ -1663,10 +1789,15 @@ impl Handle {
 
     /// Sends a client's `command` (a renew or a release) whose answer goes to `sink`
     /// (see [`ReplySink`]) rather than to an awaiting future.
-    pub(crate) fn command_to(&self, command: Command, sink: ReplySink) -> Result<(), ApiError> {
+    pub(crate) fn command_to(
+        &self,
+        caller: &Requester,
+        command: Command,
+        sink: ReplySink,
+    ) -> Result<(), ApiError> {
         self.send(Msg::Command {
             command,
-            actor: None,
+            caller: caller.clone(),
             reply: CommandReply::Sink(sink),
         })
     }
@@ -1674,16 +1805,20 @@ impl Handle {
     /// Extends a lease (or the holding session).
     pub async fn renew(
         &self,
+        caller: &Requester,
         name: LockName,
         token: OwnerToken,
         ttl_ms: Option<u64>,
     ) -> Result<Grant, ApiError> {
         match self
-            .command(Command::Renew {
-                name,
-                token,
-                ttl_ms,
-            })
+            .command(
+                caller,
+                Command::Renew {
+                    name,
+                    token,
+                    ttl_ms,
+                },
+            )
             .await?
         {
             Reply::Renewed(grant) => Ok(grant),
@@ -1692,42 +1827,39 @@ impl Handle {
     }
 
     /// Releases a grant. `Ok(false)`: this token had already released it.
-    pub async fn release(&self, name: LockName, token: OwnerToken) -> Result<bool, ApiError> {
-        match self.command(Command::Release { name, token }).await? {
+    pub async fn release(
+        &self,
+        caller: &Requester,
+        name: LockName,
+        token: OwnerToken,
+    ) -> Result<bool, ApiError> {
+        match self
+            .command(caller, Command::Release { name, token })
+            .await?
+        {
             Reply::Released { released } => Ok(released),
             other => unreachable!("release replied {other:?}"),
         }
     }
 
     /// Operator action: takes a lock from its holder(s). Returns the fences taken.
-    /// The audit log records no actor; see [`Handle::force_release_as`].
+    /// The audit log records the caller as the actor, with the reason.
     pub async fn force_release(
         &self,
+        caller: &Requester,
         name: LockName,
         fence: Option<Fence>,
         reason: Reason,
     ) -> Result<Vec<Fence>, ApiError> {
-        self.force_release_as(name, fence, reason, None).await
-    }
-
-    /// [`Handle::force_release`] on behalf of `actor` (a token name, a dashboard
-    /// user), which the audit log records with the reason.
-    pub async fn force_release_as(
-        &self,
-        name: LockName,
-        fence: Option<Fence>,
-        reason: Reason,
-        actor: Option<String>,
-    ) -> Result<Vec<Fence>, ApiError> {
-        tracing::warn!(lock = %name, ?fence, reason = reason.as_str(), actor = actor.as_deref().unwrap_or("-"), "forced release requested");
+        tracing::warn!(lock = %name, ?fence, reason = reason.as_str(), actor = caller.actor(), "forced release requested");
         match self
-            .command_as(
+            .command(
+                caller,
                 Command::ForceRelease {
                     name,
                     fence,
                     reason,
                 },
-                actor,
             )
             .await?
         {
@@ -1736,36 +1868,115 @@ impl Handle {
         }
     }
 
-    /// Opens a session; returns its id.
+    /// Opens a session owned by the caller's principal (within its quota); returns
+    /// its id, which only the caller learns.
     pub async fn open_session(
         &self,
+        caller: &Requester,
         ttl_ms: u64,
         owner: Owner,
     ) -> Result<(SessionId, u64), ApiError> {
         let id = SessionId::from_u128(random_u128());
-        match self
-            .command(Command::OpenSession { id, ttl_ms, owner })
-            .await?
-        {
+        let command = Command::OpenSession {
+            id,
+            ttl_ms,
+            owner,
+            tenant: caller.tenant.clone(),
+            quota: caller.quota,
+        };
+        match self.command(caller, command).await? {
             Reply::SessionOpened { id, ttl_ms } => Ok((id, ttl_ms)),
             other => unreachable!("open session replied {other:?}"),
         }
     }
 
-    /// Renews a session; returns its ttl.
-    pub async fn keep_alive(&self, id: SessionId) -> Result<u64, ApiError> {
-        match self.command(Command::KeepAlive { id }).await? {
+    /// Renews a session; returns its ttl. Another principal's session (see
+    /// [`Requester::may_manage`]) is `session_not_found`, like a missing one.
+    pub async fn keep_alive(&self, caller: &Requester, id: SessionId) -> Result<u64, ApiError> {
+        match self.command(caller, Command::KeepAlive { id }).await? {
             Reply::KeptAlive { ttl_ms } => Ok(ttl_ms),
             other => unreachable!("keepalive replied {other:?}"),
         }
     }
 
-    /// Closes a session; returns how many locks it released.
-    pub async fn close_session(&self, id: SessionId) -> Result<usize, ApiError> {
-        match self.command(Command::CloseSession { id }).await? {
+    /// Closes a session; returns how many locks it released. Another principal's
+    /// session (see [`Requester::may_manage`]) is `session_not_found`.
+    pub async fn close_session(
+        &self,
+        caller: &Requester,
+        id: SessionId,
+    ) -> Result<usize, ApiError> {
+        match self.command(caller, Command::CloseSession { id }).await? {
             Reply::SessionClosed { released } => Ok(released),
             other => unreachable!("close session replied {other:?}"),
         }
+    }
+
+    /// An admin closes the session with handle `handle` (see
+    /// [`crate::input::session_handle`]) if [`Requester::may_manage`] allows; the audit
+    /// log names the admin. Returns how many locks it released.
+    ///
+    /// The handle is resolved off the engine (hashing every open session's id is
+    /// O(sessions): a million take a fraction of a second the engine must not
+    /// stall for), then the close goes through the same ownership check as by id.
+    pub async fn close_session_by_handle(
+        &self,
+        caller: &Requester,
+        handle: String,
+    ) -> Result<usize, ApiError> {
+        let ids = self.read(|core| core.session_ids()).await?;
+        let wanted = handle.clone();
+        let found: Vec<SessionId> = tokio::task::spawn_blocking(move || {
+            ids.into_iter()
+                .filter(|id| crate::input::session_handle(*id) == wanted)
+                .collect()
+        })
+        .await
+        .map_err(|_| unavailable())?;
+        match found.as_slice() {
+            [id] => self.close_session(caller, *id).await.map_err(|e| {
+                if e.kind() == ApiErrorKind::SessionNotFound {
+                    handle_missing(&handle)
+                } else {
+                    e
+                }
+            }),
+            [] => Err(handle_missing(&handle)),
+            _ => Err(ApiError::new(
+                ApiErrorKind::InvalidArgument,
+                format!(
+                    "{} open sessions share the handle {handle}: close by id, or wait for one to end",
+                    found.len()
+                ),
+            )),
+        }
+    }
+
+    /// The open sessions `caller` may manage ([`Requester::may_manage`]) whose locks all
+    /// start with `prefix`, in id order, at most `max`.
+    pub async fn sessions(
+        &self,
+        caller: &Requester,
+        prefix: String,
+        max: usize,
+    ) -> Result<Vec<SessionView>, ApiError> {
+        let caller = caller.clone();
+        self.read(move |core| {
+            let mut ids = core.session_ids();
+            ids.sort_unstable();
+            ids.into_iter()
+                .filter_map(|id| core.session(id))
+                .filter(|s| caller.may_manage(s))
+                .filter(|s| {
+                    s.holding
+                        .iter()
+                        .chain(&s.waiting)
+                        .all(|n| n.as_str().starts_with(&prefix))
+                })
+                .take(max)
+                .collect()
+        })
+        .await
     }
 
     /// The view of one lock, if it exists.
@@ -1911,10 +2122,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let handle = start(EngineConfig::new(dir.path())).unwrap();
         let name = LockName::new("nightly").unwrap();
-        let grant = handle.acquire(acquire_args(&name, 0)).await.unwrap();
+        let grant = handle
+            .acquire(&Requester::anonymous(), acquire_args(&name, 0))
+            .await
+            .unwrap();
         let mut events = handle.subscribe();
         let synced_before = handle.metrics().fsync.count();
-        assert!(handle.release(name.clone(), grant.token).await.unwrap());
+        assert!(handle
+            .release(&Requester::anonymous(), name.clone(), grant.token)
+            .await
+            .unwrap());
         let event = tokio::time::timeout(Duration::from_secs(10), events.recv())
             .await
             .expect("the release's event never came: its group was never synced")
@@ -2043,7 +2260,7 @@ mod tests {
         gate.set(true);
         let grant = tokio::time::timeout(
             Duration::from_secs(10),
-            handle.acquire(acquire_args(&name, 0)),
+            handle.acquire(&Requester::anonymous(), acquire_args(&name, 0)),
         )
         .await
         .expect("answers go out before the replica is fed")
@@ -2076,11 +2293,17 @@ mod tests {
         SYNC_GATE.with(|g| *g.borrow_mut() = Some(gate.clone()));
         let handle = start(EngineConfig::new(dir.path())).unwrap();
         let name = LockName::new("report.csv").unwrap();
-        let first = handle.acquire(acquire_args(&name, 0)).await.unwrap();
+        let first = handle
+            .acquire(&Requester::anonymous(), acquire_args(&name, 0))
+            .await
+            .unwrap();
         let waiting = handle.clone();
         let waiter_name = name.clone();
-        let mut waiter =
-            tokio::spawn(async move { waiting.acquire(acquire_args(&waiter_name, 30_000)).await });
+        let mut waiter = tokio::spawn(async move {
+            waiting
+                .acquire(&Requester::anonymous(), acquire_args(&waiter_name, 30_000))
+                .await
+        });
         // Reads are answered after the fsync: once one sees the waiter, its queued
         // record is durable and the writer is idle.
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -2092,7 +2315,7 @@ mod tests {
         gate.set(true);
         let released = tokio::time::timeout(
             Duration::from_secs(10),
-            handle.release(name.clone(), first.token),
+            handle.release(&Requester::anonymous(), name.clone(), first.token),
         )
         .await
         .expect("a release must be answered without waiting for the fdatasync");
@@ -2134,7 +2357,12 @@ mod tests {
         });
         let listener = handle.new_listener();
         handle
-            .acquire_to(acquire_args(&name, 0), listener, sink)
+            .acquire_to(
+                &Requester::anonymous(),
+                acquire_args(&name, 0),
+                listener,
+                sink,
+            )
             .unwrap();
         assert!(
             tokio::time::timeout(Duration::from_millis(300), answers.recv())
@@ -2162,7 +2390,10 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        let next = handle.acquire(acquire_args(&name, 0)).await.unwrap();
+        let next = handle
+            .acquire(&Requester::anonymous(), acquire_args(&name, 0))
+            .await
+            .unwrap();
         assert!(next.fence > refused.fence);
         handle.shutdown().await;
     }

@@ -129,7 +129,11 @@ impl From<CoreError> for ApiError {
             ErrorKind::Expired => ApiErrorKind::Expired,
             ErrorKind::LimitMismatch => ApiErrorKind::LimitMismatch,
             ErrorKind::SessionNotFound => ApiErrorKind::SessionNotFound,
-            ErrorKind::ResourceExhausted => ApiErrorKind::ResourceExhausted,
+            // A per-token quota is a bound like the global ones: 429, and the
+            // message names the quota.
+            ErrorKind::ResourceExhausted | ErrorKind::QuotaExceeded => {
+                ApiErrorKind::ResourceExhausted
+            }
             _ => ApiErrorKind::Internal,
         };
         ApiError::new(kind, e.message())

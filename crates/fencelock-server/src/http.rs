@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::auth::{Action, Caller};
-use crate::engine::{AcquireArgs, Handle, RunState};
+use crate::engine::{AcquireArgs, Handle, Requester, RunState};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::input::{self, invalid};
 
@@ -230,7 +230,8 @@ impl From<LockView> for LockJson {
                     owner: h.owner.as_str().to_owned(),
                     held_ms: h.held_ms,
                     ttl_remaining_ms: h.ttl_remaining_ms,
-                    session: h.session.map(|s| s.to_string()),
+                    // The handle, never the id: readers see this view.
+                    session: h.session.map(input::session_handle),
                 })
                 .collect(),
             waiters: v.waiters,
@@ -261,7 +262,7 @@ async fn acquire(
         lock_delay_ms: b.lock_delay_ms.unwrap_or(0),
         session: b.session.as_deref().map(input::session_id).transpose()?,
     };
-    Ok(Json(h.acquire(args).await?.into()))
+    Ok(Json(h.acquire(&Requester::of(&caller), args).await?.into()))
 }
 
 async fn renew(
@@ -271,8 +272,10 @@ async fn renew(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let name = name(&b.name)?;
     caller.authorize(Action::Renew, Some(name.as_str()))?;
+    caller.take_request()?;
+    let token = input::owner_token(&b.owner_token)?;
     let g = h
-        .renew(name, input::owner_token(&b.owner_token)?, b.ttl_ms)
+        .renew(&Requester::of(&caller), name, token, b.ttl_ms)
         .await?;
     Ok(Json(
         json!({"name": g.name.as_str(), "fence": g.fence.get(), "ttl_ms": g.ttl_ms}),
@@ -286,7 +289,9 @@ async fn release(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let name = name(&b.name)?;
     caller.authorize(Action::Release, Some(name.as_str()))?;
-    let released = h.release(name, input::owner_token(&b.owner_token)?).await?;
+    caller.take_request()?;
+    let token = input::owner_token(&b.owner_token)?;
+    let released = h.release(&Requester::of(&caller), name, token).await?;
     Ok(Json(if released {
         json!({"released": true})
     } else {
@@ -301,13 +306,14 @@ async fn force_release(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let name = name(&b.name)?;
     caller.authorize(Action::ForceRelease, Some(name.as_str()))?;
+    caller.take_request()?;
     let fence = match b.fence {
         Some(f) => Some(Fence::new(f).ok_or_else(|| invalid("fence", "must be at least 1"))?),
         None => None,
     };
     let reason = Reason::new(&b.reason).map_err(|e| invalid("reason", e))?;
     let fences = h
-        .force_release_as(name, fence, reason, Some(caller.name().to_owned()))
+        .force_release(&Requester::of(&caller), name, fence, reason)
         .await?;
     let fences: Vec<u64> = fences.into_iter().map(Fence::get).collect();
     Ok(Json(json!({ "fences": fences })))
@@ -365,9 +371,17 @@ async fn open_session(
     JsonBody(b): JsonBody<OpenSessionBody>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     caller.authorize(Action::Session, None)?;
+    caller.take_request()?;
     let owner = input::owner(b.owner.as_deref().unwrap_or(""))?;
-    let (id, ttl_ms) = h.open_session(b.ttl_ms, owner).await?;
-    Ok(Json(json!({"session": id.to_string(), "ttl_ms": ttl_ms})))
+    let (id, ttl_ms) = h
+        .open_session(&Requester::of(&caller), b.ttl_ms, owner)
+        .await?;
+    // The id goes to its owner only, here; everyone else sees the handle.
+    Ok(Json(json!({
+        "session": id.to_string(),
+        "handle": input::session_handle(id),
+        "ttl_ms": ttl_ms,
+    })))
 }
 
 async fn keep_alive(
@@ -376,9 +390,10 @@ async fn keep_alive(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     caller.authorize(Action::Session, None)?;
+    caller.take_request()?;
     let Path(raw) = path.map_err(path_error)?;
     let id = input::session_id(&raw)?;
-    let ttl_ms = h.keep_alive(id).await?;
+    let ttl_ms = h.keep_alive(&Requester::of(&caller), id).await?;
     Ok(Json(json!({"session": id.to_string(), "ttl_ms": ttl_ms})))
 }
 
@@ -388,8 +403,69 @@ async fn close_session(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     caller.authorize(Action::Session, None)?;
+    caller.take_request()?;
     let Path(raw) = path.map_err(path_error)?;
-    let released = h.close_session(input::session_id(&raw)?).await?;
+    let id = input::session_id(&raw)?;
+    let released = h.close_session(&Requester::of(&caller), id).await?;
+    Ok(Json(json!({"closed": true, "released": released})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SessionListParams {
+    #[serde(default)]
+    prefix: String,
+    limit: Option<usize>,
+}
+
+/// `GET /v1/admin/sessions?prefix=`: the open sessions this admin may manage
+/// ([`Requester::may_manage`]) whose locks all start with `prefix`, by handle.
+async fn list_sessions(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+    query: Result<Query<SessionListParams>, QueryRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let Query(p) = query.map_err(|e| invalid("query", e.body_text()))?;
+    caller.authorize(Action::ForceRelease, None)?;
+    let prefix = input::prefix(p.prefix)?;
+    let max = p.limit.unwrap_or(MAX_PAGE);
+    if max == 0 || max > MAX_PAGE {
+        return Err(invalid(
+            "limit",
+            format!("must be between 1 and {MAX_PAGE}"),
+        ));
+    }
+    let views = h.sessions(&Requester::of(&caller), prefix, max).await?;
+    let sessions: Vec<serde_json::Value> = views
+        .into_iter()
+        .map(|s| {
+            json!({
+                "handle": input::session_handle(s.id),
+                "principal": s.tenant.as_ref().map(|t| t.as_str()),
+                "owner": s.owner.as_str(),
+                "ttl_ms": s.ttl_ms,
+                "ttl_remaining_ms": s.ttl_remaining_ms,
+                "locks": s.holding.len(),
+                "waiting": s.waiting.len(),
+            })
+        })
+        .collect();
+    Ok(Json(json!({ "sessions": sessions })))
+}
+
+/// `DELETE /v1/admin/sessions/{handle}`: an admin closes a session by its handle.
+async fn admin_close_session(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    caller.authorize(Action::ForceRelease, None)?;
+    caller.take_request()?;
+    let Path(raw) = path.map_err(path_error)?;
+    let handle = input::handle(&raw)?;
+    let released = h
+        .close_session_by_handle(&Requester::of(&caller), handle)
+        .await?;
     Ok(Json(json!({"closed": true, "released": released})))
 }
 
@@ -447,6 +523,8 @@ pub fn router(handle: Handle) -> Router {
         .route("/v1/sessions/{id}", delete(close_session))
         .route("/v1/sessions/{id}/keepalive", post(keep_alive))
         .route("/v1/admin/force-release", post(force_release))
+        .route("/v1/admin/sessions", get(list_sessions))
+        .route("/v1/admin/sessions/{handle}", delete(admin_close_session))
         .route("/v1/admin/snapshot", get(snapshot))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))

@@ -31,6 +31,38 @@ pub fn session_id(s: &str) -> Result<SessionId, ApiError> {
     s.parse().map_err(|e| invalid("session", e))
 }
 
+/// Bytes of SHA-256 a [`session_handle`] keeps (16 hex digits).
+const HANDLE_BYTES: usize = 8;
+
+/// A session's *handle*: the first 16 hex digits of the SHA-256 of its id's text.
+/// Shown wherever others may look (lock views, watch events, the audit log, the
+/// dashboard, the admin session list) instead of the id, which is the owner's
+/// secret: the handle names the session but cannot be turned back into its id, so
+/// it keeps nobody alive and closes nothing. 64 bits: two sessions of a million
+/// share a handle with odds of about 1 in 36 million (an admin close by handle
+/// then refuses, naming both; see [`crate::engine::Handle::close_session_by_handle`]).
+pub fn session_handle(id: SessionId) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, id.to_string().as_bytes());
+    digest.as_ref()[..HANDLE_BYTES]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A session handle from a client: 16 lowercase hex digits.
+pub fn handle(s: &str) -> Result<String, ApiError> {
+    let ok = s.len() == 2 * HANDLE_BYTES
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    if !ok {
+        return Err(invalid(
+            "handle",
+            "a session handle is 16 lowercase hex digits",
+        ));
+    }
+    Ok(s.to_owned())
+}
+
 /// Owner text (may be empty).
 pub fn owner(s: &str) -> Result<Owner, ApiError> {
     Owner::new(s).map_err(|e| invalid("owner", e))

@@ -29,7 +29,8 @@ use std::time::Duration;
 
 pub use auth::{Action, AuthConfig, Principal, Role, TokenConfig};
 pub use engine::{
-    AcquireArgs, Durability, EngineConfig, Handle, RecoveryReport, RunState, DEFAULT_WRITER_POLL,
+    AcquireArgs, Durability, EngineConfig, Handle, RecoveryReport, Requester, RunState,
+    DEFAULT_WRITER_POLL, SERVER_ACTOR,
 };
 pub use error::{ApiError, ApiErrorKind};
 pub use limits::{Limits, QuotaOverrides, Quotas, RateLimit};

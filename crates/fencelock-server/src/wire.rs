@@ -52,7 +52,7 @@ use tokio::time::Instant;
 
 use crate::admission::{Admission, Ticket};
 use crate::auth::{Authenticator, Principal};
-use crate::engine::{GrantSink, Handle, ReplySink};
+use crate::engine::{GrantSink, Handle, ReplySink, Requester};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::grpc;
 use crate::limits::Limits;
@@ -671,7 +671,8 @@ impl Connection {
                 // before `acquire_to` returns.
                 let listener = handle.new_listener();
                 self.register(id, Some(listener));
-                handle.acquire_to(args, listener, self.outbox.grant_sink(id))
+                let requester = Requester::of(&caller);
+                handle.acquire_to(&requester, args, listener, self.outbox.grant_sink(id))
             }),
             Request::Renew(r) => grpc::renew_args(&caller, &r).and_then(|(name, token, ttl_ms)| {
                 self.register(id, None);
@@ -680,12 +681,12 @@ impl Connection {
                     token,
                     ttl_ms,
                 };
-                handle.command_to(renew, self.outbox.reply_sink(id))
+                handle.command_to(&Requester::of(&caller), renew, self.outbox.reply_sink(id))
             }),
             Request::Release(r) => grpc::release_args(&caller, &r).and_then(|(name, token)| {
                 self.register(id, None);
                 let release = Command::Release { name, token };
-                handle.command_to(release, self.outbox.reply_sink(id))
+                handle.command_to(&Requester::of(&caller), release, self.outbox.reply_sink(id))
             }),
             Request::Hello(_) | Request::Cancel | Request::Ping => {
                 unreachable!("answered without the engine")

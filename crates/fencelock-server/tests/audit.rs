@@ -156,8 +156,14 @@ async fn expiries_and_session_ends_are_recorded() {
         .iter()
         .find(|e| e["kind"] == "session_end")
         .expect("a session_end entry");
-    assert_eq!(end["session"], sid.as_str());
+    // The handle, never the id (issue 19 item 3), and who closed it.
+    assert_eq!(end["session"], session["handle"]);
+    assert_ne!(end["session"], sid.as_str());
     assert_eq!(end["reason"], "closed");
+    assert_eq!(end["actor"], "anonymous");
+    let expiry = expired.last().unwrap();
+    assert_eq!(expiry["actor"], "server", "{expiry}");
+    assert_eq!(expiry["detail"], "principal anonymous", "{expiry}");
     assert!(all
         .iter()
         .any(|e| e["kind"] == "release" && e["lock"] == "in-session"));

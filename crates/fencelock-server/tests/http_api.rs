@@ -414,8 +414,10 @@ async fn sessions_hold_many_locks_and_close_releases_them() {
         .post("/v1/sessions", &json!({"ttl_ms": 30_000, "owner": "svc-1"}))
         .await
         .expect_json(200);
-    assert_eq!(keys(&v), ["session", "ttl_ms"]);
+    assert_eq!(keys(&v), ["handle", "session", "ttl_ms"]);
     assert_hex128(&v["session"]);
+    let handle = v["handle"].as_str().unwrap().to_owned();
+    assert_eq!(handle.len(), 16);
     assert_eq!(v["ttl_ms"], 30_000);
     let id = v["session"].as_str().unwrap().to_owned();
 
@@ -429,7 +431,8 @@ async fn sessions_hold_many_locks_and_close_releases_them() {
     let g2 = grant(&c, json!({"name": "s:2", "session": id})).await;
     assert!(fence(&g2) > fence(&g1));
     let h = &show(&c, "s:1").await.expect_json(200)["holders"][0];
-    assert_eq!(h["session"], id.as_str());
+    // Lock views show the session's handle, never its id (issue 19 item 3).
+    assert_eq!(h["session"], handle.as_str());
     assert_eq!(h["owner"], "o1");
 
     // Keepalive restores the session's lease (seen on its locks): after it, at most
@@ -1764,13 +1767,11 @@ async fn server_bounds_answer_429_resource_exhausted_and_change_nothing() {
     first.close();
 
     // One session, holding at most one lock.
-    let session = c
+    let opened = c
         .post("/v1/sessions", &json!({"ttl_ms": 60_000}))
         .await
-        .expect_json(200)["session"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+        .expect_json(200);
+    let session = opened["session"].as_str().unwrap().to_owned();
     c.post("/v1/sessions", &json!({"ttl_ms": 60_000}))
         .await
         .expect_error(429, "resource_exhausted");
@@ -1786,10 +1787,7 @@ async fn server_bounds_answer_429_resource_exhausted_and_change_nothing() {
     assert!(msg.contains("session"), "{msg}");
     // Nothing changed: b is the session's, a has its one holder and no waiter.
     let show_b = show(c, "b").await.expect_json(200);
-    assert_eq!(
-        show_b["holders"][0]["session"].as_str(),
-        Some(session.as_str())
-    );
+    assert_eq!(show_b["holders"][0]["session"], opened["handle"]);
     poll_lock(c, "a", "the closed waiter left", |r| {
         r.json()["waiters"] == 0
     })

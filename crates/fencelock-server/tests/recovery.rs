@@ -4,7 +4,11 @@
 use std::time::{Duration, Instant};
 
 use fencelock_core::{LockName, Owner, RequestId};
-use fencelock_server::{AcquireArgs, ApiErrorKind, EngineConfig, Server, ServerConfig};
+use fencelock_server::{AcquireArgs, ApiErrorKind, EngineConfig, Requester, Server, ServerConfig};
+
+fn anon() -> Requester {
+    Requester::anonymous()
+}
 
 fn config(dir: &std::path::Path) -> ServerConfig {
     let mut engine = EngineConfig::new(dir);
@@ -40,24 +44,24 @@ async fn snapshots_and_replay_restore_the_same_state() {
         } else {
             format!("churn:{}", i % 7)
         };
-        let grant = h.acquire(args(&name, 60_000)).await.unwrap();
+        let grant = h.acquire(&anon(), args(&name, 60_000)).await.unwrap();
         max_fence = max_fence.max(grant.fence.get());
         if i % 50 == 0 {
             kept.push(grant);
         } else {
-            assert!(h.release(grant.name, grant.token).await.unwrap());
+            assert!(h.release(&anon(), grant.name, grant.token).await.unwrap());
         }
     }
     let session_ttl = 60_000;
     let (session, _) = h
-        .open_session(session_ttl, Owner::new("s").unwrap())
+        .open_session(&anon(), session_ttl, Owner::new("s").unwrap())
         .await
         .unwrap();
     let mut by_session = args("session:lock", 1);
     by_session.ttl_ms = None;
     by_session.session = Some(session);
     by_session.request_id = Some(RequestId::new("req-1").unwrap());
-    let session_grant = h.acquire(by_session.clone()).await.unwrap();
+    let session_grant = h.acquire(&anon(), by_session.clone()).await.unwrap();
     server.shutdown().await.unwrap();
 
     let snapshots = std::fs::read_dir(dir.path())
@@ -88,19 +92,19 @@ async fn snapshots_and_replay_restore_the_same_state() {
             .expect("lock survived");
         assert_eq!(view.holders[0].fence, grant.fence);
         // Still renewable with the token issued before the restart.
-        h.renew(grant.name.clone(), grant.token, None)
+        h.renew(&anon(), grant.name.clone(), grant.token, None)
             .await
             .unwrap();
     }
     // The session survived with its lock, and the idempotent retry still answers with
     // the same grant.
-    assert_eq!(h.keep_alive(session).await.unwrap(), session_ttl);
-    let again = h.acquire(by_session).await.unwrap();
+    assert_eq!(h.keep_alive(&anon(), session).await.unwrap(), session_ttl);
+    let again = h.acquire(&anon(), by_session).await.unwrap();
     assert_eq!(
         (again.fence, again.token),
         (session_grant.fence, session_grant.token)
     );
-    let next = h.acquire(args("fresh", 60_000)).await.unwrap();
+    let next = h.acquire(&anon(), args("fresh", 60_000)).await.unwrap();
     assert!(next.fence.get() > max_fence.max(session_grant.fence.get()));
     server.shutdown().await.unwrap();
 }
@@ -109,7 +113,11 @@ async fn snapshots_and_replay_restore_the_same_state() {
 async fn leases_restart_full_and_expire_on_the_service_clock() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(config(dir.path())).await.unwrap();
-    let grant = server.handle().acquire(args("short", 300)).await.unwrap();
+    let grant = server
+        .handle()
+        .acquire(&anon(), args("short", 300))
+        .await
+        .unwrap();
     server.shutdown().await.unwrap();
 
     let server = Server::start(config(dir.path())).await.unwrap();
@@ -127,7 +135,7 @@ async fn leases_restart_full_and_expire_on_the_service_clock() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let err = h
-        .renew(grant.name.clone(), grant.token, None)
+        .renew(&anon(), grant.name.clone(), grant.token, None)
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ApiErrorKind::Expired);
@@ -141,7 +149,7 @@ async fn a_corrupt_snapshot_refuses_to_start() {
     for i in 0..200 {
         server
             .handle()
-            .acquire(args(&format!("k{i}"), 60_000))
+            .acquire(&anon(), args(&format!("k{i}"), 60_000))
             .await
             .unwrap();
     }
@@ -171,7 +179,7 @@ async fn the_replica_matches_the_engine_and_backups_include_acknowledged_changes
     let server = Server::start(config(dir.path())).await.unwrap();
     let h = server.handle().clone();
     let (session, _) = h
-        .open_session(60_000, Owner::new("s").unwrap())
+        .open_session(&anon(), 60_000, Owner::new("s").unwrap())
         .await
         .unwrap();
     for i in 0..60u64 {
@@ -182,10 +190,10 @@ async fn the_replica_matches_the_engine_and_backups_include_acknowledged_changes
             a.session = Some(session);
         }
         a.wait_ms = 5;
-        let granted = h.acquire(a).await;
+        let granted = h.acquire(&anon(), a).await;
         if let Ok(grant) = granted {
             if i % 2 == 0 {
-                h.release(grant.name, grant.token).await.unwrap();
+                h.release(&anon(), grant.name, grant.token).await.unwrap();
             }
             // A backup asked for after the reply includes the grant (or its end).
             let image =
@@ -234,7 +242,7 @@ async fn log_from_before_a_restart_counts_towards_the_next_snapshot() {
             for i in from..from + count {
                 let mut a = args(&format!("big:{i}"), 60_000);
                 a.owner = Owner::new(&owner).unwrap();
-                h.acquire(a).await.unwrap();
+                h.acquire(&anon(), a).await.unwrap();
             }
         }
     };

@@ -420,6 +420,7 @@ mod tests {
             fence: Fence::new(fence),
             owner: Owner::new("o").expect("valid"),
             session: None,
+            tenant: None,
             at_ms: 0,
             duration_ms: 0,
             reason: None,
@@ -447,6 +448,8 @@ mod tests {
             limit: 1,
             lock_delay_ms: 0,
             session: None,
+            tenant: None,
+            quota: None,
         })
     }
 

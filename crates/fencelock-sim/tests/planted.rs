@@ -72,3 +72,53 @@ fn granting_an_expired_waiter_is_caught() {
 fn a_server_that_never_arms_its_timer_is_caught_by_the_liveness_check() {
     caught(PlantedBug::NoExpiryTimer, &[Invariant::Liveness]);
 }
+
+/// `Core::check_invariants` recounts every principal's usage (issue 19's quotas):
+/// with expiry no longer taking a grant off its principal's count, the count
+/// drifts and the check says so; the same run without the bug passes.
+#[test]
+fn usage_count_drift_is_caught_by_the_invariant_check() {
+    use fencelock_core::{
+        Acquire, Command, Config, Core, LockName, Owner, OwnerToken, PlantedBugs, Tenant,
+    };
+    let run = |bugs: PlantedBugs| {
+        let mut core = Core::new(Config::default());
+        core.plant_bugs(bugs);
+        let acquire = Acquire {
+            name: LockName::new("a:1").expect("valid"),
+            token: OwnerToken::from_u128(1),
+            ttl_ms: Some(100),
+            wait_ms: 0,
+            owner: Owner::default(),
+            request_id: None,
+            limit: 1,
+            lock_delay_ms: 0,
+            session: None,
+            tenant: Some(Tenant::new("a").expect("valid")),
+            quota: None,
+        };
+        core.apply(0, Command::Acquire(acquire)).expect("granted");
+        // Expiry, applied by a check-free path: the debug build's after-command
+        // check would stop the process instead of reporting.
+        let image = core.export();
+        core.apply(200, Command::Tick).map(|_| ()).ok();
+        (image, core.check_invariants())
+    };
+    let (_, clean) = run(PlantedBugs::default());
+    assert_eq!(clean, Ok(()));
+    let planted = std::panic::catch_unwind(|| {
+        run(PlantedBugs {
+            leak_usage_on_expiry: true,
+            ..PlantedBugs::default()
+        })
+        .1
+    });
+    // Debug builds check after every command and panic there; release builds
+    // return the broken invariant from the explicit check. Either way: caught.
+    let caught = match planted {
+        Ok(result) => result.expect_err("drift reported"),
+        Err(panic) => panic.downcast_ref::<String>().cloned().unwrap_or_default(),
+    };
+    show(&format!("planted leak_usage_on_expiry: caught: {caught}"));
+    assert!(caught.contains("usage counts out of step"), "{caught}");
+}

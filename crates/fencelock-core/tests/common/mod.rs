@@ -141,6 +141,8 @@ fn acquire_strategy() -> impl Strategy<Value = Command> {
                 limit: limit.unwrap_or(n as u32 + 1),
                 lock_delay_ms,
                 session,
+                tenant: model_tenant(),
+                quota: None,
             })
         },
     )
@@ -172,6 +174,8 @@ fn command_strategy() -> impl Strategy<Value = Command> {
             id,
             ttl_ms,
             owner: Owner::new(&format!("s{}", id.as_u128())).expect("valid"),
+            tenant: model_tenant(),
+            quota: None,
         }),
         3 => session_strategy().prop_map(|id| Command::KeepAlive { id }),
         1 => session_strategy().prop_map(|id| Command::CloseSession { id }),
@@ -243,4 +247,10 @@ impl fmt::Debug for Step {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "+{}ms {}", self.dt_ms, render_command(&self.command))
     }
+}
+
+/// The one principal of the generated commands: its usage is counted (and checked
+/// after every command) without a quota or an ownership check changing any answer.
+pub fn model_tenant() -> Option<fencelock_core::Tenant> {
+    Some(fencelock_core::Tenant::new("m").expect("a valid principal"))
 }

@@ -49,6 +49,12 @@ pub fn commands() -> Vec<Command> {
             limit: 1,
             lock_delay_ms: 5,
             session: None,
+            tenant: Some(fencelock_core::Tenant::new("w").unwrap()),
+            quota: Some(fencelock_core::Quota {
+                max_sessions: 1,
+                max_held_locks: 2,
+                max_waiters: 1,
+            }),
         }),
         Command::Acquire(Acquire {
             name: name("b"),
@@ -60,6 +66,8 @@ pub fn commands() -> Vec<Command> {
             limit: 1,
             lock_delay_ms: 0,
             session: None,
+            tenant: None,
+            quota: None,
         }),
         Command::Renew {
             name: name("a"),

@@ -173,6 +173,10 @@ impl Sim {
                     limit,
                     lock_delay_ms,
                     session,
+                    // One principal for every client: its usage counts are kept
+                    // (and checked) without a quota changing what the sim expects.
+                    tenant: Some(sim_tenant()),
+                    quota: None,
                 }));
                 match result {
                     Ok(Reply::Granted(grant)) => {
@@ -230,7 +234,14 @@ impl Sim {
                         | u128::from(self.server.rng.next_u64()),
                 );
                 let owner = self.clients[from].owner.clone();
-                let answer = match self.server_apply(Command::OpenSession { id, ttl_ms, owner }) {
+                let open = Command::OpenSession {
+                    id,
+                    ttl_ms,
+                    owner,
+                    tenant: Some(sim_tenant()),
+                    quota: None,
+                };
+                let answer = match self.server_apply(open) {
                     Ok(_) => Answer::SessionOpened { id, ttl_ms },
                     Err(e) => Answer::Failed(failure_of(e.kind())),
                 };
@@ -301,6 +312,7 @@ impl Sim {
         PlantedBugs {
             release_by_name_only: self.options.planted == Some(PlantedBug::ReleaseByNameOnly),
             grant_expired_waiters: self.options.planted == Some(PlantedBug::GrantExpiredWaiters),
+            leak_usage_on_expiry: false,
         }
     }
 
@@ -356,4 +368,9 @@ impl Sim {
             self.checker.on_recovered(core);
         }
     }
+}
+
+/// The principal every simulated client acts as.
+fn sim_tenant() -> fencelock_core::Tenant {
+    fencelock_core::Tenant::new("sim").expect("a valid principal name")
 }
