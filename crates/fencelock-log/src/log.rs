@@ -7,11 +7,12 @@ use std::time::Instant;
 
 use crate::error::{LogError, LogErrorKind};
 use crate::format::{
-    decode_durable_mark, decode_manifest, encode_durable_mark, encode_manifest, encode_record_into, encode_seal_frame, encode_segment_header,
-    frame_len, mark_batch_start, HighWater, Seal, MANIFEST_BYTES, MAX_RECORD_BYTES,
-    MAX_SNAPSHOT_BYTES, RECORD_HEADER_BYTES, SEAL_FRAME_BYTES, SEGMENT_HEADER_BYTES,
-    SEGMENT_VERSION, SEGMENT_VERSION_V1, SNAPSHOT_VERSION, SNAPSHOT_VERSION_V1, DURABLE_FILE_BYTES,
-    DURABLE_NAME, DURABLE_SLOT_BYTES, DURABLE_SLOT_STRIDE,
+    decode_durable_mark, decode_manifest, encode_durable_mark, encode_manifest, encode_record_into,
+    encode_seal_frame, encode_segment_header, frame_len, mark_batch_start, HighWater, Seal,
+    DURABLE_FILE_BYTES, DURABLE_NAME, DURABLE_SLOT_BYTES, DURABLE_SLOT_STRIDE, MANIFEST_BYTES,
+    MAX_RECORD_BYTES, MAX_SNAPSHOT_BYTES, RECORD_HEADER_BYTES, SEAL_FRAME_BYTES,
+    SEGMENT_HEADER_BYTES, SEGMENT_VERSION, SEGMENT_VERSION_V1, SNAPSHOT_VERSION,
+    SNAPSHOT_VERSION_V1,
 };
 use crate::fsio::{fdatasync, preallocate, try_lock_exclusive, write_zeros};
 use crate::recover::{
@@ -615,7 +616,11 @@ impl Log {
         let held = [
             ("the data directory", self.dir.as_path(), &self.dir_file),
             ("the active segment", segment.as_path(), &self.active.file),
-            ("the durable-end file", durable.as_path(), &self.durable_file),
+            (
+                "the durable-end file",
+                durable.as_path(),
+                &self.durable_file,
+            ),
         ];
         for (what, path, file) in held {
             let ours = file

@@ -503,7 +503,12 @@ fn deleting_files_is_corruption_unless_everything_is_gone() {
         let all = Expect::Clean {
             keep: records.len(),
         };
-        check(dir.path(), &records, &all, &format!("{stop:?}: deleted {DURABLE}"));
+        check(
+            dir.path(),
+            &records,
+            &all,
+            &format!("{stop:?}: deleted {DURABLE}"),
+        );
         // Everything but log.durable deleted: a new directory; the stale mark of
         // the old one is ignored (and replaced).
         let dir = copy_of(base.path());

@@ -144,7 +144,8 @@ impl Metrics {
     pub fn set_state_gauges(&self, stats: &fencelock_core::Stats) {
         self.held.store(stats.holders as u64, Ordering::Relaxed);
         self.waiters.store(stats.waiters as u64, Ordering::Relaxed);
-        self.sessions.store(stats.sessions as u64, Ordering::Relaxed);
+        self.sessions
+            .store(stats.sessions as u64, Ordering::Relaxed);
         self.locks.store(stats.locks as u64, Ordering::Relaxed);
         self.next_fence.store(stats.next_fence, Ordering::Relaxed);
     }

@@ -116,10 +116,13 @@ fn the_audit_index_holds_at_most_its_max_bytes_in_memory() {
     );
     // The newest entry is the one kept last.
     let newest = store.shared_index();
-    let newest = newest.lock().unwrap().query(&fencelock_server::audit::AuditQuery {
-        lock: None,
-        since_wall_ms: 0,
-        limit: 1,
-    });
+    let newest = newest
+        .lock()
+        .unwrap()
+        .query(&fencelock_server::audit::AuditQuery {
+            lock: None,
+            since_wall_ms: 0,
+            limit: 1,
+        });
     assert_eq!(newest[0].seq, seq);
 }
