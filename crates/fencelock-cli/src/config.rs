@@ -551,6 +551,37 @@ mod tests {
     }
 
     #[test]
+    fn fence_floor_is_a_number_or_now_from_file_env_or_flag() {
+        assert_eq!(resolve(args()).unwrap().server.engine.fence_floor, 0);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fencelock.toml");
+        std::fs::write(&path, "fence_floor = 1000\n").unwrap();
+        let mut a = args();
+        a.config = Some(path.clone());
+        assert_eq!(resolve(a).unwrap().server.engine.fence_floor, 1000);
+        let mut a = args();
+        a.config = Some(path.clone());
+        a.fence_floor = Some("5".parse().unwrap());
+        assert_eq!(resolve(a).unwrap().server.engine.fence_floor, 5, "the flag wins");
+        std::fs::write(&path, "fence_floor = \"now\"\n").unwrap();
+        let before = wall_clock_fence().unwrap();
+        let mut a = args();
+        a.config = Some(path.clone());
+        assert!(resolve(a).unwrap().server.engine.fence_floor >= before);
+        for bad in ["fence_floor = \"soon\"", "fence_floor = -1"] {
+            std::fs::write(&path, bad).unwrap();
+            let mut a = args();
+            a.config = Some(path.clone());
+            assert!(resolve(a).is_err(), "{bad} accepted");
+        }
+        let mut a = args();
+        a.fence_floor = Some(FenceFloor::At(fencelock_core::MAX_FENCE_FLOOR + 1));
+        let e = resolve(a).unwrap_err().to_string();
+        assert!(e.contains("fence_floor must be at most"), "{e}");
+        assert!("x".parse::<FenceFloor>().is_err());
+    }
+
+    #[test]
     fn writer_poll_defaults_to_the_engine_s_and_is_bounded() {
         use std::time::Duration;
         assert_eq!(
