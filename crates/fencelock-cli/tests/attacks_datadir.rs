@@ -399,8 +399,8 @@ fn a_bit_flip_in_the_last_synced_batch_after_kill_9_is_refused_not_truncated() {
     }
     println!(
         "ATTACK 9: {} acknowledged grants (fences {:?}), kill -9, one bit flipped in the last \
-         synced record -> serve refused to start (exit 1, corrupt log data at offset {last}, \
-         past log.durable's durable end check), fence {} not reissued",
+         synced record -> serve refused to start (exit 1, corrupt log data at offset {last}: \
+         before the durable end log.durable records), fence {} not reissued",
         fences.len(),
         fences,
         fences[2]
