@@ -562,7 +562,11 @@ mod tests {
         let mut a = args();
         a.config = Some(path.clone());
         a.fence_floor = Some("5".parse().unwrap());
-        assert_eq!(resolve(a).unwrap().server.engine.fence_floor, 5, "the flag wins");
+        assert_eq!(
+            resolve(a).unwrap().server.engine.fence_floor,
+            5,
+            "the flag wins"
+        );
         std::fs::write(&path, "fence_floor = \"now\"\n").unwrap();
         let before = wall_clock_fence().unwrap();
         let mut a = args();
