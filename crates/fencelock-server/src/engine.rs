@@ -1273,8 +1273,9 @@ impl Writer {
             Ok(()) => true,
             Err(e) => {
                 self.fail(format!(
-                    "data directory {} was deleted or replaced while serving; nothing \
-                     acknowledged since is on disk there: {e}",
+                    "data directory {} was deleted or replaced while serving; stopped \
+                     acknowledging (what was acknowledged since it went is gone with it; \
+                     restart with --fence-floor): {e}",
                     self.log.dir().display()
                 ));
                 false
@@ -2259,5 +2260,57 @@ mod tests {
         let next = handle.acquire(acquire_args(&name, 0)).await.unwrap();
         assert!(next.fence > refused.fence);
         handle.shutdown().await;
+    }
+
+    /// Issue 19, item 5: a data directory deleted while serving fails the engine
+    /// (within the identity check's period), and a shutdown afterwards does not
+    /// report a clean stop or write anything at the path.
+    #[tokio::test]
+    async fn a_deleted_data_directory_fails_the_engine_and_is_no_clean_stop() {
+        let parent = tempfile::tempdir().unwrap();
+        let dir = parent.path().join("data");
+        let handle = start(EngineConfig::new(&dir)).unwrap();
+        assert_eq!(handle.state(), RunState::Running);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let mut state = handle.watch_state();
+        // Only whether it came: the `Ref` that `wait_for` returns holds the
+        // state's lock, which the engine needs to stop.
+        let failed = tokio::time::timeout(
+            Duration::from_secs(10),
+            state.wait_for(|s| matches!(s, RunState::Failed(_))),
+        )
+        .await
+        .is_ok();
+        assert!(failed, "still {:?} 10 s after the delete", handle.state());
+        handle.shutdown().await;
+        match handle.state() {
+            RunState::Failed(why) => assert!(why.contains("deleted or replaced"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(!dir.exists(), "something was written at the deleted path");
+    }
+
+    /// The fence floor is applied once, at start, and the gauges show the
+    /// recovered state before any command (issue 19, items 5 and 8).
+    #[tokio::test]
+    async fn a_fence_floor_raises_the_next_fence_once_and_the_gauges_show_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = EngineConfig::new(dir.path());
+        config.fence_floor = 1_000;
+        let handle = start(config.clone()).unwrap();
+        assert_eq!(handle.recovery().next_fence, 1_000);
+        assert_eq!(handle.metrics().next_fence.load(Ordering::Relaxed), 1_000);
+        handle.shutdown().await;
+        config.fence_floor = 10;
+        let handle = start(config.clone()).unwrap();
+        assert_eq!(
+            handle.recovery().next_fence,
+            1_000,
+            "a lower floor is a no-op"
+        );
+        handle.shutdown().await;
+        config.fence_floor = fencelock_core::MAX_FENCE_FLOOR + 1;
+        let err = start(config).map(|_| ()).unwrap_err();
+        assert_eq!(err.kind(), ApiErrorKind::InvalidArgument, "{err}");
     }
 }
