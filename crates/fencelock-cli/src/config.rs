@@ -79,6 +79,77 @@ pub struct ServeArgs {
     /// TLS private key, PEM (with --tls-cert; overrides tls.key of the config).
     #[arg(long, env = "FENCELOCK_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// The least fence the next grant may get: at start, a data directory whose next
+    /// fence is lower is raised to it (a no-op otherwise). For a restart into an
+    /// empty or lost data directory: pass a fence above any issued before, e.g. the
+    /// `next fence` of the last backup or `fencelock backup`'s output, or
+    /// `now` (microseconds since the Unix epoch, what `fencelock restore` uses).
+    #[arg(long, env = "FENCELOCK_FENCE_FLOOR")]
+    pub fence_floor: Option<FenceFloor>,
+}
+
+/// A fence floor: a number, or `now` (microseconds since the Unix epoch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceFloor {
+    /// This fence.
+    At(u64),
+    /// The wall clock in microseconds since the Unix epoch, read at start.
+    Now,
+}
+
+impl std::str::FromStr for FenceFloor {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<FenceFloor, String> {
+        if s == "now" {
+            return Ok(FenceFloor::Now);
+        }
+        s.parse::<u64>()
+            .map(FenceFloor::At)
+            .map_err(|_| format!("{s:?} is not a fence (a whole number) or `now`"))
+    }
+}
+
+impl<'de> Deserialize<'de> for FenceFloor {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<FenceFloor, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Number(n) => Ok(FenceFloor::At(n)),
+            Raw::Text(t) => t.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+impl FenceFloor {
+    /// The floor as a fence: `now` reads the wall clock. Refuses a floor the core
+    /// would refuse (above [`fencelock_core::MAX_FENCE_FLOOR`]).
+    pub fn resolve(self) -> Result<u64> {
+        let floor = match self {
+            FenceFloor::At(n) => n,
+            FenceFloor::Now => wall_clock_fence()?,
+        };
+        if floor > fencelock_core::MAX_FENCE_FLOOR {
+            bail!(
+                "fence_floor must be at most {} (2^63), not {floor}",
+                fencelock_core::MAX_FENCE_FLOOR
+            );
+        }
+        Ok(floor)
+    }
+}
+
+/// Microseconds since the Unix epoch: the fence floor of `fencelock restore` and
+/// of `--fence-floor now` (see ARCHITECTURE.md, "Fences after a restore").
+pub fn wall_clock_fence() -> Result<u64> {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .context("the system clock is before 1970")?;
+    Ok(since.as_micros() as u64)
 }
 
 /// The config file. Unknown keys are errors, so a typo is never silently ignored.
@@ -102,6 +173,7 @@ struct FileConfig {
     storage: Storage,
     #[serde(default)]
     audit: FileAudit,
+    fence_floor: Option<FenceFloor>,
 }
 
 /// `[audit]`: retention of the audit log.
@@ -323,6 +395,9 @@ pub fn resolve(args: ServeArgs) -> Result<Settings> {
     if c.max_limit == 0 || c.max_locks == 0 {
         bail!("limits: max_limit and max_locks must be at least 1");
     }
+    if let Some(floor) = args.fence_floor.or(file.fence_floor) {
+        engine.fence_floor = floor.resolve()?;
+    }
     if let Some(v) = file.storage.segment_bytes {
         if v < 1 << 20 {
             bail!("storage.segment_bytes must be at least 1 MiB");
@@ -460,6 +535,7 @@ mod tests {
             insecure: false,
             tls_cert: None,
             tls_key: None,
+            fence_floor: None,
         }
     }
 
@@ -472,6 +548,41 @@ mod tests {
         assert_eq!(s.log_format, LogFormat::Auto);
         let cores = std::thread::available_parallelism().unwrap().get();
         assert_eq!(s.workers, default_workers(cores));
+    }
+
+    #[test]
+    fn fence_floor_is_a_number_or_now_from_file_env_or_flag() {
+        assert_eq!(resolve(args()).unwrap().server.engine.fence_floor, 0);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fencelock.toml");
+        std::fs::write(&path, "fence_floor = 1000\n").unwrap();
+        let mut a = args();
+        a.config = Some(path.clone());
+        assert_eq!(resolve(a).unwrap().server.engine.fence_floor, 1000);
+        let mut a = args();
+        a.config = Some(path.clone());
+        a.fence_floor = Some("5".parse().unwrap());
+        assert_eq!(
+            resolve(a).unwrap().server.engine.fence_floor,
+            5,
+            "the flag wins"
+        );
+        std::fs::write(&path, "fence_floor = \"now\"\n").unwrap();
+        let before = wall_clock_fence().unwrap();
+        let mut a = args();
+        a.config = Some(path.clone());
+        assert!(resolve(a).unwrap().server.engine.fence_floor >= before);
+        for bad in ["fence_floor = \"soon\"", "fence_floor = -1"] {
+            std::fs::write(&path, bad).unwrap();
+            let mut a = args();
+            a.config = Some(path.clone());
+            assert!(resolve(a).is_err(), "{bad} accepted");
+        }
+        let mut a = args();
+        a.fence_floor = Some(FenceFloor::At(fencelock_core::MAX_FENCE_FLOOR + 1));
+        let e = resolve(a).unwrap_err().to_string();
+        assert!(e.contains("fence_floor must be at most"), "{e}");
+        assert!("x".parse::<FenceFloor>().is_err());
     }
 
     #[test]

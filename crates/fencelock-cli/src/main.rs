@@ -91,6 +91,11 @@ enum Commands {
         /// The data directory to create (must be empty or absent).
         #[arg(long, env = "FENCELOCK_DATA_DIR", default_value = "./fencelock-data")]
         data_dir: PathBuf,
+        /// The least fence the next grant may get, as `serve --fence-floor` (a
+        /// number or `now`); the restored next fence is the largest of this, the
+        /// backup's and the wall clock in microseconds.
+        #[arg(long, env = "FENCELOCK_FENCE_FLOOR")]
+        fence_floor: Option<config::FenceFloor>,
     },
     /// Make access tokens for the auth.tokens of the server's config.
     Token(token::TokenArgs),
@@ -116,7 +121,11 @@ fn main() -> ExitCode {
             token,
             ca_cert,
         } => backup(&server, &out, token.as_deref(), ca_cert.as_deref()),
-        Commands::Restore { from, data_dir } => restore(&from, &data_dir),
+        Commands::Restore {
+            from,
+            data_dir,
+            fence_floor,
+        } => restore(&from, &data_dir, fence_floor),
         Commands::Run(args) => return client_runtime(run::run(args)),
         Commands::Acquire(args) => return client_command(remote::acquire(args)),
         Commands::Renew(args) => return client_command(remote::renew(args)),
@@ -255,7 +264,14 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
             }
             name = signal => tracing::info!(signal = name, "shutting down: draining waits, finishing requests, flushing"),
         }
+        let handle = server.handle().clone();
         server.shutdown().await.context("error while shutting down")?;
+        // The data directory may have vanished, or failed, while stopping: then
+        // what was acknowledged is not where the next start will look.
+        if let RunState::Failed(why) = handle.state() {
+            tracing::error!(error = %why, "engine failed while stopping; exiting");
+            return Ok(ExitCode::from(1));
+        }
         tracing::info!("stopped cleanly");
         Ok(ExitCode::SUCCESS)
     })
@@ -309,15 +325,11 @@ fn backup(
     Ok(ExitCode::SUCCESS)
 }
 
-/// The fence floor after a restore: microseconds since the Unix epoch.
-fn time_fence_floor() -> Result<u64> {
-    let since = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .context("the system clock is before 1970")?;
-    Ok(since.as_micros() as u64)
-}
-
-fn restore(from: &Path, data_dir: &Path) -> Result<ExitCode> {
+fn restore(
+    from: &Path,
+    data_dir: &Path,
+    fence_floor: Option<config::FenceFloor>,
+) -> Result<ExitCode> {
     if data_dir.exists()
         && std::fs::read_dir(data_dir)
             .with_context(|| format!("cannot read {}", data_dir.display()))?
@@ -333,7 +345,11 @@ fn restore(from: &Path, data_dir: &Path) -> Result<ExitCode> {
         .with_context(|| format!("cannot read backup {}", from.display()))?;
     let mut image = fencelock_server::codec::decode_snapshot(&bytes)
         .with_context(|| format!("{} is not a fencelock backup", from.display()))?;
-    let floor = time_fence_floor()?;
+    // The same floor `serve --fence-floor now` applies, and at least the one given.
+    let floor = config::wall_clock_fence()?.max(match fence_floor {
+        Some(floor) => floor.resolve()?,
+        None => 0,
+    });
     let before = image.next_fence;
     image.next_fence = image.next_fence.max(floor);
     // Check the image the same way the server will before writing anything.

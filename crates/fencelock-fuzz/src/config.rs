@@ -38,6 +38,7 @@ pub fn config_file(data: &[u8]) {
         insecure: false,
         tls_cert: None,
         tls_key: None,
+        fence_floor: None,
     };
     if let Ok(settings) = cli_config::resolve(args) {
         if settings.log_level.starts_with("warn") {

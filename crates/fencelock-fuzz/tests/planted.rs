@@ -6,7 +6,9 @@
 //!   reach it: a harness that stopped getting through its decoder fails here.
 //!   (`config/hand-written-*` was written by hand: in 20 s runs libFuzzer did not
 //!   find the config target's planted bug. `log_dir/hand-written-*` replaced the
-//!   found input when log format version 2 changed what the harness's bytes mean.)
+//!   found input when log format version 2 changed what the harness's bytes mean;
+//!   since `log.durable` refuses a flip in the final synced batch after a process
+//!   crash, it also deletes `log.durable`, as a power loss can lose its last write.)
 
 mod support;
 

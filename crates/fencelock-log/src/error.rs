@@ -29,6 +29,12 @@ pub enum LogErrorKind {
     /// An earlier write or sync failed, so what is on disk is unknown; the log
     /// refuses further work. Drop it and [`Log::open`](crate::Log::open) again to recover.
     Poisoned,
+    /// The data directory, or a file of the log in it, is no longer the one the
+    /// log opened (deleted, renamed away or replaced): found by
+    /// [`Log::check_identity`](crate::Log::check_identity) and before every step
+    /// that writes by path. The log is poisoned: it never writes into whatever now
+    /// sits at the path.
+    Replaced,
 }
 
 /// Error returned by every fallible operation of this crate.
@@ -108,6 +114,7 @@ impl fmt::Display for LogError {
             LogErrorKind::InvalidOptions => "invalid log options",
             LogErrorKind::Locked => "log directory is locked",
             LogErrorKind::Poisoned => "log is poisoned",
+            LogErrorKind::Replaced => "data directory was deleted or replaced",
         };
         f.write_str(what)?;
         if let Some(path) = &self.path {

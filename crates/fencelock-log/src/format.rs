@@ -261,6 +261,50 @@ pub(crate) fn decode_manifest(m: &[u8]) -> Result<Option<HighWater>, String> {
     }
 }
 
+/// The durable-end file (`log.durable`): two slots, each a [`DurableMark`], at
+/// offsets 0 and [`DURABLE_SLOT_STRIDE`] (different disk sectors).
+pub(crate) const DURABLE_NAME: &str = "log.durable";
+pub(crate) const DURABLE_MAGIC: [u8; 8] = *b"FLOGEND\0";
+pub(crate) const DURABLE_VERSION: u32 = 1;
+pub(crate) const DURABLE_SLOT_BYTES: usize = 40;
+pub(crate) const DURABLE_SLOT_STRIDE: u64 = 512;
+/// Length of `log.durable`: two slots, one sector apart.
+pub(crate) const DURABLE_FILE_BYTES: u64 = 2 * DURABLE_SLOT_STRIDE;
+
+/// "The records of segment `seq` up to `offset` were durable": written into
+/// `log.durable` only after the fdatasync that made them so had returned.
+pub(crate) type DurableMark = HighWater;
+
+/// `[magic "FLOGEND\0"][version u32 = 1][0 u32][seq u64][offset u64][crc32 of
+/// bytes 0..32][0 u32]`.
+pub(crate) fn encode_durable_mark(mark: DurableMark) -> [u8; DURABLE_SLOT_BYTES] {
+    let mut m = [0u8; DURABLE_SLOT_BYTES];
+    m[0..8].copy_from_slice(&DURABLE_MAGIC);
+    m[8..12].copy_from_slice(&DURABLE_VERSION.to_le_bytes());
+    m[16..24].copy_from_slice(&mark.seq.to_le_bytes());
+    m[24..32].copy_from_slice(&mark.offset.to_le_bytes());
+    let crc = crc32fast::hash(&m[0..32]);
+    m[32..36].copy_from_slice(&crc.to_le_bytes());
+    m
+}
+
+/// Decodes one slot; `None` if it is not a valid mark (never written, or damaged).
+pub(crate) fn decode_durable_mark(m: &[u8]) -> Option<DurableMark> {
+    if m.len() < DURABLE_SLOT_BYTES
+        || m[0..8] != DURABLE_MAGIC
+        || le_u32(&m[8..12]) != DURABLE_VERSION
+        || le_u32(&m[12..16]) != 0
+        || le_u32(&m[36..40]) != 0
+        || crc32fast::hash(&m[0..32]) != le_u32(&m[32..36])
+    {
+        return None;
+    }
+    Some(HighWater {
+        seq: le_u64(&m[16..24]),
+        offset: le_u64(&m[24..32]),
+    })
+}
+
 /// CRC32 over the stored length word (little-endian) followed by the payload.
 pub(crate) fn record_crc(word: u32, payload: &[u8]) -> u32 {
     let mut h = crc32fast::Hasher::new();
@@ -501,5 +545,21 @@ mod tests {
             }
             assert!(decode_manifest(&m[..39]).is_err());
         }
+    }
+
+    #[test]
+    fn durable_mark_round_trip_and_rejects_bit_flips() {
+        let mark = HighWater {
+            seq: 9,
+            offset: 777,
+        };
+        let m = encode_durable_mark(mark);
+        assert_eq!(decode_durable_mark(&m), Some(mark));
+        for i in 0..m.len() {
+            let mut bad = m;
+            bad[i] ^= 0x04;
+            assert_eq!(decode_durable_mark(&bad), None, "flip at byte {i} accepted");
+        }
+        assert_eq!(decode_durable_mark(&[0u8; DURABLE_SLOT_BYTES]), None);
     }
 }

@@ -70,8 +70,19 @@
 //!   payload; the file is exactly `32 + len` bytes. [`write_snapshot_file`] and
 //!   [`read_snapshot_file`] use the same format for standalone backups (version 1
 //!   files, with the same layout, are read too).
+//! - `log.durable`: 1024 bytes, two 40-byte slots at offsets 0 and 512 (different
+//!   sectors), each `[magic "FLOGEND\0"][version u32 = 1][0 u32][seq u64]
+//!   [offset u64][crc u32 of bytes 0..32][0 u32]`: the *durable end*, "the records
+//!   of segment `seq` up to `offset` were durable". Each [`Log::sync`] that wrote
+//!   something overwrites the older slot after its fdatasync returned (see "The
+//!   durable end" below). Evidence only: a missing, short or damaged file, or a
+//!   slot that fails its checksum, is no mark.
 //! - `*.tmp`: a segment, snapshot or manifest being created; deleted by [`Log::open`].
-//!   Other files in the directory are ignored. The directory is `flock`ed while open.
+//!   Other files in the directory are ignored. The directory is `flock`ed while open,
+//!   and [`Log::check_identity`] (also run before every roll, snapshot, deletion
+//!   and the close's manifest write) notices when the directory, the active
+//!   segment or `log.durable` at their paths are no longer the files the log
+//!   holds open: deleted, moved away or replaced.
 //!
 //! New segments, snapshots and the manifest are written under a `.tmp` name, synced,
 //! renamed into place and the directory fsynced, so a file under its final name is
@@ -101,6 +112,10 @@
 //!   earlier ones, so a crash can leave exactly that pattern (the seeded crash
 //!   simulation in the tests produces it).
 //!
+//! - and whatever follows, a bad record before the durable end that
+//!   `log.durable` records for the newest segment is **corruption** (see "The
+//!   durable end" below).
+//!
 //! Then the segments must fit together, and anything else is refused as
 //! corruption too:
 //!
@@ -128,19 +143,51 @@
 //! hand, restore a backup made with [`write_snapshot_file`]. To start over on
 //! purpose, delete the whole directory (manifest included).
 //!
+//! # The durable end: torn final batch versus damaged acknowledged batch
+//!
+//! The batch-start flag proves a record durable only if a *later* fdatasync
+//! happened; the final synced batch has no later one. A bit flip inside it, after
+//! a crash, used to look exactly like a torn write and was dropped, though its
+//! records had been acknowledged. So each sync, *after* its fdatasync returned,
+//! writes the durable end (segment, offset) into the older of the two slots of
+//! `log.durable`. The argument:
+//!
+//! - *It never claims too much.* The mark is written only once the data it names
+//!   is durable. Writing it before or with the data's fdatasync instead would let
+//!   a crash persist the mark but not the data, turning ordinary torn writes into
+//!   refusals. So at recovery a record before the mark that fails its checksum
+//!   (or is missing: zeroed, cut) was acknowledged and damaged afterwards:
+//!   corruption, refused like any other. Damage after the mark is judged by the
+//!   torn-tail rules above.
+//! - *It costs no fdatasync.* The mark is one 40-byte `pwrite` into the page
+//!   cache per sync that wrote something. A process crash (`kill -9`, a panic,
+//!   the OOM killer) loses nothing in the page cache, so after one the mark
+//!   always covers the final batch. It reaches the disk with the kernel's
+//!   writeback (seconds).
+//! - *Two slots, one sector apart*, written alternately: a write torn by a power
+//!   loss damages at most the slot being written; the other still holds the
+//!   previous durable end, which is also true. The furthest valid slot wins.
+//! - `log.durable` itself is created (and sized) once, synced with its
+//!   directory; later writes never change its length or metadata.
+//! - Only a mark naming the newest segment is used (older segments are covered
+//!   by seals and links), and only when the directory has a manifest: a
+//!   directory wiped to start over may keep a stale `log.durable`, which
+//!   [`Log::open`] then overwrites.
+//!
 //! Limits, what remains undetectable:
 //!
 //! - A directory wiped completely, manifest included, is a new, empty log: nothing
 //!   is left inside it to tell the two apart.
-//! - After a crash (no clean drop since the manifest's mark was written), the
-//!   newest segment's data written after the mark is judged as above: damage
-//!   confined to its final sync batch, or its last batches zeroed from a record
-//!   boundary on, cannot be told from writes the crash cut short, because nothing
-//!   written later proves their fdatasync completed. It is treated as torn (counted
-//!   in `truncated_tail_bytes`, which callers may log as a warning) or, when zeroed
-//!   at a boundary, as never written. Refusing instead would make ordinary crashes
-//!   fatal. After a clean drop the mark covers every synced record, so this too
-//!   is refused.
+//! - After a *power loss* (or kernel crash) that also lost the last writes to
+//!   `log.durable` (no clean drop since the manifest's mark was written), the
+//!   newest segment's data after the last durable end that reached the disk is
+//!   judged as above: damage confined to its final sync batch, or its last
+//!   batches zeroed from a record boundary on, cannot be told from writes the
+//!   crash cut short. It is treated as torn (counted in `truncated_tail_bytes`,
+//!   which callers may log as a warning) or, when zeroed at a boundary, as never
+//!   written. Closing this gap needs a second fdatasync per batch. After a clean
+//!   drop the manifest covers every synced record, and after a process crash
+//!   `log.durable` does, so there this is refused.
 //!
 //! # Version 1 directories
 //!

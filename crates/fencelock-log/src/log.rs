@@ -1,16 +1,18 @@
 //! The [`Log`]: opening (recovery), appending, group commit, snapshots.
 
 use std::fs::{self, File, OpenOptions};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::error::{LogError, LogErrorKind};
 use crate::format::{
-    decode_manifest, encode_manifest, encode_record_into, encode_seal_frame, encode_segment_header,
-    frame_len, mark_batch_start, HighWater, Seal, MANIFEST_BYTES, MAX_RECORD_BYTES,
-    MAX_SNAPSHOT_BYTES, RECORD_HEADER_BYTES, SEAL_FRAME_BYTES, SEGMENT_HEADER_BYTES,
-    SEGMENT_VERSION, SEGMENT_VERSION_V1, SNAPSHOT_VERSION, SNAPSHOT_VERSION_V1,
+    decode_durable_mark, decode_manifest, encode_durable_mark, encode_manifest, encode_record_into,
+    encode_seal_frame, encode_segment_header, frame_len, mark_batch_start, HighWater, Seal,
+    DURABLE_FILE_BYTES, DURABLE_NAME, DURABLE_SLOT_BYTES, DURABLE_SLOT_STRIDE, MANIFEST_BYTES,
+    MAX_RECORD_BYTES, MAX_SNAPSHOT_BYTES, RECORD_HEADER_BYTES, SEAL_FRAME_BYTES,
+    SEGMENT_HEADER_BYTES, SEGMENT_VERSION, SEGMENT_VERSION_V1, SNAPSHOT_VERSION,
+    SNAPSHOT_VERSION_V1,
 };
 use crate::fsio::{fdatasync, preallocate, try_lock_exclusive, write_zeros};
 use crate::recover::{
@@ -126,6 +128,10 @@ pub struct Log {
     poisoned: bool,
     /// The high-water mark the manifest holds now.
     manifest_hw: Option<HighWater>,
+    /// `log.durable`, where each sync records the durable end after its fdatasync.
+    durable_file: File,
+    /// The slot of `log.durable` the next mark goes to (they alternate).
+    durable_slot: u64,
 }
 
 impl Log {
@@ -182,6 +188,13 @@ impl Log {
         };
         // The newest durable position recorded, if any.
         let manifest_hw = manifest.flatten();
+        // Without a manifest the directory is new (or version 1): a mark left over
+        // from a directory wiped to start over says nothing about this one.
+        let durable_mark = if manifest.is_some() {
+            read_durable_mark(dir)
+        } else {
+            None
+        };
         let snapshot_seq = listing.snapshots.last().copied();
         let (snapshot, snapshot_version) = match snapshot_seq {
             Some(seq) => {
@@ -225,6 +238,7 @@ impl Log {
         }
         if let Some((seq, _, end)) = scanned.last() {
             check_newest(dir, *seq, end, manifest_hw)?;
+            check_durable_mark(dir, *seq, end, durable_mark)?;
         }
 
         // Everything is validated; from here on only repairs of what a crash leaves.
@@ -307,6 +321,7 @@ impl Log {
             );
         }
         remove_files(&dir_file, dir, &obsolete, opts.fsync)?;
+        let durable_file = open_durable_file(dir, &dir_file, opts.fsync)?;
 
         let mut log = Log {
             dir: dir.to_path_buf(),
@@ -320,7 +335,13 @@ impl Log {
             bytes_since_snapshot,
             poisoned: false,
             manifest_hw,
+            durable_file,
+            durable_slot: 0,
         };
+        // Both slots: whatever they held (a stale mark of a wiped directory, a
+        // damaged slot) is replaced by what was just read back and synced.
+        log.write_durable_mark()?;
+        log.write_durable_mark()?;
         log.record_high_water()?;
         let recovered = Recovered {
             snapshot,
@@ -443,6 +464,7 @@ impl Log {
                 ),
             ));
         }
+        self.check_identity()?;
         let listing = list_dir(&self.dir)?;
         if !listing.snapshots.contains(&seq) {
             return Err(LogError::new(
@@ -550,9 +572,74 @@ impl Log {
             self.stats.fsyncs += 1;
             self.stats.fsync_micros += started.elapsed().as_micros() as u64;
         }
-        self.dirty = false;
         self.at_batch_start = true;
         self.active.durable_end = self.active.write_offset;
+        if std::mem::take(&mut self.dirty) {
+            self.write_durable_mark()?;
+        }
+        Ok(())
+    }
+
+    /// Records the active segment's durable end in the next slot of `log.durable`
+    /// (a plain write, never synced by itself: see the crate docs, "The durable
+    /// end"). Called only once that end is durable, so a mark never claims more.
+    fn write_durable_mark(&mut self) -> Result<(), LogError> {
+        let mark = HighWater {
+            seq: self.active.seq,
+            offset: self.active.durable_end,
+        };
+        let at = self.durable_slot * DURABLE_SLOT_STRIDE;
+        self.durable_file
+            .write_all_at(&encode_durable_mark(mark), at)
+            .map_err(|e| LogError::io(&self.dir.join(DURABLE_NAME), "write the durable end", e))?;
+        self.durable_slot ^= 1;
+        Ok(())
+    }
+
+    /// Checks that the data directory, the active segment and `log.durable` at
+    /// their paths are still the files this log holds open (same device and
+    /// inode). A directory deleted (`rm -rf`), renamed away or replaced by another
+    /// fails with [`LogErrorKind::Replaced`] and poisons the log: what it would
+    /// write from then on could not be read back by the next [`open`](Self::open),
+    /// and writing by path (manifest, snapshots, deletions) would touch a
+    /// directory that is not its own. Six `stat` calls: cheap enough to run a few
+    /// times a second, and before every step that works by path.
+    pub fn check_identity(&mut self) -> Result<(), LogError> {
+        self.check_usable()?;
+        let result = self.same_files();
+        self.poison_on_error(result)
+    }
+
+    fn same_files(&self) -> Result<(), LogError> {
+        let segment = segment_path(&self.dir, self.active.seq);
+        let durable = self.dir.join(DURABLE_NAME);
+        let held = [
+            ("the data directory", self.dir.as_path(), &self.dir_file),
+            ("the active segment", segment.as_path(), &self.active.file),
+            (
+                "the durable-end file",
+                durable.as_path(),
+                &self.durable_file,
+            ),
+        ];
+        for (what, path, file) in held {
+            let ours = file
+                .metadata()
+                .map_err(|e| LogError::io(path, "stat an open file", e))?;
+            let why = match fs::metadata(path) {
+                Ok(now) if now.dev() == ours.dev() && now.ino() == ours.ino() => continue,
+                Ok(_) => "another file now has its name (it was replaced)".to_string(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    "it no longer exists (it was deleted or moved away)".to_string()
+                }
+                Err(e) => format!("it cannot be checked: {e}"),
+            };
+            return Err(LogError::new(
+                LogErrorKind::Replaced,
+                Some(path),
+                format!("{what} is not the one this log opened: {why}"),
+            ));
+        }
         Ok(())
     }
 
@@ -564,6 +651,7 @@ impl Log {
     /// crash at any point in a state [`open`](Self::open) accepts: either no next
     /// segment, or an empty one whose predecessor is complete up to the seal.
     fn roll(&mut self, needed: u64) -> Result<(), LogError> {
+        self.same_files()?;
         self.sync_active()?;
         let size = self
             .opts
@@ -625,9 +713,81 @@ impl Drop for Log {
     /// [`Log::open`] does not need it). After a clean close, the next open then
     /// refuses to load a newest segment whose synced records were lost.
     fn drop(&mut self) {
-        if !self.poisoned {
+        // Never into a directory that replaced ours: a manifest there would
+        // describe segments it does not have.
+        if !self.poisoned && self.same_files().is_ok() {
             let _ = self.record_high_water();
         }
+    }
+}
+
+/// Reads `log.durable`: the furthest valid mark of its two slots, if any. A
+/// missing, short or damaged file is no mark: it is evidence only, and without it
+/// recovery falls back to the rules that held before it existed.
+fn read_durable_mark(dir: &Path) -> Option<HighWater> {
+    let bytes = fs::read(dir.join(DURABLE_NAME)).ok()?;
+    (0..2)
+        .filter_map(|slot| {
+            let at = (slot * DURABLE_SLOT_STRIDE) as usize;
+            bytes
+                .get(at..at + DURABLE_SLOT_BYTES)
+                .and_then(decode_durable_mark)
+        })
+        .max()
+}
+
+/// Opens `log.durable` for writing, creating it (one sector per slot) if needed;
+/// a new file is synced with its directory so later marks land in a file that
+/// survives a power loss.
+fn open_durable_file(dir: &Path, dir_file: &File, fsync: bool) -> Result<File, LogError> {
+    let path = dir.join(DURABLE_NAME);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| LogError::io(&path, "open the durable-end file", e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| LogError::io(&path, "stat the durable-end file", e))?
+        .len();
+    if len != DURABLE_FILE_BYTES {
+        file.set_len(DURABLE_FILE_BYTES)
+            .and_then(|()| if fsync { fdatasync(&file) } else { Ok(()) })
+            .map_err(|e| LogError::io(&path, "size the durable-end file", e))?;
+        if fsync {
+            dir_file
+                .sync_all()
+                .map_err(|e| LogError::io(dir, "fsync directory", e))?;
+        }
+    }
+    Ok(file)
+}
+
+/// The newest segment's valid records must reach the durable end `log.durable`
+/// records for it: a mark is written only after the fdatasync that made its
+/// records durable returned, so a record before it that fails its checksum was
+/// acknowledged, and was damaged afterwards. Marks of older segments say nothing
+/// the seals and links do not.
+fn check_durable_mark(
+    dir: &Path,
+    seq: u64,
+    end: &SegmentEnd,
+    mark: Option<HighWater>,
+) -> Result<(), LogError> {
+    match mark {
+        Some(mark) if mark.seq == seq && end.valid_end < mark.offset => Err(LogError::corrupt(
+            &segment_path(dir, seq),
+            Some(end.valid_end),
+            format!(
+                "valid records end here, but {DURABLE_NAME} records that records up to offset {} \
+                 were durable (their fdatasync had completed): acknowledged records were \
+                 damaged, cut or zeroed, not torn by a crash",
+                mark.offset
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 

@@ -10,11 +10,13 @@
 //! - anything else is `Corrupt`, with the file (and, for records, the offset of
 //!   the first bad record) in the error and its message; nothing is loaded.
 //!
-//! Each layout is checked twice: after a clean close (the manifest records where
-//! the newest segment's durable data ends) and after a crash (it does not).
-//! What remains undetected is only the documented limit: after a crash, the
-//! newest segment's records after the manifest's mark zeroed from a record
-//! boundary on look like batches that were never written.
+//! Each layout is checked three times: after a clean close (the manifest records
+//! where the newest segment's durable data ends); after a process crash (it does
+//! not, but `log.durable` records the end of the last fdatasync); and after a
+//! power loss that also lost `log.durable`'s last write (it records the end of the
+//! batch before). What remains undetected is only the documented limit: after a
+//! power loss, damage past the last durable end that reached the disk looks like
+//! a torn or never-written batch.
 
 use std::fs::{self, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -26,6 +28,21 @@ const SEGMENT_HEADER: u64 = 56;
 const RECORD_HEADER: u64 = 8;
 const SEAL: u64 = 32;
 const MANIFEST: &str = "log.manifest";
+const DURABLE: &str = "log.durable";
+
+/// How the log in a layout stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// Dropped: the manifest records the durable end.
+    Closed,
+    /// `kill -9`: the manifest is stale, `log.durable` holds the last sync's end.
+    Killed,
+    /// Power loss: as `Killed`, and the write of the last sync's end to
+    /// `log.durable` never reached the disk either.
+    PowerLoss,
+}
+
+const STOPS: [Stop; 3] = [Stop::Closed, Stop::Killed, Stop::PowerLoss];
 
 fn opts() -> LogOptions {
     LogOptions {
@@ -51,10 +68,10 @@ struct Frame {
 
 /// A log laid out as: `snap-1` (state "S"), `log-1` (an older segment with one
 /// batch and a seal), `log-2` (the newest, with three batches), `log.manifest`.
-/// Returns the records after the snapshot and where each one sits. `closed`: the
-/// log is dropped normally; otherwise as in a crash (the manifest keeps what it
-/// held before, since a crashed process never runs `Drop`).
-fn build(dir: &Path, closed: bool) -> (Vec<Vec<u8>>, Vec<Frame>) {
+/// Returns the records after the snapshot and where each one sits. `stop`: how
+/// the log ends (a crashed process never runs `Drop`, so the manifest keeps what
+/// it held before).
+fn build(dir: &Path, stop: Stop) -> (Vec<Vec<u8>>, Vec<Frame>) {
     let (mut log, _) = Log::open(dir, opts()).unwrap();
     log.append(b"before the snapshot").unwrap();
     log.sync().unwrap();
@@ -64,7 +81,11 @@ fn build(dir: &Path, closed: bool) -> (Vec<Vec<u8>>, Vec<Frame>) {
     let mut off = SEGMENT_HEADER;
     let mut seq = 1;
     let batches: [&[usize]; 4] = [&[0, 1, 2], &[3, 4], &[5], &[6, 7, 8]];
+    let mut durable_before_last = Vec::new();
     for (batch, ids) in batches.iter().enumerate() {
+        if batch == batches.len() - 1 {
+            durable_before_last = fs::read(dir.join(DURABLE)).unwrap();
+        }
         if batch == 1 {
             seq = log.start_segment().unwrap();
             off = SEGMENT_HEADER;
@@ -87,14 +108,18 @@ fn build(dir: &Path, closed: bool) -> (Vec<Vec<u8>>, Vec<Frame>) {
     assert_eq!(seq, 2);
     let manifest = fs::read(dir.join(MANIFEST)).unwrap();
     drop(log);
-    if !closed {
+    if stop != Stop::Closed {
         fs::write(dir.join(MANIFEST), manifest).unwrap();
+    }
+    if stop == Stop::PowerLoss {
+        fs::write(dir.join(DURABLE), durable_before_last).unwrap();
     }
     assert_eq!(
         names(dir),
         [
             "log-0000000000000001.seg",
             "log-0000000000000002.seg",
+            DURABLE,
             MANIFEST,
             "snap-0000000000000001.snap"
         ]
@@ -215,9 +240,9 @@ fn zero(path: &Path, from: u64, to: u64) {
 
 #[test]
 fn every_bit_flip_is_a_torn_tail_only_in_an_unmarked_final_batch_and_corruption_elsewhere() {
-    for closed in [true, false] {
+    for stop in STOPS {
         let base = tempfile::tempdir().unwrap();
-        let (records, frames) = build(base.path(), closed);
+        let (records, frames) = build(base.path(), stop);
         let last_batch = frames.iter().map(|f| f.batch).max().unwrap();
         let mut cases = 0;
         for name in names(base.path()) {
@@ -233,7 +258,12 @@ fn every_bit_flip_is_a_torn_tail_only_in_an_unmarked_final_batch_and_corruption_
                         file: path.clone(),
                         offset: Some(offset),
                     };
-                    let expect = if name.starts_with("snap-") || name == MANIFEST {
+                    let expect = if name == DURABLE {
+                        // Evidence only: a damaged slot leaves the other, older one.
+                        Expect::Clean {
+                            keep: records.len(),
+                        }
+                    } else if name.starts_with("snap-") || name == MANIFEST {
                         corrupt_at(0)
                     } else {
                         let seq = if name == "log-0000000000000001.seg" {
@@ -254,12 +284,13 @@ fn every_bit_flip_is_a_torn_tail_only_in_an_unmarked_final_batch_and_corruption_
                             None => Expect::Torn {
                                 keep: records.len(),
                             },
-                            // In the final batch: torn, unless the manifest marks
-                            // that batch as durable (after a clean close).
+                            // In the final batch: torn, unless the manifest (after a
+                            // clean close) or log.durable (after a process crash)
+                            // marks that batch as durable.
                             Some(i)
                                 if frames[i].seq == 2
                                     && frames[i].batch == last_batch
-                                    && !closed =>
+                                    && stop == Stop::PowerLoss =>
                             {
                                 Expect::Torn { keep: i }
                             }
@@ -270,7 +301,7 @@ fn every_bit_flip_is_a_torn_tail_only_in_an_unmarked_final_batch_and_corruption_
                         dir.path(),
                         &records,
                         &expect,
-                        &format!("closed={closed}: flip bit {bit} at {name}:{offset}"),
+                        &format!("{stop:?}: flip bit {bit} at {name}:{offset}"),
                     );
                     cases += 1;
                 }
@@ -283,7 +314,7 @@ fn every_bit_flip_is_a_torn_tail_only_in_an_unmarked_final_batch_and_corruption_
 #[test]
 fn every_truncation_of_the_snapshot_or_the_manifest_is_corruption() {
     let base = tempfile::tempdir().unwrap();
-    let (records, _) = build(base.path(), true);
+    let (records, _) = build(base.path(), Stop::Closed);
     for name in ["snap-0000000000000001.snap", MANIFEST] {
         let len = fs::metadata(base.path().join(name)).unwrap().len();
         for at in 0..len {
@@ -306,9 +337,9 @@ fn every_truncation_of_the_snapshot_or_the_manifest_is_corruption() {
 
 #[test]
 fn every_truncation_of_a_segment_is_corruption_even_at_a_record_boundary() {
-    for closed in [true, false] {
+    for stop in STOPS {
         let base = tempfile::tempdir().unwrap();
-        let (records, _) = build(base.path(), closed);
+        let (records, _) = build(base.path(), stop);
         for seq in [1, 2] {
             let len = fs::metadata(segment(base.path(), seq)).unwrap().len();
             for at in 0..len {
@@ -326,7 +357,7 @@ fn every_truncation_of_a_segment_is_corruption_even_at_a_record_boundary() {
                     dir.path(),
                     &records,
                     &expect,
-                    &format!("closed={closed}: log-{seq} cut at {at}"),
+                    &format!("{stop:?}: log-{seq} cut at {at}"),
                 );
             }
         }
@@ -335,9 +366,9 @@ fn every_truncation_of_a_segment_is_corruption_even_at_a_record_boundary() {
 
 #[test]
 fn zeroing_a_segment_from_a_record_boundary_to_its_end() {
-    for closed in [true, false] {
+    for stop in STOPS {
         let base = tempfile::tempdir().unwrap();
-        let (records, frames) = build(base.path(), closed);
+        let (records, frames) = build(base.path(), stop);
         let boundaries = |seq| {
             let mut v: Vec<u64> = frames
                 .iter()
@@ -362,7 +393,7 @@ fn zeroing_a_segment_from_a_record_boundary_to_its_end() {
                 dir.path(),
                 &records,
                 &expect,
-                &format!("closed={closed}: log-1 zeroed from {from}"),
+                &format!("{stop:?}: log-1 zeroed from {from}"),
             );
         }
         // Only the seal.
@@ -376,8 +407,19 @@ fn zeroing_a_segment_from_a_record_boundary_to_its_end() {
         };
         check(dir.path(), &records, &expect, "log-1 seal zeroed");
 
-        // The newest segment.
+        // The newest segment. After a power loss, log.durable still marks the
+        // end of the batch before the last one.
         let end = data_end(&frames, 2);
+        let last_batch = frames.iter().map(|f| f.batch).max().unwrap();
+        let marked = match stop {
+            Stop::Closed | Stop::Killed => end,
+            Stop::PowerLoss => frames
+                .iter()
+                .filter(|f| f.batch == last_batch)
+                .map(|f| f.start)
+                .min()
+                .unwrap(),
+        };
         for from in boundaries(2) {
             let dir = copy_of(base.path());
             let path = segment(dir.path(), 2);
@@ -387,24 +429,23 @@ fn zeroing_a_segment_from_a_record_boundary_to_its_end() {
                 .iter()
                 .filter(|f| f.seq == 1 || f.end <= from)
                 .count();
-            let expect = if from == end {
+            let expect = if from >= marked {
+                // The documented limit: after a power loss, batches past the
+                // last durable end that reached the disk look unwritten.
                 Expect::Clean { keep }
-            } else if closed {
-                // The manifest says how far the data was durable at close.
+            } else {
+                // The manifest (at close) or log.durable says how far the data
+                // was durable.
                 Expect::Corrupt {
                     file: path,
                     offset: Some(from),
                 }
-            } else {
-                // The documented limit: after a crash, batches after the
-                // manifest's mark zeroed from a record boundary look unwritten.
-                Expect::Clean { keep }
             };
             check(
                 dir.path(),
                 &records,
                 &expect,
-                &format!("closed={closed}: log-2 zeroed from {from}"),
+                &format!("{stop:?}: log-2 zeroed from {from}"),
             );
         }
     }
@@ -431,15 +472,15 @@ fn deleting_files_is_corruption_unless_everything_is_gone() {
         (&[MANIFEST, log1, log2], MANIFEST),
         (&[MANIFEST, log2], MANIFEST),
     ];
-    for closed in [true, false] {
+    for stop in STOPS {
         let base = tempfile::tempdir().unwrap();
-        let (records, _) = build(base.path(), closed);
+        let (records, _) = build(base.path(), stop);
         for (deleted, named) in cases {
             let dir = copy_of(base.path());
             for name in deleted {
                 fs::remove_file(dir.path().join(name)).unwrap();
             }
-            let named = if !closed && deleted == [log1, log2, snap] {
+            let named = if stop != Stop::Closed && deleted == [log1, log2, snap] {
                 // After a crash the manifest's mark is from the first open.
                 "log-0000000000000000.seg"
             } else {
@@ -453,9 +494,29 @@ fn deleting_files_is_corruption_unless_everything_is_gone() {
                 dir.path(),
                 &records,
                 &expect,
-                &format!("closed={closed}: deleted {deleted:?}"),
+                &format!("{stop:?}: deleted {deleted:?}"),
             );
         }
+        // log.durable is evidence only: without it the rules before it apply.
+        let dir = copy_of(base.path());
+        fs::remove_file(dir.path().join(DURABLE)).unwrap();
+        let all = Expect::Clean {
+            keep: records.len(),
+        };
+        check(
+            dir.path(),
+            &records,
+            &all,
+            &format!("{stop:?}: deleted {DURABLE}"),
+        );
+        // Everything but log.durable deleted: a new directory; the stale mark of
+        // the old one is ignored (and replaced).
+        let dir = copy_of(base.path());
+        for name in names(dir.path()).into_iter().filter(|n| n != DURABLE) {
+            fs::remove_file(dir.path().join(name)).unwrap();
+        }
+        let (_, got) = Log::open(dir.path(), opts()).unwrap();
+        assert!(got.snapshot.is_none() && got.records.is_empty());
         // Everything deleted: nothing is left to tell it from a new directory.
         let dir = copy_of(base.path());
         for name in names(dir.path()) {

@@ -20,6 +20,7 @@ const SEGMENT_HEADER: u64 = 56;
 const RECORD_HEADER: u64 = 8;
 const SEAL: u64 = 32;
 const MANIFEST: &str = "log.manifest";
+const DURABLE: &str = "log.durable";
 
 fn opts(segment_bytes: u64) -> LogOptions {
     LogOptions {
@@ -59,6 +60,15 @@ fn write_batch(log: &mut Log, records: &[Vec<u8>]) {
     }
     let stats = log.sync().unwrap();
     assert_eq!(stats.records, records.len());
+}
+
+/// Appends `records` as one batch and writes it without syncing: what a crash
+/// during its fdatasync leaves, a batch that may be torn.
+fn write_unsynced(log: &mut Log, records: &[Vec<u8>]) {
+    for r in records {
+        log.append(r).unwrap();
+    }
+    log.write().unwrap();
 }
 
 /// File offsets of each record, for records written into a fresh segment 0.
@@ -195,9 +205,10 @@ fn snapshot_returns_state_and_later_records_and_deletes_obsolete_files() {
     log.snapshot(b"state after 61 records").unwrap();
     assert_eq!(log.bytes_since_snapshot(), 0);
     let on_disk = files(dir.path());
-    assert_eq!(on_disk.len(), 3, "{on_disk:?}");
-    assert_eq!(on_disk[1], MANIFEST);
-    let snap_seq: u64 = on_disk[2]
+    assert_eq!(on_disk.len(), 4, "{on_disk:?}");
+    assert_eq!(on_disk[1], DURABLE);
+    assert_eq!(on_disk[2], MANIFEST);
+    let snap_seq: u64 = on_disk[3]
         .strip_prefix("snap-")
         .unwrap()
         .strip_suffix(".snap")
@@ -234,7 +245,7 @@ fn snapshot_returns_state_and_later_records_and_deletes_obsolete_files() {
     log.snapshot(b"second").unwrap();
     drop(log);
     let on_disk = files(dir.path());
-    assert_eq!(on_disk.len(), 3, "{on_disk:?}");
+    assert_eq!(on_disk.len(), 4, "{on_disk:?}");
     let (_, recovered) = open(dir.path(), opts(512));
     assert_eq!(recovered.snapshot.as_deref(), Some(&b"second"[..]));
     assert!(recovered.records.is_empty());
@@ -266,6 +277,7 @@ fn crash_during_a_roll_before_the_seal_recovers_and_seals() {
         [
             "log-0000000000000000.seg",
             "log-0000000000000001.seg",
+            DURABLE,
             MANIFEST
         ]
     );
@@ -322,7 +334,7 @@ fn torn_tail_garbled_last_record_is_discarded_and_overwritten() {
     let records: Vec<Vec<u8>> = (0..10).map(rec).collect();
     let (mut log, _) = open(dir.path(), opts(64 << 10));
     write_batch(&mut log, &records[..6]);
-    write_batch(&mut log, &records[6..]);
+    write_unsynced(&mut log, &records[6..]);
     crash(log);
 
     let offsets = record_offsets(&records);
@@ -353,7 +365,7 @@ fn torn_tail_partial_record_is_discarded_and_appends_continue() {
     let dir = tempfile::tempdir().unwrap();
     let records: Vec<Vec<u8>> = (0..8).map(rec).collect();
     let (mut log, _) = open(dir.path(), opts(64 << 10));
-    write_batch(&mut log, &records);
+    write_unsynced(&mut log, &records);
     crash(log);
 
     // Only the header and 3 payload bytes of the last record reached the disk.
@@ -406,7 +418,7 @@ fn torn_write_that_lost_a_sector_inside_the_final_batch_is_a_torn_tail() {
     let last = vec![vec![b'b'; 3000], rec(2), rec(3)];
     let (mut log, _) = open(dir.path(), opts(64 << 10));
     write_batch(&mut log, &first);
-    write_batch(&mut log, &last);
+    write_unsynced(&mut log, &last);
     crash(log);
 
     // Writeback persisted the end of the last batch but lost a sector in its middle.
@@ -470,9 +482,10 @@ fn lost_sector_in_a_batch_followed_by_a_later_batch_is_corruption() {
 }
 
 #[test]
-fn after_a_crash_a_flipped_byte_in_the_final_batch_is_indistinguishable_from_a_torn_tail() {
-    // Documented limit: after a crash, nothing after the final batch proves its
-    // fdatasync completed, so damage inside it is handled like a torn write.
+fn after_a_crash_a_flipped_byte_in_the_final_synced_batch_is_corruption() {
+    // Issue 19, item 9: a bit flip in an acknowledged record of the final batch
+    // was dropped as a torn tail and its fence issued again. log.durable, written
+    // after the fdatasync returned, proves the batch had been durable.
     let dir = tempfile::tempdir().unwrap();
     let records: Vec<Vec<u8>> = (0..10).map(rec).collect();
     let (mut log, _) = open(dir.path(), opts(64 << 10));
@@ -481,11 +494,88 @@ fn after_a_crash_a_flipped_byte_in_the_final_batch_is_indistinguishable_from_a_t
     crash(log);
 
     let offsets = record_offsets(&records);
+    let seg = segment(dir.path(), 0);
+    flip_byte(&seg, offsets[6] + RECORD_HEADER);
+    let msg = check_corrupt(dir.path(), opts(64 << 10), &seg, Some(offsets[6]));
+    assert!(msg.contains(DURABLE), "{msg}");
+    // Refusing changed nothing: the damage is still there to refuse again.
+    check_corrupt(dir.path(), opts(64 << 10), &seg, Some(offsets[6]));
+}
+
+#[test]
+fn after_a_power_loss_that_lost_the_durable_end_a_flipped_final_batch_looks_torn() {
+    // Documented limit: log.durable is not synced per batch, so a power loss can
+    // lose its last write; then nothing proves the final batch's fdatasync
+    // completed, and damage inside it is handled like a torn write.
+    let dir = tempfile::tempdir().unwrap();
+    let records: Vec<Vec<u8>> = (0..10).map(rec).collect();
+    let (mut log, _) = open(dir.path(), opts(64 << 10));
+    write_batch(&mut log, &records[..4]);
+    let before_last = fs::read(dir.path().join(DURABLE)).unwrap();
+    write_batch(&mut log, &records[4..]);
+    crash(log);
+    fs::write(dir.path().join(DURABLE), before_last).unwrap();
+
+    let offsets = record_offsets(&records);
     flip_byte(&segment(dir.path(), 0), offsets[6] + RECORD_HEADER);
     let (_, recovered) = open(dir.path(), opts(64 << 10));
     assert_eq!(recovered.records, records[..6]);
     let end = offsets[9] + RECORD_HEADER + records[9].len() as u64;
     assert_eq!(recovered.truncated_tail_bytes, end - offsets[6]);
+}
+
+#[test]
+fn a_torn_tail_after_the_durable_end_is_still_recovered() {
+    // The batch after the last completed fdatasync is torn (a sector of it lost)
+    // while log.durable marks the batch before: dropped, the rest kept.
+    let dir = tempfile::tempdir().unwrap();
+    let records: Vec<Vec<u8>> = (0..6).map(rec).collect();
+    let (mut log, _) = open(dir.path(), opts(64 << 10));
+    write_batch(&mut log, &records[..3]);
+    write_unsynced(&mut log, &records[3..]);
+    crash(log);
+    let offsets = record_offsets(&records);
+    patch(&segment(dir.path(), 0), offsets[4] + 2, &[0xEE; 5]);
+    let (_, recovered) = open(dir.path(), opts(64 << 10));
+    assert_eq!(recovered.records, records[..4]);
+    assert!(recovered.truncated_tail_bytes > 0);
+}
+
+#[test]
+fn a_replaced_or_deleted_directory_poisons_the_log() {
+    // Issue 19, item 5: after `rm -rf` of the data directory the server went on
+    // acknowledging. The log notices and refuses to write into whatever sits at
+    // the path now.
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("data");
+    let (mut log, _) = open(&dir, opts(64 << 10));
+    write_batch(&mut log, &[rec(1)]);
+    log.check_identity().unwrap();
+    fs::remove_dir_all(&dir).unwrap();
+    let err = log.check_identity().unwrap_err();
+    assert_eq!(err.kind(), LogErrorKind::Replaced, "{err}");
+    assert!(err.to_string().contains("data"), "{err}");
+    assert_eq!(log.sync().unwrap_err().kind(), LogErrorKind::Poisoned);
+    // Replaced by a new directory: refused too, and the new one is left alone.
+    let (mut log, _) = open(&dir, opts(64 << 10));
+    let moved = parent.path().join("moved");
+    fs::rename(&dir, &moved).unwrap();
+    fs::create_dir(&dir).unwrap();
+    assert_eq!(
+        log.start_segment().unwrap_err().kind(),
+        LogErrorKind::Replaced
+    );
+    drop(log);
+    assert!(files(&dir).is_empty(), "{:?}", files(&dir));
+    // A segment replaced under a live directory.
+    let (mut log, _) = open(&moved, opts(64 << 10));
+    let seg = segment(&moved, 0);
+    let bytes = fs::read(&seg).unwrap();
+    fs::remove_file(&seg).unwrap();
+    fs::write(&seg, bytes).unwrap();
+    let err = log.check_identity().unwrap_err();
+    assert_eq!(err.kind(), LogErrorKind::Replaced, "{err}");
+    assert!(err.to_string().contains("active segment"), "{err}");
 }
 
 #[test]
@@ -819,7 +909,7 @@ fn check_crash(seed: u64) {
     }
     let durable = fs::read(&seg).unwrap();
     let torn: Vec<Vec<u8>> = (0..1 + rng.below(8)).map(|_| rng.record()).collect();
-    write_batch(&mut log, &torn);
+    write_unsynced(&mut log, &torn);
     crash(log);
     let written = fs::read(&seg).unwrap();
 

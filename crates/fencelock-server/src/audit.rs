@@ -60,7 +60,9 @@ const AUDIT_SNAPSHOT_MAGIC: &[u8; 8] = b"FLAUDS01";
 pub struct AuditConfig {
     /// Drop entries older than this (wall clock). `None` = keep by size only.
     pub max_age_ms: Option<u64>,
-    /// Keep at most this many bytes of (encoded) entries; the oldest go first.
+    /// Keep at most this many bytes of entries, counted as the memory they take
+    /// in the index ([`AuditIndex::bytes`], about three times their encoded size
+    /// on disk); the oldest go first.
     pub max_bytes: u64,
 }
 
@@ -228,9 +230,8 @@ impl AuditEntry {
         })
     }
 
-    /// Encoded size, used for the retention bound: what [`Self::encode`] writes,
-    /// computed without encoding (the writer thread sizes every entry it indexes, on
-    /// the commit path).
+    /// Encoded size: what [`Self::encode`] writes.
+    #[cfg(test)]
     fn encoded_len(&self) -> u64 {
         let opt_str = |v: &Option<String>| v.as_ref().map_or(1, |s| 1 + 4 + s.len());
         let fence = if self.fence.is_some() { 1 + 8 } else { 1 };
@@ -366,9 +367,16 @@ pub struct AuditQuery {
 
 /// The retained entries in memory, oldest first, shared by the writer (which adds
 /// entries once they are durable) and the API (which queries them).
+///
+/// Retention counts what an entry costs in memory, not its encoded size: a first
+/// version counted the encoded size and took about five times `max_bytes` (1.02M
+/// entries, 345 MB RSS at 64 MiB; issue 19, item 8). Each entry is boxed, so the
+/// queue's spare capacity (up to as much again as its length) costs a pointer per
+/// entry, not a whole entry.
 #[derive(Debug)]
 pub struct AuditIndex {
-    entries: VecDeque<(AuditEntry, u64)>,
+    /// Each entry with its size in memory ([`memory_len`]).
+    entries: VecDeque<(Box<AuditEntry>, u64)>,
     bytes: u64,
     config: AuditConfig,
     /// The newest `(seq, index)` ever stored, also after it was pruned.
@@ -385,20 +393,14 @@ impl AuditIndex {
         }
     }
 
-    #[cfg(test)]
+    /// Adds an entry, then applies retention.
     fn push(&mut self, entry: AuditEntry, now_wall_ms: u64) {
-        let len = entry.encoded_len();
-        self.push_sized(entry, len, now_wall_ms);
-    }
-
-    /// [`push`](Self::push) of an entry whose encoded size is known.
-    fn push_sized(&mut self, entry: AuditEntry, len: u64, now_wall_ms: u64) {
-        debug_assert_eq!(len, entry.encoded_len());
         if entry.seq > 0 {
             self.high_water = self.high_water.max((entry.seq, entry.index));
         }
+        let len = memory_len(&entry);
         self.bytes += len;
-        self.entries.push_back((entry, len));
+        self.entries.push_back((Box::new(entry), len));
         self.prune(now_wall_ms);
     }
 
@@ -423,7 +425,7 @@ impl AuditIndex {
             .entries
             .iter()
             .rev()
-            .map(|(e, _)| e)
+            .map(|(e, _)| &**e)
             .filter(|e| e.wall_ms >= q.since_wall_ms)
             .filter(|e| {
                 q.lock
@@ -447,10 +449,41 @@ impl AuditIndex {
         self.entries.is_empty()
     }
 
-    /// Encoded bytes of the retained entries.
+    /// Bytes of memory the retained entries take, as counted for retention
+    /// ([`memory_len`] of each); at most `max_bytes`.
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
+}
+
+/// What glibc's malloc takes for a request of `n` bytes: an 8-byte header, rounded
+/// up to 16, at least 32.
+fn alloc_len(n: usize) -> u64 {
+    if n == 0 {
+        return 0; // an empty String allocates nothing
+    }
+    ((n + 8 + 15) & !15).max(32) as u64
+}
+
+/// The memory an indexed entry takes: its box, the heap buffers of its strings,
+/// and two slots of the queue (its own and, at worst, one of spare capacity).
+pub fn memory_len(entry: &AuditEntry) -> u64 {
+    let strings = [
+        &entry.lock,
+        &entry.owner,
+        &entry.session,
+        &entry.request_id,
+        &entry.actor,
+        &entry.reason,
+        &entry.detail,
+    ];
+    let heap: u64 = strings
+        .iter()
+        .filter_map(|s| s.as_ref())
+        .map(|s| alloc_len(s.capacity()))
+        .sum();
+    let slot = std::mem::size_of::<(Box<AuditEntry>, u64)>();
+    alloc_len(std::mem::size_of::<AuditEntry>()) + heap + 2 * slot as u64
 }
 
 /// The durable audit store (owned by the writer thread) and its shared index.
@@ -469,14 +502,11 @@ fn corrupt(dir: &Path, what: impl std::fmt::Display) -> ApiError {
     )
 }
 
-/// Decodes a count and that many entries, each with its encoded size (the bytes it
-/// was decoded from: re-encoding every entry to size it was half of opening a store).
-fn decode_entries(d: &mut Dec<'_>, out: &mut Vec<(AuditEntry, u64)>) -> Result<(), DecodeError> {
+/// Decodes a count and that many entries.
+fn decode_entries(d: &mut Dec<'_>, out: &mut Vec<AuditEntry>) -> Result<(), DecodeError> {
     let n = d.count()?;
     for _ in 0..n {
-        let start = d.pos();
-        let entry = AuditEntry::decode(d)?;
-        out.push((entry, (d.pos() - start) as u64));
+        out.push(AuditEntry::decode(d)?);
     }
     Ok(())
 }
@@ -543,8 +573,8 @@ impl AuditStore {
             parsed.map_err(|e| corrupt(dir, format!("record {i}: {e}")))?;
         }
         let now = wall_ms();
-        for (entry, len) in entries {
-            index.push_sized(entry, len, now);
+        for entry in entries {
+            index.push(entry, now);
         }
         Ok(AuditStore {
             log,
@@ -599,7 +629,7 @@ impl AuditStore {
             return Ok(());
         }
         // One record per chunk: version, entry count (patched in), entries. Each
-        // entry is encoded once; its size for the index comes from the encoding.
+        // entry is encoded once.
         const HEADER: usize = 1 + 4;
         let mut rec = Enc(Vec::with_capacity(HEADER + 160 * entries.len().min(4096)));
         let mut count = 0u32;
@@ -613,12 +643,9 @@ impl AuditStore {
             *count = 0;
             log.append(&rec.0)
         };
-        let mut sizes = Vec::with_capacity(entries.len());
         start(&mut rec);
         for entry in &entries {
-            let before = rec.0.len();
             entry.encode(&mut rec);
-            sizes.push((rec.0.len() - before) as u64);
             count += 1;
             if rec.0.len() - HEADER >= MAX_CHUNK_BYTES {
                 flush(&mut self.log, &mut rec, &mut count)?;
@@ -631,8 +658,8 @@ impl AuditStore {
         let now = wall_ms();
         let retained = {
             let mut index = self.index();
-            for (entry, len) in entries.into_iter().zip(sizes) {
-                index.push_sized(entry, len, now);
+            for entry in entries {
+                index.push(entry, now);
             }
             index.bytes
         };
@@ -750,7 +777,7 @@ mod tests {
         index.push(entry(1, 0, now - 120_000, "old"), now);
         index.push(entry(2, 0, now, "new"), now);
         assert_eq!(index.len(), 1, "the entry older than max_age is dropped");
-        let one = entry(3, 0, now, "x").encoded_len();
+        let one = memory_len(&entry(3, 0, now, "x"));
         let mut index = AuditIndex::new(AuditConfig {
             max_age_ms: None,
             max_bytes: one * 3,

@@ -76,6 +76,11 @@ pub struct EngineConfig {
     /// small writes follow each other closely (see [`DEFAULT_WRITER_POLL`]); zero:
     /// it never polls.
     pub writer_poll: Duration,
+    /// The least fence the next grant may get (`--fence-floor`): applied at start
+    /// as a logged `RaiseFenceFloor` if the recovered state is below it, so a
+    /// server restarted into an empty or older data directory never reissues a
+    /// fence that was seen. 0: none.
+    pub fence_floor: u64,
 }
 
 /// The default bound of the log writer's polling: up to this long after a small
@@ -101,6 +106,7 @@ impl EngineConfig {
             snapshot_after_bytes: 16 << 20,
             audit: AuditConfig::default(),
             writer_poll: DEFAULT_WRITER_POLL,
+            fence_floor: 0,
         }
     }
 }
@@ -603,7 +609,6 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     let result = core.apply(now, Command::Recover);
     assert!(result.is_ok(), "recover never fails");
     let outcomes = core.take_outcomes();
-    log.sync().map_err(io)?;
     let mut audit_entries = replayed.audit;
     audit_entries.extend(audit::entries_for(
         &meta,
@@ -611,6 +616,40 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         &result,
         &outcomes,
     ));
+    // The fence floor, logged like any command so replay and the replica agree;
+    // only when it raises something (a restart past it logs nothing).
+    let mut report = report;
+    if core.stats().next_fence < config.fence_floor {
+        let command = Command::RaiseFenceFloor {
+            floor: config.fence_floor,
+        };
+        let meta = RecordMeta {
+            seq: next_seq,
+            now_ms: now,
+            wall_ms: audit::wall_ms(),
+            actor: None,
+        };
+        next_seq += 1;
+        let result = core.apply(now, command.clone());
+        if let Err(e) = &result {
+            return Err(ApiError::new(
+                ApiErrorKind::InvalidArgument,
+                format!("fence floor {}: {e}", config.fence_floor),
+            ));
+        }
+        let outcomes = core.take_outcomes();
+        let record = codec::encode_record(&meta, &command);
+        log.append(&record).map_err(io)?;
+        recovered.records.push(record);
+        audit_entries.extend(audit::entries_for(&meta, &command, &result, &outcomes));
+        tracing::info!(
+            floor = config.fence_floor,
+            was = report.next_fence,
+            "raised the next fence to the configured fence floor"
+        );
+        report.next_fence = core.stats().next_fence;
+    }
+    log.sync().map_err(io)?;
     audit_store.commit(audit_entries).map_err(|e| {
         ApiError::new(
             ApiErrorKind::Internal,
@@ -620,6 +659,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     let audit_index = audit_store.shared_index();
 
     let metrics = Arc::new(Metrics::default());
+    metrics.set_state_gauges(&core.stats());
     metrics
         .audit_entries
         .store(audit_store.len() as u64, Ordering::Relaxed);
@@ -643,6 +683,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     let snapshotter = Snapshotter {
         config: config.core.clone(),
         dir: config.data_dir.clone(),
+        dir_id: dir_id(&config.data_dir),
         fsync: log_opts.fsync,
         writer: writer_tx.clone(),
         state: state_tx.clone(),
@@ -814,7 +855,14 @@ impl EngineTask {
                 let (writer_done_tx, writer_done) = oneshot::channel();
                 let _ = self.writer.send(WriterMsg::Stop(writer_done_tx));
                 let _ = tokio::task::spawn_blocking(move || writer_done.blocking_recv()).await;
-                let _ = self.state.send(RunState::Stopped);
+                // A storage failure found while stopping stays the last word.
+                self.state.send_if_modified(|state| {
+                    let failed = matches!(state, RunState::Failed(_));
+                    if !failed {
+                        *state = RunState::Stopped;
+                    }
+                    !failed
+                });
                 let _ = done.send(());
                 return;
             }
@@ -1102,13 +1150,7 @@ impl EngineTask {
     /// Hands the batch to the writer. Returns false if the writer is gone (storage
     /// failed), in which case the engine stops.
     fn flush(&mut self) -> bool {
-        let stats = self.core.stats();
-        let m = &self.metrics;
-        m.held.store(stats.holders as u64, Ordering::Relaxed);
-        m.waiters.store(stats.waiters as u64, Ordering::Relaxed);
-        m.sessions.store(stats.sessions as u64, Ordering::Relaxed);
-        m.locks.store(stats.locks as u64, Ordering::Relaxed);
-        m.next_fence.store(stats.next_fence, Ordering::Relaxed);
+        self.metrics.set_state_gauges(&self.core.stats());
         if self.records.is_empty()
             && self.written.is_empty()
             && self.event_deliveries.is_empty()
@@ -1184,6 +1226,13 @@ struct Group {
 /// (see `Writer::run`). Bounds how much later than its holder's answer a lone
 /// release's event and audit entry appear.
 const HOLD_UNANSWERED_GROUP: Duration = Duration::from_millis(1);
+
+/// How often the writer checks that the data directory is still the one it
+/// opened (`Log::check_identity`: six `stat` calls). Checking before every
+/// fdatasync would cost each group commit; this bounds how long a deleted or
+/// replaced directory goes unnoticed (issue 19, item 5). Rolls, snapshots and the
+/// shutdown check too.
+const IDENTITY_CHECK_EVERY: Duration = Duration::from_millis(200);
 
 /// Whether the writer may hold `group`, held for `held_for` so far, back for the next
 /// batch's fdatasync: only if it has records to sync, nobody's reply waits for it,
@@ -1317,6 +1366,23 @@ impl Writer {
         let _ = self.state.send(RunState::Failed(what));
     }
 
+    /// False (and the engine failed) if the data directory is no longer the one
+    /// the log opened.
+    fn check_identity(&mut self) -> bool {
+        match self.log.check_identity() {
+            Ok(()) => true,
+            Err(e) => {
+                self.fail(format!(
+                    "data directory {} was deleted or replaced while serving; stopped \
+                     acknowledging (what was acknowledged since it went is gone with it; \
+                     restart with --fence-floor): {e}",
+                    self.log.dir().display()
+                ));
+                false
+            }
+        }
+    }
+
     /// Makes a group durable (one fdatasync), appends its audit entries, feeds the
     /// replica, runs its events and deliveries, and cuts the log for a snapshot when
     /// due. False if storage failed (the writer has stopped).
@@ -1407,11 +1473,19 @@ impl Writer {
         // since when.
         let mut held: Option<(Group, Instant)> = None;
         let mut spin = SpinPolicy::new(self.writer_poll);
+        let mut next_check = Instant::now() + IDENTITY_CHECK_EVERY;
         loop {
+            if Instant::now() >= next_check {
+                next_check = Instant::now() + IDENTITY_CHECK_EVERY;
+                if !self.check_identity() {
+                    return;
+                }
+            }
             let first = match &held {
-                None => match spin.recv(&rx, None) {
+                None => match spin.recv(&rx, Some(next_check)) {
                     Ok(first) => first,
-                    Err(_) => return,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
                 },
                 Some((_, since)) => match spin.recv(&rx, Some(*since + HOLD_UNANSWERED_GROUP)) {
                     Ok(first) => first,
@@ -1515,6 +1589,11 @@ impl Writer {
                     let _ = self.replica.send(ReplicaMsg::Backup(reply));
                 }
                 Some(WriterMsg::Stop(done)) => {
+                    // A directory that vanished is no clean stop: say so (the
+                    // engine then does not report `Stopped`).
+                    if !self.check_identity() {
+                        return;
+                    }
                     // A clean stop leaves nothing to rebuild.
                     if let Err(e) = self.audit.sync() {
                         return self.fail(format!("audit log sync: {e}"));
@@ -1556,6 +1635,9 @@ enum ReplicaMsg {
 struct Snapshotter {
     config: CoreConfig,
     dir: PathBuf,
+    /// Device and inode of `dir` at start: a snapshot is written by path, and
+    /// never into a directory that replaced ours.
+    dir_id: Option<(u64, u64)>,
     fsync: bool,
     writer: std::sync::mpsc::Sender<WriterMsg>,
     state: watch::Sender<RunState>,
@@ -1596,6 +1678,13 @@ impl Snapshotter {
                     }
                 }
                 ReplicaMsg::Cut(seq) => {
+                    if dir_id(&self.dir) != self.dir_id {
+                        return self.fail(format!(
+                            "data directory {} was deleted or replaced while serving; \
+                             snapshot {seq} not written",
+                            self.dir.display()
+                        ));
+                    }
                     let started = Instant::now();
                     let bytes = codec::encode_snapshot(&replica.export());
                     if let Err(e) =
@@ -1627,6 +1716,12 @@ impl Snapshotter {
             }
         }
     }
+}
+
+/// Device and inode of `path`, if it exists.
+fn dir_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
 /// The message of an acquire with a fresh owner token.
@@ -2396,5 +2491,57 @@ mod tests {
             .unwrap();
         assert!(next.fence > refused.fence);
         handle.shutdown().await;
+    }
+
+    /// Issue 19, item 5: a data directory deleted while serving fails the engine
+    /// (within the identity check's period), and a shutdown afterwards does not
+    /// report a clean stop or write anything at the path.
+    #[tokio::test]
+    async fn a_deleted_data_directory_fails_the_engine_and_is_no_clean_stop() {
+        let parent = tempfile::tempdir().unwrap();
+        let dir = parent.path().join("data");
+        let handle = start(EngineConfig::new(&dir)).unwrap();
+        assert_eq!(handle.state(), RunState::Running);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let mut state = handle.watch_state();
+        // Only whether it came: the `Ref` that `wait_for` returns holds the
+        // state's lock, which the engine needs to stop.
+        let failed = tokio::time::timeout(
+            Duration::from_secs(10),
+            state.wait_for(|s| matches!(s, RunState::Failed(_))),
+        )
+        .await
+        .is_ok();
+        assert!(failed, "still {:?} 10 s after the delete", handle.state());
+        handle.shutdown().await;
+        match handle.state() {
+            RunState::Failed(why) => assert!(why.contains("deleted or replaced"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(!dir.exists(), "something was written at the deleted path");
+    }
+
+    /// The fence floor is applied once, at start, and the gauges show the
+    /// recovered state before any command (issue 19, items 5 and 8).
+    #[tokio::test]
+    async fn a_fence_floor_raises_the_next_fence_once_and_the_gauges_show_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = EngineConfig::new(dir.path());
+        config.fence_floor = 1_000;
+        let handle = start(config.clone()).unwrap();
+        assert_eq!(handle.recovery().next_fence, 1_000);
+        assert_eq!(handle.metrics().next_fence.load(Ordering::Relaxed), 1_000);
+        handle.shutdown().await;
+        config.fence_floor = 10;
+        let handle = start(config.clone()).unwrap();
+        assert_eq!(
+            handle.recovery().next_fence,
+            1_000,
+            "a lower floor is a no-op"
+        );
+        handle.shutdown().await;
+        config.fence_floor = fencelock_core::MAX_FENCE_FLOOR + 1;
+        let err = start(config).map(|_| ()).unwrap_err();
+        assert_eq!(err.kind(), ApiErrorKind::InvalidArgument, "{err}");
     }
 }

@@ -145,6 +145,20 @@ pub struct Metrics {
     pub dashboard_views: AtomicU64,
 }
 
+impl Metrics {
+    /// Sets the state gauges (held grants, waiters, sessions, locks, next fence)
+    /// from the core: after every batch, and at start from the recovered state,
+    /// so a restarted server does not report zeros until its first command.
+    pub fn set_state_gauges(&self, stats: &fencelock_core::Stats) {
+        self.held.store(stats.holders as u64, Ordering::Relaxed);
+        self.waiters.store(stats.waiters as u64, Ordering::Relaxed);
+        self.sessions
+            .store(stats.sessions as u64, Ordering::Relaxed);
+        self.locks.store(stats.locks as u64, Ordering::Relaxed);
+        self.next_fence.store(stats.next_fence, Ordering::Relaxed);
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Metrics {
         Metrics {
