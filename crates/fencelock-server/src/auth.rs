@@ -277,6 +277,9 @@ struct Identity {
     quotas: Option<Quotas>,
     /// Event streams open now (see [`Principal::open_stream`]).
     streams: AtomicU32,
+    /// The name as the core keys ownership and quotas by it, made once so a request
+    /// costs no allocation for it.
+    tenant: Option<fencelock_core::Tenant>,
 }
 
 /// Who is calling: a configured token (name, role, prefixes), or the anonymous
@@ -301,18 +304,29 @@ impl Principal {
     /// The caller when authentication is off: named `anonymous`, admin on every lock,
     /// never rate limited.
     pub fn anonymous() -> Principal {
-        Principal {
-            identity: Arc::new(Identity {
-                name: "anonymous".into(),
-                role: Role::Admin,
-                prefixes: Box::new(["".into()]),
-                hash: None,
-                bucket: None,
-                request_bucket: None,
-                quotas: None,
-                streams: AtomicU32::new(0),
-            }),
-        }
+        // One shared identity: every request with authentication off is this caller.
+        static ANONYMOUS: std::sync::OnceLock<Principal> = std::sync::OnceLock::new();
+        ANONYMOUS
+            .get_or_init(|| Principal {
+                identity: Arc::new(Identity {
+                    name: "anonymous".into(),
+                    role: Role::Admin,
+                    prefixes: Box::new(["".into()]),
+                    hash: None,
+                    bucket: None,
+                    request_bucket: None,
+                    quotas: None,
+                    streams: AtomicU32::new(0),
+                    tenant: fencelock_core::Tenant::new("anonymous").ok(),
+                }),
+            })
+            .clone()
+    }
+
+    /// The name as the core keys sessions, grants and quotas by it (`None` only if
+    /// the name is not a valid [`fencelock_core::Tenant`], which config checks rule out).
+    pub fn tenant(&self) -> Option<fencelock_core::Tenant> {
+        self.identity.tenant.clone()
     }
 
     /// The token's name (`anonymous` when authentication is off).
@@ -647,6 +661,7 @@ impl Authenticator {
                         .map(|r| Mutex::new(TokenBucket::new(r, Instant::now()))),
                     quotas: Some(quotas),
                     streams: AtomicU32::new(0),
+                    tenant: fencelock_core::Tenant::new(&t.name).ok(),
                 }),
             });
         }

@@ -168,8 +168,8 @@ pub struct AcquireArgs {
 /// sessions within.
 #[derive(Debug, Clone)]
 pub struct Requester {
-    /// `None`: the server itself. Cloning a `Principal` is cloning an `Arc`, so a
-    /// requester costs one allocation (its `Tenant`) per request.
+    /// `None`: the server itself. Cloning a `Principal` and its `Tenant` is cloning
+    /// two `Arc`s, so a requester costs no allocation.
     principal: Option<Principal>,
     tenant: Option<Tenant>,
     quota: Option<Quota>,
@@ -184,7 +184,7 @@ impl Requester {
     pub fn of(principal: &Principal) -> Requester {
         Requester {
             principal: Some(principal.clone()),
-            tenant: Tenant::new(principal.name()).ok(),
+            tenant: principal.tenant(),
             quota: principal.quotas().map(|q| Quota {
                 max_sessions: q.max_sessions,
                 max_held_locks: q.max_held_locks,
