@@ -155,7 +155,7 @@ pub struct AuditEntry {
     /// The owner text of the grant.
     pub owner: Option<String>,
     /// The session involved, by its handle (16 hex digits,
-    /// [`crate::input::session_handle`]): never the id, which is its owner's secret.
+    /// `input::session_handle`): never the id, which is its owner's secret.
     pub session: Option<String>,
     /// The acquire's idempotency key (direct grants).
     pub request_id: Option<String>,

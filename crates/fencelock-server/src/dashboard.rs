@@ -582,9 +582,9 @@ struct Frame {
     rows: Vec<String>,
 }
 
-/// The dashboard's live views: one renderer task per distinct [`ViewKey`], which
+/// The dashboard's live views: one renderer task per distinct `ViewKey`, which
 /// renders the lock table and health panel once per change (at most every
-/// [`MIN_RENDER_INTERVAL`]) and every [`REFRESH`], and publishes the result to all
+/// `MIN_RENDER_INTERVAL`) and every `REFRESH`, and publishes the result to all
 /// the streams of that view, so N viewers cost one render. A renderer stops once
 /// its last viewer is gone.
 #[derive(Clone, Default)]

@@ -2008,7 +2008,7 @@ impl Handle {
     }
 
     /// An admin closes the session with handle `handle` (see
-    /// [`crate::input::session_handle`]) if [`Requester::may_manage`] allows; the audit
+    /// `input::session_handle`) if [`Requester::may_manage`] allows; the audit
     /// log names the admin. Returns how many locks it released.
     ///
     /// The handle is resolved off the engine (hashing every open session's id is
