@@ -196,7 +196,7 @@ fn targets_table(runs: &[Value], out: &mut String) {
 }
 
 /// What W3 can reach at all while every grant is durable before it is acknowledged
-/// (DESIGN.md, Invariant 3), from this run's own figures, or `None` if the run lacks
+/// (docs/design.md, Invariant 3), from this run's own figures, or `None` if the run lacks
 /// them.
 ///
 /// A hand-off is serial: the grant's fdatasync must complete before the new holder

@@ -1,6 +1,6 @@
 //! Model-based property test: the core against a naive reference model.
 //!
-//! The model follows DESIGN.md §2 and the public rustdoc with the plainest data
+//! The model follows docs/design.md §2 and the public rustdoc with the plainest data
 //! structures: a `Vec` of locks, each with a `Vec` of holders (absolute deadlines)
 //! and a `Vec` FIFO queue, linear scans everywhere. Time is simulated by repeatedly
 //! taking the earliest due deadline and acting on it, all at the command's `now`.

@@ -1,4 +1,4 @@
-//! Readable scenarios of the lock semantics (DESIGN.md §2), one `check()` per step.
+//! Readable scenarios of the lock semantics (docs/design.md §2), one `check()` per step.
 //!
 //! `check(core, at_ms, command, expect)` applies `command` at service time `at_ms`
 //! and compares a one-line rendering of the reply, followed by one `-> …` line per

@@ -1,5 +1,5 @@
-//! Tidy: `fencelock-core` stays sans-IO (DESIGN.md §3, STYLE.md "Dependencies point
-//! one way"). It has no dependencies at all, and its code names no runtime, no
+//! Tidy: `fencelock-core` stays sans-IO (docs/design.md §3: dependencies
+//! point one way). It has no dependencies at all, and its code names no runtime, no
 //! serialization, no clock, no file system, network, threads or randomness.
 //!
 //! The source scan strips comments and string/char literals first, so docs may talk

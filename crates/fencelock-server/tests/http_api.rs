@@ -1,4 +1,4 @@
-//! The HTTP/JSON v1 contract (DESIGN.md §4), tested through a real server on a random
+//! The HTTP/JSON v1 contract (docs/design.md §4), tested through a real server on a random
 //! port with its own data directory, with a raw HTTP/1.1 client (`support`).
 //!
 //! Run: `cargo test -p fencelock-server --test http_api`
