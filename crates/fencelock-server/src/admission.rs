@@ -87,7 +87,9 @@ pub(crate) struct Ticket {
     id: u64,
     ip: IpAddr,
     deadline: Instant,
-    /// Notified when the connection is evicted from the unauthenticated pool.
+    /// Notified when the connection is evicted from the unauthenticated pool, or
+    /// admitted (then [`Ticket::unauthenticated_end`] stops watching its deadline, so
+    /// an admitted connection's wake-ups poll nothing of it).
     close: Arc<Notify>,
     admitted: std::sync::atomic::AtomicBool,
 }
@@ -198,6 +200,7 @@ impl Ticket {
         pools.admitted += 1;
         self.admitted.store(true, Ordering::Release);
         admission.gauge(&pools);
+        self.close.notify_one();
         Ok(())
     }
 
@@ -213,6 +216,10 @@ impl Ticket {
     pub(crate) async fn unauthenticated_end(&self) {
         tokio::select! {
             () = self.close.notified() => {
+                if self.is_admitted() {
+                    // Pending costs nothing to poll, unlike the deadline's timer.
+                    std::future::pending::<()>().await;
+                }
                 tracing::debug!("closed an unauthenticated connection to make room");
             }
             () = tokio::time::sleep_until(self.deadline) => {
