@@ -12,6 +12,8 @@
 //! `crates/fencelock-server/tests/e2e_cross_origin.rs`.
 
 mod attack;
+#[allow(dead_code)] // Only `serve_bin` and `BIN`, through `attack`.
+mod support;
 
 use attack::{http, serve, token};
 use serde_json::json;

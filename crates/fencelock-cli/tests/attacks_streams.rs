@@ -7,6 +7,8 @@
 //! the viewers. Prints one `ATTACK 4: … -> …` line.
 
 mod attack;
+#[allow(dead_code)] // Only `serve_bin` and `BIN`, through `attack`.
+mod support;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

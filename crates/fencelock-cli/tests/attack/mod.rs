@@ -8,9 +8,9 @@
 //! `FENCELOCK_ATTACK_BIN=/path/to/older/fencelock` runs the attacks against another
 //! build, to see them succeed before the defences.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -36,31 +36,17 @@ pub fn serve(config: &str) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
     let config_path = dir.path().join("fencelock.toml");
     std::fs::write(&config_path, config).expect("write config");
-    let bin = std::env::var("FENCELOCK_ATTACK_BIN")
-        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_fencelock").to_owned());
-    let mut child = Command::new(bin)
-        .args(["serve", "--listen", "127.0.0.1:0", "--log-format", "json"])
-        .arg("--config")
-        .arg(&config_path)
-        .arg("--data-dir")
-        .arg(dir.path().join("data"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn fencelock serve");
-    let stderr = child.stderr.take().expect("piped stderr");
-    let mut lines = BufReader::new(stderr).lines();
-    let addr: SocketAddr = loop {
-        let line = lines
-            .next()
-            .expect("server exited before it was serving")
-            .expect("read stderr");
-        let v: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
-        if let Some(listen) = v.get("listen").and_then(Value::as_str) {
-            break listen.parse().expect("listen address");
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
+    let bin =
+        std::env::var("FENCELOCK_ATTACK_BIN").unwrap_or_else(|_| super::support::BIN.to_owned());
+    let (child, addr) = super::support::serve_bin(
+        bin,
+        [
+            "--config".as_ref(),
+            config_path.as_os_str(),
+            "--data-dir".as_ref(),
+            dir.path().join("data").as_os_str(),
+        ],
+    );
     Server {
         child,
         addr,

@@ -18,7 +18,17 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,
 {
-    let mut child = Command::new(BIN)
+    serve_bin(BIN, args)
+}
+
+/// [`serve`] with another `fencelock` binary (to run a test against an older build).
+pub fn serve_bin<B, I, S>(bin: B, args: I) -> (Child, SocketAddr)
+where
+    B: AsRef<OsStr>,
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let mut child = Command::new(bin)
         .args(["serve", "--listen", "127.0.0.1:0", "--log-format", "json"])
         .args(args)
         .stdout(Stdio::null())
