@@ -5,16 +5,16 @@
 //! `docs/security.md` with `cargo test -p fencelock-cli --test attacks_connections
 //! -- --nocapture`).
 
-use std::ffi::OsStr;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::Child;
 use std::time::{Duration, Instant};
 
 use fencelock::{AcquireSpec, FencelockBackend, LockBackend, ServerConfig};
 use fencelock_proto::wire::{self, Hello, Request, Response};
 use fencelock_proto::AcquireRequest;
 
+mod attack;
+#[allow(dead_code)] // Only `serve_bin` and `BIN`, through `attack`.
 mod support;
 
 /// Longest any wait in these tests may take before the test fails instead of hanging.
@@ -37,29 +37,12 @@ fn client_entry() -> String {
     )
 }
 
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-    _dir: tempfile::TempDir,
-}
+use attack::Server;
 
 impl Server {
     /// `fencelock serve` on a random loopback port with `config` as its config file.
     fn start(config: &str) -> Server {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let config_path = dir.path().join("fencelock.toml");
-        std::fs::write(&config_path, config).expect("write config");
-        let (child, addr) = support::serve([
-            OsStr::new("--config"),
-            config_path.as_os_str(),
-            OsStr::new("--data-dir"),
-            dir.path().join("data").as_os_str(),
-        ]);
-        Server {
-            child,
-            addr,
-            _dir: dir,
-        }
+        attack::serve(config)
     }
 
     /// One HTTP/1.1 request on a fresh connection: status and body.
@@ -96,13 +79,6 @@ impl Server {
 
     fn url(&self) -> String {
         format!("http://{}", self.addr)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
