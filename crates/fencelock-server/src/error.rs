@@ -9,6 +9,8 @@ use fencelock_core::{Error as CoreError, ErrorKind};
 pub struct ApiError {
     kind: ApiErrorKind,
     message: String,
+    /// With [`ApiErrorKind::NotLeader`]: the URL clients should use instead, when known.
+    leader: Option<String>,
 }
 
 /// Stable classification of an [`ApiError`].
@@ -49,6 +51,9 @@ pub enum ApiErrorKind {
     Cancelled,
     /// The server is shutting down or its storage failed (503).
     Unavailable,
+    /// This cluster member is not the leader; [`ApiError::leader`] names the
+    /// leader's URL when known (503).
+    NotLeader,
     /// A bug or an I/O failure on the server (500). Never caused by client input.
     Internal,
 }
@@ -74,6 +79,7 @@ impl ApiErrorKind {
             ApiErrorKind::RateLimited => "rate_limited",
             ApiErrorKind::Cancelled => "cancelled",
             ApiErrorKind::Unavailable => "unavailable",
+            ApiErrorKind::NotLeader => "not_leader",
             ApiErrorKind::Internal => "internal",
         }
     }
@@ -94,7 +100,7 @@ impl ApiErrorKind {
             ApiErrorKind::Unauthenticated => 401,
             ApiErrorKind::PermissionDenied => 403,
             ApiErrorKind::Cancelled => 499,
-            ApiErrorKind::Unavailable => 503,
+            ApiErrorKind::Unavailable | ApiErrorKind::NotLeader => 503,
             ApiErrorKind::Internal => 500,
         }
     }
@@ -106,7 +112,27 @@ impl ApiError {
         ApiError {
             kind,
             message: message.into(),
+            leader: None,
         }
+    }
+
+    /// A write (or linearizable read) sent to a member that is not the leader.
+    /// `leader` is the leader's advertised URL, when this member knows it.
+    pub fn not_leader(leader: Option<String>) -> ApiError {
+        let message = match &leader {
+            Some(url) => format!("this member is not the leader; send the request to {url}"),
+            None => "this member is not the leader and no leader is known yet; retry shortly".to_owned(),
+        };
+        ApiError {
+            kind: ApiErrorKind::NotLeader,
+            message,
+            leader,
+        }
+    }
+
+    /// The leader's URL, with [`ApiErrorKind::NotLeader`] (when known).
+    pub fn leader(&self) -> Option<&str> {
+        self.leader.as_deref()
     }
 
     /// The classification.

@@ -113,7 +113,7 @@ impl From<ApiError> for Status {
             | ApiErrorKind::RateLimited => Code::ResourceExhausted,
             ApiErrorKind::Unauthenticated => Code::Unauthenticated,
             ApiErrorKind::PermissionDenied => Code::PermissionDenied,
-            ApiErrorKind::Unavailable => Code::Unavailable,
+            ApiErrorKind::Unavailable | ApiErrorKind::NotLeader => Code::Unavailable,
             ApiErrorKind::Cancelled => Code::Cancelled,
             ApiErrorKind::Internal => Code::Internal,
             ApiErrorKind::MethodNotAllowed => Code::Unimplemented,
