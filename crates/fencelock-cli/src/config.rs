@@ -108,6 +108,10 @@ pub struct ServeArgs {
     /// heartbeats, and leases must be at least 3 election timeouts [default: 100].
     #[arg(long, env = "FENCELOCK_RAFT_HEARTBEAT_MS")]
     pub raft_heartbeat_ms: Option<u64>,
+    /// Cluster mode: dial some members elsewhere than their peer address,
+    /// `2=127.0.0.1:9001,…` (fault-injection proxies, address translation).
+    #[arg(long, env = "FENCELOCK_PEER_DIAL")]
+    pub peer_dial: Option<String>,
 }
 
 /// `[cluster]` of the config file.
@@ -179,7 +183,12 @@ fn cluster_config(
     let heartbeat = std::time::Duration::from_millis(
         args.raft_heartbeat_ms.or(file.heartbeat_ms).unwrap_or(100),
     );
+    let dial = match &args.peer_dial {
+        Some(s) => parse_peers(s).map_err(|e| anyhow::anyhow!("--peer-dial: {e}"))?,
+        None => Default::default(),
+    };
     let config = fencelock_server::cluster::ClusterConfig {
+        dial,
         node_id,
         peer_listen,
         peers,
@@ -653,6 +662,7 @@ mod tests {
             advertise_url: None,
             cluster_secret_file: None,
             raft_heartbeat_ms: None,
+            peer_dial: None,
         }
     }
 

@@ -106,6 +106,10 @@ pub struct ClusterConfig {
     pub secret: Option<String>,
     /// Raft heartbeat interval (see [`ClusterConfig::election_timeout`]).
     pub heartbeat: Duration,
+    /// Where to dial some members instead of their recorded peer address (id →
+    /// address): for fault-injection proxies between members, or address
+    /// translation. Empty: dial what the membership records.
+    pub dial: BTreeMap<u64, SocketAddr>,
 }
 
 impl ClusterConfig {

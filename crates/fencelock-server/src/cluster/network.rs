@@ -75,11 +75,16 @@ pub struct Network {
     identity: Arc<PeerIdentity>,
     directory: Arc<Directory>,
     http: HttpClient,
+    dial: Arc<std::collections::BTreeMap<u64, std::net::SocketAddr>>,
 }
 
 impl Network {
     /// A network with one HTTP/2 connection pool for all peers.
-    pub fn new(identity: Arc<PeerIdentity>, directory: Arc<Directory>) -> Network {
+    pub fn new(
+        identity: Arc<PeerIdentity>,
+        directory: Arc<Directory>,
+        dial: std::collections::BTreeMap<u64, std::net::SocketAddr>,
+    ) -> Network {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(1)));
@@ -90,6 +95,7 @@ impl Network {
             identity,
             directory,
             http,
+            dial: Arc::new(dial),
         }
     }
 }
@@ -98,9 +104,13 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = Peer;
 
     async fn new_client(&mut self, target: u64, node: &Member) -> Peer {
+        let addr = match self.dial.get(&target) {
+            Some(addr) => addr.to_string(),
+            None => node.peer_addr.clone(),
+        };
         Peer {
             target,
-            addr: node.peer_addr.clone(),
+            addr,
             network: self.clone(),
         }
     }

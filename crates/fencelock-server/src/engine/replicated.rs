@@ -807,7 +807,11 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
                 format!("cannot listen for peers on {}: {e}", cluster.peer_listen),
             )
         })?;
-    let network = crate::cluster::network::Network::new(identity.clone(), directory.clone());
+    let network = crate::cluster::network::Network::new(
+        identity.clone(),
+        directory.clone(),
+        cluster.dial.clone(),
+    );
     let sm = crate::cluster::state_machine::StateMachine::new(sm_tx, raft_dir.clone());
     let raft_config = Arc::new(cluster.raft_config().validate().map_err(|e| {
         ApiError::new(ApiErrorKind::InvalidArgument, format!("raft settings: {e}"))
