@@ -56,7 +56,11 @@ pub(super) struct Replicated {
     pub(super) min_ttl_ms: u64,
     pub(super) tick_in_flight: bool,
     /// Audit entries go to this thread, which writes them to the audit store.
-    pub(super) audit_tx: std::sync::mpsc::Sender<Vec<AuditEntry>>,
+    pub(super) audit: AuditWriter,
+    /// The Raft log (stopped at shutdown, releasing its directory).
+    pub(super) log_store: crate::cluster::log_store::LogStore,
+    /// Stops the peer listener.
+    pub(super) stop_peers: Option<oneshot::Sender<()>>,
     /// The audit store's high-water mark at start: entries at or below it were
     /// recorded before (re-applied after a restart) and are not recorded again.
     pub(super) audit_high_water: (u64, u32),
@@ -127,25 +131,45 @@ pub(crate) fn leader_url(
         .or_else(|| directory.url(id))
 }
 
-/// Runs audit commits in order on a thread of their own (they fsync).
-pub(super) fn spawn_audit_writer(
-    mut store: AuditStore,
-) -> std::io::Result<std::sync::mpsc::Sender<Vec<AuditEntry>>> {
-    let (tx, rx) = std::sync::mpsc::channel::<Vec<AuditEntry>>();
-    std::thread::Builder::new()
-        .name("fencelock-audit".into())
-        .spawn(move || {
-            while let Ok(mut batch) = rx.recv() {
-                while let Ok(more) = rx.try_recv() {
-                    batch.extend(more);
+/// Audit commits, in order, on a thread of their own (they fsync).
+pub(super) struct AuditWriter {
+    tx: Option<std::sync::mpsc::Sender<Vec<AuditEntry>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl AuditWriter {
+    pub(super) fn spawn(mut store: AuditStore) -> std::io::Result<AuditWriter> {
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<AuditEntry>>();
+        let thread = std::thread::Builder::new()
+            .name("fencelock-audit".into())
+            .spawn(move || {
+                while let Ok(mut batch) = rx.recv() {
+                    while let Ok(more) = rx.try_recv() {
+                        batch.extend(more);
+                    }
+                    if let Err(e) = store.commit(batch) {
+                        tracing::error!(error = %e, "cannot write the audit log; audit entries are lost from here on");
+                        return;
+                    }
                 }
-                if let Err(e) = store.commit(batch) {
-                    tracing::error!(error = %e, "cannot write the audit log; audit entries are lost from here on");
-                    return;
-                }
-            }
-        })?;
-    Ok(tx)
+            })?;
+        Ok(AuditWriter {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    fn send(&self, entries: Vec<AuditEntry>) -> bool {
+        self.tx.as_ref().is_some_and(|tx| tx.send(entries).is_ok())
+    }
+
+    /// Writes what is queued and releases the audit store.
+    async fn stop(&mut self) {
+        self.tx = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
+    }
 }
 
 impl EngineTask {
@@ -205,6 +229,11 @@ impl EngineTask {
                         if let Some(raft) = self.replica().raft.clone() {
                             let _ = raft.shutdown().await;
                         }
+                        if let Some(stop) = self.replica().stop_peers.take() {
+                            let _ = stop.send(());
+                        }
+                        self.replica().log_store.stop().await;
+                        self.replica().audit.stop().await;
                         let _ = self.state.send(super::RunState::Stopped);
                         let _ = done.send(());
                         return;
@@ -638,7 +667,7 @@ impl EngineTask {
         let entries = std::mem::take(&mut self.audit);
         if !entries.is_empty() {
             let count = entries.len() as u64;
-            if self.replica().audit_tx.send(entries).is_ok() {
+            if self.replica().audit.send(entries) {
                 self.metrics
                     .audit_entries
                     .fetch_add(count, std::sync::atomic::Ordering::Relaxed);
@@ -727,8 +756,9 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
     let audit_high_water = audit_store.high_water();
     let audit_index = audit_store.shared_index();
     let audit_len = audit_store.len() as u64;
-    let audit_tx = spawn_audit_writer(audit_store)
+    let audit = AuditWriter::spawn(audit_store)
         .map_err(|e| internal(format!("cannot start a thread: {e}")))?;
+    let (stop_peers, peers_stopped) = oneshot::channel::<()>();
 
     let directory = Arc::new(Directory::default());
     directory.learn(cluster.node_id, &cluster.advertise_url);
@@ -777,7 +807,9 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
             leader: None,
             min_ttl_ms: cluster.min_ttl().as_millis() as u64,
             tick_in_flight: false,
-            audit_tx,
+            audit,
+            log_store: log_store.clone(),
+            stop_peers: Some(stop_peers),
             audit_high_water,
         }),
     };
@@ -826,7 +858,13 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
     };
     let router = crate::cluster::network::router(peer_state);
     tokio::spawn(async move {
-        if let Err(e) = axum::serve(peer_listener, router).await {
+        let stopped = async {
+            let _ = peers_stopped.await;
+        };
+        if let Err(e) = axum::serve(peer_listener, router)
+            .with_graceful_shutdown(stopped)
+            .await
+        {
             tracing::error!(error = %e, "the peer listener stopped");
         }
     });
@@ -834,7 +872,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         .is_initialized()
         .await
         .map_err(|e| internal(format!("raft: {e}")))?;
-    if !initialized {
+    if !initialized && !cluster.join {
         match raft.initialize(initial_members(&cluster.peers)).await {
             Ok(()) => tracing::info!(
                 members = cluster.peers.len(),
@@ -843,6 +881,9 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
             // Another member's initialization reached us first: the same cluster.
             Err(e) => tracing::info!(error = %e, "joined the cluster being formed"),
         }
+    }
+    if !initialized && cluster.join {
+        tracing::info!("waiting to be added to a cluster (fencelock cluster add)");
     }
     let _ = attach_tx.send(raft.clone());
     let shared = Arc::new(ClusterShared {
