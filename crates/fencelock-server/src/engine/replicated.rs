@@ -58,7 +58,7 @@ pub(super) struct Replicated {
     /// Audit entries go to this thread, which writes them to the audit store.
     pub(super) audit: AuditWriter,
     /// The Raft log (stopped at shutdown, releasing its directory).
-    pub(super) log_store: crate::cluster::log_store::LogStore,
+    pub(super) log_store: Option<crate::cluster::log_store::LogStore>,
     /// Stops the peer listener.
     pub(super) stop_peers: Option<oneshot::Sender<()>>,
     /// The audit store's high-water mark at start: entries at or below it were
@@ -187,6 +187,8 @@ impl EngineTask {
         tokio::pin!(timer);
         let mut armed: Option<tokio::time::Instant> = None;
         let mut metrics: Option<MetricsRx> = None;
+        // No Raft to attach (openraft's storage tests drive the state machine alone).
+        let mut detached = false;
         loop {
             let leading = self.replica().leading.is_some();
             if leading {
@@ -209,13 +211,13 @@ impl EngineTask {
                     Some(req) => self.sm_request(req),
                     None => return,
                 },
-                raft = &mut attach, if metrics.is_none() => match raft {
+                raft = &mut attach, if metrics.is_none() && !detached => match raft {
                     Ok(raft) => {
                         metrics = Some(raft.metrics());
                         self.replica().raft = Some(raft);
                         self.on_metrics(metrics.as_ref().expect("just set"));
                     }
-                    Err(_) => return,
+                    Err(_) => detached = true,
                 },
                 changed = async { metrics.as_mut().expect("guarded").changed().await }, if metrics.is_some() => {
                     if changed.is_err() {
@@ -232,7 +234,9 @@ impl EngineTask {
                         if let Some(stop) = self.replica().stop_peers.take() {
                             let _ = stop.send(());
                         }
-                        self.replica().log_store.stop().await;
+                        if let Some(log) = self.replica().log_store.clone() {
+                            log.stop().await;
+                        }
                         self.replica().audit.stop().await;
                         let _ = self.state.send(super::RunState::Stopped);
                         let _ = done.send(());
@@ -768,7 +772,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         .store(audit_len, std::sync::atomic::Ordering::Relaxed);
     let core = fencelock_core::Core::new(config.core.clone());
     metrics.set_state_gauges(&core.stats());
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::unbounded_channel::<Msg>();
     let (events, _) = tokio::sync::broadcast::channel(EVENT_BUFFER);
     let (state_tx, state_rx) = watch::channel(RunState::Running);
     let (sm_tx, sm_rx) = mpsc::channel(SM_QUEUE);
@@ -808,7 +812,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
             min_ttl_ms: cluster.min_ttl().as_millis() as u64,
             tick_in_flight: false,
             audit,
-            log_store: log_store.clone(),
+            log_store: Some(log_store.clone()),
             stop_peers: Some(stop_peers),
             audit_high_water,
         }),
@@ -931,4 +935,74 @@ fn refuse_single_node_data(dir: &std::path::Path) -> Result<(), ApiError> {
         ));
     }
     Ok(())
+}
+
+/// The Raft log and state machine of a member without Raft or network: the real
+/// log store on `dir/log` and the real engine task behind the state machine, for
+/// openraft's storage test suite.
+#[doc(hidden)]
+pub async fn storage_for_tests(
+    dir: &std::path::Path,
+) -> Result<
+    (
+        crate::cluster::log_store::LogStore,
+        crate::cluster::state_machine::StateMachine,
+    ),
+    ApiError,
+> {
+    let log_store = crate::cluster::log_store::LogStore::open(&dir.join("log"), true)
+        .map_err(|e| internal(format!("raft log: {e}")))?;
+    let audit_dir = dir.join("audit");
+    std::fs::create_dir_all(&audit_dir).map_err(internal)?;
+    let audit_store = AuditStore::open(&audit_dir, Default::default(), false)?;
+    let audit_high_water = audit_store.high_water();
+    let audit = AuditWriter::spawn(audit_store).map_err(internal)?;
+    let (tx, rx) = mpsc::unbounded_channel::<Msg>();
+    let (events, _) = tokio::sync::broadcast::channel(EVENT_BUFFER);
+    let (state_tx, _state_rx) = watch::channel(RunState::Running);
+    let (sm_tx, sm_rx) = mpsc::channel(SM_QUEUE);
+    let (_attach_tx, attach_rx) = oneshot::channel();
+    let engine = EngineTask {
+        core: fencelock_core::Core::new(Default::default()),
+        clock: ServiceClock {
+            base_ms: 1,
+            start: Instant::now(),
+        },
+        rx,
+        self_tx: tx,
+        writer: std::sync::mpsc::channel().0,
+        metrics: Arc::new(crate::metrics::Metrics::default()),
+        events,
+        state: state_tx,
+        records: Vec::new(),
+        audit: Vec::new(),
+        outcomes: Vec::new(),
+        next_seq: 0,
+        written: Vec::new(),
+        event_deliveries: Vec::new(),
+        deliveries: Vec::new(),
+        listeners: HashMap::new(),
+        listener_index: HashMap::new(),
+        draining: false,
+        replicated: Some(Replicated {
+            node_id: 1,
+            raft: None,
+            directory: Arc::new(Directory::default()),
+            pending: HashMap::new(),
+            next_seq: 0,
+            applied: None,
+            membership: StoredMembership::default(),
+            leading: None,
+            leader: None,
+            min_ttl_ms: 0,
+            tick_in_flight: false,
+            audit,
+            log_store: None,
+            stop_peers: None,
+            audit_high_water,
+        }),
+    };
+    tokio::spawn(engine.run_replicated(sm_rx, attach_rx));
+    let sm = crate::cluster::state_machine::StateMachine::new(sm_tx, dir.to_owned());
+    Ok((log_store, sm))
 }
