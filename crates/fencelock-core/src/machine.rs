@@ -360,6 +360,14 @@ impl Core {
         self.planted = bugs;
     }
 
+    /// Sets the next fence to `next`, lower or not (the cluster simulation's
+    /// "fence from a member-local counter" planted bug).
+    #[cfg(feature = "planted-bugs")]
+    #[doc(hidden)]
+    pub fn plant_next_fence(&mut self, next: u64) {
+        self.next_fence = next;
+    }
+
     /// The bounds in force.
     pub fn config(&self) -> &Config {
         &self.config

@@ -554,10 +554,13 @@ impl Model {
                 }
             }
             Command::Tick => Ok(Reply::Ticked),
-            Command::Recover => {
+            Command::Recover | Command::Promote => {
                 let now = self.now;
+                let recover = matches!(command, Command::Recover);
                 for li in 0..self.locks.len() {
-                    while !self.locks[li].queue.is_empty() {
+                    // A restart drops the queue (its clients are gone); a new
+                    // cluster leader keeps it (they retry with their request ids).
+                    while recover && !self.locks[li].queue.is_empty() {
                         self.end_wait(li, 0, WaitEnd::ServerRestarted, &mut out);
                     }
                     for h in &mut self.locks[li].holders {
@@ -572,7 +575,11 @@ impl Model {
                 for s in &mut self.sessions {
                     s.deadline = now + s.ttl;
                 }
-                Ok(Reply::Recovered)
+                Ok(if recover {
+                    Reply::Recovered
+                } else {
+                    Reply::Promoted
+                })
             }
             Command::RaiseFenceFloor { floor } => {
                 self.next_fence = self.next_fence.max(*floor).max(1);

@@ -57,6 +57,7 @@ fn render(reply: &Result<Reply, fencelock_core::Error>, outcomes: &[Outcome]) ->
         Ok(Reply::SessionClosed { released }) => format!("session-closed released={released}"),
         Ok(Reply::Ticked) => "ticked".into(),
         Ok(Reply::Recovered) => "recovered".into(),
+        Ok(Reply::Promoted) => "promoted".into(),
         Ok(Reply::FenceFloorRaised { next_fence }) => format!("next-fence={next_fence}"),
     }];
     for o in outcomes {
@@ -420,6 +421,24 @@ fn cancel_wait_removes_a_queued_request() {
     check(&mut c, 1, cancel_wait("a", 2), "cancelled=true\n-> wait-ended a t2 Cancelled");
     check(&mut c, 1, cancel_wait("a", 2), "cancelled=false");
     check(&mut c, 2, release("a", 1), "released=true\n-> granted a fence=2 t3 ttl=1000");
+}
+
+#[rustfmt::skip]
+#[test]
+fn promote_gives_every_lease_a_fresh_full_ttl_and_keeps_the_queue() {
+    let mut c = core();
+    check(&mut c, 0, open_session(1, 100), "session-opened s1 ttl=100");
+    check(&mut c, 0, acquire("a", 1).ttl(100), "granted a fence=1 t1 ttl=100");
+    check(&mut c, 0, acquire("b", 2).session(1), "granted b fence=2 t2 ttl=100 s1");
+    check(&mut c, 0, acquire("a", 3).wait(1000), "queued t3 position=0");
+    check(&mut c, 90, Command::Promote, "promoted");
+    let view = c.lock(&name("a")).expect("held");
+    assert_eq!((view.waiters, view.holders[0].ttl_remaining_ms), (1, 100));
+    // Both leases now end at 190 instead of 100; the queued request then gets `a`.
+    check(&mut c, 189, Command::Tick, "ticked");
+    assert_eq!(c.stats().holders, 2);
+    check(&mut c, 190, Command::Tick, "ticked\n-> granted a fence=3 t3 ttl=1000");
+    assert_eq!(c.stats().holders, 1);
 }
 
 #[rustfmt::skip]

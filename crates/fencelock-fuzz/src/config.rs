@@ -39,6 +39,14 @@ pub fn config_file(data: &[u8]) {
         tls_cert: None,
         tls_key: None,
         fence_floor: None,
+        node_id: None,
+        peer_listen: None,
+        peers: None,
+        advertise_url: None,
+        cluster_secret_file: None,
+        raft_heartbeat_ms: None,
+        peer_dial: None,
+        join: false,
     };
     if let Ok(settings) = cli_config::resolve(args) {
         if settings.log_level.starts_with("warn") {

@@ -45,7 +45,11 @@ use crate::error::{ApiError, ApiErrorKind};
 use crate::metrics::Metrics;
 
 mod replicated;
-pub use replicated::{start_cluster, storage_for_tests, ClusterRuntime, ClusterShared};
+#[cfg(feature = "planted-bugs")]
+pub use replicated::ClusterBugs;
+pub use replicated::{
+    start_cluster, start_member, storage_for_tests, ClusterRuntime, ClusterShared, MemberSpec,
+};
 
 /// Whether acknowledged changes survive power loss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -181,6 +181,7 @@ fn command_strategy() -> impl Strategy<Value = Command> {
         1 => session_strategy().prop_map(|id| Command::CloseSession { id }),
         2 => Just(Command::Tick),
         1 => Just(Command::Recover),
+        1 => Just(Command::Promote),
         1 => (0u64..=40).prop_map(|floor| Command::RaiseFenceFloor { floor }),
     ]
 }
@@ -239,6 +240,7 @@ pub fn render_command(c: &Command) -> String {
         Command::CloseSession { id } => format!("close-session s{}", id.as_u128()),
         Command::Tick => "tick".into(),
         Command::Recover => "recover".into(),
+        Command::Promote => "promote".into(),
         Command::RaiseFenceFloor { floor } => format!("raise-fence-floor {floor}"),
     }
 }

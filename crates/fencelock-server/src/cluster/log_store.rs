@@ -111,7 +111,8 @@ impl Done {
 #[derive(Clone)]
 pub struct LogStore {
     view: Arc<Mutex<View>>,
-    jobs: std::sync::mpsc::SyncSender<Job>,
+    /// `None`: in memory only (the simulation), where an append is "durable" at once.
+    jobs: Option<std::sync::mpsc::SyncSender<Job>>,
     dir: PathBuf,
 }
 
@@ -154,9 +155,24 @@ impl LogStore {
             .spawn(move || writer.run(rx))?;
         Ok(LogStore {
             view,
-            jobs,
+            jobs: Some(jobs),
             dir: dir.to_owned(),
         })
+    }
+
+    /// A log kept in memory only, for the cluster simulation: everything appended
+    /// counts as durable at once, and [`LogStore::after_crash`] sees all of it.
+    pub fn in_memory() -> LogStore {
+        LogStore {
+            view: Arc::default(),
+            jobs: None,
+            dir: PathBuf::from("(memory)"),
+        }
+    }
+
+    /// The same in-memory log, as a member restarted after a crash finds it.
+    pub fn after_crash(&self) -> LogStore {
+        self.clone()
     }
 
     fn view(&self) -> std::sync::MutexGuard<'_, View> {
@@ -166,7 +182,11 @@ impl LogStore {
     }
 
     fn submit(&self, records: Vec<Vec<u8>>, done: Done) -> io::Result<()> {
-        self.jobs.send(Job::Write { records, done }).map_err(|_| {
+        let Some(jobs) = &self.jobs else {
+            done.send(Ok(()));
+            return Ok(());
+        };
+        jobs.send(Job::Write { records, done }).map_err(|_| {
             io_error(format!(
                 "the raft log writer for {} stopped",
                 self.dir.display()
@@ -176,8 +196,9 @@ impl LogStore {
 
     /// Stops the writer after everything queued is durable.
     pub async fn stop(&self) {
+        let Some(jobs) = &self.jobs else { return };
         let (tx, rx) = oneshot::channel();
-        if self.jobs.send(Job::Stop(tx)).is_ok() {
+        if jobs.send(Job::Stop(tx)).is_ok() {
             let _ = rx.await;
         }
     }

@@ -32,7 +32,10 @@ use serde::{Deserialize, Serialize};
 pub struct Proposal {
     /// The member that proposed it (and answers its client).
     pub origin: u64,
-    /// The proposer's request number; 0 when nobody waits for the answer.
+    /// A number drawn when the proposer started: answers go only to requests of
+    /// this run of the member (request numbers restart with it).
+    pub incarnation: u64,
+    /// The proposer's request number.
     pub seq: u64,
     /// `codec::encode_record` of the command.
     pub record: Vec<u8>,
@@ -165,6 +168,10 @@ impl ClusterConfig {
             election_timeout_min: min.as_millis() as u64,
             election_timeout_max: max.as_millis() as u64,
             enable_pre_vote: Some(true),
+            // Standard Raft: a restarted leader holds a new election. Restoring its
+            // old term would let it reuse log ids it had already sent (but not
+            // written) before it stopped, under which followers keep other entries.
+            enable_leader_restore: Some(false),
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(20_000),
             max_in_snapshot_log_to_keep: 2_000,
             ..openraft::Config::default()

@@ -43,6 +43,8 @@ pub(super) enum Pending {
 /// What the engine task keeps in cluster mode.
 pub(super) struct Replicated {
     pub(super) node_id: u64,
+    /// Drawn at start; see `Proposal::incarnation`.
+    pub(super) incarnation: u64,
     pub(super) raft: Option<Raft>,
     pub(super) directory: Arc<Directory>,
     pub(super) pending: HashMap<u64, Pending>,
@@ -64,6 +66,11 @@ pub(super) struct Replicated {
     /// The audit store's high-water mark at start: entries at or below it were
     /// recorded before (re-applied after a restart) and are not recorded again.
     pub(super) audit_high_water: (u64, u32),
+    #[cfg(feature = "planted-bugs")]
+    pub(super) bugs: ClusterBugs,
+    /// With the `local_fence` bug: the next fence by this member's own count.
+    #[cfg(feature = "planted-bugs")]
+    pub(super) local_fence: u64,
 }
 
 /// Shared with the handle: what it needs to route a read or name the leader.
@@ -76,6 +83,8 @@ pub struct ClusterShared {
     pub directory: Arc<Directory>,
     /// This member's advertised URL.
     pub url: String,
+    #[cfg(feature = "planted-bugs")]
+    pub(crate) stale_leader_reads: bool,
 }
 
 impl ClusterShared {
@@ -100,6 +109,16 @@ impl ClusterShared {
     /// quorum confirmed it, ReadIndex — never a clock-based lease) and has applied
     /// everything committed before the read arrived.
     pub async fn read_barrier(&self) -> Result<(), ApiError> {
+        #[cfg(feature = "planted-bugs")]
+        if self.stale_leader_reads {
+            let believes =
+                self.raft.metrics().borrow_watched().current_leader == Some(self.node_id);
+            return if believes {
+                Ok(())
+            } else {
+                Err(self.not_leader())
+            };
+        }
         match self
             .raft
             .ensure_linearizable(openraft::ReadPolicy::ReadIndex)
@@ -190,8 +209,11 @@ impl EngineTask {
         // No Raft to attach (openraft's storage tests drive the state machine alone).
         let mut detached = false;
         loop {
-            let leading = self.replica().leading.is_some();
-            if leading {
+            // No timer while a tick is on its way through Raft: the deadline it
+            // processes is still in the past until it is applied.
+            let r = self.replica();
+            let arm = r.leading.is_some() && !r.tick_in_flight;
+            if arm {
                 let deadline = self
                     .core
                     .next_deadline_ms()
@@ -277,6 +299,11 @@ impl EngineTask {
                     .cluster
                     .leader_changes
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                #[cfg(feature = "planted-bugs")]
+                if self.replica().bugs.expire_on_promote {
+                    self.clock.base_ms += self.core.config().max_ttl_ms;
+                    return;
+                }
                 tracing::info!(term, "this member leads; every lease gets a full TTL");
                 // The new leader cannot know how much of a lease its holder believes
                 // is left: every lease restarts in full before anything expires.
@@ -336,6 +363,19 @@ impl EngineTask {
                         let _ = reply.send(Err(err));
                     }));
                     return;
+                }
+                #[cfg(feature = "planted-bugs")]
+                if self.replica().bugs.apply_before_commit {
+                    let now = self.clock.now_ms().max(self.core.now_ms());
+                    let speculative = self.core.apply(now, Command::Acquire(acquire.clone()));
+                    self.core.discard_outcomes();
+                    if let Ok(Reply::Granted(grant)) = speculative {
+                        self.deliveries.push(Box::new(move || {
+                            let _ = reply.send(Ok(grant));
+                        }));
+                        self.propose(Command::Acquire(acquire), caller, None);
+                        return;
+                    }
                 }
                 self.propose(
                     Command::Acquire(acquire),
@@ -467,6 +507,7 @@ impl EngineTask {
         }
         let proposal = Proposal {
             origin: r.node_id,
+            incarnation: r.incarnation,
             seq,
             record,
         };
@@ -578,7 +619,18 @@ impl EngineTask {
         let now = meta.now_ms.max(self.core.now_ms());
         let is_tick = matches!(command, Command::Tick);
         let copy = command.clone();
+        #[cfg(feature = "planted-bugs")]
+        let local = self.replica().bugs.local_fence && self.replica().leading.is_some();
+        #[cfg(feature = "planted-bugs")]
+        if local {
+            let next = self.replica().local_fence;
+            self.core.plant_next_fence(next);
+        }
         let result = self.core.apply(now, command);
+        #[cfg(feature = "planted-bugs")]
+        if local {
+            self.replica().local_fence = self.core.stats().next_fence;
+        }
         let outcomes = self.core.take_outcomes();
         let entries = audit::entries_for(&meta, &copy, &result, &outcomes);
         let high_water = self.replica().audit_high_water;
@@ -591,7 +643,10 @@ impl EngineTask {
                 start: Instant::now(),
             };
         }
-        let mine = proposal.origin == self.replica().node_id;
+        // Entries proposed by an earlier run of this member (replayed after a
+        // restart) answer nobody: their request numbers are reused.
+        let mine = proposal.origin == self.replica().node_id
+            && proposal.incarnation == self.replica().incarnation;
         if mine && is_tick {
             self.replica().tick_in_flight = false;
         }
@@ -724,15 +779,61 @@ fn internal(what: impl std::fmt::Display) -> ApiError {
     ApiError::new(ApiErrorKind::Internal, what.to_string())
 }
 
-/// Starts a cluster member: the Raft log in `data_dir/raft/log`, the engine task in
-/// cluster mode, openraft, and the peer listener. A fresh member (empty Raft log)
-/// initializes the cluster with `--peers`; every member does so with the same
-/// list, which openraft accepts, so no separate init step is needed.
-pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRuntime), ApiError> {
+/// What [`start_member`] needs besides the engine settings: how to reach peers,
+/// where the Raft log lives, and what to stop at shutdown.
+pub struct MemberSpec<N> {
+    /// The engine settings; `cluster` must be set.
+    pub config: EngineConfig,
+    /// openraft's network (the peer port's HTTP/2 client, or a simulated one).
+    pub network: N,
+    /// The Raft log.
+    pub log_store: crate::cluster::log_store::LogStore,
+    /// Members' URLs (shared with the network, which learns them from peers).
+    pub directory: Arc<Directory>,
+    /// Sent at shutdown (stops the peer listener).
+    pub on_shutdown: Option<oneshot::Sender<()>>,
+    /// Protections switched off for the simulation's planted-bug tests.
+    #[cfg(feature = "planted-bugs")]
+    pub bugs: ClusterBugs,
+}
+
+/// Protections the cluster simulation switches off, one at a time, to show that
+/// its checker catches their absence (compiled in only with `planted-bugs`).
+#[cfg(feature = "planted-bugs")]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClusterBugs {
+    /// The leader applies an acquire and answers it when it arrives, before the
+    /// command is committed.
+    pub apply_before_commit: bool,
+    /// A new leader expires leases at once instead of giving them a full TTL.
+    pub expire_on_promote: bool,
+    /// Fences come from a counter each member keeps while it leads.
+    pub local_fence: bool,
+    /// A member that believes it leads serves reads without ReadIndex.
+    pub stale_leader_reads: bool,
+}
+
+/// Starts a cluster member over any network: the engine task in cluster mode,
+/// then openraft; a fresh member (empty Raft log, not `join`) forms the cluster
+/// from `peers`. Used by [`start_cluster`] and by the cluster simulation.
+pub async fn start_member<N>(spec: MemberSpec<N>) -> Result<(Handle, ClusterRuntime), ApiError>
+where
+    N: openraft::network::RaftNetworkFactory<TypeConfig>,
+    N::Network: openraft::network::NetSnapshot<TypeConfig, SnapshotData = Vec<u8>>,
+{
+    let MemberSpec {
+        config,
+        network,
+        log_store,
+        directory,
+        on_shutdown,
+        #[cfg(feature = "planted-bugs")]
+        bugs,
+    } = spec;
     let cluster = config
         .cluster
         .clone()
-        .ok_or_else(|| internal("start_cluster needs a cluster configuration"))?;
+        .ok_or_else(|| internal("a member needs a cluster configuration"))?;
     cluster
         .validate()
         .map_err(|e| ApiError::new(ApiErrorKind::InvalidArgument, e))?;
@@ -740,19 +841,6 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
     let raft_dir = config.data_dir.join("raft");
     std::fs::create_dir_all(&raft_dir)
         .map_err(|e| internal(format!("cannot create {}: {e}", raft_dir.display())))?;
-    refuse_single_node_data(&config.data_dir)?;
-    let log_store = crate::cluster::log_store::LogStore::open(&raft_dir.join("log"), fsync)
-        .map_err(|e| {
-            let locked = e.to_string().contains("in use") || e.to_string().contains("lock");
-            ApiError::new(
-                if locked {
-                    ApiErrorKind::Unavailable
-                } else {
-                    ApiErrorKind::Internal
-                },
-                format!("cannot open the raft log in {}: {e}", raft_dir.display()),
-            )
-        })?;
     let audit_dir = config.data_dir.join("audit");
     std::fs::create_dir_all(&audit_dir)
         .map_err(|e| internal(format!("cannot create {}: {e}", audit_dir.display())))?;
@@ -762,9 +850,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
     let audit_len = audit_store.len() as u64;
     let audit = AuditWriter::spawn(audit_store)
         .map_err(|e| internal(format!("cannot start a thread: {e}")))?;
-    let (stop_peers, peers_stopped) = oneshot::channel::<()>();
 
-    let directory = Arc::new(Directory::default());
     directory.learn(cluster.node_id, &cluster.advertise_url);
     let metrics = Arc::new(crate::metrics::Metrics::default());
     metrics
@@ -801,6 +887,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         draining: false,
         replicated: Some(Replicated {
             node_id: cluster.node_id,
+            incarnation: super::random_u128() as u64,
             raft: None,
             directory: directory.clone(),
             pending: HashMap::new(),
@@ -813,8 +900,12 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
             tick_in_flight: false,
             audit,
             log_store: Some(log_store.clone()),
-            stop_peers: Some(stop_peers),
+            stop_peers: on_shutdown,
             audit_high_water,
+            #[cfg(feature = "planted-bugs")]
+            bugs,
+            #[cfg(feature = "planted-bugs")]
+            local_fence: 1,
         }),
     };
     let engine_task = tokio::spawn(engine.run_replicated(sm_rx, attach_rx));
@@ -829,25 +920,6 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         }
     });
 
-    let identity = Arc::new(crate::cluster::network::PeerIdentity {
-        node_id: cluster.node_id,
-        url: cluster.advertise_url.clone(),
-        secret: cluster.secret.clone(),
-        config: config_fingerprint(&config.core),
-    });
-    let peer_listener = tokio::net::TcpListener::bind(cluster.peer_listen)
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                ApiErrorKind::Unavailable,
-                format!("cannot listen for peers on {}: {e}", cluster.peer_listen),
-            )
-        })?;
-    let network = crate::cluster::network::Network::new(
-        identity.clone(),
-        directory.clone(),
-        cluster.dial.clone(),
-    );
     let sm = crate::cluster::state_machine::StateMachine::new(sm_tx, raft_dir.clone());
     let raft_config = Arc::new(cluster.raft_config().validate().map_err(|e| {
         ApiError::new(ApiErrorKind::InvalidArgument, format!("raft settings: {e}"))
@@ -855,23 +927,6 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
     let raft = Raft::new(cluster.node_id, raft_config, network, log_store.clone(), sm)
         .await
         .map_err(|e| internal(format!("cannot start raft: {e}")))?;
-    let peer_state = crate::cluster::network::PeerState {
-        raft: raft.clone(),
-        identity,
-        directory: directory.clone(),
-    };
-    let router = crate::cluster::network::router(peer_state);
-    tokio::spawn(async move {
-        let stopped = async {
-            let _ = peers_stopped.await;
-        };
-        if let Err(e) = axum::serve(peer_listener, router)
-            .with_graceful_shutdown(stopped)
-            .await
-        {
-            tracing::error!(error = %e, "the peer listener stopped");
-        }
-    });
     let initialized = raft
         .is_initialized()
         .await
@@ -895,6 +950,8 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         node_id: cluster.node_id,
         directory,
         url: cluster.advertise_url.clone(),
+        #[cfg(feature = "planted-bugs")]
+        stale_leader_reads: bugs.stale_leader_reads,
     });
     let handle = Handle {
         shared: Arc::new(Shared {
@@ -911,6 +968,85 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         }),
     };
     Ok((handle, ClusterRuntime { shared, log_store }))
+}
+
+/// Starts a cluster member on this machine's network: the Raft log in
+/// `data_dir/raft/log` (fencelock-log), the peer listener (HTTP/2, the cluster
+/// secret, the configuration check), and [`start_member`].
+pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRuntime), ApiError> {
+    let cluster = config
+        .cluster
+        .clone()
+        .ok_or_else(|| internal("start_cluster needs a cluster configuration"))?;
+    cluster
+        .validate()
+        .map_err(|e| ApiError::new(ApiErrorKind::InvalidArgument, e))?;
+    let fsync = config.durability == super::Durability::Fsync;
+    let raft_dir = config.data_dir.join("raft");
+    std::fs::create_dir_all(&raft_dir)
+        .map_err(|e| internal(format!("cannot create {}: {e}", raft_dir.display())))?;
+    refuse_single_node_data(&config.data_dir)?;
+    let log_store = crate::cluster::log_store::LogStore::open(&raft_dir.join("log"), fsync)
+        .map_err(|e| {
+            let locked = e.to_string().contains("in use") || e.to_string().contains("lock");
+            ApiError::new(
+                if locked {
+                    ApiErrorKind::Unavailable
+                } else {
+                    ApiErrorKind::Internal
+                },
+                format!("cannot open the raft log in {}: {e}", raft_dir.display()),
+            )
+        })?;
+    let directory = Arc::new(Directory::default());
+    let identity = Arc::new(crate::cluster::network::PeerIdentity {
+        node_id: cluster.node_id,
+        url: cluster.advertise_url.clone(),
+        secret: cluster.secret.clone(),
+        config: config_fingerprint(&config.core),
+    });
+    let peer_listener = tokio::net::TcpListener::bind(cluster.peer_listen)
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                ApiErrorKind::Unavailable,
+                format!("cannot listen for peers on {}: {e}", cluster.peer_listen),
+            )
+        })?;
+    let network = crate::cluster::network::Network::new(
+        identity.clone(),
+        directory.clone(),
+        cluster.dial.clone(),
+    );
+    let (stop_peers, peers_stopped) = oneshot::channel::<()>();
+    let (handle, runtime) = start_member(MemberSpec {
+        config,
+        network,
+        log_store,
+        directory,
+        on_shutdown: Some(stop_peers),
+        #[cfg(feature = "planted-bugs")]
+        bugs: ClusterBugs::default(),
+    })
+    .await?;
+    let peer_state = crate::cluster::network::PeerState {
+        raft: runtime.shared.raft.clone(),
+        identity,
+        directory: runtime.shared.directory.clone(),
+    };
+    let router = crate::cluster::network::router(peer_state);
+    tokio::spawn(async move {
+        let stopped = async {
+            let _ = peers_stopped.await;
+        };
+        if let Err(e) = axum::serve(peer_listener, router)
+            .with_graceful_shutdown(stopped)
+            .await
+        {
+            tracing::error!(error = %e, "the peer listener stopped");
+        }
+    });
+    Ok((handle, runtime))
 }
 
 /// A single server's data directory cannot silently become a member: its state
@@ -986,6 +1122,7 @@ pub async fn storage_for_tests(
         draining: false,
         replicated: Some(Replicated {
             node_id: 1,
+            incarnation: super::random_u128() as u64,
             raft: None,
             directory: Arc::new(Directory::default()),
             pending: HashMap::new(),
@@ -1000,6 +1137,10 @@ pub async fn storage_for_tests(
             log_store: None,
             stop_peers: None,
             audit_high_water,
+            #[cfg(feature = "planted-bugs")]
+            bugs: ClusterBugs::default(),
+            #[cfg(feature = "planted-bugs")]
+            local_fence: 1,
         }),
     };
     tokio::spawn(engine.run_replicated(sm_rx, attach_rx));
