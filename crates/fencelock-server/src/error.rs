@@ -121,7 +121,9 @@ impl ApiError {
     pub fn not_leader(leader: Option<String>) -> ApiError {
         let message = match &leader {
             Some(url) => format!("this member is not the leader; send the request to {url}"),
-            None => "this member is not the leader and no leader is known yet; retry shortly".to_owned(),
+            None => {
+                "this member is not the leader and no leader is known yet; retry shortly".to_owned()
+            }
         };
         ApiError {
             kind: ApiErrorKind::NotLeader,

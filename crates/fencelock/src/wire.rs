@@ -667,6 +667,7 @@ mod tests {
             &Response::Error(wire::WireError {
                 code: "cancelled".into(),
                 message: String::new(),
+                leader: String::new(),
             }),
         ));
         input.extend(answer(1, &Response::Pong));
@@ -698,6 +699,7 @@ mod tests {
             &Response::Error(wire::WireError {
                 code: "cancelled".into(),
                 message: String::new(),
+                leader: String::new(),
             }),
         );
         let mut out = Vec::new();
