@@ -255,10 +255,7 @@ impl WireClient {
             }
         };
         match answer {
-            Response::Error(e) => Err(Error::new(
-                crate::server::kind_from_code(&e.code),
-                e.message,
-            )),
+            Response::Error(e) => Err(crate::server::error_from_wire(e)),
             other => Ok(other),
         }
     }
@@ -349,12 +346,7 @@ impl WireClient {
         if self.shared.token.is_some() {
             match read_response(stream, &mut input).await.map_err(lost)? {
                 (_, Response::Welcome) => {}
-                (_, Response::Error(e)) => {
-                    return Err(Error::new(
-                        crate::server::kind_from_code(&e.code),
-                        e.message,
-                    ))
-                }
+                (_, Response::Error(e)) => return Err(crate::server::error_from_wire(e)),
                 (_, other) => {
                     return Err(Error::new(
                         ErrorKind::Protocol,
