@@ -197,6 +197,8 @@ impl FencelockBackend {
     /// Connects to the server at `config.url` (to the first member of a cluster that
     /// can be reached), failing if none can be within `connect_timeout` each.
     pub async fn connect(config: ServerConfig) -> Result<FencelockBackend, Error> {
+        // A bad token is the caller's mistake, whether or not a server answers.
+        authorization(&config)?;
         let urls = config.urls();
         let mut nodes = Vec::with_capacity(urls.len());
         for url in &urls {
@@ -241,15 +243,7 @@ impl FencelockBackend {
         if nodes.is_empty() {
             return Err(no_url());
         }
-        let authorization = match &config.token {
-            None => None,
-            Some(token) => Some(format!("Bearer {token}").parse().map_err(|_| {
-                Error::new(
-                    ErrorKind::InvalidArgument,
-                    "the token must be printable ASCII",
-                )
-            })?),
-        };
+        let authorization = authorization(&config)?;
         Ok(FencelockBackend {
             shared: Arc::new(Shared {
                 nodes: RwLock::new(nodes.into_iter().map(Arc::new).collect()),
@@ -449,6 +443,22 @@ impl FencelockBackend {
         })
         .await
     }
+}
+
+/// The `authorization` metadata of `config`'s token.
+fn authorization(
+    config: &ServerConfig,
+) -> Result<Option<MetadataValue<tonic::metadata::Ascii>>, Error> {
+    let Some(token) = &config.token else {
+        return Ok(None);
+    };
+    let value = format!("Bearer {token}").parse().map_err(|_| {
+        Error::new(
+            ErrorKind::InvalidArgument,
+            "the token must be printable ASCII",
+        )
+    })?;
+    Ok(Some(value))
 }
 
 fn no_url() -> Error {
