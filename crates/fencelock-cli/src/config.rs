@@ -86,6 +86,122 @@ pub struct ServeArgs {
     /// `now` (microseconds since the Unix epoch, what `fencelock restore` uses).
     #[arg(long, env = "FENCELOCK_FENCE_FLOOR")]
     pub fence_floor: Option<FenceFloor>,
+    /// Cluster mode: this member's id (with --peers and --peer-listen).
+    #[arg(long, env = "FENCELOCK_NODE_ID")]
+    pub node_id: Option<u64>,
+    /// Cluster mode: where this member listens for its peers.
+    #[arg(long, env = "FENCELOCK_PEER_LISTEN")]
+    pub peer_listen: Option<SocketAddr>,
+    /// Cluster mode: every initial member's peer address, `1=127.0.0.1:7521,2=…`
+    /// (the same list on every member; a fresh cluster forms from it).
+    #[arg(long, env = "FENCELOCK_PEERS")]
+    pub peers: Option<String>,
+    /// Cluster mode: the URL clients should use for this member [default:
+    /// http://<listen>].
+    #[arg(long, env = "FENCELOCK_ADVERTISE_URL")]
+    pub advertise_url: Option<String>,
+    /// Cluster mode: a file holding the shared secret that authenticates peer
+    /// traffic (at least 16 characters; required unless peers listen on loopback).
+    #[arg(long, env = "FENCELOCK_CLUSTER_SECRET_FILE")]
+    pub cluster_secret_file: Option<PathBuf>,
+    /// Cluster mode: the Raft heartbeat in ms; elections time out after 5–10
+    /// heartbeats, and leases must be at least 3 election timeouts [default: 100].
+    #[arg(long, env = "FENCELOCK_RAFT_HEARTBEAT_MS")]
+    pub raft_heartbeat_ms: Option<u64>,
+    /// Cluster mode: dial some members elsewhere than their peer address,
+    /// `2=127.0.0.1:9001,…` (fault-injection proxies, address translation).
+    #[arg(long, env = "FENCELOCK_PEER_DIAL")]
+    pub peer_dial: Option<String>,
+}
+
+/// `[cluster]` of the config file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileCluster {
+    node_id: Option<u64>,
+    peer_listen: Option<SocketAddr>,
+    peers: Option<String>,
+    advertise_url: Option<String>,
+    secret_file: Option<PathBuf>,
+    heartbeat_ms: Option<u64>,
+}
+
+/// Parses `1=127.0.0.1:7521,2=127.0.0.1:7522`.
+fn parse_peers(s: &str) -> Result<std::collections::BTreeMap<u64, SocketAddr>> {
+    let mut peers = std::collections::BTreeMap::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let Some((id, addr)) = part.split_once('=') else {
+            bail!("--peers: `{part}` is not ID=HOST:PORT");
+        };
+        let id: u64 = id
+            .trim()
+            .parse()
+            .map_err(|_| anyhow::anyhow!("--peers: `{id}` is not a member id"))?;
+        let addr: SocketAddr = addr.trim().parse().map_err(|_| {
+            anyhow::anyhow!("--peers: `{addr}` is not an address like 127.0.0.1:7521")
+        })?;
+        if peers.insert(id, addr).is_some() {
+            bail!("--peers lists member {id} twice");
+        }
+    }
+    if peers.is_empty() {
+        bail!("--peers is empty");
+    }
+    Ok(peers)
+}
+
+/// The cluster settings, if any cluster flag or `[cluster]` key is given.
+fn cluster_config(
+    args: &ServeArgs,
+    file: &FileCluster,
+) -> Result<Option<fencelock_server::cluster::ClusterConfig>> {
+    let node_id = args.node_id.or(file.node_id);
+    let peer_listen = args.peer_listen.or(file.peer_listen);
+    let peers = args.peers.clone().or(file.peers.clone());
+    if node_id.is_none() && peer_listen.is_none() && peers.is_none() {
+        return Ok(None);
+    }
+    let (Some(node_id), Some(peer_listen), Some(peers)) = (node_id, peer_listen, peers) else {
+        bail!("cluster mode needs --node-id, --peer-listen and --peers together");
+    };
+    let peers = parse_peers(&peers)?;
+    let secret = match args
+        .cluster_secret_file
+        .clone()
+        .or(file.secret_file.clone())
+    {
+        Some(path) => Some(
+            std::fs::read_to_string(&path)
+                .map_err(|e| {
+                    anyhow::anyhow!("cannot read the cluster secret {}: {e}", path.display())
+                })?
+                .trim()
+                .to_owned(),
+        ),
+        None => None,
+    };
+    let heartbeat = std::time::Duration::from_millis(
+        args.raft_heartbeat_ms.or(file.heartbeat_ms).unwrap_or(100),
+    );
+    let dial = match &args.peer_dial {
+        Some(s) => parse_peers(s).map_err(|e| anyhow::anyhow!("--peer-dial: {e}"))?,
+        None => Default::default(),
+    };
+    let config = fencelock_server::cluster::ClusterConfig {
+        dial,
+        node_id,
+        peer_listen,
+        peers,
+        advertise_url: args
+            .advertise_url
+            .clone()
+            .or(file.advertise_url.clone())
+            .unwrap_or_default(),
+        secret,
+        heartbeat,
+    };
+    config.validate().map_err(anyhow::Error::msg)?;
+    Ok(Some(config))
 }
 
 /// A fence floor: a number, or `now` (microseconds since the Unix epoch).
@@ -174,6 +290,8 @@ struct FileConfig {
     #[serde(default)]
     audit: FileAudit,
     fence_floor: Option<FenceFloor>,
+    #[serde(default)]
+    cluster: FileCluster,
 }
 
 /// `[audit]`: retention of the audit log.
@@ -358,7 +476,8 @@ pub fn resolve(args: ServeArgs) -> Result<Settings> {
     };
     let data_dir = args
         .data_dir
-        .or(file.data_dir)
+        .clone()
+        .or(file.data_dir.clone())
         .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR));
     let durability = match args.durability.or(file.durability) {
         Some(DurabilityArg::None) => Durability::None,
@@ -398,6 +517,7 @@ pub fn resolve(args: ServeArgs) -> Result<Settings> {
     if let Some(floor) = args.fence_floor.or(file.fence_floor) {
         engine.fence_floor = floor.resolve()?;
     }
+    engine.cluster = cluster_config(&args, &file.cluster)?;
     if let Some(v) = file.storage.segment_bytes {
         if v < 1 << 20 {
             bail!("storage.segment_bytes must be at least 1 MiB");
@@ -536,6 +656,46 @@ mod tests {
             tls_cert: None,
             tls_key: None,
             fence_floor: None,
+            node_id: None,
+            peer_listen: None,
+            peers: None,
+            advertise_url: None,
+            cluster_secret_file: None,
+            raft_heartbeat_ms: None,
+            peer_dial: None,
+        }
+    }
+
+    #[test]
+    fn cluster_flags_go_together_and_peers_parse() {
+        assert!(resolve(args()).unwrap().server.engine.cluster.is_none());
+        let mut a = args();
+        a.node_id = Some(2);
+        let e = resolve(a).unwrap_err().to_string();
+        assert!(
+            e.contains("--node-id, --peer-listen and --peers together"),
+            "{e}"
+        );
+        let mut a = args();
+        a.node_id = Some(2);
+        a.peer_listen = Some("127.0.0.1:7522".parse().unwrap());
+        a.peers = Some("1=127.0.0.1:7521, 2=127.0.0.1:7522,3=127.0.0.1:7523".into());
+        let c = resolve(a).unwrap().server.engine.cluster.unwrap();
+        assert_eq!(c.node_id, 2);
+        assert_eq!(c.peers.len(), 3);
+        for (peers, why) in [
+            ("1=127.0.0.1:7521,1=127.0.0.1:7522", "twice"),
+            ("1:127.0.0.1:7521", "ID=HOST:PORT"),
+            ("x=127.0.0.1:7521", "not a member id"),
+            ("2=localhost", "not an address"),
+            ("1=127.0.0.1:7521", "must list this member (2)"),
+        ] {
+            let mut a = args();
+            a.node_id = Some(2);
+            a.peer_listen = Some("127.0.0.1:7522".parse().unwrap());
+            a.peers = Some(peers.into());
+            let e = resolve(a).unwrap_err().to_string();
+            assert!(e.contains(why), "{peers}: {e}");
         }
     }
 

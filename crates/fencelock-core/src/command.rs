@@ -120,6 +120,11 @@ pub enum Command {
     /// The server restarted: every lease and session gets a full fresh TTL, and every
     /// queued request is dropped (its client is gone).
     Recover,
+    /// A new cluster leader took over: every lease and session gets a full fresh
+    /// TTL, as after a restart (the new leader cannot know how much of a lease the
+    /// holder believes is left), but queued requests keep their place: their
+    /// clients retry with the same request id.
+    Promote,
     /// Make every fence from now on at least `floor` (used after restoring a backup).
     RaiseFenceFloor {
         /// The least fence the next grant may get.
@@ -195,6 +200,8 @@ pub enum Reply {
     Ticked,
     /// Leases were refreshed after a restart.
     Recovered,
+    /// Leases were refreshed for a new leader.
+    Promoted,
     /// The fence floor was raised.
     FenceFloorRaised {
         /// The next fence that will be issued.

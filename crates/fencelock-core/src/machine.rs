@@ -439,6 +439,10 @@ impl Core {
                 self.recover();
                 Ok(Reply::Recovered)
             }
+            Command::Promote => {
+                self.refresh_leases();
+                Ok(Reply::Promoted)
+            }
             Command::RaiseFenceFloor { floor } => {
                 if floor > MAX_FENCE_FLOOR {
                     return Err(err(
@@ -1227,7 +1231,6 @@ impl Core {
     /// ever extends leases, which is safe); queued requests are dropped because their
     /// clients' connections are gone.
     fn recover(&mut self) {
-        let now = self.now_ms;
         let queued: Vec<OwnerToken> = self
             .locks
             .values()
@@ -1237,6 +1240,13 @@ impl Core {
             let name = self.end_wait(token, WaitEnd::ServerRestarted);
             self.drop_lock_if_unused(&name);
         }
+        self.refresh_leases();
+    }
+
+    /// Every lease and session restarts with its full TTL from now; waits keep
+    /// their deadlines.
+    fn refresh_leases(&mut self) {
+        let now = self.now_ms;
         // Collected, then bulk-built: inserting a million timers one by one in hash
         // order was a fifth of a restart.
         let mut timers = Vec::with_capacity(self.holders.len() + self.sessions.len());
@@ -1258,6 +1268,9 @@ impl Core {
             if lock.blocked_until_ms > now {
                 timers.push((lock.blocked_until_ms, Timer::Unblock(key.name.clone())));
             }
+        }
+        for (token, w) in &self.waiters {
+            timers.push((w.wait_deadline_ms, Timer::Wait(*token)));
         }
         timers.sort_unstable();
         self.timers = timers.into_iter().collect();

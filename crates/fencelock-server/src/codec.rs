@@ -249,6 +249,7 @@ mod tag {
     pub const TICK: u8 = 9;
     pub const RECOVER: u8 = 10;
     pub const RAISE_FENCE_FLOOR: u8 = 11;
+    pub const PROMOTE: u8 = 12;
 }
 
 /// What a log record carries besides its command: enough to rebuild the audit
@@ -344,6 +345,7 @@ pub fn encode_record(meta: &RecordMeta, command: &Command) -> Vec<u8> {
         }
         Command::Tick => e.u8(tag::TICK),
         Command::Recover => e.u8(tag::RECOVER),
+        Command::Promote => e.u8(tag::PROMOTE),
         Command::RaiseFenceFloor { floor } => {
             e.u8(tag::RAISE_FENCE_FLOOR);
             e.u64(*floor);
@@ -420,6 +422,7 @@ pub fn decode_record(bytes: &[u8]) -> Result<(RecordMeta, Command), DecodeError>
         },
         tag::TICK => Command::Tick,
         tag::RECOVER => Command::Recover,
+        tag::PROMOTE => Command::Promote,
         tag::RAISE_FENCE_FLOOR => Command::RaiseFenceFloor { floor: d.u64()? },
         t => return Err(bad(format!("unknown command tag {t}"))),
     };

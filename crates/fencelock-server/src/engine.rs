@@ -44,6 +44,9 @@ use crate::codec::{self, RecordMeta};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::metrics::Metrics;
 
+mod replicated;
+pub use replicated::{start_cluster, ClusterRuntime, ClusterShared};
+
 /// Whether acknowledged changes survive power loss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Durability {
@@ -81,6 +84,9 @@ pub struct EngineConfig {
     /// server restarted into an empty or older data directory never reissues a
     /// fence that was seen. 0: none.
     pub fence_floor: u64,
+    /// Cluster mode (`--node-id`, `--peers`, …): commands are replicated with Raft
+    /// and the log lives in `data_dir/raft`. `None`: a single server.
+    pub cluster: Option<crate::cluster::ClusterConfig>,
 }
 
 /// The default bound of the log writer's polling: up to this long after a small
@@ -107,6 +113,7 @@ impl EngineConfig {
             audit: AuditConfig::default(),
             writer_poll: DEFAULT_WRITER_POLL,
             fence_floor: 0,
+            cluster: None,
         }
     }
 }
@@ -252,7 +259,7 @@ pub(crate) type GrantSink = Box<dyn FnOnce(Result<Grant, ApiError>) -> bool + Se
 
 /// Where a command's answer goes, called on the thread that delivers it (see
 /// [`GrantSink`]).
-pub(crate) type ReplySink = Box<dyn FnOnce(Result<Reply, CoreError>) + Send>;
+pub(crate) type ReplySink = Box<dyn FnOnce(Result<Reply, ApiError>) + Send>;
 
 /// An acquire's answer: to a future awaiting it, or to a sink.
 enum AcquireReply {
@@ -272,12 +279,20 @@ impl AcquireReply {
 
 /// A command's answer: to a future awaiting it, or to a sink.
 enum CommandReply {
-    Channel(oneshot::Sender<Result<Reply, CoreError>>),
+    Channel(oneshot::Sender<Result<Reply, ApiError>>),
     Sink(ReplySink),
 }
 
 impl CommandReply {
     fn send(self, result: Result<Reply, CoreError>) {
+        self.send_api_result(result.map_err(ApiError::from));
+    }
+
+    fn send_api(self, error: ApiError) {
+        self.send_api_result(Err(error));
+    }
+
+    fn send_api_result(self, result: Result<Reply, ApiError>) {
         match self {
             CommandReply::Channel(tx) => {
                 let _ = tx.send(result);
@@ -311,6 +326,13 @@ enum Msg {
         token: OwnerToken,
     },
     Read(Read),
+    /// Cluster mode: proposal `seq` will not be applied here (`error` says why).
+    Abandon {
+        seq: u64,
+        error: ApiError,
+    },
+    /// Cluster mode: the tick proposal finished (committed or refused).
+    TickDone,
     Drain,
     Shutdown(oneshot::Sender<()>),
 }
@@ -342,8 +364,11 @@ enum WriterMsg {
 
 struct Shared {
     tx: mpsc::UnboundedSender<Msg>,
-    /// Backups go through the writer (see [`WriterMsg::Backup`]).
-    writer: std::sync::mpsc::Sender<WriterMsg>,
+    /// Backups go through the writer (see [`WriterMsg::Backup`]); `None` in
+    /// cluster mode, which has no writer thread.
+    writer: Option<std::sync::mpsc::Sender<WriterMsg>>,
+    /// Cluster mode: the Raft handle and who leads.
+    cluster: Option<Arc<ClusterShared>>,
     metrics: Arc<Metrics>,
     events: broadcast::Sender<SharedEvent>,
     state: watch::Receiver<RunState>,
@@ -733,6 +758,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         listeners: std::collections::HashMap::new(),
         listener_index: std::collections::HashMap::new(),
         draining: false,
+        replicated: None,
     };
     let engine_task = tokio::spawn(engine.run());
     // A panic in the engine is a broken invariant: stop serving (fail-stop) and say so.
@@ -749,7 +775,8 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     Ok(Handle {
         shared: Arc::new(Shared {
             tx,
-            writer: writer_tx,
+            writer: Some(writer_tx),
+            cluster: None,
             metrics,
             events,
             state: state_rx,
@@ -788,6 +815,8 @@ struct EngineTask {
     /// Which queued request each listener waits on.
     listener_index: std::collections::HashMap<u128, (LockName, OwnerToken)>,
     draining: bool,
+    /// Cluster mode's state (see [`replicated`]); `None` for a single server.
+    replicated: Option<replicated::Replicated>,
 }
 
 /// Snapshots write at most this many bytes per byte of log: a snapshot is taken once
@@ -887,23 +916,7 @@ impl EngineTask {
                 caller,
                 reply,
             } => {
-                let session = match &command {
-                    Command::KeepAlive { id } | Command::CloseSession { id } => Some(*id),
-                    _ => None,
-                };
-                // Another principal's session answers like a missing one (nothing
-                // to apply, so nothing logged): its existence is not revealed. The
-                // owner is told apart in O(1); only others cost a walk of the
-                // session's locks.
-                if let Some(id) = session.filter(|id| match self.core.session_tenant(*id) {
-                    None => false,
-                    Some(Some(owner)) if Some(owner) == caller.tenant.as_ref() => false,
-                    Some(_) => self
-                        .core
-                        .session(*id)
-                        .is_some_and(|view| !caller.may_manage(&view)),
-                }) {
-                    let missing = session_missing(id);
+                if let Some(missing) = self.foreign_session(&command, &caller) {
                     self.deliveries
                         .push(Box::new(move || reply.send(Err(missing))));
                     return;
@@ -920,8 +933,45 @@ impl EngineTask {
                 self.deliveries.push(delivery);
             }
             Msg::Drain => self.drain(),
+            Msg::Abandon { .. } | Msg::TickDone => {
+                unreachable!("only cluster mode proposes")
+            }
             Msg::Shutdown(_) => unreachable!("handled by run"),
         }
+    }
+
+    /// Another principal's session answers like a missing one (nothing to apply,
+    /// so nothing logged): its existence is not revealed. The owner is told apart
+    /// in O(1); only others cost a walk of the session's locks.
+    fn foreign_session(&self, command: &Command, caller: &Requester) -> Option<CoreError> {
+        let id = match command {
+            Command::KeepAlive { id } | Command::CloseSession { id } => *id,
+            _ => return None,
+        };
+        let foreign = match self.core.session_tenant(id) {
+            None => false,
+            Some(Some(owner)) if Some(owner) == caller.tenant.as_ref() => false,
+            Some(_) => self
+                .core
+                .session(id)
+                .is_some_and(|view| !caller.may_manage(&view)),
+        };
+        foreign.then(|| session_missing(id))
+    }
+
+    /// Forgets `listener`; returns the queued request to cancel if it was the
+    /// last one waiting on it.
+    fn forget_listener(&mut self, listener: u128) -> Option<(LockName, OwnerToken)> {
+        let (name, token) = self.listener_index.remove(&listener)?;
+        let remaining = self.listeners.get_mut(&token).map(|ls| {
+            ls.retain(|(id, _)| *id != listener);
+            ls.len()
+        });
+        if remaining == Some(0) {
+            self.listeners.remove(&token);
+            return Some((name, token));
+        }
+        None
     }
 
     /// Applies one command at the current service time and logs it if it changed
@@ -1115,15 +1165,7 @@ impl EngineTask {
     }
 
     fn cancel_listener(&mut self, listener: u128) {
-        let Some((name, token)) = self.listener_index.remove(&listener) else {
-            return; // already answered
-        };
-        let remaining = self.listeners.get_mut(&token).map(|ls| {
-            ls.retain(|(id, _)| *id != listener);
-            ls.len()
-        });
-        if remaining == Some(0) {
-            self.listeners.remove(&token);
+        if let Some((name, token)) = self.forget_listener(listener) {
             self.execute(Command::CancelWait { name, token }, |_| {});
         }
     }
@@ -1812,13 +1854,29 @@ impl Handle {
             reply: CommandReply::Channel(tx),
         })?;
         match rx.await {
-            Ok(result) => result.map_err(ApiError::from),
+            Ok(result) => result,
             Err(_) => Err(unavailable()),
         }
     }
 
     /// Reads the core's state after everything before it is durable.
+    /// In cluster mode the read is linearizable: the leader confirms it still leads
+    /// (ReadIndex) and reads once everything committed before is applied; another
+    /// member answers `not_leader`.
     pub async fn read<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Core) -> T + Send + 'static,
+    ) -> Result<T, ApiError> {
+        if let Some(cluster) = self.shared.cluster() {
+            cluster.read_barrier().await?;
+        }
+        self.read_local(f).await
+    }
+
+    /// Reads this member's state as applied so far, without asking the leader
+    /// (`?stale=true`): possibly behind the cluster. The same as
+    /// [`Handle::read`] on a single server.
+    pub async fn read_local<T: Send + 'static>(
         &self,
         f: impl FnOnce(&Core) -> T + Send + 'static,
     ) -> Result<T, ApiError> {
@@ -2076,7 +2134,37 @@ impl Handle {
 
     /// The view of one lock, if it exists.
     pub async fn lock(&self, name: LockName) -> Result<Option<LockView>, ApiError> {
+        self.lock_with(name, false).await
+    }
+
+    /// [`Handle::lock`], or with `stale` this member's view (see
+    /// [`Handle::read_local`]).
+    pub async fn lock_with(
+        &self,
+        name: LockName,
+        stale: bool,
+    ) -> Result<Option<LockView>, ApiError> {
+        if stale {
+            return self.read_local(move |core| core.lock(&name)).await;
+        }
         self.read(move |core| core.lock(&name)).await
+    }
+
+    /// [`Handle::locks`], or with `stale` this member's view (see
+    /// [`Handle::read_local`]).
+    pub async fn locks_with(
+        &self,
+        prefix: String,
+        after: Option<LockName>,
+        max: usize,
+        stale: bool,
+    ) -> Result<Vec<LockView>, ApiError> {
+        if stale {
+            return self
+                .read_local(move |core| core.locks(&prefix, after.as_ref(), max))
+                .await;
+        }
+        self.locks(prefix, after, max).await
     }
 
     /// Locks by prefix, paginated by name.
@@ -2096,12 +2184,23 @@ impl Handle {
     /// fdatasync included: the backup waits for that fdatasync). It is encoded by the
     /// replica, so the engine does not pause for it.
     pub async fn snapshot(&self) -> Result<Vec<u8>, ApiError> {
+        let Some(writer) = &self.shared.writer else {
+            // Cluster mode: everything committed before is applied once the barrier
+            // passes.
+            return self
+                .read(|core| codec::encode_snapshot(&core.export()))
+                .await;
+        };
         let (tx, rx) = oneshot::channel();
-        self.shared
-            .writer
+        writer
             .send(WriterMsg::Backup(tx))
             .map_err(|_| unavailable())?;
         rx.await.map_err(|_| unavailable())
+    }
+
+    /// Cluster mode: the Raft handle and leadership; `None` on a single server.
+    pub fn cluster(&self) -> Option<&Arc<ClusterShared>> {
+        self.shared.cluster()
     }
 
     /// Durable lock events from now on. A slow watcher that falls behind by more

@@ -540,7 +540,7 @@ impl Locks for LocksService {
             .as_deref()
             .map(|a| lock_name("after", a))
             .transpose()?;
-        let views = crate::input::locks_in(&self.handle, ranges, after, max).await?;
+        let views = crate::input::locks_in(&self.handle, ranges, after, max, false).await?;
         let next_after = (views.len() == max)
             .then(|| views.last().map(|v| v.name.to_string()))
             .flatten();

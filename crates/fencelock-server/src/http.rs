@@ -180,6 +180,17 @@ struct ListParams {
     prefix: String,
     after: Option<String>,
     limit: Option<usize>,
+    /// Cluster mode: read this member's state without asking the leader.
+    #[serde(default)]
+    stale: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ShowParams {
+    /// Cluster mode: read this member's state without asking the leader.
+    #[serde(default)]
+    stale: bool,
 }
 
 #[derive(Serialize)]
@@ -333,11 +344,13 @@ async fn show_lock(
     State(h): State<Handle>,
     Caller(caller): Caller,
     path: Result<Path<String>, PathRejection>,
+    query: Result<Query<ShowParams>, QueryRejection>,
 ) -> Result<Json<LockJson>, ApiError> {
     let Path(raw) = path.map_err(path_error)?;
+    let Query(p) = query.map_err(|e| invalid("query", e.body_text()))?;
     let name = name(&raw)?;
     caller.authorize(Action::Read, Some(name.as_str()))?;
-    match h.lock(name.clone()).await? {
+    match h.lock_with(name.clone(), p.stale).await? {
         Some(view) => Ok(Json(view.into())),
         None => Err(ApiError::new(
             ApiErrorKind::NotFound,
@@ -363,7 +376,7 @@ async fn list_locks(
         ));
     }
     let after = p.after.as_deref().map(name).transpose()?;
-    let views = crate::input::locks_in(&h, ranges, after, max).await?;
+    let views = crate::input::locks_in(&h, ranges, after, max, p.stale).await?;
     let next_after = (views.len() == max)
         .then(|| views.last().map(|v| v.name.to_string()))
         .flatten();
@@ -532,6 +545,8 @@ pub fn router(handle: Handle) -> Router {
         .route("/v1/admin/sessions", get(list_sessions))
         .route("/v1/admin/sessions/{handle}", delete(admin_close_session))
         .route("/v1/admin/snapshot", get(snapshot))
+        // Cluster membership and leadership (404 on a single server).
+        .merge(crate::cluster::api::routes(Router::new()))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))

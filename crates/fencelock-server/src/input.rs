@@ -89,10 +89,11 @@ pub async fn locks_in(
     ranges: Vec<String>,
     after: Option<LockName>,
     max: usize,
+    stale: bool,
 ) -> Result<Vec<LockView>, ApiError> {
     let mut views = Vec::new();
     for range in ranges {
-        views.extend(handle.locks(range, after.clone(), max).await?);
+        views.extend(handle.locks_with(range, after.clone(), max, stale).await?);
     }
     views.sort_by(|a, b| a.name.as_str().cmp(b.name.as_str()));
     views.truncate(max);

@@ -9,6 +9,7 @@
 mod admission;
 pub mod audit;
 pub mod auth;
+pub mod cluster;
 pub mod codec;
 pub mod dashboard;
 pub mod engine;
@@ -204,7 +205,35 @@ impl Server {
         let addr = listener
             .local_addr()
             .map_err(|e| ApiError::new(ApiErrorKind::Internal, format!("no local address: {e}")))?;
-        let handle = engine::start(config.engine)?;
+        let handle = match &config.engine.cluster {
+            None => engine::start(config.engine)?,
+            Some(cluster) => {
+                // Protected mode covers the peer port too.
+                if cluster.secret.is_none()
+                    && !config.insecure
+                    && !cluster.peer_listen.ip().is_loopback()
+                {
+                    return Err(refuse(format!(
+                        "refusing to listen for peers on {} without a cluster secret: set \
+                         --cluster-secret-file, listen for peers on a loopback address, or pass \
+                         --insecure",
+                        cluster.peer_listen
+                    )));
+                }
+                let mut engine = config.engine.clone();
+                if let Some(c) = engine.cluster.as_mut() {
+                    if c.advertise_url.is_empty() {
+                        let scheme = if config.tls.is_some() {
+                            "https"
+                        } else {
+                            "http"
+                        };
+                        c.advertise_url = format!("{scheme}://{addr}");
+                    }
+                }
+                engine::start_cluster(engine).await?.0
+            }
+        };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let router = secure_app(handle.clone(), authenticator.clone(), &config.limits);
         let wire = Arc::new(wire::WireOptions {

@@ -143,7 +143,38 @@ pub struct Metrics {
     pub dashboard_renders: AtomicU64,
     /// Gauge: distinct dashboard live views being rendered.
     pub dashboard_views: AtomicU64,
+    /// Cluster mode's Raft figures; rendered only in cluster mode.
+    pub cluster: ClusterMetrics,
 }
+
+/// Raft figures of a cluster member (see [`CLUSTER_METRIC_NAMES`]).
+#[derive(Debug, Default)]
+pub struct ClusterMetrics {
+    /// Set once this member runs in cluster mode.
+    pub enabled: std::sync::atomic::AtomicBool,
+    /// Gauge: 1 while this member leads.
+    pub leader: AtomicU64,
+    /// Gauge: the current term.
+    pub term: AtomicU64,
+    /// Gauge: the last committed log index.
+    pub committed: AtomicU64,
+    /// Gauge: the last applied log index.
+    pub applied: AtomicU64,
+    /// Times this member became leader.
+    pub leader_changes: AtomicU64,
+    /// On the leader: entries each member is behind the leader's last log index.
+    pub peer_lag: std::sync::Mutex<std::collections::BTreeMap<u64, u64>>,
+}
+
+/// The metric families a cluster member adds.
+pub const CLUSTER_METRIC_NAMES: &[&str] = &[
+    "fencelock_raft_leader",
+    "fencelock_raft_term",
+    "fencelock_raft_committed_index",
+    "fencelock_raft_applied_index",
+    "fencelock_raft_leader_changes_total",
+    "fencelock_raft_peer_lag_entries",
+];
 
 impl Metrics {
     /// Sets the state gauges (held grants, waiters, sessions, locks, next fence)
@@ -186,6 +217,7 @@ impl Default for Metrics {
             wire_connections: AtomicU64::new(0),
             dashboard_renders: AtomicU64::new(0),
             dashboard_views: AtomicU64::new(0),
+            cluster: ClusterMetrics::default(),
         }
     }
 }
@@ -391,7 +423,78 @@ impl Metrics {
             "# HELP {name} Connections not yet authenticated.\n# TYPE {name} gauge\n{name} {}",
             load(&c.unauthenticated)
         );
+        self.render_cluster(&mut out);
         out
+    }
+
+    /// Records what openraft reports of this member.
+    pub fn set_cluster(&self, m: &openraft::RaftMetrics<crate::cluster::TypeConfig>) {
+        let c = &self.cluster;
+        c.enabled.store(true, Ordering::Relaxed);
+        let leading = m.state == openraft::ServerState::Leader;
+        c.leader.store(u64::from(leading), Ordering::Relaxed);
+        c.term.store(m.current_term, Ordering::Relaxed);
+        c.committed.store(
+            m.cluster_committed.map_or(0, |id| id.index),
+            Ordering::Relaxed,
+        );
+        c.applied
+            .store(m.last_applied.map_or(0, |id| id.index), Ordering::Relaxed);
+        let mut lag = c.peer_lag.lock().unwrap_or_else(|e| e.into_inner());
+        lag.clear();
+        if let (true, Some(replication)) = (leading, &m.replication) {
+            let last = m.last_log_index.unwrap_or(0);
+            for (id, matched) in replication.iter() {
+                let matched = matched.map_or(0, |l| l.index);
+                lag.insert(*id, last.saturating_sub(matched));
+            }
+        }
+    }
+
+    fn render_cluster(&self, out: &mut String) {
+        let c = &self.cluster;
+        if !c.enabled.load(Ordering::Relaxed) {
+            return;
+        }
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        for (i, kind, help, value) in [
+            (
+                0,
+                "gauge",
+                "1 while this member leads the cluster.",
+                &c.leader,
+            ),
+            (1, "gauge", "The current Raft term.", &c.term),
+            (
+                2,
+                "gauge",
+                "The last committed Raft log index.",
+                &c.committed,
+            ),
+            (3, "gauge", "The last applied Raft log index.", &c.applied),
+            (
+                4,
+                "counter",
+                "Times this member became leader.",
+                &c.leader_changes,
+            ),
+        ] {
+            let name = CLUSTER_METRIC_NAMES[i];
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}",
+                load(value)
+            );
+        }
+        let name = CLUSTER_METRIC_NAMES[5];
+        let _ = writeln!(
+            out,
+            "# HELP {name} On the leader: log entries each member is behind.\n# TYPE {name} gauge"
+        );
+        let lag = c.peer_lag.lock().unwrap_or_else(|e| e.into_inner());
+        for (id, behind) in lag.iter() {
+            let _ = writeln!(out, "{name}{{member=\"{id}\"}} {behind}");
+        }
     }
 
     /// Counts a request refused with `kind`, if it is one of the edge refusals.

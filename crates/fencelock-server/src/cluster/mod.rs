@@ -1,0 +1,200 @@
+//! Cluster mode: the engine's commands replicated with Raft (openraft).
+//!
+//! A member runs the same engine as a single server, but a client's command is not
+//! applied when it arrives: the leader stamps it (its service time, the actor) and
+//! proposes it; every member applies it once it is committed (written and
+//! fdatasynced on a majority), in log order, and the member that proposed it answers
+//! its client from that apply. So the state, fences included, is one state machine
+//! replicated everywhere, and an answer never reports a change a failover could
+//! undo.
+//!
+//! - [`log_store`]: the Raft log on `fencelock-log` (group commit).
+//! - [`state_machine`]: openraft's state machine, a bridge to the engine task, which
+//!   owns the core; snapshots are the core's image.
+//! - [`network`]: peer RPCs over HTTP/2 on the peer port, authenticated with the
+//!   cluster secret, refused when the sender's core configuration differs.
+
+pub mod api;
+pub mod log_store;
+pub mod network;
+pub mod state_machine;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// One proposal: a command record (the single-node log's record encoding, with its
+/// service time and actor) and which request on which member it answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Proposal {
+    /// The member that proposed it (and answers its client).
+    pub origin: u64,
+    /// The proposer's request number; 0 when nobody waits for the answer.
+    pub seq: u64,
+    /// `codec::encode_record` of the command.
+    pub record: Vec<u8>,
+}
+
+impl fmt::Display for Proposal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "proposal {}#{} ({} bytes)",
+            self.origin,
+            self.seq,
+            self.record.len()
+        )
+    }
+}
+
+/// A member as the cluster records it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    /// `host:port` of its peer listener.
+    pub peer_addr: String,
+    /// The URL clients should use for it.
+    pub url: String,
+}
+
+impl fmt::Display for Member {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (peer {})", self.url, self.peer_addr)
+    }
+}
+
+openraft::declare_raft_types!(
+    /// The Raft types of a fencelock cluster.
+    pub TypeConfig:
+        D = Proposal,
+        R = (),
+        NodeId = u64,
+        Node = Member,
+);
+
+/// A Raft log entry.
+pub type Entry = openraft::alias::EntryOf<TypeConfig>;
+/// A Raft log id.
+pub type LogId = openraft::alias::LogIdOf<TypeConfig>;
+/// A Raft vote.
+pub type Vote = openraft::alias::VoteOf<TypeConfig>;
+/// The Raft handle.
+pub type Raft = openraft::Raft<TypeConfig, state_machine::StateMachine>;
+/// The membership as applied.
+pub type StoredMembership = openraft::alias::StoredMembershipOf<TypeConfig>;
+/// A snapshot's metadata.
+pub type SnapshotMeta = openraft::alias::SnapshotMetaOf<TypeConfig>;
+
+/// The least heartbeat interval.
+pub const MIN_HEARTBEAT: Duration = Duration::from_millis(20);
+
+/// How a member joins and talks to its cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// This member's id (≥ 1).
+    pub node_id: u64,
+    /// Where this member listens for its peers.
+    pub peer_listen: SocketAddr,
+    /// The initial members: id → peer address. A fresh cluster forms from them.
+    pub peers: BTreeMap<u64, SocketAddr>,
+    /// The URL clients should use for this member.
+    pub advertise_url: String,
+    /// Shared secret every peer request carries; `None`: peer traffic is not
+    /// authenticated (loopback only, unless `insecure`).
+    pub secret: Option<String>,
+    /// Raft heartbeat interval (see [`ClusterConfig::election_timeout`]).
+    pub heartbeat: Duration,
+    /// Where to dial some members instead of their recorded peer address (id →
+    /// address): for fault-injection proxies between members, or address
+    /// translation. Empty: dial what the membership records.
+    pub dial: BTreeMap<u64, SocketAddr>,
+}
+
+impl ClusterConfig {
+    /// The election timeout range: between 5 and 10 heartbeats.
+    pub fn election_timeout(&self) -> (Duration, Duration) {
+        (self.heartbeat * 5, self.heartbeat * 10)
+    }
+
+    /// The least lease (and session TTL) a cluster accepts: three of the longest
+    /// election timeouts, so that a holder renewing at a third of its TTL can reach
+    /// the next leader before its own conservative deadline passes.
+    pub fn min_ttl(&self) -> Duration {
+        self.election_timeout().1 * 3
+    }
+
+    /// Checks the settings (not the network).
+    pub fn validate(&self) -> Result<(), String> {
+        if self.node_id == 0 {
+            return Err("--node-id must be at least 1".into());
+        }
+        if !self.peers.contains_key(&self.node_id) {
+            return Err(format!(
+                "--peers must list this member ({}) with its peer address",
+                self.node_id
+            ));
+        }
+        if self.heartbeat < MIN_HEARTBEAT {
+            return Err(format!(
+                "the heartbeat must be at least {} ms",
+                MIN_HEARTBEAT.as_millis()
+            ));
+        }
+        if let Some(secret) = &self.secret {
+            if secret.len() < 16 {
+                return Err("the cluster secret must be at least 16 characters".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// openraft's settings for these timings.
+    pub(crate) fn raft_config(&self) -> openraft::Config {
+        let (min, max) = self.election_timeout();
+        openraft::Config {
+            cluster_name: "fencelock".into(),
+            heartbeat_interval: self.heartbeat.as_millis() as u64,
+            election_timeout_min: min.as_millis() as u64,
+            election_timeout_max: max.as_millis() as u64,
+            enable_pre_vote: Some(true),
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(20_000),
+            max_in_snapshot_log_to_keep: 2_000,
+            ..openraft::Config::default()
+        }
+    }
+}
+
+/// The leader as this member knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaderInfo {
+    /// Its id.
+    pub id: u64,
+    /// Its client URL.
+    pub url: String,
+}
+
+/// Client URLs of the members, learnt from peer traffic: every peer request and
+/// answer names its sender's id and advertised URL. Members formed from `--peers`
+/// know only each other's peer addresses until they hear from each other.
+#[derive(Debug, Default)]
+pub struct Directory {
+    urls: std::sync::Mutex<BTreeMap<u64, String>>,
+}
+
+impl Directory {
+    /// Records what member `id` says its URL is.
+    pub fn learn(&self, id: u64, url: &str) {
+        let mut urls = self.urls.lock().unwrap_or_else(|e| e.into_inner());
+        if urls.get(&id).map(String::as_str) != Some(url) {
+            urls.insert(id, url.to_owned());
+        }
+    }
+
+    /// Member `id`'s URL, if heard of.
+    pub fn url(&self, id: u64) -> Option<String> {
+        let urls = self.urls.lock().unwrap_or_else(|e| e.into_inner());
+        urls.get(&id).cloned()
+    }
+}

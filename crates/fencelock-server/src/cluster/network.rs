@@ -1,0 +1,414 @@
+//! Peer RPCs: openraft's messages, postcard-encoded, as HTTP/2 POSTs to the peer
+//! port. Every request carries the cluster secret (when set), the sender's id and
+//! URL, and a fingerprint of its core configuration: a member whose configuration
+//! differs is refused, so every member applies commands with the same bounds.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use openraft::error::{
+    NetworkError, RPCError, RaftError, ReplicationClosed, StreamingError, Unreachable,
+};
+use openraft::network::v2::RaftNetworkV2;
+use openraft::network::{RPCOption, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, TransferLeaderRequest,
+    VoteRequest, VoteResponse,
+};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::{Directory, Member, Raft, SnapshotMeta, TypeConfig, Vote};
+
+/// Header: `Bearer <cluster secret>`.
+const AUTHORIZATION: &str = "authorization";
+/// Header: the sender's member id.
+const NODE_HEADER: &str = "x-fencelock-node";
+/// Header: the sender's advertised client URL.
+const URL_HEADER: &str = "x-fencelock-url";
+/// Header: hex SHA-256 of the sender's core configuration.
+const CONFIG_HEADER: &str = "x-fencelock-config";
+/// Largest peer message accepted (a snapshot of a very large state).
+pub const MAX_PEER_BODY: usize = 1 << 30;
+
+/// Who this member is on the peer port, and what it checks of others.
+#[derive(Debug, Clone)]
+pub struct PeerIdentity {
+    /// This member's id.
+    pub node_id: u64,
+    /// This member's client URL.
+    pub url: String,
+    /// The cluster secret.
+    pub secret: Option<String>,
+    /// Fingerprint of the core configuration.
+    pub config: String,
+}
+
+impl PeerIdentity {
+    fn headers(&self) -> Vec<(&'static str, String)> {
+        let mut headers = vec![
+            (NODE_HEADER, self.node_id.to_string()),
+            (URL_HEADER, self.url.clone()),
+            (CONFIG_HEADER, self.config.clone()),
+        ];
+        if let Some(secret) = &self.secret {
+            headers.push((AUTHORIZATION, format!("Bearer {secret}")));
+        }
+        headers
+    }
+}
+
+type HttpClient = hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>>;
+
+/// Builds peer clients for openraft.
+#[derive(Clone)]
+pub struct Network {
+    identity: Arc<PeerIdentity>,
+    directory: Arc<Directory>,
+    http: HttpClient,
+    dial: Arc<std::collections::BTreeMap<u64, std::net::SocketAddr>>,
+}
+
+impl Network {
+    /// A network with one HTTP/2 connection pool for all peers.
+    pub fn new(
+        identity: Arc<PeerIdentity>,
+        directory: Arc<Directory>,
+        dial: std::collections::BTreeMap<u64, std::net::SocketAddr>,
+    ) -> Network {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(1)));
+        let http = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+            .http2_only(true)
+            .build(connector);
+        Network {
+            identity,
+            directory,
+            http,
+            dial: Arc::new(dial),
+        }
+    }
+}
+
+impl RaftNetworkFactory<TypeConfig> for Network {
+    type Network = Peer;
+
+    async fn new_client(&mut self, target: u64, node: &Member) -> Peer {
+        let addr = match self.dial.get(&target) {
+            Some(addr) => addr.to_string(),
+            None => node.peer_addr.clone(),
+        };
+        Peer {
+            target,
+            addr,
+            network: self.clone(),
+        }
+    }
+}
+
+/// openraft's client for one peer.
+pub struct Peer {
+    target: u64,
+    addr: String,
+    network: Network,
+}
+
+fn unreachable(e: impl std::fmt::Display) -> RPCError<TypeConfig> {
+    RPCError::Unreachable(Unreachable::new(&std::io::Error::other(e.to_string())))
+}
+
+fn network_error(e: impl std::fmt::Display) -> RPCError<TypeConfig> {
+    RPCError::Network(NetworkError::new(&std::io::Error::other(e.to_string())))
+}
+
+impl Peer {
+    async fn call<Req, Resp>(
+        &self,
+        path: &str,
+        req: &Req,
+        timeout: Duration,
+    ) -> Result<Result<Resp, RaftError<TypeConfig>>, RPCError<TypeConfig>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+    {
+        let body = postcard::to_allocvec(req).map_err(network_error)?;
+        let mut request = axum::http::Request::post(format!("http://{}/raft/{path}", self.addr));
+        for (name, value) in self.network.identity.headers() {
+            request = request.header(name, value);
+        }
+        let request = request
+            .body(Full::new(Bytes::from(body)))
+            .map_err(network_error)?;
+        let response = tokio::time::timeout(timeout, self.network.http.request(request))
+            .await
+            .map_err(|_| {
+                network_error(format!(
+                    "peer {} did not answer within {timeout:?}",
+                    self.target
+                ))
+            })?
+            .map_err(|e| unreachable(format!("peer {} at {}: {e}", self.target, self.addr)))?;
+        let status = response.status();
+        if let (Some(id), Some(url)) = (
+            header(response.headers(), NODE_HEADER).and_then(|v| v.parse().ok()),
+            header(response.headers(), URL_HEADER),
+        ) {
+            self.network.directory.learn(id, url);
+        }
+        let bytes = tokio::time::timeout(timeout, response.into_body().collect())
+            .await
+            .map_err(|_| network_error("peer answer timed out"))?
+            .map_err(network_error)?
+            .to_bytes();
+        if !status.is_success() {
+            // Refusals (secret, configuration) are not transient: say why, loudly.
+            let why = String::from_utf8_lossy(&bytes).into_owned();
+            tracing::warn!(peer = self.target, %status, %why, "peer refused a raft request");
+            return Err(unreachable(format!(
+                "peer {} refused: {status} {why}",
+                self.target
+            )));
+        }
+        postcard::from_bytes(&bytes).map_err(network_error)
+    }
+}
+
+/// A peer's own Raft failure (it stopped): to us, an unreachable peer.
+fn raft_error(e: RaftError<TypeConfig>) -> RPCError<TypeConfig> {
+    unreachable(format!("the peer's raft failed: {e}"))
+}
+
+impl RaftNetworkV2<TypeConfig> for Peer {
+    type SnapshotData = Vec<u8>;
+
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<TypeConfig>, RPCError<TypeConfig>> {
+        self.call("append", &rpc, option.hard_ttl())
+            .await?
+            .map_err(raft_error)
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
+        self.call("vote", &rpc, option.hard_ttl())
+            .await?
+            .map_err(raft_error)
+    }
+
+    async fn pre_vote(
+        &mut self,
+        rpc: VoteRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
+        self.call("pre-vote", &rpc, option.hard_ttl())
+            .await?
+            .map_err(raft_error)
+    }
+
+    async fn full_snapshot(
+        &mut self,
+        vote: Vote,
+        snapshot: openraft::alias::SnapshotOf<TypeConfig, Vec<u8>>,
+        cancel: impl Future<Output = ReplicationClosed> + Send + 'static,
+        option: RPCOption,
+    ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
+        let req = (vote, snapshot.meta, snapshot.snapshot);
+        let timeout = option.hard_ttl().max(Duration::from_secs(60));
+        tokio::select! {
+            closed = cancel => Err(StreamingError::Closed(closed)),
+            result = self.call::<_, SnapshotResponse<TypeConfig>>("snapshot", &req, timeout) => match result {
+                Ok(Ok(response)) => Ok(response),
+                Ok(Err(e)) => Err(StreamingError::from(raft_error(e))),
+                Err(e) => Err(StreamingError::from(e)),
+            },
+        }
+    }
+
+    async fn transfer_leader(
+        &mut self,
+        req: TransferLeaderRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<openraft::raft::TransferLeaderResponse<TypeConfig>, RPCError<TypeConfig>> {
+        self.call("transfer-leader", &req, option.hard_ttl())
+            .await?
+            .map_err(raft_error)
+    }
+}
+
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+/// What the peer port's handlers share.
+#[derive(Clone)]
+pub struct PeerState {
+    /// The local Raft.
+    pub raft: Raft,
+    /// This member.
+    pub identity: Arc<PeerIdentity>,
+    /// Where peers' URLs are recorded.
+    pub directory: Arc<Directory>,
+}
+
+/// The peer port's routes.
+pub fn router(state: PeerState) -> axum::Router {
+    axum::Router::new()
+        .route("/raft/append", post(append))
+        .route("/raft/vote", post(vote))
+        .route("/raft/pre-vote", post(pre_vote))
+        .route("/raft/snapshot", post(snapshot))
+        .route("/raft/transfer-leader", post(transfer_leader))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_PEER_BODY))
+        .with_state(state)
+}
+
+/// Refuses a request without the secret or with another configuration; records
+/// the sender's URL.
+fn admit(state: &PeerState, headers: &HeaderMap) -> Result<(), Response> {
+    if let Some(secret) = &state.identity.secret {
+        let presented = header(headers, AUTHORIZATION)
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !crate::auth::secrets_equal(presented.as_bytes(), secret.as_bytes()) {
+            return Err(
+                (StatusCode::UNAUTHORIZED, "wrong or missing cluster secret").into_response(),
+            );
+        }
+    }
+    let config = header(headers, CONFIG_HEADER).unwrap_or("");
+    if config != state.identity.config {
+        return Err((
+            StatusCode::CONFLICT,
+            format!(
+                "core configuration differs: this member has {}, the sender {config}; every member must run with the same limits",
+                state.identity.config
+            ),
+        )
+            .into_response());
+    }
+    if let (Some(id), Some(url)) = (
+        header(headers, NODE_HEADER).and_then(|v| v.parse().ok()),
+        header(headers, URL_HEADER),
+    ) {
+        state.directory.learn(id, url);
+    }
+    Ok(())
+}
+
+fn reply<T: Serialize>(state: &PeerState, value: &T) -> Response {
+    match postcard::to_allocvec(value) {
+        Ok(bytes) => {
+            let mut response = bytes.into_response();
+            let headers = response.headers_mut();
+            headers.insert(NODE_HEADER, HeaderValue::from(state.identity.node_id));
+            if let Ok(url) = HeaderValue::from_str(&state.identity.url) {
+                headers.insert(URL_HEADER, url);
+            }
+            response
+        }
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, Response> {
+    postcard::from_bytes(body).map_err(|e| {
+        (
+            StatusCode::BAD_REQUEST,
+            format!("undecodable peer message: {e}"),
+        )
+            .into_response()
+    })
+}
+
+async fn append(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(refused) = admit(&state, &headers) {
+        return refused;
+    }
+    let req: AppendEntriesRequest<TypeConfig> = match decode(&body) {
+        Ok(req) => req,
+        Err(bad) => return bad,
+    };
+    let result = state.raft.append_entries(req).await;
+    reply(&state, &result)
+}
+
+async fn vote(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(refused) = admit(&state, &headers) {
+        return refused;
+    }
+    let req: VoteRequest<TypeConfig> = match decode(&body) {
+        Ok(req) => req,
+        Err(bad) => return bad,
+    };
+    let result = state.raft.vote(req).await;
+    reply(&state, &result)
+}
+
+async fn pre_vote(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(refused) = admit(&state, &headers) {
+        return refused;
+    }
+    let req: VoteRequest<TypeConfig> = match decode(&body) {
+        Ok(req) => req,
+        Err(bad) => return bad,
+    };
+    let result = state.raft.pre_vote(req).await;
+    reply(&state, &result)
+}
+
+async fn snapshot(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(refused) = admit(&state, &headers) {
+        return refused;
+    }
+    let (vote, meta, data): (Vote, SnapshotMeta, Vec<u8>) = match decode(&body) {
+        Ok(req) => req,
+        Err(bad) => return bad,
+    };
+    let snapshot = openraft::alias::SnapshotOf::<TypeConfig, Vec<u8>> {
+        meta,
+        snapshot: data,
+    };
+    let result = state
+        .raft
+        .install_full_snapshot(vote, snapshot)
+        .await
+        .map_err(RaftError::<TypeConfig>::Fatal);
+    reply(&state, &result)
+}
+
+async fn transfer_leader(
+    State(state): State<PeerState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(refused) = admit(&state, &headers) {
+        return refused;
+    }
+    let req: TransferLeaderRequest<TypeConfig> = match decode(&body) {
+        Ok(req) => req,
+        Err(bad) => return bad,
+    };
+    let result = state
+        .raft
+        .handle_transfer_leader(req)
+        .await
+        .map_err(RaftError::<TypeConfig>::Fatal);
+    reply(&state, &result)
+}

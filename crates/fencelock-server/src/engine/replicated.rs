@@ -1,0 +1,893 @@
+//! The engine in cluster mode: the same engine task and core, but a client's
+//! command is proposed to Raft rather than applied, and applied (by every member)
+//! only once committed. The member that proposed it answers from that apply.
+//!
+//! What must happen before what lives here as data the engine task owns:
+//! `pending` (proposals awaiting their apply, by proposal number), the applied log
+//! id, and leadership as openraft reports it. The task applies committed entries
+//! strictly in log order; nothing is answered before the entry that decides it is
+//! applied, and only a leader stamps and proposes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fencelock_core::{Command, Reply};
+use openraft::async_runtime::WatchReceiver;
+use openraft::entry::RaftEntry;
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::{EntryPayload, ServerState};
+use tokio::sync::{mpsc, oneshot, watch};
+
+type MetricsRx = openraft::alias::WatchReceiverOf<TypeConfig, openraft::RaftMetrics<TypeConfig>>;
+
+use super::{
+    AcquireReply, CommandReply, EngineConfig, EngineTask, Handle, Msg, Requester, RunState,
+    ServiceClock, Shared, EVENT_BUFFER,
+};
+use crate::audit::{self, AuditEntry, AuditStore};
+use crate::cluster::state_machine::SmRequest;
+use crate::cluster::{Directory, LeaderInfo, Proposal, Raft, StoredMembership, TypeConfig};
+use crate::codec::{self, RecordMeta};
+use crate::error::{ApiError, ApiErrorKind};
+
+/// Most state machine requests queued for the engine (openraft waits beyond it).
+pub(crate) const SM_QUEUE: usize = 64;
+
+/// A proposal's asker, waiting for its apply.
+pub(super) enum Pending {
+    Acquire { listener: u128, reply: AcquireReply },
+    Command(CommandReply),
+}
+
+/// What the engine task keeps in cluster mode.
+pub(super) struct Replicated {
+    pub(super) node_id: u64,
+    pub(super) raft: Option<Raft>,
+    pub(super) directory: Arc<Directory>,
+    pub(super) pending: HashMap<u64, Pending>,
+    pub(super) next_seq: u64,
+    pub(super) applied: Option<crate::cluster::LogId>,
+    pub(super) membership: StoredMembership,
+    /// Leadership as last reported: `Some(term)` while this member leads.
+    pub(super) leading: Option<u64>,
+    pub(super) leader: Option<u64>,
+    /// Least TTL accepted (ms): see `ClusterConfig::min_ttl`.
+    pub(super) min_ttl_ms: u64,
+    pub(super) tick_in_flight: bool,
+    /// Audit entries go to this thread, which writes them to the audit store.
+    pub(super) audit_tx: std::sync::mpsc::Sender<Vec<AuditEntry>>,
+    /// The audit store's high-water mark at start: entries at or below it were
+    /// recorded before (re-applied after a restart) and are not recorded again.
+    pub(super) audit_high_water: (u64, u32),
+}
+
+/// Shared with the handle: what it needs to route a read or name the leader.
+pub struct ClusterShared {
+    /// The Raft handle.
+    pub raft: Raft,
+    /// This member's id.
+    pub node_id: u64,
+    /// Learnt member URLs.
+    pub directory: Arc<Directory>,
+    /// This member's advertised URL.
+    pub url: String,
+}
+
+impl ClusterShared {
+    /// The leader as this member knows it.
+    pub fn leader(&self) -> Option<LeaderInfo> {
+        let metrics = self.raft.metrics().borrow_watched().clone();
+        let id = metrics.current_leader?;
+        let url = if id == self.node_id {
+            self.url.clone()
+        } else {
+            leader_url(&metrics.membership_config, &self.directory, id)?
+        };
+        Some(LeaderInfo { id, url })
+    }
+
+    /// `not_leader`, naming the leader if known.
+    pub fn not_leader(&self) -> ApiError {
+        ApiError::not_leader(self.leader().map(|l| l.url))
+    }
+
+    /// Waits until a read may be served linearizably here: this member leads (a
+    /// quorum confirmed it, ReadIndex — never a clock-based lease) and has applied
+    /// everything committed before the read arrived.
+    pub async fn read_barrier(&self) -> Result<(), ApiError> {
+        match self
+            .raft
+            .ensure_linearizable(openraft::ReadPolicy::ReadIndex)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(RaftError::APIError(openraft::error::LinearizableReadError::ForwardToLeader(
+                _,
+            ))) => Err(self.not_leader()),
+            Err(e) => Err(ApiError::new(
+                ApiErrorKind::Unavailable,
+                format!("cannot confirm leadership for a linearizable read: {e}"),
+            )),
+        }
+    }
+}
+
+/// Member `id`'s client URL: as recorded in the membership, else as heard.
+pub(crate) fn leader_url(
+    membership: &StoredMembership,
+    directory: &Directory,
+    id: u64,
+) -> Option<String> {
+    membership
+        .membership()
+        .get_node(&id)
+        .map(|m| m.url.clone())
+        .filter(|u| !u.is_empty())
+        .or_else(|| directory.url(id))
+}
+
+/// Runs audit commits in order on a thread of their own (they fsync).
+pub(super) fn spawn_audit_writer(
+    mut store: AuditStore,
+) -> std::io::Result<std::sync::mpsc::Sender<Vec<AuditEntry>>> {
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<AuditEntry>>();
+    std::thread::Builder::new()
+        .name("fencelock-audit".into())
+        .spawn(move || {
+            while let Ok(mut batch) = rx.recv() {
+                while let Ok(more) = rx.try_recv() {
+                    batch.extend(more);
+                }
+                if let Err(e) = store.commit(batch) {
+                    tracing::error!(error = %e, "cannot write the audit log; audit entries are lost from here on");
+                    return;
+                }
+            }
+        })?;
+    Ok(tx)
+}
+
+impl EngineTask {
+    fn replica(&mut self) -> &mut Replicated {
+        self.replicated.as_mut().expect("cluster mode")
+    }
+
+    /// The engine task in cluster mode.
+    pub(super) async fn run_replicated(
+        mut self,
+        mut sm_rx: mpsc::Receiver<SmRequest>,
+        mut attach: oneshot::Receiver<Raft>,
+    ) {
+        let timer = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(timer);
+        let mut armed: Option<tokio::time::Instant> = None;
+        let mut metrics: Option<MetricsRx> = None;
+        loop {
+            let leading = self.replica().leading.is_some();
+            if leading {
+                let deadline = self
+                    .core
+                    .next_deadline_ms()
+                    .map(|d| tokio::time::Instant::from_std(self.clock.instant_of(d)));
+                if let Some(at) = deadline {
+                    if armed.is_none_or(|armed| at < armed) {
+                        timer.as_mut().reset(at);
+                        armed = Some(at);
+                    }
+                }
+            } else {
+                armed = None;
+            }
+            tokio::select! {
+                biased;
+                req = sm_rx.recv() => match req {
+                    Some(req) => self.sm_request(req),
+                    None => return,
+                },
+                raft = &mut attach, if metrics.is_none() => match raft {
+                    Ok(raft) => {
+                        metrics = Some(raft.metrics());
+                        self.replica().raft = Some(raft);
+                        self.on_metrics(metrics.as_ref().expect("just set"));
+                    }
+                    Err(_) => return,
+                },
+                changed = async { metrics.as_mut().expect("guarded").changed().await }, if metrics.is_some() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    self.on_metrics(metrics.as_ref().expect("guarded"));
+                }
+                msg = self.rx.recv() => match msg {
+                    Some(Msg::Shutdown(done)) => {
+                        self.flush_replicated();
+                        if let Some(raft) = self.replica().raft.clone() {
+                            let _ = raft.shutdown().await;
+                        }
+                        let _ = self.state.send(super::RunState::Stopped);
+                        let _ = done.send(());
+                        return;
+                    }
+                    Some(msg) => self.handle_replicated(msg),
+                    None => return,
+                },
+                () = &mut timer, if armed.is_some() => {
+                    armed = None;
+                    self.propose_tick();
+                }
+            }
+            self.flush_replicated();
+        }
+    }
+
+    fn on_metrics(&mut self, metrics: &MetricsRx) {
+        let (leading, leader, term) = {
+            let m = metrics.borrow_watched();
+            let me = self.replica().node_id;
+            let leading = m.state == ServerState::Leader && m.current_leader == Some(me);
+            self.metrics.set_cluster(&m);
+            (leading, m.current_leader, m.current_term)
+        };
+        let was = self.replica().leading;
+        self.replica().leader = leader;
+        match (was, leading) {
+            (was, true) if was != Some(term) => {
+                self.replica().leading = Some(term);
+                // Service time continues from what the cluster applied; it never runs
+                // ahead of real time, so no lease ends early.
+                self.clock = ServiceClock {
+                    base_ms: self.core.now_ms() + 1,
+                    start: Instant::now(),
+                };
+                self.metrics
+                    .cluster
+                    .leader_changes
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::info!(term, "this member leads; every lease gets a full TTL");
+                // The new leader cannot know how much of a lease its holder believes
+                // is left: every lease restarts in full before anything expires.
+                self.propose(Command::Promote, Requester::server(), None);
+            }
+            (Some(_), false) => {
+                self.replica().leading = None;
+                tracing::info!(term, leader = ?leader, "this member no longer leads");
+            }
+            _ => {}
+        }
+    }
+
+    fn not_leader(&mut self) -> ApiError {
+        let r = self.replica();
+        let Some(id) = r.leader.filter(|id| *id != r.node_id) else {
+            return ApiError::not_leader(None);
+        };
+        ApiError::not_leader(leader_url(&r.membership, &r.directory, id))
+    }
+
+    fn check_ttl(&mut self, what: &str, ttl_ms: Option<u64>) -> Result<(), ApiError> {
+        let min = self.replica().min_ttl_ms;
+        match ttl_ms {
+            Some(ttl) if ttl < min => Err(ApiError::new(
+                ApiErrorKind::InvalidArgument,
+                format!(
+                    "{what} must be at least {min} ms in cluster mode (three election timeouts, so a lease outlives a failover)"
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn handle_replicated(&mut self, msg: Msg) {
+        match msg {
+            Msg::Acquire {
+                acquire,
+                caller,
+                listener,
+                reply,
+            } => {
+                if self.draining && acquire.wait_ms > 0 {
+                    let err =
+                        ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
+                    self.deliveries.push(Box::new(move || {
+                        let _ = reply.send(Err(err));
+                    }));
+                    return;
+                }
+                let refused = self
+                    .check_ttl("ttl_ms", acquire.ttl_ms)
+                    .err()
+                    .or_else(|| self.replica().leading.is_none().then(|| self.not_leader()));
+                if let Some(err) = refused {
+                    self.deliveries.push(Box::new(move || {
+                        let _ = reply.send(Err(err));
+                    }));
+                    return;
+                }
+                self.propose(
+                    Command::Acquire(acquire),
+                    caller,
+                    Some(Pending::Acquire { listener, reply }),
+                );
+            }
+            Msg::Command {
+                command,
+                caller,
+                reply,
+            } => {
+                let ttl = match &command {
+                    Command::OpenSession { ttl_ms, .. } => Some(*ttl_ms),
+                    Command::Renew { ttl_ms, .. } => *ttl_ms,
+                    _ => None,
+                };
+                let refused = self
+                    .check_ttl("ttl_ms", ttl)
+                    .err()
+                    .or_else(|| self.replica().leading.is_none().then(|| self.not_leader()));
+                if let Some(err) = refused {
+                    self.deliveries.push(Box::new(move || reply.send_api(err)));
+                    return;
+                }
+                if let Some(missing) = self.foreign_session(&command, &caller) {
+                    self.deliveries
+                        .push(Box::new(move || reply.send(Err(missing))));
+                    return;
+                }
+                self.propose(command, caller, Some(Pending::Command(reply)));
+            }
+            Msg::CancelListener { listener } => {
+                if let Some((name, token)) = self.forget_listener(listener) {
+                    if self.replica().leading.is_some() {
+                        self.propose(
+                            Command::CancelWait { name, token },
+                            Requester::server(),
+                            None,
+                        );
+                    }
+                }
+            }
+            Msg::ReleaseOrphan { name, token } => {
+                if self.replica().leading.is_some() {
+                    self.propose(Command::Release { name, token }, Requester::server(), None);
+                }
+            }
+            Msg::Read(read) => {
+                // The handle passed the read barrier (or asked for a stale read).
+                let delivery = read(&self.core);
+                self.deliveries.push(delivery);
+            }
+            Msg::Drain => {
+                self.draining = true;
+                let _ = self.state.send(super::RunState::Draining);
+                let waiting: std::collections::BTreeSet<_> =
+                    self.listener_index.values().cloned().collect();
+                for (name, token) in waiting {
+                    let listeners = self.take_listeners(token);
+                    if self.replica().leading.is_some() {
+                        self.propose(
+                            Command::CancelWait { name, token },
+                            Requester::server(),
+                            None,
+                        );
+                    }
+                    let err =
+                        ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
+                    self.deliveries.push(Box::new(move || {
+                        for (_, reply) in listeners {
+                            let _ = reply.send(Err(err.clone()));
+                        }
+                    }));
+                }
+            }
+            Msg::Abandon { seq, error } => {
+                if let Some(pending) = self.replica().pending.remove(&seq) {
+                    self.answer_error(pending, error);
+                }
+            }
+            Msg::TickDone => self.replica().tick_in_flight = false,
+            Msg::Shutdown(_) => unreachable!("handled by run_replicated"),
+        }
+    }
+
+    fn answer_error(&mut self, pending: Pending, error: ApiError) {
+        self.deliveries.push(match pending {
+            Pending::Acquire { reply, .. } => Box::new(move || {
+                let _ = reply.send(Err(error));
+            }),
+            Pending::Command(reply) => Box::new(move || reply.send_api(error)),
+        });
+    }
+
+    fn propose_tick(&mut self) {
+        let r = self.replica();
+        if r.leading.is_none() || r.tick_in_flight {
+            return;
+        }
+        r.tick_in_flight = true;
+        self.propose(Command::Tick, Requester::server(), None);
+    }
+
+    /// Stamps `command` with this leader's service time and proposes it; its
+    /// answer goes to `pending` once applied (or an error if it cannot commit).
+    fn propose(&mut self, command: Command, caller: Requester, pending: Option<Pending>) {
+        let now = self.clock.now_ms().max(self.core.now_ms());
+        let meta = RecordMeta {
+            seq: 0,
+            now_ms: now,
+            wall_ms: audit::wall_ms(),
+            actor: Some(caller.actor().to_owned()),
+        };
+        let record = codec::encode_record(&meta, &command);
+        let tx = self.self_tx.clone();
+        let r = self.replica();
+        let Some(raft) = r.raft.clone() else {
+            if let Some(pending) = pending {
+                let err = ApiError::not_leader(None);
+                self.answer_error(pending, err);
+            }
+            return;
+        };
+        r.next_seq += 1;
+        let seq = r.next_seq;
+        if let Some(pending) = pending {
+            r.pending.insert(seq, pending);
+        }
+        let proposal = Proposal {
+            origin: r.node_id,
+            seq,
+            record,
+        };
+        let directory = r.directory.clone();
+        let is_tick = matches!(command, Command::Tick);
+        tokio::spawn(async move {
+            if let Err(e) = raft.client_write(proposal).await {
+                let error = match e {
+                    RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => {
+                        let url = f
+                            .leader_node
+                            .map(|m| m.url)
+                            .filter(|u| !u.is_empty())
+                            .or_else(|| f.leader_id.and_then(|id| directory.url(id)));
+                        ApiError::not_leader(url)
+                    }
+                    other => ApiError::new(
+                        ApiErrorKind::Unavailable,
+                        format!("the cluster could not commit the request: {other}"),
+                    ),
+                };
+                let _ = tx.send(Msg::Abandon { seq, error });
+            }
+            if is_tick {
+                let _ = tx.send(Msg::TickDone);
+            }
+        });
+    }
+
+    fn sm_request(&mut self, req: SmRequest) {
+        match req {
+            SmRequest::Apply { entries, done } => {
+                for (entry, responder) in entries {
+                    self.apply_entry(entry);
+                    if let Some(responder) = responder {
+                        responder.send(());
+                    }
+                }
+                self.flush_replicated();
+                let _ = done.send(());
+            }
+            SmRequest::AppliedState(tx) => {
+                let r = self.replica();
+                let _ = tx.send((r.applied, r.membership.clone()));
+            }
+            SmRequest::Build(tx) => {
+                let image = codec::encode_snapshot(&self.core.export());
+                let r = self.replica();
+                let _ = tx.send((image, r.applied, r.membership.clone()));
+            }
+            SmRequest::Install { image, meta, done } => {
+                let result = codec::decode_snapshot(&image)
+                    .map_err(|e| format!("snapshot from the leader: {e}"))
+                    .and_then(|image| {
+                        fencelock_core::Core::import(self.core.config().clone(), image)
+                            .map_err(|e| format!("snapshot from the leader is inconsistent: {e}"))
+                    });
+                match result {
+                    Ok(core) => {
+                        self.core = core;
+                        let r = self.replica();
+                        r.applied = meta.last_log_id;
+                        r.membership = meta.last_membership;
+                        // Whoever waited on this member is answered by the new state
+                        // no more: they retry (with their request ids).
+                        let pending: Vec<Pending> = r.pending.drain().map(|(_, p)| p).collect();
+                        for p in pending {
+                            let err = ApiError::new(
+                                ApiErrorKind::Unavailable,
+                                "this member installed a snapshot; retry the request",
+                            );
+                            self.answer_error(p, err);
+                        }
+                        self.metrics.set_state_gauges(&self.core.stats());
+                        let _ = done.send(Ok(()));
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot install a snapshot");
+                        let _ = done.send(Err(e));
+                    }
+                }
+            }
+        }
+    }
+
+    fn apply_entry(&mut self, entry: crate::cluster::Entry) {
+        let log_id = entry.log_id();
+        self.replica().applied = Some(log_id);
+        match entry.payload {
+            EntryPayload::Blank => {}
+            EntryPayload::Membership(m) => {
+                self.replica().membership = StoredMembership::new(Some(log_id), m);
+            }
+            EntryPayload::Normal(proposal) => self.apply_proposal(log_id.index(), proposal),
+        }
+    }
+
+    fn apply_proposal(&mut self, index: u64, proposal: Proposal) {
+        let (mut meta, command) = match codec::decode_record(&proposal.record) {
+            Ok(decoded) => decoded,
+            Err(e) => {
+                // Every member refuses it alike, so the state stays the same
+                // everywhere; the asker hears why.
+                tracing::error!(index, error = %e, "undecodable command in the raft log; skipped");
+                return;
+            }
+        };
+        meta.seq = index;
+        let now = meta.now_ms.max(self.core.now_ms());
+        let is_tick = matches!(command, Command::Tick);
+        let copy = command.clone();
+        let result = self.core.apply(now, command);
+        let outcomes = self.core.take_outcomes();
+        let entries = audit::entries_for(&meta, &copy, &result, &outcomes);
+        let high_water = self.replica().audit_high_water;
+        self.audit.extend(audit::missing(high_water, entries));
+        self.outcomes.extend(outcomes);
+        self.route_replicated_outcomes();
+        if self.replica().leading.is_some() && self.clock.now_ms() < self.core.now_ms() {
+            self.clock = ServiceClock {
+                base_ms: self.core.now_ms(),
+                start: Instant::now(),
+            };
+        }
+        let mine = proposal.origin == self.replica().node_id;
+        if mine && is_tick {
+            self.replica().tick_in_flight = false;
+        }
+        let pending = if mine {
+            self.replica().pending.remove(&proposal.seq)
+        } else {
+            None
+        };
+        match pending {
+            None => {}
+            Some(Pending::Command(reply)) => {
+                self.deliveries.push(Box::new(move || reply.send(result)));
+            }
+            Some(Pending::Acquire { listener, reply }) => match result {
+                Ok(Reply::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
+                Ok(Reply::Queued { token, .. }) => {
+                    let name = match &copy {
+                        Command::Acquire(a) => a.name.clone(),
+                        _ => unreachable!("an acquire's pending answer belongs to an acquire"),
+                    };
+                    self.listeners
+                        .entry(token)
+                        .or_default()
+                        .push((listener, reply));
+                    self.listener_index.insert(listener, (name, token));
+                }
+                Ok(other) => {
+                    let err =
+                        ApiError::new(ApiErrorKind::Internal, format!("acquire replied {other:?}"));
+                    self.deliveries.push(Box::new(move || {
+                        let _ = reply.send(Err(err));
+                    }));
+                }
+                Err(e) => {
+                    let err = ApiError::from(e);
+                    self.deliveries.push(Box::new(move || {
+                        let _ = reply.send(Err(err));
+                    }));
+                }
+            },
+        }
+    }
+
+    /// As in single-node mode, except that a grant nobody here listens for is left
+    /// alone: its client may be retrying on another member (with its request id),
+    /// and its lease ends it otherwise.
+    fn route_replicated_outcomes(&mut self) {
+        let outcomes = std::mem::take(&mut self.outcomes);
+        let mut kept = Vec::with_capacity(outcomes.len());
+        for outcome in outcomes {
+            match outcome {
+                fencelock_core::Outcome::Granted(grant)
+                    if !self.listeners.contains_key(&grant.token) => {}
+                fencelock_core::Outcome::WaitEnded { token, .. }
+                    if !self.listeners.contains_key(&token) => {}
+                other => kept.push(other),
+            }
+        }
+        // Events are kept above: route_outcomes publishes them.
+        self.outcomes = kept;
+        self.route_outcomes();
+    }
+
+    /// Runs this round's deliveries at once (everything applied is committed and
+    /// durable on a majority), and hands audit entries to their writer.
+    fn flush_replicated(&mut self) {
+        self.metrics.set_state_gauges(&self.core.stats());
+        for d in std::mem::take(&mut self.written) {
+            d();
+        }
+        for d in std::mem::take(&mut self.event_deliveries) {
+            d();
+        }
+        for d in std::mem::take(&mut self.deliveries) {
+            d();
+        }
+        let entries = std::mem::take(&mut self.audit);
+        if !entries.is_empty() {
+            let count = entries.len() as u64;
+            if self.replica().audit_tx.send(entries).is_ok() {
+                self.metrics
+                    .audit_entries
+                    .fetch_add(count, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Everything `start_cluster` built besides the handle.
+pub struct ClusterRuntime {
+    /// Shared with the handle.
+    pub shared: Arc<ClusterShared>,
+    /// Stops the Raft log writer.
+    pub log_store: crate::cluster::log_store::LogStore,
+}
+
+/// The initial membership from `--peers`: the same on every member, so that each
+/// may initialize the cluster (openraft accepts identical initializations).
+pub(crate) fn initial_members(
+    peers: &BTreeMap<u64, std::net::SocketAddr>,
+) -> BTreeMap<u64, crate::cluster::Member> {
+    peers
+        .iter()
+        .map(|(id, addr)| {
+            (
+                *id,
+                crate::cluster::Member {
+                    peer_addr: addr.to_string(),
+                    url: String::new(),
+                },
+            )
+        })
+        .collect()
+}
+
+impl Shared {
+    pub(super) fn cluster(&self) -> Option<&Arc<ClusterShared>> {
+        self.cluster.as_ref()
+    }
+}
+
+/// The hex SHA-256 of the core configuration: members refuse peers whose
+/// configuration differs (they would decide the same command differently).
+pub(crate) fn config_fingerprint(config: &fencelock_core::Config) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, format!("{config:?}").as_bytes());
+    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn internal(what: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ApiErrorKind::Internal, what.to_string())
+}
+
+/// Starts a cluster member: the Raft log in `data_dir/raft/log`, the engine task in
+/// cluster mode, openraft, and the peer listener. A fresh member (empty Raft log)
+/// initializes the cluster with `--peers`; every member does so with the same
+/// list, which openraft accepts, so no separate init step is needed.
+pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRuntime), ApiError> {
+    let cluster = config
+        .cluster
+        .clone()
+        .ok_or_else(|| internal("start_cluster needs a cluster configuration"))?;
+    cluster
+        .validate()
+        .map_err(|e| ApiError::new(ApiErrorKind::InvalidArgument, e))?;
+    let fsync = config.durability == super::Durability::Fsync;
+    let raft_dir = config.data_dir.join("raft");
+    std::fs::create_dir_all(&raft_dir)
+        .map_err(|e| internal(format!("cannot create {}: {e}", raft_dir.display())))?;
+    refuse_single_node_data(&config.data_dir)?;
+    let log_store = crate::cluster::log_store::LogStore::open(&raft_dir.join("log"), fsync)
+        .map_err(|e| {
+            let locked = e.to_string().contains("in use") || e.to_string().contains("lock");
+            ApiError::new(
+                if locked {
+                    ApiErrorKind::Unavailable
+                } else {
+                    ApiErrorKind::Internal
+                },
+                format!("cannot open the raft log in {}: {e}", raft_dir.display()),
+            )
+        })?;
+    let audit_dir = config.data_dir.join("audit");
+    std::fs::create_dir_all(&audit_dir)
+        .map_err(|e| internal(format!("cannot create {}: {e}", audit_dir.display())))?;
+    let audit_store = AuditStore::open(&audit_dir, config.audit.clone(), fsync)?;
+    let audit_high_water = audit_store.high_water();
+    let audit_index = audit_store.shared_index();
+    let audit_len = audit_store.len() as u64;
+    let audit_tx = spawn_audit_writer(audit_store)
+        .map_err(|e| internal(format!("cannot start a thread: {e}")))?;
+
+    let directory = Arc::new(Directory::default());
+    directory.learn(cluster.node_id, &cluster.advertise_url);
+    let metrics = Arc::new(crate::metrics::Metrics::default());
+    metrics
+        .audit_entries
+        .store(audit_len, std::sync::atomic::Ordering::Relaxed);
+    let core = fencelock_core::Core::new(config.core.clone());
+    metrics.set_state_gauges(&core.stats());
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (events, _) = tokio::sync::broadcast::channel(EVENT_BUFFER);
+    let (state_tx, state_rx) = watch::channel(RunState::Running);
+    let (sm_tx, sm_rx) = mpsc::channel(SM_QUEUE);
+    let (attach_tx, attach_rx) = oneshot::channel();
+    let engine = EngineTask {
+        core,
+        clock: ServiceClock {
+            base_ms: 1,
+            start: Instant::now(),
+        },
+        rx,
+        self_tx: tx.clone(),
+        writer: std::sync::mpsc::channel().0,
+        metrics: metrics.clone(),
+        events: events.clone(),
+        state: state_tx.clone(),
+        records: Vec::new(),
+        audit: Vec::new(),
+        outcomes: Vec::new(),
+        next_seq: 0,
+        written: Vec::new(),
+        event_deliveries: Vec::new(),
+        deliveries: Vec::new(),
+        listeners: HashMap::new(),
+        listener_index: HashMap::new(),
+        draining: false,
+        replicated: Some(Replicated {
+            node_id: cluster.node_id,
+            raft: None,
+            directory: directory.clone(),
+            pending: HashMap::new(),
+            next_seq: 0,
+            applied: None,
+            membership: StoredMembership::default(),
+            leading: None,
+            leader: None,
+            min_ttl_ms: cluster.min_ttl().as_millis() as u64,
+            tick_in_flight: false,
+            audit_tx,
+            audit_high_water,
+        }),
+    };
+    let engine_task = tokio::spawn(engine.run_replicated(sm_rx, attach_rx));
+    let supervisor_state = state_tx.clone();
+    tokio::spawn(async move {
+        if let Err(e) = engine_task.await {
+            if e.is_panic() {
+                let what = "the lock engine panicked (a broken invariant); stopped".to_owned();
+                tracing::error!(error = %what, "fail-stop");
+                let _ = supervisor_state.send(RunState::Failed(what));
+            }
+        }
+    });
+
+    let identity = Arc::new(crate::cluster::network::PeerIdentity {
+        node_id: cluster.node_id,
+        url: cluster.advertise_url.clone(),
+        secret: cluster.secret.clone(),
+        config: config_fingerprint(&config.core),
+    });
+    let peer_listener = tokio::net::TcpListener::bind(cluster.peer_listen)
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                ApiErrorKind::Unavailable,
+                format!("cannot listen for peers on {}: {e}", cluster.peer_listen),
+            )
+        })?;
+    let network = crate::cluster::network::Network::new(
+        identity.clone(),
+        directory.clone(),
+        cluster.dial.clone(),
+    );
+    let sm = crate::cluster::state_machine::StateMachine::new(sm_tx, raft_dir.clone());
+    let raft_config = Arc::new(cluster.raft_config().validate().map_err(|e| {
+        ApiError::new(ApiErrorKind::InvalidArgument, format!("raft settings: {e}"))
+    })?);
+    let raft = Raft::new(cluster.node_id, raft_config, network, log_store.clone(), sm)
+        .await
+        .map_err(|e| internal(format!("cannot start raft: {e}")))?;
+    let peer_state = crate::cluster::network::PeerState {
+        raft: raft.clone(),
+        identity,
+        directory: directory.clone(),
+    };
+    let router = crate::cluster::network::router(peer_state);
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(peer_listener, router).await {
+            tracing::error!(error = %e, "the peer listener stopped");
+        }
+    });
+    let initialized = raft
+        .is_initialized()
+        .await
+        .map_err(|e| internal(format!("raft: {e}")))?;
+    if !initialized {
+        match raft.initialize(initial_members(&cluster.peers)).await {
+            Ok(()) => tracing::info!(
+                members = cluster.peers.len(),
+                "formed a new cluster from --peers"
+            ),
+            // Another member's initialization reached us first: the same cluster.
+            Err(e) => tracing::info!(error = %e, "joined the cluster being formed"),
+        }
+    }
+    let _ = attach_tx.send(raft.clone());
+    let shared = Arc::new(ClusterShared {
+        raft,
+        node_id: cluster.node_id,
+        directory,
+        url: cluster.advertise_url.clone(),
+    });
+    let handle = Handle {
+        shared: Arc::new(Shared {
+            tx,
+            writer: None,
+            cluster: Some(shared.clone()),
+            metrics,
+            events,
+            state: state_rx,
+            started: Instant::now(),
+            recovery: super::RecoveryReport::default(),
+            audit: audit_index,
+            next_listener: std::sync::atomic::AtomicU64::new(1),
+        }),
+    };
+    Ok((handle, ClusterRuntime { shared, log_store }))
+}
+
+/// A single server's data directory cannot silently become a member: its state
+/// would be invisible to the other members.
+fn refuse_single_node_data(dir: &std::path::Path) -> Result<(), ApiError> {
+    let single = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries.flatten().any(|e| {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                name == "log.manifest" || name.ends_with(".seg") || name.starts_with("snap-")
+            })
+        })
+        .unwrap_or(false);
+    if single {
+        return Err(ApiError::new(
+            ApiErrorKind::InvalidArgument,
+            format!(
+                "{} holds a single server's data; a cluster member needs its own directory (back the single server up and restore the backup into the cluster instead)",
+                dir.display()
+            ),
+        ));
+    }
+    Ok(())
+}
