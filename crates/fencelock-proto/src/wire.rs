@@ -26,6 +26,12 @@
 //! [`Op::Hello`] carrying the bearer token. A frame longer than the server's limit, or
 //! one that does not parse, is answered with an error; a frame whose length cannot be
 //! trusted ends the connection.
+//!
+//! ## Errors and clusters
+//! An [`Op::Error`] frame carries a [`WireError`]: the stable code, a message, and —
+//! since cluster mode, as protobuf field 3, which older clients skip — the leader's URL
+//! when a member that is not the leader answers `not_leader`. The client then sends
+//! the request again to that URL (or to its next endpoint when the field is empty).
 
 use prost::Message;
 
