@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use fencelock::{Client, ErrorKind};
+use fencelock::{Client, ErrorKind, ServerConfig, Transport};
 use serde_json::Value;
 use tokio::time::{sleep, timeout, Instant};
 
@@ -172,6 +172,18 @@ async fn the_client_and_the_cli_follow_the_leader_through_a_kill() {
         .expect("acquire on the leader");
     let fence = guard.fence();
 
+    // gRPC for the hot path too: the follower's UNAVAILABLE names the leader.
+    let mut config = ServerConfig::new(servers.clone());
+    config.transport = Transport::Grpc;
+    let grpc = Client::connect_with(config)
+        .await
+        .expect("connect over gRPC");
+    let over_grpc = timeout(STEP, grpc.lock("c:grpc").try_acquire())
+        .await
+        .expect("acquire in time")
+        .expect("acquire over gRPC");
+    let over_grpc_fence = over_grpc.fence();
+
     // `fencelock run` over the same list, its command running across the kill.
     let work = tempfile::tempdir().unwrap();
     let started = work.path().join("started");
@@ -233,6 +245,15 @@ async fn the_client_and_the_cli_follow_the_leader_through_a_kill() {
         .expect("answer in time")
         .expect_err("the grant survived the failover");
     assert_eq!(held.kind(), ErrorKind::Held, "{held}");
+    assert!(over_grpc
+        .release()
+        .await
+        .expect("release over gRPC on the new leader"));
+    let again = timeout(STEP, grpc.lock("c:grpc").try_acquire())
+        .await
+        .expect("acquire in time")
+        .expect("acquire over gRPC after the failover");
+    assert!(again.fence() > over_grpc_fence);
 
     // `fencelock run` kept its command running to the end.
     let out = timeout(STEP, run.wait_with_output())
@@ -260,4 +281,88 @@ async fn the_client_and_the_cli_follow_the_leader_through_a_kill() {
 
     assert!(guard.release().await.expect("release on the new leader"));
     assert!(fresh.release().await.expect("release"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_commands_transfer_the_leadership_and_the_guard_follows() {
+    let members = start_cluster(3);
+    let all = list(&members.iter().collect::<Vec<_>>());
+    let first = leader(&all, None).await;
+    let client = Client::connect(&all).await.expect("connect");
+    let guard = timeout(
+        STEP,
+        client.lock("t:held").ttl(Duration::from_secs(3)).acquire(),
+    )
+    .await
+    .expect("acquire in time")
+    .expect("acquire");
+
+    // Over the whole list: a follower first names the leader, which does it.
+    let target = members
+        .iter()
+        .map(|m| m.id)
+        .find(|id| *id != first)
+        .unwrap();
+    let mut ordered: Vec<&Member> = members.iter().filter(|m| m.id != first).collect();
+    ordered.extend(members.iter().filter(|m| m.id == first));
+    let out = timeout(
+        STEP,
+        fencelock(&list(&ordered))
+            .args(["cluster", "transfer-leader", &target.to_string()])
+            .output(),
+    )
+    .await
+    .expect("transfer answers in time")
+    .expect("run fencelock cluster transfer-leader");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(&format!("member {target} is the leader")),
+        "{stderr}"
+    );
+    assert_eq!(leader(&all, Some(first)).await, target);
+
+    // The guard renews on the new leader for longer than its 3 s lease.
+    sleep(Duration::from_secs(4)).await;
+    assert!(
+        !guard.is_lost(),
+        "the guard lost its lock over a leader transfer"
+    );
+    let fresh = timeout(STEP, client.lock("t:new").try_acquire())
+        .await
+        .expect("acquire in time")
+        .expect("acquire after the transfer");
+    assert!(fresh.fence() > guard.fence());
+
+    // The text status names every member and the leader; bad input is a usage error.
+    let out = timeout(STEP, fencelock(&all).args(["cluster", "status"]).output())
+        .await
+        .expect("status in time")
+        .expect("run fencelock cluster status");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains(&format!("leader {target} (")), "{text}");
+    assert_eq!(text.lines().count(), 2 + 3, "{text}");
+    let out = timeout(
+        STEP,
+        fencelock(&all)
+            .args(["cluster", "add", "--id", "9", "--peer-addr", "127.0.0.1:1"])
+            .args(["--url", "ftp://nowhere"])
+            .output(),
+    )
+    .await
+    .expect("add answers in time")
+    .expect("run fencelock cluster add");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(guard.release().await.expect("release"));
 }
