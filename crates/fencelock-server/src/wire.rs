@@ -483,7 +483,7 @@ impl Outbox {
                 Ok(Reply::Renewed(grant)) => Response::Renewed(grpc::renew_pb(grant)),
                 Ok(Reply::Released { released }) => Response::Released(grpc::release_pb(released)),
                 Ok(other) => unreachable!("a renew or release replied {other:?}"),
-                Err(e) => error_response(&ApiError::from(e)),
+                Err(e) => error_response(&e),
             };
             outbox.answer(id, &response);
         })
