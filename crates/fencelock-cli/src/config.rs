@@ -112,6 +112,10 @@ pub struct ServeArgs {
     /// `2=127.0.0.1:9001,…` (fault-injection proxies, address translation).
     #[arg(long, env = "FENCELOCK_PEER_DIAL")]
     pub peer_dial: Option<String>,
+    /// Cluster mode: start empty and wait to be added to a running cluster with
+    /// `fencelock cluster add` (instead of forming one; --peers not needed).
+    #[arg(long, env = "FENCELOCK_JOIN")]
+    pub join: bool,
 }
 
 /// `[cluster]` of the config file.
@@ -124,6 +128,7 @@ struct FileCluster {
     advertise_url: Option<String>,
     secret_file: Option<PathBuf>,
     heartbeat_ms: Option<u64>,
+    join: Option<bool>,
 }
 
 /// Parses `1=127.0.0.1:7521,2=127.0.0.1:7522`.
@@ -157,14 +162,21 @@ fn cluster_config(
 ) -> Result<Option<fencelock_server::cluster::ClusterConfig>> {
     let node_id = args.node_id.or(file.node_id);
     let peer_listen = args.peer_listen.or(file.peer_listen);
+    let join = args.join || file.join.unwrap_or(false);
     let peers = args.peers.clone().or(file.peers.clone());
-    if node_id.is_none() && peer_listen.is_none() && peers.is_none() {
+    if node_id.is_none() && peer_listen.is_none() && peers.is_none() && !join {
         return Ok(None);
     }
-    let (Some(node_id), Some(peer_listen), Some(peers)) = (node_id, peer_listen, peers) else {
-        bail!("cluster mode needs --node-id, --peer-listen and --peers together");
+    let peers = match (node_id, peer_listen, peers) {
+        (Some(_), Some(_), Some(peers)) => parse_peers(&peers)?,
+        (Some(_), Some(_), None) if join => Default::default(),
+        _ => bail!(
+            "cluster mode needs --node-id, --peer-listen and --peers together (--join instead of --peers to join a running cluster)"
+        ),
     };
-    let peers = parse_peers(&peers)?;
+    let (Some(node_id), Some(peer_listen)) = (node_id, peer_listen) else {
+        unreachable!("checked above");
+    };
     let secret = match args
         .cluster_secret_file
         .clone()
@@ -192,6 +204,7 @@ fn cluster_config(
         node_id,
         peer_listen,
         peers,
+        join,
         advertise_url: args
             .advertise_url
             .clone()
@@ -663,6 +676,7 @@ mod tests {
             cluster_secret_file: None,
             raft_heartbeat_ms: None,
             peer_dial: None,
+            join: false,
         }
     }
 

@@ -45,7 +45,7 @@ use crate::error::{ApiError, ApiErrorKind};
 use crate::metrics::Metrics;
 
 mod replicated;
-pub use replicated::{start_cluster, ClusterRuntime, ClusterShared};
+pub use replicated::{start_cluster, storage_for_tests, ClusterRuntime, ClusterShared};
 
 /// Whether acknowledged changes survive power loss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -98,7 +98,13 @@ pub struct ClusterConfig {
     /// Where this member listens for its peers.
     pub peer_listen: SocketAddr,
     /// The initial members: id → peer address. A fresh cluster forms from them.
+    /// Ignored with `join`.
     pub peers: BTreeMap<u64, SocketAddr>,
+    /// Start empty and wait to be added to an existing cluster (`fencelock cluster
+    /// add`) instead of forming one from `peers`. A member that forms a cluster
+    /// writes the first membership entry; a joining one must not, or its first
+    /// entry would differ from the cluster's under the same log id.
+    pub join: bool,
     /// The URL clients should use for this member.
     pub advertise_url: String,
     /// Shared secret every peer request carries; `None`: peer traffic is not
@@ -130,7 +136,7 @@ impl ClusterConfig {
         if self.node_id == 0 {
             return Err("--node-id must be at least 1".into());
         }
-        if !self.peers.contains_key(&self.node_id) {
+        if !self.join && !self.peers.contains_key(&self.node_id) {
             return Err(format!(
                 "--peers must list this member ({}) with its peer address",
                 self.node_id

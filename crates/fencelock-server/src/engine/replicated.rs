@@ -56,7 +56,11 @@ pub(super) struct Replicated {
     pub(super) min_ttl_ms: u64,
     pub(super) tick_in_flight: bool,
     /// Audit entries go to this thread, which writes them to the audit store.
-    pub(super) audit_tx: std::sync::mpsc::Sender<Vec<AuditEntry>>,
+    pub(super) audit: AuditWriter,
+    /// The Raft log (stopped at shutdown, releasing its directory).
+    pub(super) log_store: Option<crate::cluster::log_store::LogStore>,
+    /// Stops the peer listener.
+    pub(super) stop_peers: Option<oneshot::Sender<()>>,
     /// The audit store's high-water mark at start: entries at or below it were
     /// recorded before (re-applied after a restart) and are not recorded again.
     pub(super) audit_high_water: (u64, u32),
@@ -127,25 +131,45 @@ pub(crate) fn leader_url(
         .or_else(|| directory.url(id))
 }
 
-/// Runs audit commits in order on a thread of their own (they fsync).
-pub(super) fn spawn_audit_writer(
-    mut store: AuditStore,
-) -> std::io::Result<std::sync::mpsc::Sender<Vec<AuditEntry>>> {
-    let (tx, rx) = std::sync::mpsc::channel::<Vec<AuditEntry>>();
-    std::thread::Builder::new()
-        .name("fencelock-audit".into())
-        .spawn(move || {
-            while let Ok(mut batch) = rx.recv() {
-                while let Ok(more) = rx.try_recv() {
-                    batch.extend(more);
+/// Audit commits, in order, on a thread of their own (they fsync).
+pub(super) struct AuditWriter {
+    tx: Option<std::sync::mpsc::Sender<Vec<AuditEntry>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl AuditWriter {
+    pub(super) fn spawn(mut store: AuditStore) -> std::io::Result<AuditWriter> {
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<AuditEntry>>();
+        let thread = std::thread::Builder::new()
+            .name("fencelock-audit".into())
+            .spawn(move || {
+                while let Ok(mut batch) = rx.recv() {
+                    while let Ok(more) = rx.try_recv() {
+                        batch.extend(more);
+                    }
+                    if let Err(e) = store.commit(batch) {
+                        tracing::error!(error = %e, "cannot write the audit log; audit entries are lost from here on");
+                        return;
+                    }
                 }
-                if let Err(e) = store.commit(batch) {
-                    tracing::error!(error = %e, "cannot write the audit log; audit entries are lost from here on");
-                    return;
-                }
-            }
-        })?;
-    Ok(tx)
+            })?;
+        Ok(AuditWriter {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    fn send(&self, entries: Vec<AuditEntry>) -> bool {
+        self.tx.as_ref().is_some_and(|tx| tx.send(entries).is_ok())
+    }
+
+    /// Writes what is queued and releases the audit store.
+    async fn stop(&mut self) {
+        self.tx = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
+    }
 }
 
 impl EngineTask {
@@ -163,6 +187,8 @@ impl EngineTask {
         tokio::pin!(timer);
         let mut armed: Option<tokio::time::Instant> = None;
         let mut metrics: Option<MetricsRx> = None;
+        // No Raft to attach (openraft's storage tests drive the state machine alone).
+        let mut detached = false;
         loop {
             let leading = self.replica().leading.is_some();
             if leading {
@@ -185,13 +211,13 @@ impl EngineTask {
                     Some(req) => self.sm_request(req),
                     None => return,
                 },
-                raft = &mut attach, if metrics.is_none() => match raft {
+                raft = &mut attach, if metrics.is_none() && !detached => match raft {
                     Ok(raft) => {
                         metrics = Some(raft.metrics());
                         self.replica().raft = Some(raft);
                         self.on_metrics(metrics.as_ref().expect("just set"));
                     }
-                    Err(_) => return,
+                    Err(_) => detached = true,
                 },
                 changed = async { metrics.as_mut().expect("guarded").changed().await }, if metrics.is_some() => {
                     if changed.is_err() {
@@ -205,6 +231,13 @@ impl EngineTask {
                         if let Some(raft) = self.replica().raft.clone() {
                             let _ = raft.shutdown().await;
                         }
+                        if let Some(stop) = self.replica().stop_peers.take() {
+                            let _ = stop.send(());
+                        }
+                        if let Some(log) = self.replica().log_store.clone() {
+                            log.stop().await;
+                        }
+                        self.replica().audit.stop().await;
                         let _ = self.state.send(super::RunState::Stopped);
                         let _ = done.send(());
                         return;
@@ -638,7 +671,7 @@ impl EngineTask {
         let entries = std::mem::take(&mut self.audit);
         if !entries.is_empty() {
             let count = entries.len() as u64;
-            if self.replica().audit_tx.send(entries).is_ok() {
+            if self.replica().audit.send(entries) {
                 self.metrics
                     .audit_entries
                     .fetch_add(count, std::sync::atomic::Ordering::Relaxed);
@@ -727,8 +760,9 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
     let audit_high_water = audit_store.high_water();
     let audit_index = audit_store.shared_index();
     let audit_len = audit_store.len() as u64;
-    let audit_tx = spawn_audit_writer(audit_store)
+    let audit = AuditWriter::spawn(audit_store)
         .map_err(|e| internal(format!("cannot start a thread: {e}")))?;
+    let (stop_peers, peers_stopped) = oneshot::channel::<()>();
 
     let directory = Arc::new(Directory::default());
     directory.learn(cluster.node_id, &cluster.advertise_url);
@@ -738,7 +772,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         .store(audit_len, std::sync::atomic::Ordering::Relaxed);
     let core = fencelock_core::Core::new(config.core.clone());
     metrics.set_state_gauges(&core.stats());
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::unbounded_channel::<Msg>();
     let (events, _) = tokio::sync::broadcast::channel(EVENT_BUFFER);
     let (state_tx, state_rx) = watch::channel(RunState::Running);
     let (sm_tx, sm_rx) = mpsc::channel(SM_QUEUE);
@@ -777,7 +811,9 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
             leader: None,
             min_ttl_ms: cluster.min_ttl().as_millis() as u64,
             tick_in_flight: false,
-            audit_tx,
+            audit,
+            log_store: Some(log_store.clone()),
+            stop_peers: Some(stop_peers),
             audit_high_water,
         }),
     };
@@ -826,7 +862,13 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
     };
     let router = crate::cluster::network::router(peer_state);
     tokio::spawn(async move {
-        if let Err(e) = axum::serve(peer_listener, router).await {
+        let stopped = async {
+            let _ = peers_stopped.await;
+        };
+        if let Err(e) = axum::serve(peer_listener, router)
+            .with_graceful_shutdown(stopped)
+            .await
+        {
             tracing::error!(error = %e, "the peer listener stopped");
         }
     });
@@ -834,7 +876,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         .is_initialized()
         .await
         .map_err(|e| internal(format!("raft: {e}")))?;
-    if !initialized {
+    if !initialized && !cluster.join {
         match raft.initialize(initial_members(&cluster.peers)).await {
             Ok(()) => tracing::info!(
                 members = cluster.peers.len(),
@@ -843,6 +885,9 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
             // Another member's initialization reached us first: the same cluster.
             Err(e) => tracing::info!(error = %e, "joined the cluster being formed"),
         }
+    }
+    if !initialized && cluster.join {
+        tracing::info!("waiting to be added to a cluster (fencelock cluster add)");
     }
     let _ = attach_tx.send(raft.clone());
     let shared = Arc::new(ClusterShared {
@@ -890,4 +935,74 @@ fn refuse_single_node_data(dir: &std::path::Path) -> Result<(), ApiError> {
         ));
     }
     Ok(())
+}
+
+/// The Raft log and state machine of a member without Raft or network: the real
+/// log store on `dir/log` and the real engine task behind the state machine, for
+/// openraft's storage test suite.
+#[doc(hidden)]
+pub async fn storage_for_tests(
+    dir: &std::path::Path,
+) -> Result<
+    (
+        crate::cluster::log_store::LogStore,
+        crate::cluster::state_machine::StateMachine,
+    ),
+    ApiError,
+> {
+    let log_store = crate::cluster::log_store::LogStore::open(&dir.join("log"), true)
+        .map_err(|e| internal(format!("raft log: {e}")))?;
+    let audit_dir = dir.join("audit");
+    std::fs::create_dir_all(&audit_dir).map_err(internal)?;
+    let audit_store = AuditStore::open(&audit_dir, Default::default(), false)?;
+    let audit_high_water = audit_store.high_water();
+    let audit = AuditWriter::spawn(audit_store).map_err(internal)?;
+    let (tx, rx) = mpsc::unbounded_channel::<Msg>();
+    let (events, _) = tokio::sync::broadcast::channel(EVENT_BUFFER);
+    let (state_tx, _state_rx) = watch::channel(RunState::Running);
+    let (sm_tx, sm_rx) = mpsc::channel(SM_QUEUE);
+    let (_attach_tx, attach_rx) = oneshot::channel();
+    let engine = EngineTask {
+        core: fencelock_core::Core::new(Default::default()),
+        clock: ServiceClock {
+            base_ms: 1,
+            start: Instant::now(),
+        },
+        rx,
+        self_tx: tx,
+        writer: std::sync::mpsc::channel().0,
+        metrics: Arc::new(crate::metrics::Metrics::default()),
+        events,
+        state: state_tx,
+        records: Vec::new(),
+        audit: Vec::new(),
+        outcomes: Vec::new(),
+        next_seq: 0,
+        written: Vec::new(),
+        event_deliveries: Vec::new(),
+        deliveries: Vec::new(),
+        listeners: HashMap::new(),
+        listener_index: HashMap::new(),
+        draining: false,
+        replicated: Some(Replicated {
+            node_id: 1,
+            raft: None,
+            directory: Arc::new(Directory::default()),
+            pending: HashMap::new(),
+            next_seq: 0,
+            applied: None,
+            membership: StoredMembership::default(),
+            leading: None,
+            leader: None,
+            min_ttl_ms: 0,
+            tick_in_flight: false,
+            audit,
+            log_store: None,
+            stop_peers: None,
+            audit_high_water,
+        }),
+    };
+    tokio::spawn(engine.run_replicated(sm_rx, attach_rx));
+    let sm = crate::cluster::state_machine::StateMachine::new(sm_tx, dir.to_owned());
+    Ok((log_store, sm))
 }

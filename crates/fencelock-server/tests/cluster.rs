@@ -1,0 +1,554 @@
+//! Cluster mode over real loopback TCP: three (or four) in-process members, each a
+//! whole `Server` with its own data directory, peer listener and Raft.
+//!
+//! What only a process kill shows (kill -9 of the leader, SIGSTOP) is in the CLI's
+//! and the chaos crate's tests; these check the API contract and the invariants a
+//! graceful stop or a membership change exercises.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use fencelock_server::cluster::ClusterConfig;
+use fencelock_server::{EngineConfig, Server, ServerConfig};
+use serde_json::{json, Value};
+use support::Client;
+
+const HEARTBEAT: Duration = Duration::from_millis(50);
+/// Three election timeouts at a 50 ms heartbeat (see `ClusterConfig::min_ttl`).
+const MIN_TTL_MS: u64 = 1500;
+const SECRET: &str = "a-cluster-secret-for-tests";
+
+/// A free loopback port (bound, then released: the member binds it next).
+fn free_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+struct Member {
+    id: u64,
+    server: Option<Server>,
+    dir: PathBuf,
+    listen: SocketAddr,
+    peer: SocketAddr,
+}
+
+impl Member {
+    fn client(&self) -> Client {
+        Client::new(self.listen)
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.listen)
+    }
+}
+
+struct Cluster {
+    members: Vec<Member>,
+    peers: BTreeMap<u64, SocketAddr>,
+    _root: tempfile::TempDir,
+}
+
+fn config(
+    id: u64,
+    dir: &Path,
+    listen: SocketAddr,
+    peer: SocketAddr,
+    peers: &BTreeMap<u64, SocketAddr>,
+    join: bool,
+    adjust: &dyn Fn(&mut ServerConfig),
+) -> ServerConfig {
+    let mut engine = EngineConfig::new(dir);
+    engine.cluster = Some(ClusterConfig {
+        node_id: id,
+        peer_listen: peer,
+        peers: peers.clone(),
+        join,
+        advertise_url: String::new(),
+        secret: Some(SECRET.into()),
+        heartbeat: HEARTBEAT,
+        dial: BTreeMap::new(),
+    });
+    let mut config = ServerConfig::new(listen, engine);
+    adjust(&mut config);
+    config
+}
+
+impl Cluster {
+    async fn start(n: u64) -> Cluster {
+        Cluster::start_with(n, &|_, _| {}).await
+    }
+
+    /// Starts `n` members; `adjust(id, config)` changes one member's settings.
+    async fn start_with(n: u64, adjust: &dyn Fn(u64, &mut ServerConfig)) -> Cluster {
+        let root = tempfile::tempdir().unwrap();
+        let mut members = Vec::new();
+        let mut peers = BTreeMap::new();
+        for id in 1..=n {
+            let peer = free_port();
+            peers.insert(id, peer);
+            members.push(Member {
+                id,
+                server: None,
+                dir: root.path().join(format!("m{id}")),
+                listen: free_port(),
+                peer,
+            });
+        }
+        let mut cluster = Cluster {
+            members,
+            peers,
+            _root: root,
+        };
+        for i in 0..cluster.members.len() {
+            cluster.restart_with(i, adjust).await;
+        }
+        cluster
+    }
+
+    async fn restart(&mut self, i: usize) {
+        self.restart_with(i, &|_, _| {}).await;
+    }
+
+    async fn restart_with(&mut self, i: usize, adjust: &dyn Fn(u64, &mut ServerConfig)) {
+        let m = &self.members[i];
+        let id = m.id;
+        let config = config(id, &m.dir, m.listen, m.peer, &self.peers, false, &|c| {
+            adjust(id, c)
+        });
+        self.members[i].server = Some(Server::start(config).await.expect("member starts"));
+    }
+
+    async fn stop(&mut self, i: usize) {
+        if let Some(server) = self.members[i].server.take() {
+            tokio::time::timeout(support::IO_TIMEOUT, server.shutdown())
+                .await
+                .expect("member stops in time")
+                .expect("member stops cleanly");
+        }
+    }
+
+    async fn stop_all(&mut self) {
+        for i in 0..self.members.len() {
+            self.stop(i).await;
+        }
+    }
+
+    fn running(&self) -> impl Iterator<Item = (usize, &Member)> {
+        self.members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.server.is_some())
+    }
+
+    /// Waits until every running member names the same leader, among the running
+    /// ones; returns its index.
+    async fn leader(&self) -> usize {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let mut seen = Vec::new();
+            for (_, m) in self.running() {
+                let body = m.client().get("/v1/cluster").await.json();
+                seen.push(body["leader"]["id"].as_u64());
+            }
+            if let Some(Some(id)) = seen.first().copied() {
+                if seen.iter().all(|s| *s == Some(id)) {
+                    if let Some((i, _)) = self.running().find(|(_, m)| m.id == id) {
+                        return i;
+                    }
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no agreed leader within 20 s: {seen:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+async fn acquire(c: &Client, body: Value) -> support::Response {
+    c.post("/v1/acquire", &body).await
+}
+
+/// Polls `f` until it returns `Some`, for at most 10 s.
+async fn eventually<T, F, Fut>(what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "not within 10 s: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cluster_forms_by_itself_and_followers_point_at_the_leader() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    let leader = &cluster.members[l];
+    let status = leader.client().get("/v1/cluster").await.expect_json(200);
+    assert_eq!(status["node_id"], json!(leader.id));
+    assert_eq!(status["leader"]["url"], json!(leader.url()));
+    let members = status["members"].as_array().unwrap();
+    assert_eq!(members.len(), 3);
+    for m in &cluster.members {
+        let entry = members.iter().find(|e| e["id"] == json!(m.id)).unwrap();
+        assert_eq!(entry["peer_addr"], json!(m.peer.to_string()));
+        assert_eq!(entry["url"], json!(m.url()));
+        let role = if m.id == leader.id {
+            "leader"
+        } else {
+            "follower"
+        };
+        assert_eq!(entry["role"], json!(role));
+        assert!(entry["matched_index"].as_u64().is_some(), "{entry}");
+    }
+
+    let granted = acquire(&leader.client(), json!({"name": "job:a", "ttl_ms": 5000}))
+        .await
+        .expect_json(200);
+    assert_eq!(granted["fence"], json!(1));
+
+    let f = (l + 1) % 3;
+    let follower = cluster.members[f].client();
+    let message = acquire(&follower, json!({"name": "job:b", "ttl_ms": 5000}))
+        .await
+        .expect_error(503, "not_leader");
+    assert!(message.contains(&leader.url()), "{message}");
+    // A linearizable read goes through the leader; a stale one is local.
+    follower
+        .get("/v1/locks/job:a")
+        .await
+        .expect_error(503, "not_leader");
+    eventually("the follower applies the grant", || {
+        let follower = follower.clone();
+        async move {
+            let r = follower.get("/v1/locks/job:a?stale=true").await;
+            (r.status == 200).then_some(())
+        }
+    })
+    .await;
+    let shown = leader
+        .client()
+        .get("/v1/locks/job:a")
+        .await
+        .expect_json(200);
+    assert_eq!(shown["holders"][0]["fence"], json!(1));
+
+    // Leases shorter than three election timeouts are refused, with the floor.
+    let message = acquire(
+        &leader.client(),
+        json!({"name": "job:c", "ttl_ms": MIN_TTL_MS - 1}),
+    )
+    .await
+    .expect_error(400, "invalid_argument");
+    assert!(
+        message.contains(&format!("at least {MIN_TTL_MS} ms")),
+        "{message}"
+    );
+    let message = leader
+        .client()
+        .post("/v1/sessions", &json!({"ttl_ms": 100}))
+        .await
+        .expect_error(400, "invalid_argument");
+    assert!(message.contains("cluster mode"), "{message}");
+
+    // /metrics names the role and term.
+    let metrics = leader.client().get("/metrics").await.text();
+    assert!(metrics.contains("fencelock_raft_leader 1\n"), "{metrics}");
+    let metrics = cluster.members[f].client().get("/metrics").await.text();
+    assert!(metrics.contains("fencelock_raft_leader 0\n"), "{metrics}");
+    cluster.stop_all().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn after_the_leader_stops_locks_fences_and_retries_carry_over() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    let old = cluster.members[l].client();
+    let held = acquire(
+        &old,
+        json!({"name": "inv:1", "ttl_ms": 4000, "request_id": "r-1"}),
+    )
+    .await
+    .expect_json(200);
+    let waiter_body =
+        json!({"name": "inv:1", "ttl_ms": 4000, "wait_ms": 20000, "request_id": "r-2"});
+    let queued = old.post("/v1/acquire", &waiter_body);
+    // The waiter is queued before the leader goes away.
+    let mut pending = Box::pin(queued);
+    let waited = tokio::time::timeout(Duration::from_millis(300), &mut pending).await;
+    assert!(waited.is_err(), "the second acquire waits: {waited:?}");
+    cluster.stop(l).await;
+    drop(pending);
+
+    let n = cluster.leader().await;
+    assert_ne!(n, l);
+    let new = cluster.members[n].client();
+    // The grant survived with its fence and a fresh full lease.
+    let shown = new.get("/v1/locks/inv:1").await.expect_json(200);
+    assert_eq!(shown["holders"][0]["fence"], held["fence"]);
+    assert!(
+        shown["holders"][0]["ttl_remaining_ms"].as_u64().unwrap() > 3000,
+        "{shown}"
+    );
+    // A retry with the same request id gets the same grant, not a second one.
+    let again = acquire(
+        &new,
+        json!({"name": "inv:1", "ttl_ms": 4000, "request_id": "r-1"}),
+    )
+    .await
+    .expect_json(200);
+    assert_eq!(again["owner_token"], held["owner_token"]);
+    assert_eq!(again["fence"], held["fence"]);
+    // The queued request kept its place: retried, it is granted when the holder
+    // releases, before anyone who arrives later.
+    let retry = tokio::spawn({
+        let new = new.clone();
+        async move {
+            new.post(
+                "/v1/acquire",
+                &json!({"name": "inv:1", "ttl_ms": 4000, "wait_ms": 20000, "request_id": "r-2"}),
+            )
+            .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let late = tokio::spawn({
+        let new = new.clone();
+        async move {
+            new.post(
+                "/v1/acquire",
+                &json!({"name": "inv:1", "ttl_ms": 4000, "wait_ms": 20000, "request_id": "r-3"}),
+            )
+            .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    new.post(
+        "/v1/release",
+        &json!({"name": "inv:1", "owner_token": held["owner_token"]}),
+    )
+    .await
+    .expect_json(200);
+    let second = retry.await.unwrap().expect_json(200);
+    let second_fence = second["fence"].as_u64().unwrap();
+    assert!(second_fence > held["fence"].as_u64().unwrap());
+    new.post(
+        "/v1/release",
+        &json!({"name": "inv:1", "owner_token": second["owner_token"]}),
+    )
+    .await
+    .expect_json(200);
+    let third = late.await.unwrap().expect_json(200);
+    assert!(third["fence"].as_u64().unwrap() > second_fence);
+    cluster.stop_all().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_restart_keeps_every_lock_and_the_fence_counter() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    let c = cluster.members[l].client();
+    let mut last = 0;
+    for i in 0..20 {
+        let g = acquire(&c, json!({"name": format!("k:{i}"), "ttl_ms": 30000}))
+            .await
+            .expect_json(200);
+        last = g["fence"].as_u64().unwrap();
+    }
+    cluster.stop_all().await;
+    for i in 0..3 {
+        cluster.restart(i).await;
+    }
+    let l = cluster.leader().await;
+    let c = cluster.members[l].client();
+    let listed = c.get("/v1/locks?prefix=k:").await.expect_json(200);
+    assert_eq!(listed["locks"].as_array().unwrap().len(), 20, "{listed}");
+    let g = acquire(&c, json!({"name": "k:new", "ttl_ms": 30000}))
+        .await
+        .expect_json(200);
+    assert!(g["fence"].as_u64().unwrap() > last, "{g} after {last}");
+    cluster.stop_all().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_peer_port_refuses_strangers_and_other_configurations() {
+    // Member 3 runs with another max_ttl: it must never take part.
+    let mut cluster = Cluster::start_with(3, &|id, c| {
+        if id == 3 {
+            c.engine.core.max_ttl_ms += 1;
+        }
+    })
+    .await;
+    let peer = cluster.members[0].peer;
+    let raw = |headers: Vec<(&'static str, String)>| async move {
+        let mut req = format!("POST /raft/vote HTTP/1.1\r\nhost: {peer}\r\ncontent-length: 0\r\nconnection: close\r\n");
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+        req.push_str("\r\n");
+        let mut stream = tokio::net::TcpStream::connect(peer).await.unwrap();
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        stream.write_all(req.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        stream.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    let no_secret = raw(vec![]).await;
+    assert!(no_secret.starts_with("HTTP/1.1 401"), "{no_secret}");
+    let wrong = raw(vec![(
+        "authorization",
+        "Bearer not-the-secret-at-all".into(),
+    )])
+    .await;
+    assert!(wrong.starts_with("HTTP/1.1 401"), "{wrong}");
+    let other_config = raw(vec![
+        ("authorization", format!("Bearer {SECRET}")),
+        ("x-fencelock-config", "0000".into()),
+    ])
+    .await;
+    assert!(other_config.starts_with("HTTP/1.1 409"), "{other_config}");
+    assert!(
+        other_config.contains("configuration differs"),
+        "{other_config}"
+    );
+
+    // Members 1 and 2 form a majority and a leader; 3 is never caught up.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let leader = loop {
+        let s = cluster.members[0].client().get("/v1/cluster").await.json();
+        if let Some(id) = s["leader"]["id"].as_u64() {
+            break id;
+        }
+        assert!(Instant::now() < deadline, "members 1 and 2 elect nobody");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_ne!(leader, 3);
+    let lc = cluster.members[leader as usize - 1].client();
+    acquire(&lc, json!({"name": "x", "ttl_ms": 5000}))
+        .await
+        .expect_json(200);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let status = lc.get("/v1/cluster").await.expect_json(200);
+    let third = status["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["id"] == json!(3))
+        .unwrap()
+        .clone();
+    assert!(
+        third["matched_index"].is_null() || third["matched_index"] == json!(0),
+        "{third}"
+    );
+    let s3 = cluster.members[2]
+        .client()
+        .get("/v1/locks/x?stale=true")
+        .await;
+    assert_eq!(s3.status, 404, "member 3 must not have applied anything");
+    cluster.stop_all().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn members_are_added_and_removed_and_leadership_moves() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    let lc = cluster.members[l].client();
+    acquire(&lc, json!({"name": "m:1", "ttl_ms": 30000}))
+        .await
+        .expect_json(200);
+
+    // Member 4 starts empty, waiting to be added.
+    let dir = cluster._root.path().join("m4");
+    let (listen, peer) = (free_port(), free_port());
+    let server = Server::start(config(
+        4,
+        &dir,
+        listen,
+        peer,
+        &BTreeMap::new(),
+        true,
+        &|_| {},
+    ))
+    .await
+    .expect("member 4 starts");
+    cluster.members.push(Member {
+        id: 4,
+        server: Some(server),
+        dir,
+        listen,
+        peer,
+    });
+    let added = lc
+        .post(
+            "/v1/cluster/members",
+            &json!({"id": 4, "peer_addr": peer.to_string(), "url": format!("http://{listen}")}),
+        )
+        .await
+        .expect_json(200);
+    let four = added["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["id"] == json!(4))
+        .unwrap()
+        .clone();
+    assert_eq!(four["role"], json!("follower"), "{added}");
+    // It has the state.
+    let c4 = Client::new(listen);
+    eventually("member 4 applies the lock", || {
+        let c4 = c4.clone();
+        async move { (c4.get("/v1/locks/m:1?stale=true").await.status == 200).then_some(()) }
+    })
+    .await;
+
+    // Bad requests are refused before anything changes.
+    lc.post(
+        "/v1/cluster/members",
+        &json!({"id": 0, "peer_addr": "x", "url": "y"}),
+    )
+    .await
+    .expect_error(400, "invalid_argument");
+    lc.delete("/v1/cluster/members/99")
+        .await
+        .expect_error(404, "not_found");
+
+    // Leadership moves to member 4, then member 1 (or whoever led) leaves.
+    lc.post("/v1/cluster/transfer-leader", &json!({"id": 4}))
+        .await
+        .expect_json(200);
+    assert_eq!(cluster.leader().await, 3);
+    let old_id = cluster.members[l].id;
+    let removed = c4
+        .delete(&format!("/v1/cluster/members/{old_id}"))
+        .await
+        .expect_json(200);
+    assert_eq!(removed["members"].as_array().unwrap().len(), 3, "{removed}");
+    let g = acquire(&c4, json!({"name": "m:2", "ttl_ms": 30000}))
+        .await
+        .expect_json(200);
+    assert_eq!(g["fence"], json!(2));
+    cluster.stop_all().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_server_has_no_cluster_api() {
+    let s = support::TestServer::start().await;
+    s.client
+        .get("/v1/cluster")
+        .await
+        .expect_error(404, "not_found");
+    s.stop().await;
+}
