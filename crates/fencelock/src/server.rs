@@ -128,7 +128,6 @@ pub struct FencelockBackend {
 }
 
 /// What every clone of a backend shares.
-#[derive(Debug)]
 struct Shared {
     /// For members added later (a leader named by another member).
     config: ServerConfig,
@@ -138,6 +137,20 @@ struct Shared {
     current: AtomicUsize,
     request_timeout: Duration,
     authorization: Option<MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl std::fmt::Debug for Shared {
+    // Not derived: the config and the authorization hold the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let nodes = self.nodes.read().unwrap_or_else(|p| p.into_inner());
+        let urls: Vec<&str> = nodes.iter().map(|n| n.url.as_str()).collect();
+        f.debug_struct("FencelockBackend")
+            .field("endpoints", &urls)
+            .field("current", &self.current.load(Ordering::Relaxed))
+            .field("request_timeout", &self.request_timeout)
+            .field("token", &self.authorization.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 /// One member's connections.
@@ -807,6 +820,16 @@ mod tests {
         assert!(!e.is_not_leader());
         assert_eq!(e.leader(), None);
         assert_eq!(e.kind(), ErrorKind::Unavailable);
+    }
+
+    #[tokio::test]
+    async fn debug_output_names_the_endpoints_but_not_the_token() {
+        let mut config = ServerConfig::new("http://a:1,http://b:2");
+        config.token = Some("s3cret-token".into());
+        let backend = FencelockBackend::connect_lazy(config).unwrap();
+        let text = format!("{backend:?}");
+        assert!(text.contains("http://b:2"), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
     }
 
     #[test]
