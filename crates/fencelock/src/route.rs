@@ -6,9 +6,10 @@
 //! answers `not_leader`, naming the leader's URL when it knows it: the request follows
 //! the name (even to a URL it was not given, which is added). A member that cannot be
 //! reached, is shutting down, or knows no leader sends the request on to the next
-//! endpoint in the list. Each member is tried at most once per request, so one request
-//! makes at most one round; the caller (the acquire loop, the renewer) backs off
-//! before the next round, within its own deadline.
+//! endpoint in the list. Each member is tried at most once per round. Between rounds
+//! the backend backs off (`Backoff`) and starts again while the cluster is between
+//! leaders (some member answered `not_leader`), within the call's deadline; the
+//! caller's own retries (the acquire loop, the renewer) cover the rest.
 
 /// Most endpoints a client keeps: the configured ones plus leaders named by members.
 /// Beyond it a named leader is not added (the request moves on through the list).

@@ -18,6 +18,7 @@ use tonic::{Code, Request, Status};
 use fencelock_proto::wire::{Request as WireRequest, Response as WireResponse};
 
 use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use crate::backoff::Backoff;
 use crate::route::{self, Failure, Next, Route};
 use crate::wire::WireClient;
 use crate::{Error, ErrorKind};
@@ -304,56 +305,86 @@ impl FencelockBackend {
     }
 
     /// Runs `op` on the member that answered last, following `not_leader` answers and
-    /// passing over unreachable members (each at most once), until one answers or
-    /// `deadline` passes. The failure of the last member tried is returned.
-    async fn call<T, F, Fut>(&self, deadline: Instant, mut op: F) -> Result<T, Error>
+    /// passing over unreachable members (each at most once per round), until one
+    /// answers or `deadline` passes. The failure of the last member tried is returned.
+    ///
+    /// A round in which some member answered `not_leader` means a cluster between
+    /// leaders (an election, or a leader that just died and is still named): another
+    /// round follows after a backoff, as long as it can start before `rounds_until`.
+    /// A round of unreachable members only is not repeated here: the caller's own
+    /// retries (acquire within its wait, renewal within the lease) decide.
+    async fn call<T, F, Fut>(
+        &self,
+        deadline: Instant,
+        rounds_until: Instant,
+        mut op: F,
+    ) -> Result<T, Error>
     where
         F: FnMut(Arc<Node>) -> Fut,
         Fut: Future<Output = Result<T, Error>>,
     {
-        let len = self.nodes().len();
-        let mut route = Route::new(self.shared.current.load(Ordering::Relaxed), len);
+        let backoff = Backoff::default();
+        let mut round = 0u32;
         loop {
-            let Some(node) = self.node(route.current()) else {
-                return Err(no_url());
-            };
-            let error = match op(node).await {
-                Ok(answer) => {
-                    self.shared
-                        .current
-                        .store(route.current(), Ordering::Relaxed);
-                    return Ok(answer);
-                }
-                Err(e) => e,
-            };
-            let failure = if error.is_not_leader() {
-                Failure::NotLeader(error.leader())
-            } else if error.kind() == ErrorKind::Unavailable {
-                Failure::Unreachable
-            } else {
-                Failure::Final
-            };
-            let endpoints: Vec<String> = self.nodes().iter().map(|n| n.url.clone()).collect();
-            let next = route.after(&endpoints, failure);
-            let moved = match next {
-                Next::Endpoint(_) => true,
-                Next::Add(url) => match self.add(&url) {
-                    Some(i) => {
-                        route.relocate(i);
-                        true
+            let len = self.nodes().len();
+            let mut route = Route::new(self.shared.current.load(Ordering::Relaxed), len);
+            let mut between_leaders = false;
+            let error = loop {
+                let Some(node) = self.node(route.current()) else {
+                    return Err(no_url());
+                };
+                let error = match op(node).await {
+                    Ok(answer) => {
+                        self.shared
+                            .current
+                            .store(route.current(), Ordering::Relaxed);
+                        return Ok(answer);
                     }
-                    None => false,
-                },
-                Next::Stop => false,
+                    Err(e) => e,
+                };
+                let failure = if error.is_not_leader() {
+                    between_leaders = true;
+                    Failure::NotLeader(error.leader())
+                } else if error.kind() == ErrorKind::Unavailable {
+                    Failure::Unreachable
+                } else {
+                    Failure::Final
+                };
+                let endpoints: Vec<String> = self.nodes().iter().map(|n| n.url.clone()).collect();
+                let moved = match route.after(&endpoints, failure) {
+                    Next::Endpoint(_) => true,
+                    Next::Add(url) => match self.add(&url) {
+                        Some(i) => {
+                            route.relocate(i);
+                            true
+                        }
+                        None => false,
+                    },
+                    Next::Stop => false,
+                };
+                // The next request (or round) starts past the member that failed last.
+                self.shared
+                    .current
+                    .store(route.current(), Ordering::Relaxed);
+                if matches!(failure, Failure::Final) || Instant::now() >= deadline {
+                    return Err(error);
+                }
+                if !moved {
+                    break error;
+                }
             };
-            // The next round starts past the member that failed last.
-            self.shared
-                .current
-                .store(route.current(), Ordering::Relaxed);
-            if !moved || Instant::now() >= deadline {
+            let delay = backoff.delay(round);
+            round = round.saturating_add(1);
+            if !between_leaders || Instant::now() + delay >= rounds_until.min(deadline) {
                 return Err(error);
             }
+            tokio::time::sleep(delay).await;
         }
+    }
+
+    /// How long a call that asks no wait may go on retrying between leaders.
+    fn rounds_until(&self) -> Instant {
+        self.deadline(Duration::ZERO)
     }
 
     /// The deadline of a call that asks the server to wait `wait`.
@@ -376,16 +407,20 @@ impl FencelockBackend {
     /// One lock's holders and queue; [`ErrorKind::NotFound`] if nobody holds, waits
     /// for, or is delayed on it.
     pub async fn get_lock(&self, name: &str) -> Result<pb::LockInfo, Error> {
-        self.call(self.deadline(Duration::ZERO), |node| async move {
-            let request = self.request(
-                pb::GetLockRequest {
-                    name: name.to_owned(),
-                },
-                Duration::ZERO,
-            );
-            let response = node.client.clone().get_lock(request).await;
-            Ok(response.map_err(error_from_status)?.into_inner())
-        })
+        self.call(
+            self.deadline(Duration::ZERO),
+            self.rounds_until(),
+            |node| async move {
+                let request = self.request(
+                    pb::GetLockRequest {
+                        name: name.to_owned(),
+                    },
+                    Duration::ZERO,
+                );
+                let response = node.client.clone().get_lock(request).await;
+                Ok(response.map_err(error_from_status)?.into_inner())
+            },
+        )
         .await
     }
 
@@ -397,7 +432,7 @@ impl FencelockBackend {
         after: Option<String>,
         limit: u32,
     ) -> Result<pb::ListLocksResponse, Error> {
-        self.call(self.deadline(Duration::ZERO), |node| {
+        self.call(self.deadline(Duration::ZERO), self.rounds_until(), |node| {
             let after = after.clone();
             async move {
                 let request = self.request(
@@ -423,18 +458,22 @@ impl FencelockBackend {
         fence: Option<u64>,
         reason: &str,
     ) -> Result<Vec<u64>, Error> {
-        self.call(self.deadline(Duration::ZERO), |node| async move {
-            let request = self.request(
-                pb::ForceReleaseRequest {
-                    name: name.to_owned(),
-                    fence,
-                    reason: reason.to_owned(),
-                },
-                Duration::ZERO,
-            );
-            let response = node.client.clone().force_release(request).await;
-            Ok(response.map_err(error_from_status)?.into_inner().fences)
-        })
+        self.call(
+            self.deadline(Duration::ZERO),
+            self.rounds_until(),
+            |node| async move {
+                let request = self.request(
+                    pb::ForceReleaseRequest {
+                        name: name.to_owned(),
+                        fence,
+                        reason: reason.to_owned(),
+                    },
+                    Duration::ZERO,
+                );
+                let response = node.client.clone().force_release(request).await;
+                Ok(response.map_err(error_from_status)?.into_inner().fences)
+            },
+        )
         .await
     }
 
@@ -442,18 +481,22 @@ impl FencelockBackend {
     /// ends with an error if the watcher fell behind or the server went away: re-read
     /// the state and watch again.
     pub async fn watch(&self, prefix: &str) -> Result<EventStream, Error> {
-        self.call(self.deadline(Duration::ZERO), |node| async move {
-            let mut request = Request::new(pb::WatchRequest {
-                prefix: prefix.to_owned(),
-            });
-            if let Some(auth) = &self.shared.authorization {
-                request.metadata_mut().insert("authorization", auth.clone());
-            }
-            let response = node.client.clone().watch(request).await;
-            Ok(EventStream {
-                inner: response.map_err(error_from_status)?.into_inner(),
-            })
-        })
+        self.call(
+            self.deadline(Duration::ZERO),
+            self.rounds_until(),
+            |node| async move {
+                let mut request = Request::new(pb::WatchRequest {
+                    prefix: prefix.to_owned(),
+                });
+                if let Some(auth) = &self.shared.authorization {
+                    request.metadata_mut().insert("authorization", auth.clone());
+                }
+                let response = node.client.clone().watch(request).await;
+                Ok(EventStream {
+                    inner: response.map_err(error_from_status)?.into_inner(),
+                })
+            },
+        )
         .await
     }
 }
@@ -551,7 +594,7 @@ impl LockBackend for FencelockBackend {
             // Every member tried gets the same request id: one that already granted
             // (or queued) it answers with that grant (or queue place).
             let grant = self
-                .call(self.deadline(wait), |node| async move {
+                .call(self.deadline(wait), wait_until, |node| async move {
                     let wait = wait_until.saturating_duration_since(Instant::now());
                     let message = pb::AcquireRequest {
                         name: spec.name.clone(),
@@ -596,29 +639,33 @@ impl LockBackend for FencelockBackend {
     ) -> BoxFuture<'a, Result<Duration, Error>> {
         Box::pin(async move {
             let renewed = self
-                .call(self.deadline(Duration::ZERO), |node| async move {
-                    let message = pb::RenewRequest {
-                        name: lease.name.clone(),
-                        owner_token: lease.owner_token.clone(),
-                        ttl_ms: Some(ms(ttl)),
-                    };
-                    match node.wire() {
-                        Some(wire) => match wire
-                            .call(WireRequest::Renew(message), Duration::ZERO, false)
-                            .await?
-                        {
-                            WireResponse::Renewed(renewed) => Ok(renewed),
-                            other => Err(unexpected("Renew", &other)),
-                        },
-                        None => Ok(node
-                            .client
-                            .clone()
-                            .renew(self.request(message, Duration::ZERO))
-                            .await
-                            .map_err(error_from_status)?
-                            .into_inner()),
-                    }
-                })
+                .call(
+                    self.deadline(Duration::ZERO),
+                    self.rounds_until(),
+                    |node| async move {
+                        let message = pb::RenewRequest {
+                            name: lease.name.clone(),
+                            owner_token: lease.owner_token.clone(),
+                            ttl_ms: Some(ms(ttl)),
+                        };
+                        match node.wire() {
+                            Some(wire) => match wire
+                                .call(WireRequest::Renew(message), Duration::ZERO, false)
+                                .await?
+                            {
+                                WireResponse::Renewed(renewed) => Ok(renewed),
+                                other => Err(unexpected("Renew", &other)),
+                            },
+                            None => Ok(node
+                                .client
+                                .clone()
+                                .renew(self.request(message, Duration::ZERO))
+                                .await
+                                .map_err(error_from_status)?
+                                .into_inner()),
+                        }
+                    },
+                )
                 .await?;
             Ok(Duration::from_millis(renewed.ttl_ms))
         })
@@ -627,28 +674,32 @@ impl LockBackend for FencelockBackend {
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(async move {
             let released = self
-                .call(self.deadline(Duration::ZERO), |node| async move {
-                    let message = pb::ReleaseRequest {
-                        name: lease.name.clone(),
-                        owner_token: lease.owner_token.clone(),
-                    };
-                    match node.wire() {
-                        Some(wire) => match wire
-                            .call(WireRequest::Release(message), Duration::ZERO, false)
-                            .await?
-                        {
-                            WireResponse::Released(r) => Ok(r.released),
-                            other => Err(unexpected("Release", &other)),
-                        },
-                        None => node
-                            .client
-                            .clone()
-                            .release(self.request(message, Duration::ZERO))
-                            .await
-                            .map(|r| r.into_inner().released)
-                            .map_err(error_from_status),
-                    }
-                })
+                .call(
+                    self.deadline(Duration::ZERO),
+                    self.rounds_until(),
+                    |node| async move {
+                        let message = pb::ReleaseRequest {
+                            name: lease.name.clone(),
+                            owner_token: lease.owner_token.clone(),
+                        };
+                        match node.wire() {
+                            Some(wire) => match wire
+                                .call(WireRequest::Release(message), Duration::ZERO, false)
+                                .await?
+                            {
+                                WireResponse::Released(r) => Ok(r.released),
+                                other => Err(unexpected("Release", &other)),
+                            },
+                            None => node
+                                .client
+                                .clone()
+                                .release(self.request(message, Duration::ZERO))
+                                .await
+                                .map(|r| r.into_inner().released)
+                                .map_err(error_from_status),
+                        }
+                    },
+                )
                 .await;
             match released {
                 // Already expired or taken: nothing of ours is left to release.
