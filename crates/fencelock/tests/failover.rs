@@ -9,12 +9,13 @@ mod support;
 #[allow(unused_imports)] // The proxy is for other test files.
 use support::Proxy as _;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fencelock::proto::wire::{self, Request, Response, WireError};
 use fencelock::proto::AcquireRequest;
-use fencelock::{Client, ErrorKind, ServerConfig};
+use fencelock::{AcquireSpec, Client, ErrorKind, FencelockBackend, LockBackend, ServerConfig};
 use support::{TestServer, STEP};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -36,9 +37,16 @@ impl Drop for Follower {
 
 impl Follower {
     async fn start(leader: Option<String>) -> Follower {
+        Follower::start_knowing_after(leader, 0).await
+    }
+
+    /// A member that knows no leader for its first `unknown_for` answers (an
+    /// election), then names `leader`.
+    async fn start_knowing_after(leader: Option<String>, unknown_for: usize) -> Follower {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let seen = Arc::new(Mutex::new(Vec::new()));
+        let answered = Arc::new(AtomicUsize::new(0));
         let task = tokio::spawn({
             let seen = seen.clone();
             async move {
@@ -46,7 +54,12 @@ impl Follower {
                     let Ok((socket, _)) = listener.accept().await else {
                         return;
                     };
-                    tokio::spawn(serve(socket, leader.clone(), seen.clone()));
+                    let known = Known {
+                        leader: leader.clone(),
+                        unknown_for,
+                        answered: answered.clone(),
+                    };
+                    tokio::spawn(serve(socket, known, seen.clone()));
                 }
             }
         });
@@ -58,11 +71,25 @@ impl Follower {
     }
 }
 
-async fn serve(
-    mut socket: tokio::net::TcpStream,
+/// What a fake member says about the leader.
+struct Known {
     leader: Option<String>,
-    seen: Arc<Mutex<Vec<String>>>,
-) {
+    unknown_for: usize,
+    answered: Arc<AtomicUsize>,
+}
+
+impl Known {
+    fn answer(&self) -> Response {
+        let n = self.answered.fetch_add(1, Ordering::Relaxed);
+        not_leader(if n < self.unknown_for {
+            &None
+        } else {
+            &self.leader
+        })
+    }
+}
+
+async fn serve(mut socket: tokio::net::TcpStream, known: Known, seen: Arc<Mutex<Vec<String>>>) {
     let mut magic = [0u8; 8];
     if socket.read_exact(&mut magic).await.is_err() || magic != wire::CLIENT_MAGIC {
         return;
@@ -81,9 +108,9 @@ async fn serve(
                 Request::Ping => Response::Pong,
                 Request::Acquire(AcquireRequest { request_id, .. }) => {
                     seen.lock().unwrap().push(request_id.unwrap_or_default());
-                    not_leader(&leader)
+                    known.answer()
                 }
-                _ => not_leader(&leader),
+                _ => known.answer(),
             };
             let mut out = Vec::new();
             wire::encode_response(&mut out, id, &answer);
@@ -243,4 +270,42 @@ async fn every_attempt_of_one_acquisition_carries_the_same_request_id() {
     );
     assert!(mine.release().await.unwrap());
     assert!(guard.release().await.unwrap());
+}
+
+#[tokio::test]
+async fn the_backend_itself_rides_out_an_election_within_the_wait() {
+    let server = TestServer::start().await;
+    // Three answers without a leader, then the leader's name.
+    let electing = Follower::start_knowing_after(Some(server.url()), 3).await;
+    let backend = FencelockBackend::connect(ServerConfig::new(electing.url.clone()))
+        .await
+        .unwrap();
+    let mut spec = AcquireSpec::new("e:a", Duration::from_secs(30));
+    spec.wait = Duration::from_secs(10);
+    // One call to the backend (no client retry loop around it).
+    let lease = timeout(STEP, backend.acquire(&spec))
+        .await
+        .unwrap()
+        .unwrap();
+    let ids = electing.seen();
+    assert_eq!(
+        ids.len(),
+        4,
+        "three rounds without a leader, then followed: {ids:?}"
+    );
+    assert!(ids.iter().all(|id| *id == spec.request_id), "{ids:?}");
+    assert!(backend.release(&lease).await.unwrap());
+
+    // Without a wait, one round only: the election is the caller's to retry.
+    let electing = Follower::start_knowing_after(Some(server.url()), 3).await;
+    let backend = FencelockBackend::connect(ServerConfig::new(electing.url.clone()))
+        .await
+        .unwrap();
+    let spec = AcquireSpec::new("e:b", Duration::from_secs(30));
+    let err = timeout(STEP, backend.acquire(&spec))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(err.is_not_leader(), "{err}");
+    assert_eq!(electing.seen().len(), 1);
 }
