@@ -29,8 +29,10 @@ use tokio_rustls::rustls::pki_types::ServerName;
 /// With several endpoints the client sends each request to the member that last
 /// answered; a member that is not the leader answers `not_leader` with the leader's
 /// URL, and the request follows it; a member that cannot be reached is skipped for the
-/// next one. The caller's retries (acquire within its wait, renewals within the
-/// lease's safe deadline) back off between rounds.
+/// next one. While the cluster is between leaders a call tries again with backoff
+/// within its own deadline (an acquire's wait, else `request_timeout`); beyond that the
+/// caller's retries (acquire within its wait, renewals within the lease's safe
+/// deadline) take over.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ServerConfig {
