@@ -54,35 +54,42 @@ fn start_cluster(n: u64) -> Vec<Member> {
         .iter()
         .enumerate()
         .map(|(i, (listen, peer))| {
-            let id = i as u64 + 1;
-            let dir = tempfile::tempdir().expect("temp dir");
-            let url = format!("http://127.0.0.1:{listen}");
-            let child = Command::new(support::BIN)
-                .args([
-                    "serve",
-                    "--log-format",
-                    "json",
-                    "--node-id",
-                    &id.to_string(),
-                ])
-                .args(["--listen", &format!("127.0.0.1:{listen}")])
-                .args(["--peer-listen", &format!("127.0.0.1:{peer}")])
-                .args(["--peers", &peers, "--advertise-url", &url])
-                .arg("--data-dir")
-                .arg(dir.path())
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("spawn fencelock serve");
-            Member {
-                id,
-                url,
-                child,
-                _dir: dir,
-            }
+            let membership = ["--peers", peers.as_str()];
+            spawn_member(i as u64 + 1, *listen, *peer, &membership)
         })
         .collect()
+}
+
+/// Starts member `id` serving clients on `listen` and peers on `peer`, with
+/// `membership` (`--peers …` for a new cluster, `--join` for a later member).
+fn spawn_member(id: u64, listen: u16, peer: u16, membership: &[&str]) -> Member {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("http://127.0.0.1:{listen}");
+    let child = Command::new(support::BIN)
+        .args([
+            "serve",
+            "--log-format",
+            "json",
+            "--node-id",
+            &id.to_string(),
+        ])
+        .args(["--listen", &format!("127.0.0.1:{listen}")])
+        .args(["--peer-listen", &format!("127.0.0.1:{peer}")])
+        .args(membership)
+        .args(["--advertise-url", &url])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn fencelock serve");
+    Member {
+        id,
+        url,
+        child,
+        _dir: dir,
+    }
 }
 
 fn list(members: &[&Member]) -> String {
@@ -365,4 +372,71 @@ async fn cluster_commands_transfer_the_leadership_and_the_guard_follows() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(guard.release().await.expect("release"));
+}
+
+/// The member ids `fencelock cluster status --json` lists, in order.
+fn member_ids(status: &Value) -> Vec<u64> {
+    let mut ids: Vec<u64> = status["members"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
+        .iter()
+        .filter_map(|m| m["id"].as_u64())
+        .collect();
+    ids.sort_unstable();
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_add_and_remove_change_the_membership() {
+    let members = start_cluster(3);
+    let all = list(&members.iter().collect::<Vec<_>>());
+    leader(&all, None).await;
+
+    let (listen, peer) = (free_port(), free_port());
+    let fourth = spawn_member(4, listen, peer, &["--join"]);
+    let out = timeout(
+        STEP,
+        fencelock(&all)
+            .args(["cluster", "add", "--id", "4", "--json"])
+            .args(["--peer-addr", &format!("127.0.0.1:{peer}")])
+            .args(["--url", &fourth.url])
+            .output(),
+    )
+    .await
+    .expect("add answers in time")
+    .expect("run fencelock cluster add");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let added: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(member_ids(&added), [1, 2, 3, 4], "{added}");
+
+    // The new member serves clients of the cluster (once it has heard from the
+    // leader: until then it answers not_leader without a name, and the client
+    // retries within the wait).
+    let client = Client::connect(&fourth.url)
+        .await
+        .expect("connect to member 4");
+    let guard = timeout(
+        STEP,
+        client.lock("m:a").wait(Duration::from_secs(20)).acquire(),
+    )
+    .await
+    .expect("acquire in time")
+    .expect("acquire through member 4");
+    assert!(guard.release().await.expect("release"));
+
+    let out = timeout(
+        STEP,
+        fencelock(&all)
+            .args(["cluster", "remove", "4", "--json"])
+            .output(),
+    )
+    .await
+    .expect("remove answers in time")
+    .expect("run fencelock cluster remove");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let removed: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(member_ids(&removed), [1, 2, 3], "{removed}");
 }
