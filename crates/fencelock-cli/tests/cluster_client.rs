@@ -147,6 +147,26 @@ async fn leader(servers: &str, not: Option<u64>) -> u64 {
     }
 }
 
+/// Waits until `guard`'s deadline has moved past `deadline_then` (a renewal was
+/// confirmed), failing if the guard reports the lock lost first.
+async fn renewed_past(guard: &fencelock::LockGuard, deadline_then: Instant) {
+    loop {
+        assert!(
+            !guard.is_lost(),
+            "the guard reported the lock lost during the failover"
+        );
+        let left = guard.valid_for().expect("not lost");
+        if Instant::now() + left > deadline_then + Duration::from_millis(500) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline_then,
+            "no renewal confirmed within the lease"
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
 async fn wait_for_file(path: &Path) {
     timeout(STEP, async {
         while !path.exists() {
@@ -221,21 +241,7 @@ async fn the_client_and_the_cli_follow_the_leader_through_a_kill() {
 
     // (a) The guard renews on the new leader: its deadline moves past the one it had
     // at the kill, and it never reports the lock lost meanwhile.
-    loop {
-        assert!(
-            !guard.is_lost(),
-            "the guard reported the lock lost during the failover"
-        );
-        let left = guard.valid_for().expect("not lost");
-        if Instant::now() + left > deadline_then + Duration::from_millis(500) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline_then,
-            "no renewal confirmed within the lease"
-        );
-        sleep(Duration::from_millis(50)).await;
-    }
+    renewed_past(&guard, deadline_then).await;
 
     // (b) A new acquire succeeds on the new leader, and the old grant survived.
     let fresh = timeout(
@@ -439,4 +445,32 @@ async fn cluster_add_and_remove_change_the_membership() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     let removed: Value = serde_json::from_slice(&out.stdout).expect("JSON");
     assert_eq!(member_ids(&removed), [1, 2, 3], "{removed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guard_renews_past_a_stopped_leader() {
+    let members = start_cluster(3);
+    let all = list(&members.iter().collect::<Vec<_>>());
+    let first = leader(&all, None).await;
+    let client = Client::connect(&all).await.expect("connect");
+    let guard = timeout(
+        STEP,
+        client.lock("s:held").ttl(Duration::from_secs(9)).acquire(),
+    )
+    .await
+    .expect("acquire in time")
+    .expect("acquire");
+    // Renewals now go to the leader; stop it (SIGSTOP: connections stay open and
+    // unanswered, unlike a kill).
+    let stopped = members.iter().find(|m| m.id == first).expect("a member");
+    let deadline_then = Instant::now() + guard.valid_for().expect("held");
+    let pid = stopped.child.id() as libc::pid_t;
+    // SAFETY: signals a child process this test started and still owns.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let survivors: Vec<&Member> = members.iter().filter(|m| m.id != first).collect();
+    leader(&list(&survivors), Some(first)).await;
+    renewed_past(&guard, deadline_then).await;
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    assert!(guard.release().await.expect("release"));
 }

@@ -384,6 +384,21 @@ impl FencelockBackend {
         }
     }
 
+    /// How long one member gets to answer a renewal of a lease of `ttl`. With several
+    /// members, a third of the ttl (the renewal interval; at least 100 ms): a leader
+    /// that hangs (stopped, partitioned) must not use up the lease before the next
+    /// member is asked. With one, the request timeout, as before: there is no one
+    /// else to ask.
+    fn renew_hop_limit(&self, ttl: Duration) -> Duration {
+        if self.nodes().len() > 1 {
+            (ttl / 3)
+                .max(Duration::from_millis(100))
+                .min(self.shared.request_timeout)
+        } else {
+            self.shared.request_timeout
+        }
+    }
+
     /// How long a call that asks no wait may go on retrying between leaders.
     fn rounds_until(&self) -> Instant {
         self.deadline(Duration::ZERO)
@@ -640,6 +655,7 @@ impl LockBackend for FencelockBackend {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Duration, Error>> {
         Box::pin(async move {
+            let hop_limit = self.renew_hop_limit(ttl);
             let renewed = self
                 .call(
                     self.deadline(Duration::ZERO),
@@ -650,21 +666,31 @@ impl LockBackend for FencelockBackend {
                             owner_token: lease.owner_token.clone(),
                             ttl_ms: Some(ms(ttl)),
                         };
-                        match node.wire() {
-                            Some(wire) => match wire
-                                .call(WireRequest::Renew(message), Duration::ZERO, false)
-                                .await?
-                            {
-                                WireResponse::Renewed(renewed) => Ok(renewed),
-                                other => Err(unexpected("Renew", &other)),
-                            },
-                            None => Ok(node
-                                .client
-                                .clone()
-                                .renew(self.request(message, Duration::ZERO))
-                                .await
-                                .map_err(error_from_status)?
-                                .into_inner()),
+                        let renew = async {
+                            match node.wire() {
+                                Some(wire) => match wire
+                                    .call(WireRequest::Renew(message), Duration::ZERO, false)
+                                    .await?
+                                {
+                                    WireResponse::Renewed(renewed) => Ok(renewed),
+                                    other => Err(unexpected("Renew", &other)),
+                                },
+                                None => Ok(node
+                                    .client
+                                    .clone()
+                                    .renew(self.request(message, Duration::ZERO))
+                                    .await
+                                    .map_err(error_from_status)?
+                                    .into_inner()),
+                            }
+                        };
+                        match tokio::time::timeout(hop_limit, renew).await {
+                            Ok(answer) => answer,
+                            // A renewal is idempotent: a late answer changes nothing.
+                            Err(_) => Err(Error::new(
+                                ErrorKind::Unavailable,
+                                format!("no answer from {} within {hop_limit:?}", node.url),
+                            )),
                         }
                     },
                 )
