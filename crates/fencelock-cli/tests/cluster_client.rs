@@ -401,19 +401,32 @@ async fn cluster_add_and_remove_change_the_membership() {
 
     let (listen, peer) = (free_port(), free_port());
     let fourth = spawn_member(4, listen, peer, &["--join"]);
-    let out = timeout(
-        STEP,
-        fencelock(&all)
-            .args(["cluster", "add", "--id", "4", "--json"])
-            .args(["--peer-addr", &format!("127.0.0.1:{peer}")])
-            .args(["--url", &fourth.url])
-            .output(),
-    )
-    .await
-    .expect("add answers in time")
-    .expect("run fencelock cluster add");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    // A leader that has not yet committed an entry of its own term refuses membership
+    // changes ("already undergoing a configuration change"): retried until it has.
+    let give_up = Instant::now() + STEP;
+    let out = loop {
+        let out = timeout(
+            STEP,
+            fencelock(&all)
+                .args(["cluster", "add", "--id", "4", "--json"])
+                .args(["--peer-addr", &format!("127.0.0.1:{peer}")])
+                .args(["--url", &fourth.url])
+                .output(),
+        )
+        .await
+        .expect("add answers in time")
+        .expect("run fencelock cluster add");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.code() == Some(2)
+            && stderr.contains("configuration change")
+            && Instant::now() < give_up
+        {
+            sleep(Duration::from_millis(100)).await;
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        break out;
+    };
     let added: Value = serde_json::from_slice(&out.stdout).expect("JSON");
     assert_eq!(member_ids(&added), [1, 2, 3, 4], "{added}");
 
