@@ -8,6 +8,7 @@
 //! `run` exits with its command's code.
 
 mod audit_cmd;
+mod cluster_cmd;
 mod config;
 mod exit;
 mod http_get;
@@ -40,7 +41,7 @@ enum Commands {
     Serve(ServeArgs),
     /// Save a consistent snapshot of a running server to a file.
     Backup {
-        /// Server base URL.
+        /// Server base URL (for a cluster: the members' URLs, separated by commas).
         #[arg(
             long,
             env = "FENCELOCK_SERVER",
@@ -109,6 +110,13 @@ enum Commands {
         #[command(subcommand)]
         cmd: sessions_cmd::SessionsCmd,
     },
+    /// Admin: a cluster's members, term and leader (`status`), and membership
+    /// changes (`add`, `remove`, `transfer-leader`).
+    Cluster {
+        /// `status`, `add`, `remove ID` or `transfer-leader ID`.
+        #[command(subcommand)]
+        cmd: cluster_cmd::ClusterCmd,
+    },
 }
 
 fn main() -> ExitCode {
@@ -137,6 +145,7 @@ fn main() -> ExitCode {
         Commands::Token(args) => token::run(args),
         Commands::Audit(args) => audit_cmd::run(args),
         Commands::Sessions { cmd } => sessions_cmd::run(cmd),
+        Commands::Cluster { cmd } => return cluster_cmd::run(cmd),
     };
     match result {
         Ok(code) => code,

@@ -17,7 +17,8 @@ use crate::exit;
 /// How to reach the server (shared by every client subcommand).
 #[derive(Args, Debug, Clone)]
 pub struct Connection {
-    /// Server URL.
+    /// Server URL; for a cluster, the members' URLs separated by commas (requests
+    /// follow the leader).
     #[arg(
         long,
         env = "FENCELOCK_SERVER",

@@ -29,6 +29,9 @@ pub mod wire;
 /// Metadata entry of every error status that holds the stable error code
 /// (`held`, `not_held`, `timeout`, …).
 pub const ERROR_CODE_METADATA: &str = "fencelock-error-code";
+/// Metadata entry of a `not_leader` status (UNAVAILABLE) from a cluster member that
+/// knows the leader: the leader's URL (`http://host:port`). Absent when unknown.
+pub const LEADER_METADATA: &str = "x-fencelock-leader";
 /// Metadata entry of a `Watch` that ended with DATA_LOSS: how many events it missed.
 pub const MISSED_EVENTS_METADATA: &str = "fencelock-missed-events";
 /// The error code of a malformed message.
@@ -40,6 +43,15 @@ pub fn error_code(status: &Status) -> Option<&str> {
         .metadata()
         .get(ERROR_CODE_METADATA)
         .and_then(|v| v.to_str().ok())
+}
+
+/// The leader's URL of a `not_leader` status (from [`LEADER_METADATA`]), if it names one.
+pub fn leader_url(status: &Status) -> Option<&str> {
+    status
+        .metadata()
+        .get(LEADER_METADATA)
+        .and_then(|v| v.to_str().ok())
+        .filter(|url| !url.is_empty())
 }
 
 /// Prost's encoding, but a message that does not decode is the sender's mistake

@@ -26,6 +26,12 @@
 //! [`Op::Hello`] carrying the bearer token. A frame longer than the server's limit, or
 //! one that does not parse, is answered with an error; a frame whose length cannot be
 //! trusted ends the connection.
+//!
+//! ## Errors and clusters
+//! An [`Op::Error`] frame carries a [`WireError`]: the stable code, a message, and —
+//! since cluster mode, as protobuf field 3, which older clients skip — the leader's URL
+//! when a member that is not the leader answers `not_leader`. The client then sends
+//! the request again to that URL (or to its next endpoint when the field is empty).
 
 use prost::Message;
 
@@ -103,6 +109,11 @@ pub struct Hello {
 
 /// The message of [`Op::Error`]: the stable error code (`held`, `timeout`, …, as in
 /// gRPC's `fencelock-error-code`) and a message for people.
+///
+/// With the code `not_leader` (a cluster member that is not the leader), `leader`
+/// (field 3) is the leader's URL when the member knows it. The field was added after
+/// the first release of `flw/1`: older clients skip it as an unknown protobuf field,
+/// and an empty string means "unknown", so the frame stays compatible both ways.
 #[derive(Clone, PartialEq, Message)]
 pub struct WireError {
     /// Stable snake_case code.
@@ -111,6 +122,9 @@ pub struct WireError {
     /// What went wrong.
     #[prost(string, tag = "2")]
     pub message: String,
+    /// With `not_leader`: the leader's URL (`http://host:port`), empty when unknown.
+    #[prost(string, tag = "3")]
+    pub leader: String,
 }
 
 /// A request, decoded.
@@ -403,6 +417,12 @@ mod tests {
             Response::Error(WireError {
                 code: "held".into(),
                 message: "held by someone".into(),
+                leader: String::new(),
+            }),
+            Response::Error(WireError {
+                code: "not_leader".into(),
+                message: "not the leader".into(),
+                leader: "http://127.0.0.1:7421".into(),
             }),
         ];
         for (i, response) in responses.iter().enumerate() {
@@ -412,6 +432,34 @@ mod tests {
             assert_eq!(id, i as u64);
             assert_eq!(&back, response);
         }
+    }
+
+    /// `WireError` as clients before the `leader` field knew it.
+    #[derive(Clone, PartialEq, Message)]
+    struct OldWireError {
+        #[prost(string, tag = "1")]
+        code: String,
+        #[prost(string, tag = "2")]
+        message: String,
+    }
+
+    #[test]
+    fn error_leader_field_is_compatible_both_ways() {
+        let new = WireError {
+            code: "not_leader".into(),
+            message: "m".into(),
+            leader: "http://10.0.0.2:7420".into(),
+        };
+        // An older client decodes the code and message and skips the leader.
+        let old = OldWireError::decode(new.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(
+            (old.code.as_str(), old.message.as_str()),
+            ("not_leader", "m")
+        );
+        // An older server's frame decodes with the leader unknown (empty).
+        let from_old = WireError::decode(old.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(from_old.leader, "");
+        assert_eq!(from_old.code, "not_leader");
     }
 
     #[test]

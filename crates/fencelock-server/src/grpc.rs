@@ -37,7 +37,7 @@ pub use fencelock_proto as pb;
 
 use pb::locks_server::{Locks, LocksServer};
 
-pub use fencelock_proto::{ERROR_CODE_METADATA, MISSED_EVENTS_METADATA};
+pub use fencelock_proto::{ERROR_CODE_METADATA, LEADER_METADATA, MISSED_EVENTS_METADATA};
 /// Default page size of `ListLocks` (when `limit` is 0).
 pub const DEFAULT_PAGE: usize = 100;
 
@@ -122,6 +122,14 @@ impl From<ApiError> for Status {
         status
             .metadata_mut()
             .insert(ERROR_CODE_METADATA, MetadataValue::from_static(kind.code()));
+        // A URL that is not a valid header value (never one we advertise) is left
+        // out: the client then tries its other endpoints, as when none is known.
+        if let Some(value) = error
+            .leader()
+            .and_then(|url| MetadataValue::try_from(url).ok())
+        {
+            status.metadata_mut().insert(LEADER_METADATA, value);
+        }
         status
     }
 }
@@ -629,6 +637,29 @@ mod tests {
     use super::*;
     use crate::engine::{Durability, EngineConfig};
     use fencelock_core::{LockName, Owner};
+
+    #[test]
+    fn not_leader_status_names_the_leader_when_known() {
+        let status = Status::from(ApiError::not_leader(Some("http://127.0.0.1:7421".into())));
+        assert_eq!(status.code(), Code::Unavailable);
+        assert_eq!(fencelock_proto::error_code(&status), Some("not_leader"));
+        assert_eq!(
+            fencelock_proto::leader_url(&status),
+            Some("http://127.0.0.1:7421")
+        );
+
+        let unknown = Status::from(ApiError::not_leader(None));
+        assert_eq!(unknown.code(), Code::Unavailable);
+        assert_eq!(fencelock_proto::error_code(&unknown), Some("not_leader"));
+        assert!(unknown.metadata().get(LEADER_METADATA).is_none());
+
+        // Only not_leader carries it; a URL that cannot be a header value is left out.
+        let other = Status::from(ApiError::new(ApiErrorKind::Unavailable, "stopping"));
+        assert!(other.metadata().get(LEADER_METADATA).is_none());
+        let bad = Status::from(ApiError::not_leader(Some("http://a\nb".to_owned())));
+        assert_eq!(fencelock_proto::error_code(&bad), Some("not_leader"));
+        assert!(bad.metadata().get(LEADER_METADATA).is_none());
+    }
 
     /// A watcher that falls behind the event channel is told how many events it
     /// missed (DATA_LOSS), never silently skipped ahead.

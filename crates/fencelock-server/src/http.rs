@@ -39,7 +39,13 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.kind().http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let body = json!({"error": {"code": self.kind().code(), "message": self.message()}});
+        let mut error = json!({"code": self.kind().code(), "message": self.message()});
+        // `not_leader` names the leader's URL when the member knows it; the field is
+        // absent (not null) otherwise, so `{"code","message"}` stays the whole body.
+        if let (Some(url), Some(fields)) = (self.leader(), error.as_object_mut()) {
+            fields.insert("leader".to_owned(), serde_json::Value::from(url));
+        }
+        let body = json!({ "error": error });
         let mut response = (status, Json(body)).into_response();
         // For the edge's metrics layer (`count_refusals`).
         response.extensions_mut().insert(self.kind());
@@ -548,4 +554,43 @@ pub fn router(handle: Handle) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(handle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn rendered(error: ApiError) -> (StatusCode, serde_json::Value) {
+        let response = error.into_response();
+        let status = response.status();
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        (status, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    #[tokio::test]
+    async fn not_leader_body_names_the_leader_when_known() {
+        let (status, body) =
+            rendered(ApiError::not_leader(Some("http://127.0.0.1:7421".into()))).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body["error"]["code"], "not_leader");
+        assert_eq!(body["error"]["leader"], "http://127.0.0.1:7421");
+        assert!(body["error"]["message"].as_str().unwrap().contains("7421"));
+
+        let (status, body) = rendered(ApiError::not_leader(None)).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body["error"]["code"], "not_leader");
+        let fields = body["error"].as_object().unwrap();
+        assert!(!fields.contains_key("leader"), "{body}");
+    }
+
+    #[tokio::test]
+    async fn other_errors_keep_code_and_message_only() {
+        let (status, body) = rendered(ApiError::new(ApiErrorKind::Held, "held")).await;
+        assert_eq!(status, StatusCode::CONFLICT);
+        let mut keys: Vec<&String> = body["error"].as_object().unwrap().keys().collect();
+        keys.sort();
+        assert_eq!(keys, ["code", "message"]);
+    }
 }

@@ -79,6 +79,8 @@ fn error_response(error: &ApiError) -> Response {
     Response::Error(WireError {
         code: error.kind().code().to_owned(),
         message: error.message().to_owned(),
+        // Empty when unknown: older clients skip field 3 either way.
+        leader: error.leader().unwrap_or_default().to_owned(),
     })
 }
 
@@ -481,7 +483,7 @@ impl Outbox {
                 Ok(Reply::Renewed(grant)) => Response::Renewed(grpc::renew_pb(grant)),
                 Ok(Reply::Released { released }) => Response::Released(grpc::release_pb(released)),
                 Ok(other) => unreachable!("a renew or release replied {other:?}"),
-                Err(e) => error_response(&ApiError::from(e)),
+                Err(e) => error_response(&e),
             };
             outbox.answer(id, &response);
         })
@@ -734,6 +736,30 @@ mod tests {
         // Writable once the reactor has seen it so (as after the server's magic).
         wr.writable().await.unwrap();
         (Arc::new(wr), client)
+    }
+
+    #[test]
+    fn not_leader_error_frame_carries_the_leader_when_known() {
+        let known = error_response(&ApiError::not_leader(Some("http://127.0.0.1:7421".into())));
+        let Response::Error(e) = known else {
+            panic!("not an error frame: {known:?}")
+        };
+        assert_eq!(
+            (e.code.as_str(), e.leader.as_str()),
+            ("not_leader", "http://127.0.0.1:7421")
+        );
+
+        // Unknown leader, or another error: the field stays empty (not encoded).
+        for error in [
+            ApiError::not_leader(None),
+            ApiError::new(ApiErrorKind::Unavailable, "stopping"),
+        ] {
+            let Response::Error(e) = error_response(&error) else {
+                panic!("not an error frame")
+            };
+            assert_eq!(e.code, error.kind().code());
+            assert_eq!(e.leader, "");
+        }
     }
 
     async fn new_outbox(direct: Option<Arc<OwnedWriteHalf>>) -> (Arc<Outbox>, tempfile::TempDir) {

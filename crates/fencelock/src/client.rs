@@ -34,6 +34,11 @@ pub struct LockOptions {
     pub safety_margin: Option<Duration>,
     /// Retry delays for transient errors.
     pub backoff: Backoff,
+    /// The idempotency key of this acquisition: every retry (on this or another
+    /// cluster member) carries it, so a retry gets the grant or queue place an earlier
+    /// attempt already made. Default: a fresh random id per acquisition. Ids are
+    /// scoped to the lock name and the token; use unguessable ones.
+    pub request_id: Option<String>,
 }
 
 impl Default for LockOptions {
@@ -46,6 +51,7 @@ impl Default for LockOptions {
             lock_delay: Duration::ZERO,
             safety_margin: None,
             backoff: Backoff::default(),
+            request_id: None,
         }
     }
 }
@@ -90,6 +96,12 @@ impl LockOptions {
     /// Sets [`backoff`](LockOptions::backoff).
     pub fn backoff(mut self, backoff: Backoff) -> LockOptions {
         self.backoff = backoff;
+        self
+    }
+
+    /// Sets [`request_id`](LockOptions::request_id).
+    pub fn request_id(mut self, id: impl Into<String>) -> LockOptions {
+        self.request_id = Some(id.into());
         self
     }
 
@@ -179,14 +191,17 @@ impl std::fmt::Debug for Client {
 }
 
 impl Client {
-    /// Connects to a fencelock server (gRPC) at `url`, e.g. `http://127.0.0.1:7420`,
-    /// with the default timeouts. Fails with [`ErrorKind::Unavailable`] if the server
-    /// cannot be reached; later connection failures are retried per request.
+    /// Connects to a fencelock server at `url`, e.g. `http://127.0.0.1:7420`, with the
+    /// default timeouts; for a cluster, the members' URLs separated by commas
+    /// (`http://10.0.0.1:7420,http://10.0.0.2:7420`): requests follow the leader.
+    /// Fails with [`ErrorKind::Unavailable`] if no server can be reached; later
+    /// connection failures are retried per request.
     pub async fn connect(url: &str) -> Result<Client, Error> {
         Client::connect_with(ServerConfig::new(url)).await
     }
 
-    /// Connects to a fencelock server with explicit settings (timeouts, token).
+    /// Connects to a fencelock server with explicit settings (timeouts, token, the
+    /// endpoints of a cluster: [`ServerConfig::with_endpoints`]).
     pub async fn connect_with(config: ServerConfig) -> Result<Client, Error> {
         Ok(Client::new(FencelockBackend::connect(config).await?))
     }
@@ -258,7 +273,8 @@ impl Client {
             owner: options.owner.clone(),
             limit: options.limit,
             lock_delay: options.lock_delay,
-            request_id: request_id(),
+            // One id for every attempt of this acquisition, whichever member gets it.
+            request_id: options.request_id.clone().unwrap_or_else(request_id),
         };
         // The first send of this request id: a retry can return a grant made for an
         // earlier attempt, whose lease started no earlier than this.
@@ -406,6 +422,13 @@ impl LockRequest {
     /// How long before the server could expire the lease the guard reports it lost.
     pub fn safety_margin(mut self, margin: Duration) -> LockRequest {
         self.options.safety_margin = Some(margin);
+        self
+    }
+
+    /// The idempotency key every attempt of this acquisition carries (default: a
+    /// fresh random one).
+    pub fn request_id(mut self, id: impl Into<String>) -> LockRequest {
+        self.options.request_id = Some(id.into());
         self
     }
 

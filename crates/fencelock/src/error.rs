@@ -75,6 +75,10 @@ impl fmt::Display for ErrorKind {
 pub struct Error {
     kind: ErrorKind,
     message: String,
+    /// Set for a cluster member's `not_leader` answer.
+    not_leader: bool,
+    /// With `not_leader`: the leader's URL, when the member named it.
+    leader: Option<String>,
 }
 
 impl Error {
@@ -83,7 +87,33 @@ impl Error {
         Error {
             kind,
             message: message.into(),
+            not_leader: false,
+            leader: None,
         }
+    }
+
+    /// A cluster member's `not_leader` answer: [`ErrorKind::Unavailable`] (another
+    /// member can serve the request), naming the leader's URL when known.
+    pub(crate) fn not_leader(message: impl Into<String>, leader: Option<String>) -> Error {
+        Error {
+            kind: ErrorKind::Unavailable,
+            message: message.into(),
+            not_leader: true,
+            leader: leader.filter(|url| !url.is_empty()),
+        }
+    }
+
+    /// Whether a cluster member answered that it is not the leader. The client
+    /// follows such answers itself; one reaches the caller only when no member could
+    /// serve the request in time. Its kind is [`ErrorKind::Unavailable`].
+    pub fn is_not_leader(&self) -> bool {
+        self.not_leader
+    }
+
+    /// With [`is_not_leader`](Error::is_not_leader): the leader's URL, when the member
+    /// knew it.
+    pub fn leader(&self) -> Option<&str> {
+        self.leader.as_deref()
     }
 
     /// What went wrong.

@@ -354,3 +354,111 @@ impl Renewer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The guard through a failover, on paused time: renewals answered `not_leader`
+    //! (what a cluster says between leaders) are retried, and the lock is reported
+    //! lost only at the conservative deadline.
+
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+    use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee};
+
+    /// Renewals fail with `not_leader` while `failing` says so, then succeed.
+    struct Electing {
+        failing: Box<dyn Fn(u32) -> bool + Send + Sync>,
+        renewals: AtomicU32,
+    }
+
+    impl LockBackend for Electing {
+        fn capabilities(&self) -> Capabilities {
+            Capabilities {
+                backend: "electing",
+                fences: FenceGuarantee::Durable,
+                fifo: true,
+                push_wakeups: true,
+                lock_delay: true,
+                sessions: false,
+                semaphores: true,
+                monotonic_leases: true,
+            }
+        }
+
+        fn acquire<'a>(&'a self, _: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
+            Box::pin(async { Err(Error::new(ErrorKind::Internal, "not used")) })
+        }
+
+        fn renew<'a>(
+            &'a self,
+            _: &'a Lease,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<Duration, Error>> {
+            let n = self.renewals.fetch_add(1, Ordering::SeqCst);
+            let fail = (self.failing)(n);
+            Box::pin(async move {
+                if fail {
+                    Err(Error::not_leader("between leaders", None))
+                } else {
+                    Ok(ttl)
+                }
+            })
+        }
+
+        fn release<'a>(&'a self, _: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
+            Box::pin(async { Ok(true) })
+        }
+    }
+
+    fn guard(backend: Arc<Electing>) -> LockGuard {
+        let ttl = Duration::from_secs(3);
+        let lease = Lease::new("l".into(), 7, "t".into(), ttl);
+        let timing = Timing {
+            ttl,
+            margin: Duration::from_millis(300),
+            backoff: Backoff::default(),
+        };
+        LockGuard::start(backend, lease, Instant::now(), timing)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn not_leader_renewals_are_retried_without_reporting_the_lock_lost() {
+        // The first renewals (the first 1.5 s or so of retries) say not_leader.
+        let backend = Arc::new(Electing {
+            failing: Box::new(|n| n < 4),
+            renewals: AtomicU32::new(0),
+        });
+        let guard = guard(backend.clone());
+        let lost = guard.lost();
+        tokio::pin!(lost);
+        // Ten leases' worth of virtual time.
+        let outcome = tokio::time::timeout(Duration::from_secs(30), &mut lost).await;
+        assert!(outcome.is_err(), "lost fired: {:?}", outcome.ok());
+        assert!(!guard.is_lost());
+        assert!(backend.renewals.load(Ordering::SeqCst) > 10);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cluster_without_a_leader_loses_the_lock_at_the_deadline_not_before() {
+        let backend = Arc::new(Electing {
+            failing: Box::new(|_| true),
+            renewals: AtomicU32::new(0),
+        });
+        let start = Instant::now();
+        let guard = guard(backend.clone());
+        let reason = guard.lost().await;
+        // Sent at `start`, 3 s lease, 300 ms margin.
+        let at = start.elapsed();
+        // Virtual time: the timer fires at the deadline (within its 1 ms resolution).
+        assert!(
+            at >= Duration::from_millis(2700) && at <= Duration::from_millis(2701),
+            "{at:?} {reason:?}"
+        );
+        assert!(matches!(reason, LostReason::DeadlineReached), "{reason:?}");
+        assert!(
+            backend.renewals.load(Ordering::SeqCst) > 1,
+            "renewal was retried"
+        );
+    }
+}

@@ -58,6 +58,7 @@ mod guard;
 pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
+mod route;
 mod server;
 mod wire;
 #[cfg(feature = "zookeeper")]

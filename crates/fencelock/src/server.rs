@@ -2,7 +2,12 @@
 //! wire protocol `flw/1` (see [`Transport`]), everything else over gRPC
 //! (`fencelock.v1.Locks`).
 
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use fencelock_proto as pb;
 use fencelock_proto::locks_client::LocksClient;
@@ -13,16 +18,30 @@ use tonic::{Code, Request, Status};
 use fencelock_proto::wire::{Request as WireRequest, Response as WireResponse};
 
 use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use crate::backoff::Backoff;
+use crate::route::{self, Failure, Next, Route};
 use crate::wire::WireClient;
 use crate::{Error, ErrorKind};
 use tokio_rustls::rustls::pki_types::ServerName;
 
-/// How to reach a fencelock server.
+/// How to reach a fencelock server, or the members of a fencelock cluster.
+///
+/// With several endpoints the client sends each request to the member that last
+/// answered; a member that is not the leader answers `not_leader` with the leader's
+/// URL, and the request follows it; a member that cannot be reached is skipped for the
+/// next one. While the cluster is between leaders a call tries again with backoff
+/// within its own deadline (an acquire's wait, else `request_timeout`); beyond that the
+/// caller's retries (acquire within its wait, renewals within the lease's safe
+/// deadline) take over.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ServerConfig {
-    /// The server's URL, e.g. `http://127.0.0.1:7420`.
+    /// The server's URL, e.g. `http://127.0.0.1:7420`, or the URLs of a cluster's
+    /// members separated by commas (`http://10.0.0.1:7420,http://10.0.0.2:7420`).
     pub url: String,
+    /// More members of the same cluster, besides those in `url` (see
+    /// [`ServerConfig::endpoints`]).
+    pub endpoints: Vec<String>,
     /// How long to wait for a TCP connection before a request fails as
     /// [`ErrorKind::Unavailable`]. Default 5 s.
     pub connect_timeout: Duration,
@@ -53,10 +72,11 @@ pub enum Transport {
 }
 
 impl ServerConfig {
-    /// The defaults for `url`.
+    /// The defaults for `url` (one URL, or a comma-separated list of a cluster's).
     pub fn new(url: impl Into<String>) -> ServerConfig {
         ServerConfig {
             url: url.into(),
+            endpoints: Vec::new(),
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(10),
             token: None,
@@ -64,20 +84,125 @@ impl ServerConfig {
             transport: Transport::Wire,
         }
     }
+
+    /// The defaults for the members of a cluster at `urls` (tried in this order
+    /// until the leader is found).
+    pub fn with_endpoints<I, S>(urls: I) -> ServerConfig
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        ServerConfig::new(String::new()).endpoints(urls)
+    }
+
+    /// Adds the members at `urls` to the ones already configured.
+    pub fn endpoints<I, S>(mut self, urls: I) -> ServerConfig
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.endpoints.extend(urls.into_iter().map(Into::into));
+        self
+    }
+
+    /// Every endpoint, in order: those of `url`, then [`endpoints`](ServerConfig::endpoints),
+    /// normalized (no trailing `/`), without repeats.
+    pub fn urls(&self) -> Vec<String> {
+        let mut urls = route::split_list(&self.url);
+        for url in self.endpoints.iter().flat_map(|u| route::split_list(u)) {
+            if !urls.contains(&url) {
+                urls.push(url);
+            }
+        }
+        urls
+    }
 }
 
-/// The fencelock server, spoken to over gRPC: durable fences, FIFO waiters with
-/// direct hand-off, leases on the server's monotonic clock.
+/// The fencelock server, spoken to over `flw/1` and gRPC: durable fences, FIFO
+/// waiters with direct hand-off, leases on the server's monotonic clock.
 ///
-/// The connection is shared by every clone and re-established after a failure; a
-/// request sent while the server is unreachable fails as [`ErrorKind::Unavailable`].
+/// The connections are shared by every clone and re-established after a failure; a
+/// request sent while no member is reachable fails as [`ErrorKind::Unavailable`].
+/// With several endpoints (a cluster), requests follow the leader (see
+/// [`ServerConfig`]).
 #[derive(Debug, Clone)]
 pub struct FencelockBackend {
+    shared: Arc<Shared>,
+}
+
+/// What every clone of a backend shares.
+struct Shared {
+    /// For members added later (a leader named by another member).
+    config: ServerConfig,
+    /// The endpoints, configured ones first; only grows, up to [`route::MAX_ENDPOINTS`].
+    nodes: RwLock<Vec<Arc<Node>>>,
+    /// The index of the member that answered last: where requests start.
+    current: AtomicUsize,
+    request_timeout: Duration,
+    authorization: Option<MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl std::fmt::Debug for Shared {
+    // Not derived: the config and the authorization hold the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let nodes = self.nodes.read().unwrap_or_else(|p| p.into_inner());
+        let urls: Vec<&str> = nodes.iter().map(|n| n.url.as_str()).collect();
+        f.debug_struct("FencelockBackend")
+            .field("endpoints", &urls)
+            .field("current", &self.current.load(Ordering::Relaxed))
+            .field("request_timeout", &self.request_timeout)
+            .field("token", &self.authorization.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+/// One member's connections.
+#[derive(Debug)]
+struct Node {
+    url: String,
+    endpoint: Endpoint,
     client: LocksClient<Channel>,
     /// The `flw/1` connection, unless gRPC was chosen.
     wire: Option<WireClient>,
-    request_timeout: Duration,
-    authorization: Option<MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl Node {
+    /// A member reached on first use.
+    fn lazy(url: &str, config: &ServerConfig) -> Result<Node, Error> {
+        let endpoint = endpoint(url, config)?;
+        let wire = wire_client(url, config, &endpoint)?;
+        Ok(Node {
+            url: url.to_owned(),
+            client: LocksClient::new(endpoint.connect_lazy()),
+            endpoint,
+            wire,
+        })
+    }
+
+    /// Connects now: `flw/1` if asked for and spoken, else gRPC.
+    async fn connect(&mut self) -> Result<(), Error> {
+        if let Some(wire) = &self.wire {
+            match wire.connect().await {
+                Ok(()) => return Ok(()),
+                // An older server: gRPC only, connected eagerly below.
+                Err(_) if !wire.usable() => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let channel = self.endpoint.connect().await.map_err(|e| {
+            Error::new(
+                ErrorKind::Unavailable,
+                format!("cannot connect to {}: {}", self.url, source_chain(&e)),
+            )
+        })?;
+        self.client = LocksClient::new(channel);
+        Ok(())
+    }
+
+    /// The `flw/1` connection, while the server is known to speak it.
+    fn wire(&self) -> Option<&WireClient> {
+        self.wire.as_ref().filter(|w| w.usable())
+    }
 }
 
 /// The longest wait one `Acquire` call may ask for (the server's default bound);
@@ -85,71 +210,212 @@ pub struct FencelockBackend {
 const MAX_WAIT_PER_CALL: Duration = Duration::from_secs(3600);
 
 impl FencelockBackend {
-    /// Connects to the server at `config.url`, failing if it cannot be reached within
-    /// `connect_timeout`.
+    /// Connects to the server at `config.url` (to the first member of a cluster that
+    /// can be reached), failing if none can be within `connect_timeout` each.
     pub async fn connect(config: ServerConfig) -> Result<FencelockBackend, Error> {
-        let endpoint = endpoint(&config)?;
-        if let Some(wire) = wire_client(&config, &endpoint)? {
-            let backend = FencelockBackend::from_channel(endpoint.connect_lazy(), &config)?;
-            match wire.connect().await {
-                Ok(()) => return Ok(backend.with_wire(wire)),
-                // An older server: gRPC only, connected eagerly below.
-                Err(_) if !wire.usable() => {}
+        // A bad token is the caller's mistake, whether or not a server answers.
+        authorization(&config)?;
+        let urls = config.urls();
+        let mut nodes = Vec::with_capacity(urls.len());
+        for url in &urls {
+            nodes.push(Node::lazy(url, &config)?);
+        }
+        let mut last = None;
+        let mut connected = None;
+        for (i, node) in nodes.iter_mut().enumerate() {
+            match node.connect().await {
+                Ok(()) => {
+                    connected = Some(i);
+                    break;
+                }
+                // Another member may do (unreachable, stopping, not the leader).
+                Err(e) if e.kind() == ErrorKind::Unavailable => last = Some(e),
+                // A bad token or TLS setting: the same for every member.
                 Err(e) => return Err(e),
             }
         }
-        let channel = endpoint.connect().await.map_err(|e| {
-            Error::new(
-                ErrorKind::Unavailable,
-                format!("cannot connect to {}: {}", config.url, source_chain(&e)),
-            )
-        })?;
-        FencelockBackend::from_channel(channel, &config)
+        let Some(current) = connected else {
+            return Err(last.unwrap_or_else(no_url));
+        };
+        FencelockBackend::from_nodes(nodes, current, config)
     }
 
     /// Like [`connect`](FencelockBackend::connect), but connects on first use (and
     /// never fails for an unreachable server: requests do).
     pub fn connect_lazy(config: ServerConfig) -> Result<FencelockBackend, Error> {
-        let endpoint = endpoint(&config)?;
-        let backend = FencelockBackend::from_channel(endpoint.connect_lazy(), &config)?;
-        Ok(match wire_client(&config, &endpoint)? {
-            Some(wire) => backend.with_wire(wire),
-            None => backend,
-        })
+        let nodes = config
+            .urls()
+            .iter()
+            .map(|url| Node::lazy(url, &config))
+            .collect::<Result<Vec<_>, _>>()?;
+        FencelockBackend::from_nodes(nodes, 0, config)
     }
 
-    fn with_wire(mut self, wire: WireClient) -> FencelockBackend {
-        self.wire = Some(wire);
-        self
-    }
-
-    /// The `flw/1` connection, while the server is known to speak it.
-    fn wire(&self) -> Option<&WireClient> {
-        self.wire.as_ref().filter(|w| w.usable())
-    }
-
-    fn from_channel(channel: Channel, config: &ServerConfig) -> Result<FencelockBackend, Error> {
-        let authorization = match &config.token {
-            None => None,
-            Some(token) => Some(format!("Bearer {token}").parse().map_err(|_| {
-                Error::new(
-                    ErrorKind::InvalidArgument,
-                    "the token must be printable ASCII",
-                )
-            })?),
-        };
+    fn from_nodes(
+        nodes: Vec<Node>,
+        current: usize,
+        config: ServerConfig,
+    ) -> Result<FencelockBackend, Error> {
+        if nodes.is_empty() {
+            return Err(no_url());
+        }
+        let authorization = authorization(&config)?;
         Ok(FencelockBackend {
-            client: LocksClient::new(channel),
-            wire: None,
-            request_timeout: config.request_timeout,
-            authorization,
+            shared: Arc::new(Shared {
+                nodes: RwLock::new(nodes.into_iter().map(Arc::new).collect()),
+                current: AtomicUsize::new(current),
+                request_timeout: config.request_timeout,
+                authorization,
+                config,
+            }),
         })
+    }
+
+    /// The URL of the member requests go to first (the leader, once one answered).
+    pub fn current_url(&self) -> String {
+        let nodes = self.nodes();
+        let i = self.shared.current.load(Ordering::Relaxed);
+        nodes
+            .get(i)
+            .or(nodes.first())
+            .map(|n| n.url.clone())
+            .unwrap_or_default()
+    }
+
+    fn nodes(&self) -> std::sync::RwLockReadGuard<'_, Vec<Arc<Node>>> {
+        // A panic while holding the lock cannot leave the list half-written (push only).
+        self.shared.nodes.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn node(&self, i: usize) -> Option<Arc<Node>> {
+        self.nodes().get(i).cloned()
+    }
+
+    /// The index of `url`, added to the endpoints if new (bounded by
+    /// [`route::MAX_ENDPOINTS`]); `None` if it cannot be added.
+    fn add(&self, url: &str) -> Option<usize> {
+        let mut nodes = self.shared.nodes.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = nodes.iter().position(|n| n.url == url) {
+            return Some(i);
+        }
+        if nodes.len() >= route::MAX_ENDPOINTS {
+            return None;
+        }
+        let node = Node::lazy(url, &self.shared.config).ok()?;
+        nodes.push(Arc::new(node));
+        Some(nodes.len() - 1)
+    }
+
+    /// Runs `op` on the member that answered last, following `not_leader` answers and
+    /// passing over unreachable members (each at most once per round), until one
+    /// answers or `deadline` passes. The failure of the last member tried is returned.
+    ///
+    /// A round in which some member answered `not_leader` means a cluster between
+    /// leaders (an election, or a leader that just died and is still named): another
+    /// round follows after a backoff, as long as it can start before `rounds_until`.
+    /// A round of unreachable members only is not repeated here: the caller's own
+    /// retries (acquire within its wait, renewal within the lease) decide.
+    async fn call<T, F, Fut>(
+        &self,
+        deadline: Instant,
+        rounds_until: Instant,
+        mut op: F,
+    ) -> Result<T, Error>
+    where
+        F: FnMut(Arc<Node>) -> Fut,
+        Fut: Future<Output = Result<T, Error>>,
+    {
+        let backoff = Backoff::default();
+        let mut round = 0u32;
+        loop {
+            let len = self.nodes().len();
+            let mut route = Route::new(self.shared.current.load(Ordering::Relaxed), len);
+            let mut between_leaders = false;
+            let error = loop {
+                let Some(node) = self.node(route.current()) else {
+                    return Err(no_url());
+                };
+                let error = match op(node).await {
+                    Ok(answer) => {
+                        self.shared
+                            .current
+                            .store(route.current(), Ordering::Relaxed);
+                        return Ok(answer);
+                    }
+                    Err(e) => e,
+                };
+                let failure = if error.is_not_leader() {
+                    between_leaders = true;
+                    Failure::NotLeader(error.leader())
+                } else if error.kind() == ErrorKind::Unavailable {
+                    Failure::Unreachable
+                } else {
+                    Failure::Final
+                };
+                let endpoints: Vec<String> = self.nodes().iter().map(|n| n.url.clone()).collect();
+                let moved = match route.after(&endpoints, failure) {
+                    Next::Endpoint(_) => true,
+                    Next::Add(url) => match self.add(&url) {
+                        Some(i) => {
+                            route.relocate(i);
+                            true
+                        }
+                        None => false,
+                    },
+                    Next::Stop => false,
+                };
+                // The next request (or round) starts past the member that failed last.
+                self.shared
+                    .current
+                    .store(route.current(), Ordering::Relaxed);
+                if matches!(failure, Failure::Final) || Instant::now() >= deadline {
+                    return Err(error);
+                }
+                if !moved {
+                    break error;
+                }
+            };
+            let delay = backoff.delay(round);
+            round = round.saturating_add(1);
+            if !between_leaders || Instant::now() + delay >= rounds_until.min(deadline) {
+                return Err(error);
+            }
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// How long one member gets to answer a renewal of a lease of `ttl`. With several
+    /// members, a third of the ttl (the renewal interval; at least 100 ms): a leader
+    /// that hangs (stopped, partitioned) must not use up the lease before the next
+    /// member is asked. With one, the request timeout, as before: there is no one
+    /// else to ask.
+    fn renew_hop_limit(&self, ttl: Duration) -> Duration {
+        if self.nodes().len() > 1 {
+            (ttl / 3)
+                .max(Duration::from_millis(100))
+                .min(self.shared.request_timeout)
+        } else {
+            self.shared.request_timeout
+        }
+    }
+
+    /// How long a call that asks no wait may go on retrying between leaders.
+    fn rounds_until(&self) -> Instant {
+        self.deadline(Duration::ZERO)
+    }
+
+    /// The deadline of a call that asks the server to wait `wait`.
+    fn deadline(&self, wait: Duration) -> Instant {
+        let total = self.shared.request_timeout.saturating_add(wait);
+        Instant::now()
+            .checked_add(total)
+            .unwrap_or_else(|| Instant::now() + MAX_WAIT_PER_CALL)
     }
 
     fn request<T>(&self, message: T, extra_time: Duration) -> Request<T> {
         let mut request = Request::new(message);
-        request.set_timeout(self.request_timeout.saturating_add(extra_time));
-        if let Some(auth) = &self.authorization {
+        request.set_timeout(self.shared.request_timeout.saturating_add(extra_time));
+        if let Some(auth) = &self.shared.authorization {
             request.metadata_mut().insert("authorization", auth.clone());
         }
         request
@@ -158,14 +424,21 @@ impl FencelockBackend {
     /// One lock's holders and queue; [`ErrorKind::NotFound`] if nobody holds, waits
     /// for, or is delayed on it.
     pub async fn get_lock(&self, name: &str) -> Result<pb::LockInfo, Error> {
-        let request = self.request(
-            pb::GetLockRequest {
-                name: name.to_owned(),
+        self.call(
+            self.deadline(Duration::ZERO),
+            self.rounds_until(),
+            |node| async move {
+                let request = self.request(
+                    pb::GetLockRequest {
+                        name: name.to_owned(),
+                    },
+                    Duration::ZERO,
+                );
+                let response = node.client.clone().get_lock(request).await;
+                Ok(response.map_err(error_from_status)?.into_inner())
             },
-            Duration::ZERO,
-        );
-        let response = self.client.clone().get_lock(request).await;
-        Ok(response.map_err(error_from_status)?.into_inner())
+        )
+        .await
     }
 
     /// Locks whose names start with `prefix`, in name order, a page at a time: pass the
@@ -176,16 +449,22 @@ impl FencelockBackend {
         after: Option<String>,
         limit: u32,
     ) -> Result<pb::ListLocksResponse, Error> {
-        let request = self.request(
-            pb::ListLocksRequest {
-                prefix: prefix.to_owned(),
-                after,
-                limit,
-            },
-            Duration::ZERO,
-        );
-        let response = self.client.clone().list_locks(request).await;
-        Ok(response.map_err(error_from_status)?.into_inner())
+        self.call(self.deadline(Duration::ZERO), self.rounds_until(), |node| {
+            let after = after.clone();
+            async move {
+                let request = self.request(
+                    pb::ListLocksRequest {
+                        prefix: prefix.to_owned(),
+                        after,
+                        limit,
+                    },
+                    Duration::ZERO,
+                );
+                let response = node.client.clone().list_locks(request).await;
+                Ok(response.map_err(error_from_status)?.into_inner())
+            }
+        })
+        .await
     }
 
     /// Operator action: takes `name` from its holder(s) (only the one with `fence`, if
@@ -196,33 +475,67 @@ impl FencelockBackend {
         fence: Option<u64>,
         reason: &str,
     ) -> Result<Vec<u64>, Error> {
-        let request = self.request(
-            pb::ForceReleaseRequest {
-                name: name.to_owned(),
-                fence,
-                reason: reason.to_owned(),
+        self.call(
+            self.deadline(Duration::ZERO),
+            self.rounds_until(),
+            |node| async move {
+                let request = self.request(
+                    pb::ForceReleaseRequest {
+                        name: name.to_owned(),
+                        fence,
+                        reason: reason.to_owned(),
+                    },
+                    Duration::ZERO,
+                );
+                let response = node.client.clone().force_release(request).await;
+                Ok(response.map_err(error_from_status)?.into_inner().fences)
             },
-            Duration::ZERO,
-        );
-        let response = self.client.clone().force_release(request).await;
-        Ok(response.map_err(error_from_status)?.into_inner().fences)
+        )
+        .await
     }
 
     /// Durable lock events for names starting with `prefix`, from now on. The stream
     /// ends with an error if the watcher fell behind or the server went away: re-read
     /// the state and watch again.
     pub async fn watch(&self, prefix: &str) -> Result<EventStream, Error> {
-        let mut request = Request::new(pb::WatchRequest {
-            prefix: prefix.to_owned(),
-        });
-        if let Some(auth) = &self.authorization {
-            request.metadata_mut().insert("authorization", auth.clone());
-        }
-        let response = self.client.clone().watch(request).await;
-        Ok(EventStream {
-            inner: response.map_err(error_from_status)?.into_inner(),
-        })
+        self.call(
+            self.deadline(Duration::ZERO),
+            self.rounds_until(),
+            |node| async move {
+                let mut request = Request::new(pb::WatchRequest {
+                    prefix: prefix.to_owned(),
+                });
+                if let Some(auth) = &self.shared.authorization {
+                    request.metadata_mut().insert("authorization", auth.clone());
+                }
+                let response = node.client.clone().watch(request).await;
+                Ok(EventStream {
+                    inner: response.map_err(error_from_status)?.into_inner(),
+                })
+            },
+        )
+        .await
     }
+}
+
+/// The `authorization` metadata of `config`'s token.
+fn authorization(
+    config: &ServerConfig,
+) -> Result<Option<MetadataValue<tonic::metadata::Ascii>>, Error> {
+    let Some(token) = &config.token else {
+        return Ok(None);
+    };
+    let value = format!("Bearer {token}").parse().map_err(|_| {
+        Error::new(
+            ErrorKind::InvalidArgument,
+            "the token must be printable ASCII",
+        )
+    })?;
+    Ok(Some(value))
+}
+
+fn no_url() -> Error {
+    Error::new(ErrorKind::InvalidArgument, "no server URL was given")
 }
 
 /// A stream of lock events from [`FencelockBackend::watch`].
@@ -238,11 +551,11 @@ impl EventStream {
     }
 }
 
-fn endpoint(config: &ServerConfig) -> Result<Endpoint, Error> {
-    let endpoint = Endpoint::from_shared(config.url.clone()).map_err(|e| {
+fn endpoint(url: &str, config: &ServerConfig) -> Result<Endpoint, Error> {
+    let endpoint = Endpoint::from_shared(url.to_owned()).map_err(|e| {
         Error::new(
             ErrorKind::InvalidArgument,
-            format!("invalid server URL {:?}: {e}", config.url),
+            format!("invalid server URL {url:?}: {e}"),
         )
     })?;
     let endpoint = if endpoint.uri().scheme_str() == Some("https") {
@@ -253,16 +566,13 @@ fn endpoint(config: &ServerConfig) -> Result<Endpoint, Error> {
         endpoint.tls_config(tls).map_err(|e| {
             Error::new(
                 ErrorKind::InvalidArgument,
-                format!("TLS settings for {:?}: {}", config.url, source_chain(&e)),
+                format!("TLS settings for {url:?}: {}", source_chain(&e)),
             )
         })?
     } else if config.ca_cert_pem.is_some() {
         return Err(Error::new(
             ErrorKind::InvalidArgument,
-            format!(
-                "a CA certificate was given, but {:?} is not an https:// URL",
-                config.url
-            ),
+            format!("a CA certificate was given, but {url:?} is not an https:// URL"),
         ));
     } else {
         endpoint
@@ -297,29 +607,39 @@ impl LockBackend for FencelockBackend {
         Box::pin(async move {
             spec.validate()?;
             let wait = spec.wait.min(MAX_WAIT_PER_CALL);
-            let message = pb::AcquireRequest {
-                name: spec.name.clone(),
-                ttl_ms: Some(ms(spec.ttl)),
-                wait_ms: ms(wait),
-                owner: spec.owner.clone(),
-                request_id: Some(spec.request_id.clone()),
-                limit: spec.limit,
-                lock_delay_ms: ms(spec.lock_delay),
-                session: None,
-            };
-            let grant = match self.wire() {
-                Some(wire) => match wire.call(WireRequest::Acquire(message), wait, true).await? {
-                    WireResponse::Grant(grant) => grant,
-                    other => return Err(unexpected("Acquire", &other)),
-                },
-                None => self
-                    .client
-                    .clone()
-                    .acquire(self.request(message, wait))
-                    .await
-                    .map_err(error_from_status)?
-                    .into_inner(),
-            };
+            let wait_until = Instant::now() + wait;
+            // Every member tried gets the same request id: one that already granted
+            // (or queued) it answers with that grant (or queue place).
+            let grant = self
+                .call(self.deadline(wait), wait_until, |node| async move {
+                    let wait = wait_until.saturating_duration_since(Instant::now());
+                    let message = pb::AcquireRequest {
+                        name: spec.name.clone(),
+                        ttl_ms: Some(ms(spec.ttl)),
+                        wait_ms: ms(wait),
+                        owner: spec.owner.clone(),
+                        request_id: Some(spec.request_id.clone()),
+                        limit: spec.limit,
+                        lock_delay_ms: ms(spec.lock_delay),
+                        session: None,
+                    };
+                    match node.wire() {
+                        Some(wire) => {
+                            match wire.call(WireRequest::Acquire(message), wait, true).await? {
+                                WireResponse::Grant(grant) => Ok(grant),
+                                other => Err(unexpected("Acquire", &other)),
+                            }
+                        }
+                        None => Ok(node
+                            .client
+                            .clone()
+                            .acquire(self.request(message, wait))
+                            .await
+                            .map_err(error_from_status)?
+                            .into_inner()),
+                    }
+                })
+                .await?;
             Ok(Lease {
                 name: grant.name,
                 fence: grant.fence,
@@ -335,56 +655,80 @@ impl LockBackend for FencelockBackend {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Duration, Error>> {
         Box::pin(async move {
-            let message = pb::RenewRequest {
-                name: lease.name.clone(),
-                owner_token: lease.owner_token.clone(),
-                ttl_ms: Some(ms(ttl)),
-            };
-            let renewed = match self.wire() {
-                Some(wire) => match wire
-                    .call(WireRequest::Renew(message), Duration::ZERO, false)
-                    .await?
-                {
-                    WireResponse::Renewed(renewed) => renewed,
-                    other => return Err(unexpected("Renew", &other)),
-                },
-                None => self
-                    .client
-                    .clone()
-                    .renew(self.request(message, Duration::ZERO))
-                    .await
-                    .map_err(error_from_status)?
-                    .into_inner(),
-            };
+            let hop_limit = self.renew_hop_limit(ttl);
+            let renewed = self
+                .call(
+                    self.deadline(Duration::ZERO),
+                    self.rounds_until(),
+                    |node| async move {
+                        let message = pb::RenewRequest {
+                            name: lease.name.clone(),
+                            owner_token: lease.owner_token.clone(),
+                            ttl_ms: Some(ms(ttl)),
+                        };
+                        let renew = async {
+                            match node.wire() {
+                                Some(wire) => match wire
+                                    .call(WireRequest::Renew(message), Duration::ZERO, false)
+                                    .await?
+                                {
+                                    WireResponse::Renewed(renewed) => Ok(renewed),
+                                    other => Err(unexpected("Renew", &other)),
+                                },
+                                None => Ok(node
+                                    .client
+                                    .clone()
+                                    .renew(self.request(message, Duration::ZERO))
+                                    .await
+                                    .map_err(error_from_status)?
+                                    .into_inner()),
+                            }
+                        };
+                        match tokio::time::timeout(hop_limit, renew).await {
+                            Ok(answer) => answer,
+                            // A renewal is idempotent: a late answer changes nothing.
+                            Err(_) => Err(Error::new(
+                                ErrorKind::Unavailable,
+                                format!("no answer from {} within {hop_limit:?}", node.url),
+                            )),
+                        }
+                    },
+                )
+                .await?;
             Ok(Duration::from_millis(renewed.ttl_ms))
         })
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(async move {
-            let message = pb::ReleaseRequest {
-                name: lease.name.clone(),
-                owner_token: lease.owner_token.clone(),
-            };
-            let released = match self.wire() {
-                Some(wire) => {
-                    match wire
-                        .call(WireRequest::Release(message), Duration::ZERO, false)
-                        .await
-                    {
-                        Ok(WireResponse::Released(r)) => Ok(r.released),
-                        Ok(other) => Err(unexpected("Release", &other)),
-                        Err(e) => Err(e),
-                    }
-                }
-                None => self
-                    .client
-                    .clone()
-                    .release(self.request(message, Duration::ZERO))
-                    .await
-                    .map(|r| r.into_inner().released)
-                    .map_err(error_from_status),
-            };
+            let released = self
+                .call(
+                    self.deadline(Duration::ZERO),
+                    self.rounds_until(),
+                    |node| async move {
+                        let message = pb::ReleaseRequest {
+                            name: lease.name.clone(),
+                            owner_token: lease.owner_token.clone(),
+                        };
+                        match node.wire() {
+                            Some(wire) => match wire
+                                .call(WireRequest::Release(message), Duration::ZERO, false)
+                                .await?
+                            {
+                                WireResponse::Released(r) => Ok(r.released),
+                                other => Err(unexpected("Release", &other)),
+                            },
+                            None => node
+                                .client
+                                .clone()
+                                .release(self.request(message, Duration::ZERO))
+                                .await
+                                .map(|r| r.into_inner().released)
+                                .map_err(error_from_status),
+                        }
+                    },
+                )
+                .await;
             match released {
                 // Already expired or taken: nothing of ours is left to release.
                 Err(e) if e.kind() == ErrorKind::NotHeld => Ok(false),
@@ -403,7 +747,11 @@ fn unexpected(call: &str, answer: &WireResponse) -> Error {
 }
 
 /// The `flw/1` client for `config`, if it asks for the wire transport.
-fn wire_client(config: &ServerConfig, endpoint: &Endpoint) -> Result<Option<WireClient>, Error> {
+fn wire_client(
+    url: &str,
+    config: &ServerConfig,
+    endpoint: &Endpoint,
+) -> Result<Option<WireClient>, Error> {
     let uri = endpoint.uri();
     if config.transport != Transport::Wire {
         return Ok(None);
@@ -423,7 +771,7 @@ fn wire_client(config: &ServerConfig, endpoint: &Endpoint) -> Result<Option<Wire
         let name = ServerName::try_from(bare.to_owned()).map_err(|e| {
             Error::new(
                 ErrorKind::InvalidArgument,
-                format!("invalid server name in {:?}: {e}", config.url),
+                format!("invalid server name in {url:?}: {e}"),
             )
         })?;
         Some((
@@ -442,6 +790,17 @@ fn wire_client(config: &ServerConfig, endpoint: &Endpoint) -> Result<Option<Wire
     )))
 }
 
+/// The code of a cluster member that is not the leader.
+pub(crate) const NOT_LEADER: &str = "not_leader";
+
+/// The [`Error`] of a `flw/1` error frame.
+pub(crate) fn error_from_wire(e: fencelock_proto::wire::WireError) -> Error {
+    if e.code == NOT_LEADER {
+        return Error::not_leader(e.message, Some(e.leader));
+    }
+    Error::new(kind_from_code(&e.code), e.message)
+}
+
 /// The client's [`ErrorKind`] of one of the server's stable error codes.
 pub(crate) fn kind_from_code(code: &str) -> ErrorKind {
     match code {
@@ -454,7 +813,7 @@ pub(crate) fn kind_from_code(code: &str) -> ErrorKind {
         "invalid_argument" | "invalid_json" | "payload_too_large" => ErrorKind::InvalidArgument,
         "resource_exhausted" | "rate_limited" => ErrorKind::ResourceExhausted,
         "unauthenticated" | "permission_denied" => ErrorKind::PermissionDenied,
-        "unavailable" | "cancelled" => ErrorKind::Unavailable,
+        "unavailable" | "cancelled" | "not_leader" => ErrorKind::Unavailable,
         "internal" => ErrorKind::Internal,
         _ => ErrorKind::Protocol,
     }
@@ -465,6 +824,10 @@ pub(crate) fn kind_from_code(code: &str) -> ErrorKind {
 /// from the fencelock server's handlers: transport failures, timeouts of this client).
 pub(crate) fn error_from_status(status: Status) -> Error {
     let message = status.message().to_owned();
+    if fencelock_proto::error_code(&status) == Some(NOT_LEADER) {
+        let leader = fencelock_proto::leader_url(&status).map(str::to_owned);
+        return Error::not_leader(message, leader);
+    }
     let kind = match fencelock_proto::error_code(&status) {
         Some(code) => kind_from_code(code),
         None => match status.code() {
@@ -496,4 +859,67 @@ fn source_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn not_leader_answers_become_transient_errors_naming_the_leader() {
+        let mut status = Status::new(Code::Unavailable, "not the leader");
+        status.metadata_mut().insert(
+            pb::ERROR_CODE_METADATA,
+            MetadataValue::from_static("not_leader"),
+        );
+        status.metadata_mut().insert(
+            pb::LEADER_METADATA,
+            MetadataValue::from_static("http://127.0.0.1:7421"),
+        );
+        let e = error_from_status(status);
+        assert_eq!(e.kind(), ErrorKind::Unavailable);
+        assert!(e.is_transient() && e.is_not_leader());
+        assert_eq!(e.leader(), Some("http://127.0.0.1:7421"));
+
+        let frame = fencelock_proto::wire::WireError {
+            code: "not_leader".into(),
+            message: "m".into(),
+            leader: String::new(),
+        };
+        let e = error_from_wire(frame);
+        assert!(e.is_not_leader() && e.is_transient());
+        assert_eq!(e.leader(), None, "an empty leader is unknown");
+
+        // Other codes are not redirects, even UNAVAILABLE.
+        let e = error_from_wire(fencelock_proto::wire::WireError {
+            code: "unavailable".into(),
+            message: "stopping".into(),
+            leader: "http://ignored".into(),
+        });
+        assert!(!e.is_not_leader());
+        assert_eq!(e.leader(), None);
+        assert_eq!(e.kind(), ErrorKind::Unavailable);
+    }
+
+    #[tokio::test]
+    async fn debug_output_names_the_endpoints_but_not_the_token() {
+        let mut config = ServerConfig::new("http://a:1,http://b:2");
+        config.token = Some("s3cret-token".into());
+        let backend = FencelockBackend::connect_lazy(config).unwrap();
+        let text = format!("{backend:?}");
+        assert!(text.contains("http://b:2"), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+    }
+
+    #[test]
+    fn endpoints_come_from_the_url_list_and_the_builder() {
+        let config = ServerConfig::new("http://a:1, http://b:2/");
+        assert_eq!(config.urls(), ["http://a:1", "http://b:2"]);
+        let config = ServerConfig::with_endpoints(["http://a:1", "http://b:2"]);
+        assert_eq!(config.urls(), ["http://a:1", "http://b:2"]);
+        let config = ServerConfig::new("http://a:1").endpoints(["http://a:1/", "http://c:3"]);
+        assert_eq!(config.urls(), ["http://a:1", "http://c:3"]);
+        let err = FencelockBackend::connect_lazy(ServerConfig::new(" , ")).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+    }
 }

@@ -255,10 +255,7 @@ impl WireClient {
             }
         };
         match answer {
-            Response::Error(e) => Err(Error::new(
-                crate::server::kind_from_code(&e.code),
-                e.message,
-            )),
+            Response::Error(e) => Err(crate::server::error_from_wire(e)),
             other => Ok(other),
         }
     }
@@ -349,12 +346,7 @@ impl WireClient {
         if self.shared.token.is_some() {
             match read_response(stream, &mut input).await.map_err(lost)? {
                 (_, Response::Welcome) => {}
-                (_, Response::Error(e)) => {
-                    return Err(Error::new(
-                        crate::server::kind_from_code(&e.code),
-                        e.message,
-                    ))
-                }
+                (_, Response::Error(e)) => return Err(crate::server::error_from_wire(e)),
                 (_, other) => {
                     return Err(Error::new(
                         ErrorKind::Protocol,
@@ -667,6 +659,7 @@ mod tests {
             &Response::Error(wire::WireError {
                 code: "cancelled".into(),
                 message: String::new(),
+                leader: String::new(),
             }),
         ));
         input.extend(answer(1, &Response::Pong));
@@ -698,6 +691,7 @@ mod tests {
             &Response::Error(wire::WireError {
                 code: "cancelled".into(),
                 message: String::new(),
+                leader: String::new(),
             }),
         );
         let mut out = Vec::new();
@@ -801,8 +795,16 @@ mod socket_tests {
     async fn direct_writes_and_the_task_s_writes_never_interleave_frames() {
         const CALLERS: u64 = 4;
         const EACH: u64 = 4_000;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+        // Small socket buffers on both sides, so the socket fills however fast this
+        // machine drains loopback (autotuned buffers can hold every frame sent here).
+        let server = tokio::net::TcpSocket::new_v4().unwrap();
+        server.set_recv_buffer_size(16 * 1024).unwrap();
+        server.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = server.listen(1).unwrap();
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_send_buffer_size(16 * 1024).unwrap();
+        let client = socket
+            .connect(listener.local_addr().unwrap())
             .await
             .unwrap();
         let (mut peer, _) = listener.accept().await.unwrap();

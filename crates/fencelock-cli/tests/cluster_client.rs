@@ -1,0 +1,489 @@
+//! The client library and the CLI against a real 3-member cluster (`fencelock serve
+//! --node-id …`, three processes on loopback): a client given every member's URL
+//! finds the leader; after `kill -9` of the leader its guard keeps renewing on the new
+//! leader without reporting the lock lost, a new acquire succeeds, `fencelock run`
+//! keeps its command running, and `fencelock cluster status` still lists 3 members.
+
+#[allow(dead_code)] // This file starts its members itself (fixed ports); see `Member`.
+mod support;
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use fencelock::{Client, ErrorKind, ServerConfig, Transport};
+use serde_json::Value;
+use tokio::time::{sleep, timeout, Instant};
+
+/// Longest any step may take before the test fails instead of hanging.
+const STEP: Duration = Duration::from_secs(60);
+
+/// One `fencelock serve` cluster member; killed (SIGKILL) when dropped.
+struct Member {
+    id: u64,
+    url: String,
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A free loopback port (bound and released: another process may take it in
+/// between, which is unlikely enough for a test).
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("local addr").port()
+}
+
+/// Starts members 1..=n of one cluster on fresh loopback ports.
+fn start_cluster(n: u64) -> Vec<Member> {
+    let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
+    let peers = ports
+        .iter()
+        .enumerate()
+        .map(|(i, (_, peer))| format!("{}=127.0.0.1:{peer}", i + 1))
+        .collect::<Vec<_>>()
+        .join(",");
+    ports
+        .iter()
+        .enumerate()
+        .map(|(i, (listen, peer))| {
+            let membership = ["--peers", peers.as_str()];
+            spawn_member(i as u64 + 1, *listen, *peer, &membership)
+        })
+        .collect()
+}
+
+/// Starts member `id` serving clients on `listen` and peers on `peer`, with
+/// `membership` (`--peers …` for a new cluster, `--join` for a later member).
+fn spawn_member(id: u64, listen: u16, peer: u16, membership: &[&str]) -> Member {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("http://127.0.0.1:{listen}");
+    let child = Command::new(support::BIN)
+        .args([
+            "serve",
+            "--log-format",
+            "json",
+            "--node-id",
+            &id.to_string(),
+        ])
+        .args(["--listen", &format!("127.0.0.1:{listen}")])
+        .args(["--peer-listen", &format!("127.0.0.1:{peer}")])
+        .args(membership)
+        .args(["--advertise-url", &url])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn fencelock serve");
+    Member {
+        id,
+        url,
+        child,
+        _dir: dir,
+    }
+}
+
+fn list(members: &[&Member]) -> String {
+    members
+        .iter()
+        .map(|m| m.url.as_str())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn fencelock(servers: &str) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(support::BIN);
+    cmd.env("FENCELOCK_SERVER", servers)
+        .env_remove("FENCELOCK_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    cmd
+}
+
+/// `fencelock cluster status --json` over `servers`, if it succeeds.
+async fn status(servers: &str) -> Option<Value> {
+    let out = timeout(
+        STEP,
+        fencelock(servers)
+            .args(["cluster", "status", "--json"])
+            .output(),
+    )
+    .await
+    .expect("status answers in time")
+    .expect("run fencelock cluster status");
+    if !out.status.success() {
+        return None;
+    }
+    serde_json::from_slice(&out.stdout).ok()
+}
+
+/// Waits until a member of `servers` names a leader other than `not`; its id.
+async fn leader(servers: &str, not: Option<u64>) -> u64 {
+    let give_up = Instant::now() + STEP;
+    loop {
+        if let Some(v) = status(servers).await {
+            if let Some(id) = v["leader"]["id"].as_u64() {
+                if Some(id) != not {
+                    return id;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < give_up,
+            "no leader (other than {not:?}) within {STEP:?}"
+        );
+        sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits until `guard`'s deadline has moved past `deadline_then` (a renewal was
+/// confirmed), failing if the guard reports the lock lost first.
+async fn renewed_past(guard: &fencelock::LockGuard, deadline_then: Instant) {
+    loop {
+        assert!(
+            !guard.is_lost(),
+            "the guard reported the lock lost during the failover"
+        );
+        let left = guard.valid_for().expect("not lost");
+        if Instant::now() + left > deadline_then + Duration::from_millis(500) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline_then,
+            "no renewal confirmed within the lease"
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn wait_for_file(path: &Path) {
+    timeout(STEP, async {
+        while !path.exists() {
+            sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{} never appeared", path.display()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_and_the_cli_follow_the_leader_through_a_kill() {
+    let members = start_cluster(3);
+    let all = list(&members.iter().collect::<Vec<_>>());
+    let first_leader = leader(&all, None).await;
+
+    // Followers first: the client has to be told where the leader is.
+    let mut ordered: Vec<&Member> = members.iter().filter(|m| m.id != first_leader).collect();
+    ordered.extend(members.iter().filter(|m| m.id == first_leader));
+    let servers = list(&ordered);
+    let client = timeout(STEP, Client::connect(&servers))
+        .await
+        .expect("connect in time")
+        .expect("connect to the cluster");
+
+    let ttl = Duration::from_secs(10);
+    let guard = timeout(STEP, client.lock("c:held").ttl(ttl).acquire())
+        .await
+        .expect("acquire in time")
+        .expect("acquire on the leader");
+    let fence = guard.fence();
+
+    // gRPC for the hot path too: the follower's UNAVAILABLE names the leader.
+    let mut config = ServerConfig::new(servers.clone());
+    config.transport = Transport::Grpc;
+    let grpc = Client::connect_with(config)
+        .await
+        .expect("connect over gRPC");
+    let over_grpc = timeout(STEP, grpc.lock("c:grpc").try_acquire())
+        .await
+        .expect("acquire in time")
+        .expect("acquire over gRPC");
+    let over_grpc_fence = over_grpc.fence();
+
+    // `fencelock run` over the same list, its command running across the kill.
+    let work = tempfile::tempdir().unwrap();
+    let started = work.path().join("started");
+    let script = format!("touch {}; sleep 6; echo ran-to-the-end", started.display());
+    let run = fencelock(&servers)
+        .args(["run", "--lock", "c:run", "--ttl", "9s", "--"])
+        .args(["sh", "-c", &script])
+        .spawn()
+        .expect("spawn fencelock run");
+    wait_for_file(&started).await;
+
+    // kill -9 the leader.
+    let dead = members
+        .iter()
+        .find(|m| m.id == first_leader)
+        .expect("the leader is a member");
+    let killed_at = Instant::now();
+    let left_then = guard.valid_for().expect("held before the kill");
+    let deadline_then = killed_at + left_then;
+    // SAFETY: signals a child process this test started and still owns.
+    assert_eq!(
+        unsafe { libc::kill(dead.child.id() as libc::pid_t, libc::SIGKILL) },
+        0
+    );
+    let survivors: Vec<&Member> = members.iter().filter(|m| m.id != first_leader).collect();
+    let new_leader = leader(&list(&survivors), Some(first_leader)).await;
+    assert_ne!(new_leader, first_leader);
+
+    // (a) The guard renews on the new leader: its deadline moves past the one it had
+    // at the kill, and it never reports the lock lost meanwhile.
+    renewed_past(&guard, deadline_then).await;
+
+    // (b) A new acquire succeeds on the new leader, and the old grant survived.
+    let fresh = timeout(
+        STEP,
+        client.lock("c:new").wait(Duration::from_secs(20)).acquire(),
+    )
+    .await
+    .expect("acquire in time")
+    .expect("acquire after the failover");
+    assert!(fresh.fence() > fence, "{} > {fence}", fresh.fence());
+    let other = Client::connect(&servers).await.expect("connect");
+    let held = timeout(STEP, other.lock("c:held").try_acquire())
+        .await
+        .expect("answer in time")
+        .expect_err("the grant survived the failover");
+    assert_eq!(held.kind(), ErrorKind::Held, "{held}");
+    assert!(over_grpc
+        .release()
+        .await
+        .expect("release over gRPC on the new leader"));
+    let again = timeout(STEP, grpc.lock("c:grpc").try_acquire())
+        .await
+        .expect("acquire in time")
+        .expect("acquire over gRPC after the failover");
+    assert!(again.fence() > over_grpc_fence);
+
+    // `fencelock run` kept its command running to the end.
+    let out = timeout(STEP, run.wait_with_output())
+        .await
+        .expect("run ends in time")
+        .expect("wait for fencelock run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("ran-to-the-end"),
+        "{stderr}"
+    );
+
+    // The status, over the whole list (the dead member is passed over), still
+    // names 3 members and the new leader.
+    let v = status(&servers).await.expect("cluster status");
+    let ids: Vec<u64> = v["members"]
+        .as_array()
+        .expect("members")
+        .iter()
+        .filter_map(|m| m["id"].as_u64())
+        .collect();
+    assert_eq!(ids.len(), 3, "{v}");
+    assert_eq!(v["leader"]["id"].as_u64(), Some(new_leader), "{v}");
+
+    assert!(guard.release().await.expect("release on the new leader"));
+    assert!(fresh.release().await.expect("release"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_commands_transfer_the_leadership_and_the_guard_follows() {
+    let members = start_cluster(3);
+    let all = list(&members.iter().collect::<Vec<_>>());
+    let first = leader(&all, None).await;
+    let client = Client::connect(&all).await.expect("connect");
+    let guard = timeout(
+        STEP,
+        client.lock("t:held").ttl(Duration::from_secs(3)).acquire(),
+    )
+    .await
+    .expect("acquire in time")
+    .expect("acquire");
+
+    // Over the whole list: a follower first names the leader, which does it.
+    let target = members
+        .iter()
+        .map(|m| m.id)
+        .find(|id| *id != first)
+        .unwrap();
+    let mut ordered: Vec<&Member> = members.iter().filter(|m| m.id != first).collect();
+    ordered.extend(members.iter().filter(|m| m.id == first));
+    let out = timeout(
+        STEP,
+        fencelock(&list(&ordered))
+            .args(["cluster", "transfer-leader", &target.to_string()])
+            .output(),
+    )
+    .await
+    .expect("transfer answers in time")
+    .expect("run fencelock cluster transfer-leader");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(&format!("member {target} is the leader")),
+        "{stderr}"
+    );
+    assert_eq!(leader(&all, Some(first)).await, target);
+
+    // The guard renews on the new leader for longer than its 3 s lease.
+    sleep(Duration::from_secs(4)).await;
+    assert!(
+        !guard.is_lost(),
+        "the guard lost its lock over a leader transfer"
+    );
+    let fresh = timeout(STEP, client.lock("t:new").try_acquire())
+        .await
+        .expect("acquire in time")
+        .expect("acquire after the transfer");
+    assert!(fresh.fence() > guard.fence());
+
+    // The text status names every member and the leader; bad input is a usage error.
+    let out = timeout(STEP, fencelock(&all).args(["cluster", "status"]).output())
+        .await
+        .expect("status in time")
+        .expect("run fencelock cluster status");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains(&format!("leader {target} (")), "{text}");
+    assert_eq!(text.lines().count(), 2 + 3, "{text}");
+    let out = timeout(
+        STEP,
+        fencelock(&all)
+            .args(["cluster", "add", "--id", "9", "--peer-addr", "127.0.0.1:1"])
+            .args(["--url", "ftp://nowhere"])
+            .output(),
+    )
+    .await
+    .expect("add answers in time")
+    .expect("run fencelock cluster add");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(guard.release().await.expect("release"));
+}
+
+/// The member ids `fencelock cluster status --json` lists, in order.
+fn member_ids(status: &Value) -> Vec<u64> {
+    let mut ids: Vec<u64> = status["members"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
+        .iter()
+        .filter_map(|m| m["id"].as_u64())
+        .collect();
+    ids.sort_unstable();
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_add_and_remove_change_the_membership() {
+    let members = start_cluster(3);
+    let all = list(&members.iter().collect::<Vec<_>>());
+    leader(&all, None).await;
+
+    let (listen, peer) = (free_port(), free_port());
+    let fourth = spawn_member(4, listen, peer, &["--join"]);
+    // A leader that has not yet committed an entry of its own term refuses membership
+    // changes ("already undergoing a configuration change"): retried until it has.
+    let give_up = Instant::now() + STEP;
+    let out = loop {
+        let out = timeout(
+            STEP,
+            fencelock(&all)
+                .args(["cluster", "add", "--id", "4", "--json"])
+                .args(["--peer-addr", &format!("127.0.0.1:{peer}")])
+                .args(["--url", &fourth.url])
+                .output(),
+        )
+        .await
+        .expect("add answers in time")
+        .expect("run fencelock cluster add");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.code() == Some(2)
+            && stderr.contains("configuration change")
+            && Instant::now() < give_up
+        {
+            sleep(Duration::from_millis(100)).await;
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        break out;
+    };
+    let added: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(member_ids(&added), [1, 2, 3, 4], "{added}");
+
+    // The new member serves clients of the cluster (once it has heard from the
+    // leader: until then it answers not_leader without a name, and the client
+    // retries within the wait).
+    let client = Client::connect(&fourth.url)
+        .await
+        .expect("connect to member 4");
+    let guard = timeout(
+        STEP,
+        client.lock("m:a").wait(Duration::from_secs(20)).acquire(),
+    )
+    .await
+    .expect("acquire in time")
+    .expect("acquire through member 4");
+    assert!(guard.release().await.expect("release"));
+
+    let out = timeout(
+        STEP,
+        fencelock(&all)
+            .args(["cluster", "remove", "4", "--json"])
+            .output(),
+    )
+    .await
+    .expect("remove answers in time")
+    .expect("run fencelock cluster remove");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let removed: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(member_ids(&removed), [1, 2, 3], "{removed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guard_renews_past_a_stopped_leader() {
+    let members = start_cluster(3);
+    let all = list(&members.iter().collect::<Vec<_>>());
+    let first = leader(&all, None).await;
+    let client = Client::connect(&all).await.expect("connect");
+    let guard = timeout(
+        STEP,
+        client.lock("s:held").ttl(Duration::from_secs(9)).acquire(),
+    )
+    .await
+    .expect("acquire in time")
+    .expect("acquire");
+    // Renewals now go to the leader; stop it (SIGSTOP: connections stay open and
+    // unanswered, unlike a kill).
+    let stopped = members.iter().find(|m| m.id == first).expect("a member");
+    let deadline_then = Instant::now() + guard.valid_for().expect("held");
+    let pid = stopped.child.id() as libc::pid_t;
+    // SAFETY: signals a child process this test started and still owns.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let survivors: Vec<&Member> = members.iter().filter(|m| m.id != first).collect();
+    leader(&list(&survivors), Some(first)).await;
+    renewed_past(&guard, deadline_then).await;
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    assert!(guard.release().await.expect("release"));
+}
