@@ -20,7 +20,11 @@
 #![deny(missing_docs)]
 
 pub mod checker;
+pub mod cluster;
 pub mod history;
+pub mod http;
+pub mod leader;
+pub mod proxy;
 pub mod scenario;
 pub mod worker;
 
