@@ -97,6 +97,26 @@ impl Fault {
         }
     }
 
+    /// Parses a snake_case name (`kill_leader`, `isolate_follower`, …).
+    pub fn from_name(name: &str) -> Option<Fault> {
+        Fault::ALL.into_iter().find(|f| f.name() == name.trim())
+    }
+
+    /// The snake_case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::KillLeader => "kill_leader",
+            Fault::StopLeader => "stop_leader",
+            Fault::PartitionLeader => "partition_leader",
+            Fault::IsolateFollower => "isolate_follower",
+            Fault::FlapLinks => "flap_links",
+            Fault::KillAll => "kill_all",
+            Fault::RollingRestart => "rolling_restart",
+            Fault::AddRemoveMember => "add_remove_member",
+            Fault::StopHolder => "stop_holder",
+        }
+    }
+
     /// Whether a majority stays connected during the fault, so progress is due
     /// before the heal as well.
     pub fn keeps_majority(self) -> bool {
@@ -176,6 +196,9 @@ pub struct StepReport {
     pub progress: Option<Duration>,
     /// Whether the step did what it set out to (a holder found, the member joined…).
     pub done: bool,
+    /// [`Fault::IsolateFollower`]: whether the follower caught up by installing the
+    /// leader's snapshot (its log says "install full snapshot" once more than before).
+    pub snapshot_installed: Option<bool>,
     /// What happened, for a human.
     pub detail: String,
 }
@@ -794,6 +817,7 @@ impl Ctx<'_> {
             failover: None,
             progress: None,
             done: true,
+            snapshot_installed: None,
             detail: String::new(),
         };
         let leader = self.cluster.wait_leader(None)?;
@@ -946,6 +970,8 @@ impl Ctx<'_> {
             .join("raft")
             .join("sm.snap");
         let snap_before = modified(&snap);
+        let log = self.cluster.members[(follower - 1) as usize].log.clone();
+        let installs_before = count_lines(&log, "install full snapshot");
         let commit_before = self.cluster.committed(leader).unwrap_or(0);
         let fault_ns = monotonic_ns();
         self.cluster.proxies.set_member(follower, LinkMode::Cut);
@@ -980,20 +1006,27 @@ impl Ctx<'_> {
         let heal_ns = monotonic_ns();
         let caught_up = self.cluster.wait_matched(follower, commit_at_heal);
         report.progress = wait_grant(self.tails, heal_ns);
-        let snapshot_installed = modified(&snap) != snap_before;
+        let snapshot_written = modified(&snap) != snap_before;
+        let installed = count_lines(&log, "install full snapshot") > installs_before;
+        report.snapshot_installed = Some(installed);
         report.done = caught_up.is_some();
         report.detail = format!(
             "isolated follower {follower} for {:.1}s while {} entries were committed ({} load \
-             renewals; target {}); caught up {:?} after the heal; snapshot file {}",
+             renewals; target {}); caught up {:?} after the heal; {}; snapshot file {}",
             Duration::from_nanos(heal_ns - fault_ns).as_secs_f64(),
             commit_at_heal.saturating_sub(commit_before),
             renewals,
             self.config.isolate_entries,
             caught_up.map(|d| d.as_millis()),
-            if snapshot_installed {
-                "rewritten (a snapshot was installed or taken)"
+            if installed {
+                "installed the leader's snapshot"
             } else {
-                "unchanged (caught up from the log)"
+                "no snapshot installed (caught up from the log)"
+            },
+            if snapshot_written {
+                "rewritten"
+            } else {
+                "unchanged"
             }
         );
         Ok(report)
@@ -1112,6 +1145,13 @@ impl Ctx<'_> {
     }
 }
 
+/// Lines of the file at `path` that contain `needle` (0 if unreadable).
+fn count_lines(path: &Path, needle: &str) -> usize {
+    std::fs::read_to_string(path)
+        .map(|text| text.lines().filter(|l| l.contains(needle)).count())
+        .unwrap_or(0)
+}
+
 fn modified(path: &Path) -> Option<std::time::SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
@@ -1121,5 +1161,22 @@ fn sleep_until_ns(ns: u64) {
     let now = monotonic_ns();
     if ns > now {
         std::thread::sleep(Duration::from_nanos(ns - now).min(Duration::from_secs(60)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fault_names_round_trip() {
+        for f in Fault::ALL {
+            assert_eq!(Fault::from_name(f.name()), Some(f));
+        }
+        assert_eq!(Fault::from_name("nope"), None);
+        assert_eq!(
+            Fault::KillAll.progress_bound(Duration::from_secs(3)),
+            PROGRESS_BOUND + Duration::from_secs(3)
+        );
     }
 }
