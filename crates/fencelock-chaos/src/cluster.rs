@@ -153,9 +153,11 @@ pub struct ClusterChaosConfig {
     /// [`Fault::IsolateFollower`]: entries the leader must commit while the follower
     /// is cut off (0: only [`isolate_for`](Self::isolate_for)).
     pub isolate_entries: u64,
-    /// [`Fault::IsolateFollower`]: the least isolation (and, with `isolate_entries`,
-    /// the longest: the step gives up waiting for the entries then).
+    /// [`Fault::IsolateFollower`]: the least isolation.
     pub isolate_for: Duration,
+    /// [`Fault::IsolateFollower`] with `isolate_entries`: the longest isolation (the
+    /// step stops waiting for the entries then).
+    pub isolate_max: Duration,
     /// Threads that renew a lock of their own in a loop during
     /// [`Fault::IsolateFollower`], to grow the Raft log (unrecorded; 0: none).
     pub load_threads: u32,
@@ -179,6 +181,7 @@ impl ClusterChaosConfig {
             faults: Fault::ALL.to_vec(),
             isolate_entries: 0,
             isolate_for: Duration::from_secs(3),
+            isolate_max: Duration::from_secs(3),
             load_threads: 0,
             seed,
         }
@@ -976,14 +979,15 @@ impl Ctx<'_> {
         let fault_ns = monotonic_ns();
         self.cluster.proxies.set_member(follower, LinkMode::Cut);
         let ports: Vec<u16> = self.cluster.members.iter().map(|m| m.port).collect();
-        let longest = self.config.isolate_for.max(Duration::from_secs(1));
+        let least = self.config.isolate_for.max(Duration::from_secs(1));
+        let longest = self.config.isolate_max.max(least);
         let load = (self.config.load_threads > 0)
-            .then(|| Load::start(self.config.load_threads, ports, longest * 4));
+            .then(|| Load::start(self.config.load_threads, ports, longest));
         report.failover = wait_grant(self.tails, fault_ns);
         let target = commit_before + self.config.isolate_entries;
         let started = Instant::now();
-        // At least `isolate_for`; with an entry target, until it is reached or four
-        // times `isolate_for` have passed.
+        // At least `isolate_for`; with an entry target, until it is reached or
+        // `isolate_max` has passed.
         loop {
             let elapsed = started.elapsed();
             let commit = self
@@ -991,7 +995,7 @@ impl Ctx<'_> {
                 .leader(Some(follower))
                 .and_then(|l| self.cluster.committed(l))
                 .unwrap_or(0);
-            if elapsed >= longest && (commit >= target || elapsed >= longest * 4) {
+            if elapsed >= least && (commit >= target || elapsed >= longest) {
                 break;
             }
             std::thread::sleep(Duration::from_millis(200));

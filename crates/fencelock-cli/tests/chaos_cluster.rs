@@ -70,8 +70,9 @@ fn cluster_chaos_fenced(seed: u64) -> Result<(), String> {
         // A snapshot every 20,000 entries keeping 2,000 (the server's policy): 25,000
         // entries after the cut cross at least one snapshot that purges past it.
         config.isolate_entries = 25_000;
-        config.isolate_for = Duration::from_secs(40);
-        config.load_threads = 4;
+        config.isolate_for = Duration::from_secs(10);
+        config.isolate_max = Duration::from_secs(600);
+        config.load_threads = 6;
     }
     // FENCELOCK_CHAOS_FAULTS=a,b,… replaces the steps (names as Fault::name).
     if let Ok(names) = std::env::var("FENCELOCK_CHAOS_FAULTS") {
