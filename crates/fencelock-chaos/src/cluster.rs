@@ -226,6 +226,33 @@ pub struct ClusterSummary {
     /// The run's directory, kept when a fenced run found violations or a step made
     /// no progress.
     pub kept_dir: Option<PathBuf>,
+    /// At the end, with the workers stopped: each member's applied log index and
+    /// next fence (`fencelock_raft_applied_index`, `fencelock_next_fence`), once all
+    /// had applied the same index (or as last read, after 10 s).
+    pub final_state: Vec<(u64, Option<u64>, Option<u64>)>,
+}
+
+impl ClusterSummary {
+    /// Members that applied the same log but disagree on the next fence: their state
+    /// machines diverged. `None` when they agree (or did not reach one index).
+    pub fn divergence(&self) -> Option<String> {
+        let first = self.final_state.first()?;
+        let same_index = self
+            .final_state
+            .iter()
+            .all(|m| m.1.is_some() && m.1 == first.1);
+        let same_fence = self.final_state.iter().all(|m| m.2 == first.2);
+        (same_index && !same_fence).then(|| {
+            let members: Vec<String> = self
+                .final_state
+                .iter()
+                .map(|(id, applied, fence)| {
+                    format!("member {id}: applied {applied:?}, next fence {fence:?}")
+                })
+                .collect();
+            format!("state machines diverged: {}", members.join("; "))
+        })
+    }
 }
 
 impl ClusterSummary {
@@ -279,6 +306,14 @@ impl fmt::Display for ClusterSummary {
             ms(percentile(&failover, 100)),
             self.elapsed.as_secs_f64(),
         )?;
+        writeln!(
+            f,
+            "  final member state (id, applied, next fence): {:?}",
+            self.final_state
+        )?;
+        if let Some(d) = self.divergence() {
+            writeln!(f, "  {d}")?;
+        }
         for s in &self.steps {
             writeln!(
                 f,
@@ -580,6 +615,36 @@ impl Cluster {
         .map(|v| v as u64)
     }
 
+    /// `(member, applied index, next fence)` of every member, read until all report
+    /// the same applied index (at most 10 s; the last reading otherwise).
+    fn quiescent_state(&self) -> Vec<(u64, Option<u64>, Option<u64>)> {
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            let state: Vec<(u64, Option<u64>, Option<u64>)> = self
+                .members
+                .iter()
+                .map(|m| {
+                    let text =
+                        http::call_raw(m.port, "GET", "/metrics", None, Duration::from_secs(2))
+                            .filter(|(status, _)| *status == 200)
+                            .map(|(_, body)| String::from_utf8_lossy(&body).into_owned())
+                            .unwrap_or_default();
+                    let read = |name| http::metric(&text, name).map(|v| v as u64);
+                    (
+                        m.id,
+                        read("fencelock_raft_applied_index"),
+                        read("fencelock_next_fence"),
+                    )
+                })
+                .collect();
+            let first = state[0].1;
+            if first.is_some() && state.iter().all(|m| m.1 == first) || Instant::now() >= end {
+                return state;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Waits until the leader reports member `id` matched at `index` or beyond.
     fn wait_matched(&self, id: u64, index: u64) -> Option<Duration> {
         let started = Instant::now();
@@ -757,6 +822,7 @@ pub fn run(config: &ClusterChaosConfig) -> Result<ClusterSummary, String> {
     }
 
     let workers_killed = scenario::stop_workers(&mut workers, &stop_file, config.ttl_ms)?;
+    let final_state = cluster.quiescent_state();
     for m in &mut cluster.members {
         m.terminate();
     }
@@ -771,8 +837,11 @@ pub fn run(config: &ClusterChaosConfig) -> Result<ClusterSummary, String> {
         report: checker::check(&events),
         elapsed: started.elapsed(),
         kept_dir: None,
+        final_state,
     };
-    if (config.fenced && !summary.report.violations.is_empty()) || !summary.slow_steps().is_empty()
+    if (config.fenced && !summary.report.violations.is_empty())
+        || !summary.slow_steps().is_empty()
+        || summary.divergence().is_some()
     {
         summary.kept_dir = Some(dir.keep());
     }
@@ -1171,6 +1240,33 @@ fn sleep_until_ns(ns: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn summary(final_state: Vec<(u64, Option<u64>, Option<u64>)>) -> ClusterSummary {
+        ClusterSummary {
+            seed: 0,
+            fenced: true,
+            ttl: Duration::from_secs(3),
+            steps: Vec::new(),
+            workers_killed: 0,
+            report: Report::default(),
+            elapsed: Duration::ZERO,
+            kept_dir: None,
+            final_state,
+        }
+    }
+
+    #[test]
+    fn members_that_applied_the_same_log_must_agree_on_the_fence() {
+        let agree = summary(vec![(1, Some(9), Some(5)), (2, Some(9), Some(5))]);
+        assert_eq!(agree.divergence(), None);
+        let diverged = summary(vec![(1, Some(9), Some(5)), (2, Some(9), Some(7))]);
+        assert!(diverged
+            .divergence()
+            .is_some_and(|d| d.contains("member 2")));
+        // Different applied indexes prove nothing.
+        let lagging = summary(vec![(1, Some(9), Some(5)), (2, Some(8), Some(4))]);
+        assert_eq!(lagging.divergence(), None);
+    }
 
     #[test]
     fn fault_names_round_trip() {

@@ -86,6 +86,9 @@ fn cluster_chaos_fenced(seed: u64) -> Result<(), String> {
     if !s.report.violations.is_empty() {
         problems.push(format!("{} violations", s.report.violations.len()));
     }
+    if let Some(d) = s.divergence() {
+        problems.push(d);
+    }
     for step in s.slow_steps() {
         problems.push(format!(
             "{:?}: no grant in time (bound {:?} after the heal, {PROGRESS_BOUND:?} during a \
