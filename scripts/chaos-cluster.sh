@@ -19,7 +19,7 @@ case "${1:-3}" in
     exec cargo test --locked -p fencelock-cli --test chaos_cluster -- --nocapture
     ;;
   divergence)
-    FENCELOCK_CHAOS_LONG=1 FENCELOCK_CHAOS_FAULTS=isolate_follower,rolling_restart \
+    FENCELOCK_CHAOS_LONG=1 FENCELOCK_CHAOS_FAULTS=isolate_follower,rolling_restart,rolling_restart,rolling_restart \
       exec cargo test --locked -p fencelock-cli --test chaos_cluster -- --nocapture cluster_chaos_fenced
     ;;
   *[!0-9]*)
