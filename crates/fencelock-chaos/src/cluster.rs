@@ -199,6 +199,9 @@ pub struct StepReport {
     pub progress: Option<Duration>,
     /// Whether the step did what it set out to (a holder found, the member joined…).
     pub done: bool,
+    /// After the step: `(member, next fence)` of every member read at one applied
+    /// index (`None`: they never showed the same index within 2 s).
+    pub fences_at_same_index: Option<(u64, Vec<(u64, u64)>)>,
     /// [`Fault::IsolateFollower`]: whether the follower caught up by installing the
     /// leader's snapshot (its log says "install full snapshot" once more than before).
     pub snapshot_installed: Option<bool>,
@@ -236,6 +239,19 @@ impl ClusterSummary {
     /// Members that applied the same log but disagree on the next fence: their state
     /// machines diverged. `None` when they agree (or did not reach one index).
     pub fn divergence(&self) -> Option<String> {
+        // The first step after which members at one index disagreed.
+        for (i, step) in self.steps.iter().enumerate() {
+            if let Some((index, fences)) = &step.fences_at_same_index {
+                if fences.iter().any(|f| f.1 != fences[0].1) {
+                    return Some(format!(
+                        "state machines diverged by step {} ({:?}): at applied index {index} the \
+                         next fences (member, fence) were {fences:?}",
+                        i + 1,
+                        step.fault
+                    ));
+                }
+            }
+        }
         let first = self.final_state.first()?;
         let same_index = self
             .final_state
@@ -317,11 +333,12 @@ impl fmt::Display for ClusterSummary {
         for s in &self.steps {
             writeln!(
                 f,
-                "  step {:?}: done={} failover={} progress={} — {}",
+                "  step {:?}: done={} failover={} progress={} fences_at_same_index={:?} — {}",
                 s.fault,
                 s.done,
                 ms(s.failover),
                 ms(s.progress),
+                s.fences_at_same_index,
                 s.detail
             )?;
         }
@@ -615,6 +632,38 @@ impl Cluster {
         .map(|v| v as u64)
     }
 
+    /// Reads every member's applied index and next fence until all show the same
+    /// index (at most 2 s, while the workers keep the log moving).
+    fn fences_at_same_index(&self) -> Option<(u64, Vec<(u64, u64)>)> {
+        let end = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < end {
+            let state: Vec<(u64, Option<u64>, Option<u64>)> = self
+                .members
+                .iter()
+                .map(|m| {
+                    let text =
+                        http::call_raw(m.port, "GET", "/metrics", None, Duration::from_millis(500))
+                            .filter(|(status, _)| *status == 200)
+                            .map(|(_, body)| String::from_utf8_lossy(&body).into_owned())
+                            .unwrap_or_default();
+                    let read = |name| http::metric(&text, name).map(|v| v as u64);
+                    (
+                        m.id,
+                        read("fencelock_raft_applied_index"),
+                        read("fencelock_next_fence"),
+                    )
+                })
+                .collect();
+            let index = state[0].1;
+            if index.is_some() && state.iter().all(|m| m.1 == index && m.2.is_some()) {
+                let fences = state.iter().map(|m| (m.0, m.2.unwrap_or(0))).collect();
+                return index.map(|i| (i, fences));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
     /// `(member, applied index, next fence)` of every member, read until all report
     /// the same applied index (at most 10 s; the last reading otherwise).
     fn quiescent_state(&self) -> Vec<(u64, Option<u64>, Option<u64>)> {
@@ -884,11 +933,18 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     fn step(&mut self, fault: Fault) -> Result<StepReport, String> {
+        let mut report = self.inject(fault)?;
+        report.fences_at_same_index = self.cluster.fences_at_same_index();
+        Ok(report)
+    }
+
+    fn inject(&mut self, fault: Fault) -> Result<StepReport, String> {
         let mut report = StepReport {
             fault,
             failover: None,
             progress: None,
             done: true,
+            fences_at_same_index: None,
             snapshot_installed: None,
             detail: String::new(),
         };
@@ -1266,6 +1322,24 @@ mod tests {
         // Different applied indexes prove nothing.
         let lagging = summary(vec![(1, Some(9), Some(5)), (2, Some(8), Some(4))]);
         assert_eq!(lagging.divergence(), None);
+    }
+
+    #[test]
+    fn a_step_whose_members_disagree_is_named() {
+        let mut s = summary(vec![(1, Some(9), Some(5)), (2, Some(9), Some(5))]);
+        let step = |fences| StepReport {
+            fault: Fault::RollingRestart,
+            failover: None,
+            progress: None,
+            done: true,
+            fences_at_same_index: Some((7, fences)),
+            snapshot_installed: None,
+            detail: String::new(),
+        };
+        s.steps = vec![step(vec![(1, 4), (2, 4)]), step(vec![(1, 4), (2, 6)])];
+        assert!(s
+            .divergence()
+            .is_some_and(|d| d.contains("by step 2 (RollingRestart)")));
     }
 
     #[test]
