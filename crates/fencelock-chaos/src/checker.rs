@@ -21,6 +21,11 @@
 //!   (of any lock: fences are one counter) had completed, with a fence not greater
 //!   than that grant's; and two grants (owner tokens) with the same fence.
 //!
+//! - **Lost grant.** A renewal answered `not_held` while the grant was certainly held
+//!   (it completed before the certain end computed from the acquire and the renewals
+//!   confirmed before it was invoked, and no release of the grant had been invoked):
+//!   the store forgot a grant it had acknowledged — e.g. a new leader without it.
+//!
 //! Operations whose completion is missing are indeterminate and prove nothing.
 
 use std::collections::{BTreeMap, HashMap};
@@ -39,6 +44,8 @@ pub enum ViolationKind {
     /// A later grant got a fence not greater than an earlier one, or a fence was
     /// issued twice.
     FenceRegression,
+    /// The store said an acknowledged grant was not held while it certainly was.
+    LostGrant,
 }
 
 /// One violation, with the events that prove it.
@@ -188,7 +195,86 @@ pub fn check(events: &[Event]) -> Report {
     check_overlaps(&grants, &mut report);
     check_fences(&grants, &mut report);
     check_writes(&ops, &mut report);
+    check_lost(&ops, &grants, &first_request, &mut report);
     report
+}
+
+/// Renewals answered `not_held` while their grant was certainly held.
+fn check_lost(
+    ops: &[Op<'_>],
+    grants: &[&Grant<'_>],
+    first_request: &HashMap<&str, u64>,
+    report: &mut Report,
+) {
+    let by_token: HashMap<&str, &Grant<'_>> = grants.iter().map(|g| (g.token, *g)).collect();
+    // Per token: the acquires' lower bounds, confirmed renewals (complete, bound) and
+    // the first release invoke.
+    let mut acquired: HashMap<&str, u64> = HashMap::new();
+    let mut renewed: HashMap<&str, Vec<(u64, u64)>> = HashMap::new();
+    for op in ops {
+        let Some(done) = op.complete else { continue };
+        if done.outcome != Some(Outcome::Ok) {
+            continue;
+        }
+        match op.invoke.kind {
+            OpKind::Acquire => {
+                if let Some(token) = done.token.as_deref() {
+                    let requested = op
+                        .invoke
+                        .request_id
+                        .as_deref()
+                        .and_then(|rid| first_request.get(rid).copied())
+                        .unwrap_or(op.invoke.time_ns);
+                    let until = requested + ms_to_ns(done.ttl_ms.unwrap_or(0));
+                    let bound = acquired.entry(token).or_insert(until);
+                    *bound = (*bound).max(until);
+                }
+            }
+            OpKind::Renew => {
+                if let Some(token) = op.invoke.token.as_deref() {
+                    let until = op.invoke.time_ns + ms_to_ns(done.ttl_ms.unwrap_or(0));
+                    renewed
+                        .entry(token)
+                        .or_default()
+                        .push((done.time_ns, until));
+                }
+            }
+            OpKind::Release | OpKind::Write => {}
+        }
+    }
+    for op in ops.iter().filter(|op| op.invoke.kind == OpKind::Renew) {
+        let Some(done) = op.complete else { continue };
+        if done.outcome != Some(Outcome::NotHeld) {
+            continue;
+        }
+        let Some(token) = op.invoke.token.as_deref() else {
+            continue;
+        };
+        let (Some(grant), Some(&acquired_until)) = (by_token.get(token), acquired.get(token))
+        else {
+            continue;
+        };
+        if grant.released_ns.is_some_and(|r| r < op.invoke.time_ns) {
+            continue;
+        }
+        let certain_until = renewed
+            .get(token)
+            .into_iter()
+            .flatten()
+            .filter(|(complete, _)| *complete < op.invoke.time_ns)
+            .map(|(_, until)| *until)
+            .fold(acquired_until, u64::max);
+        if done.time_ns < certain_until {
+            let message = format!(
+                "{}: a renewal invoked at {} ns was answered not_held at {} ns, before {} ns",
+                describe(grant),
+                op.invoke.time_ns,
+                done.time_ns,
+                certain_until
+            );
+            push(report, ViolationKind::LostGrant, message);
+        }
+    }
 }
 
 fn ms_to_ns(ms: u64) -> u64 {
@@ -630,6 +716,54 @@ mod tests {
         };
         assert_eq!(kinds(&base(150)), vec![ViolationKind::Overlap]);
         assert_eq!(base(170).violations, vec![]);
+    }
+
+    #[test]
+    fn planted_lost_grant_is_reported() {
+        let mut h = History::default();
+        h.acquire(1, "l", "r1", 0, 1, 10, "a", 1000);
+        h.renew(1, "l", 10, "a", 300, 301, 1000);
+        // Certainly held until 1300 ms, yet the store denies it at 400 ms.
+        h.on_grant(
+            OpKind::Renew,
+            1,
+            "l",
+            10,
+            "a",
+            399,
+            Some(400),
+            Outcome::NotHeld,
+        );
+        assert_eq!(kinds(&h.check()), vec![ViolationKind::LostGrant]);
+        // The same answer after the certain end is an expiry, not a loss.
+        let mut h = History::default();
+        h.acquire(1, "l", "r1", 0, 1, 10, "a", 1000);
+        h.on_grant(
+            OpKind::Renew,
+            1,
+            "l",
+            10,
+            "a",
+            1200,
+            Some(1201),
+            Outcome::NotHeld,
+        );
+        assert_eq!(h.check().violations, vec![]);
+        // And after a release was invoked it is the release's doing.
+        let mut h = History::default();
+        h.acquire(1, "l", "r1", 0, 1, 10, "a", 1000);
+        h.release(1, "l", 10, "a", 50, 60);
+        h.on_grant(
+            OpKind::Renew,
+            1,
+            "l",
+            10,
+            "a",
+            70,
+            Some(71),
+            Outcome::NotHeld,
+        );
+        assert_eq!(h.check().violations, vec![]);
     }
 
     #[test]

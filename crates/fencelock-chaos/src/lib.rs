@@ -17,10 +17,21 @@
 //! stale writes that were accepted, and fence regressions. Turning the resource's
 //! fence check off ([`worker::WorkerConfig::fenced`] = false) must make it report
 //! violations: the planted bug that shows the checker can see one.
+//!
+//! [`cluster::run`] does the same over a real 3-member cluster: a TCP proxy on every
+//! link between members ([`proxy`]) to cut, delay and flap single links, workers that
+//! follow the leader ([`leader`]), and one fault per step (kill, stop or partition the
+//! leader, isolate a follower past a snapshot, flapping links, kill all, a rolling
+//! restart, a membership change), each followed by a progress measurement; at the
+//! end the members' state machines are compared as well as the histories.
 #![deny(missing_docs)]
 
 pub mod checker;
+pub mod cluster;
 pub mod history;
+pub mod http;
+pub mod leader;
+pub mod proxy;
 pub mod scenario;
 pub mod worker;
 

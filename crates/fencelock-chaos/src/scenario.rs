@@ -11,14 +11,14 @@
 use std::ffi::OsString;
 use std::fmt;
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::checker::{self, Report};
 use crate::history::{self, OpKind, Outcome, Phase};
+use crate::http::get_json;
 use crate::worker::{self, Rng, WorkerConfig};
 use crate::{monotonic_ns, WORKER_ENV};
 
@@ -302,8 +302,8 @@ impl Drop for ServerChild {
 }
 
 /// The worker children; killed on drop.
-struct Workers {
-    children: Vec<Child>,
+pub(crate) struct Workers {
+    pub(crate) children: Vec<Child>,
 }
 
 impl Drop for Workers {
@@ -316,7 +316,7 @@ impl Drop for Workers {
     }
 }
 
-fn signal(pid: u32, sig: libc::c_int) {
+pub(crate) fn signal(pid: u32, sig: libc::c_int) {
     // SAFETY: signalling a child of ours that has not been reaped (so its pid is
     // still its own).
     unsafe { libc::kill(pid as libc::pid_t, sig) };
@@ -328,26 +328,6 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
-}
-
-/// One HTTP/1.1 GET to 127.0.0.1:`port`; the status and JSON body.
-fn get_json(port: u16, path: &str) -> Option<(u16, serde_json::Value)> {
-    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    s.set_write_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut out = Vec::new();
-    s.read_to_end(&mut out).ok()?;
-    let split = out.windows(4).position(|w| w == b"\r\n\r\n")?;
-    let head = String::from_utf8_lossy(&out[..split]);
-    let status = head.split_whitespace().nth(1)?.parse().ok()?;
-    let body = serde_json::from_slice(&out[split + 4..]).unwrap_or(serde_json::Value::Null);
-    Some((status, body))
 }
 
 /// Runs one chaos run. Errors are failures of the harness (a process that would not
@@ -375,6 +355,8 @@ pub fn run(config: &ChaosConfig) -> Result<Summary, String> {
         let worker = WorkerConfig {
             id,
             url: format!("http://127.0.0.1:{}", server.port),
+            urls: Vec::new(),
+            stop_when_lost: false,
             locks: locks.clone(),
             resource_dir: resource_dir.clone(),
             history: history_dir.join(format!("w{id}.jsonl")),
@@ -385,20 +367,13 @@ pub fn run(config: &ChaosConfig) -> Result<Summary, String> {
             fenced: config.fenced,
             seed: config.seed.wrapping_add(u64::from(id) + 1),
         };
-        let log = File::create(dir.path().join(format!("w{id}.log")))
-            .map_err(|e| format!("worker log: {e}"))?;
-        let child = Command::new(&config.worker_program)
-            .args(&config.worker_args)
-            .env(
-                WORKER_ENV,
-                serde_json::to_string(&worker).expect("serializable"),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .map_err(|e| format!("start worker: {e}"))?;
-        workers.children.push(child);
+        let log = dir.path().join(format!("w{id}.log"));
+        workers.children.push(spawn_worker(
+            &config.worker_program,
+            &config.worker_args,
+            &worker,
+            &log,
+        )?);
     }
 
     let mut summary = Summary {
@@ -426,7 +401,7 @@ pub fn run(config: &ChaosConfig) -> Result<Summary, String> {
     for _ in 0..config.rounds {
         let stop = stop_a_holder(
             &mut rng,
-            &server,
+            server.port,
             &workers,
             &locks,
             &resource_dir,
@@ -465,25 +440,7 @@ pub fn run(config: &ChaosConfig) -> Result<Summary, String> {
         std::thread::sleep(pause(&mut rng));
     }
 
-    // Stop the workers: each finishes its round (bounded by its wait and lease).
-    File::create(&stop_file).map_err(|e| format!("create the stop file: {e}"))?;
-    let deadline =
-        Instant::now() + Duration::from_millis(4 * config.ttl_ms) + Duration::from_secs(10);
-    for child in &mut workers.children {
-        signal(child.id(), libc::SIGCONT);
-        loop {
-            if let Ok(Some(_)) = child.try_wait() {
-                break;
-            }
-            if Instant::now() >= deadline {
-                summary.workers_killed += 1;
-                let _ = child.kill();
-                let _ = child.wait();
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
+    summary.workers_killed = stop_workers(&mut workers, &stop_file, config.ttl_ms)?;
     if let Some(rss) = server.pid().and_then(rss_bytes) {
         summary.max_server_rss_bytes = summary.max_server_rss_bytes.max(rss);
     }
@@ -499,9 +456,60 @@ pub fn run(config: &ChaosConfig) -> Result<Summary, String> {
     Ok(summary)
 }
 
+/// Starts one worker process: `program args…` with [`WORKER_ENV`] set to `worker`,
+/// its stderr in `log`.
+pub(crate) fn spawn_worker(
+    program: &Path,
+    args: &[OsString],
+    worker: &WorkerConfig,
+    log: &Path,
+) -> Result<Child, String> {
+    let log = File::create(log).map_err(|e| format!("worker log: {e}"))?;
+    Command::new(program)
+        .args(args)
+        .env(
+            WORKER_ENV,
+            serde_json::to_string(worker).expect("serializable"),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("start worker: {e}"))
+}
+
+/// Creates the stop file and waits for every worker to finish its round (bounded by
+/// its wait and lease; resumed if stopped), killing those that do not. Returns how
+/// many had to be killed.
+pub(crate) fn stop_workers(
+    workers: &mut Workers,
+    stop_file: &Path,
+    ttl_ms: u64,
+) -> Result<u32, String> {
+    File::create(stop_file).map_err(|e| format!("create the stop file: {e}"))?;
+    let deadline = Instant::now() + Duration::from_millis(4 * ttl_ms) + Duration::from_secs(10);
+    let mut killed = 0;
+    for child in &mut workers.children {
+        signal(child.id(), libc::SIGCONT);
+        loop {
+            if let Ok(Some(_)) = child.try_wait() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                killed += 1;
+                let _ = child.kill();
+                let _ = child.wait();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    Ok(killed)
+}
+
 /// How one `SIGSTOP` ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stop {
+pub(crate) enum Stop {
     /// Another worker wrote the resource with a newer fence while it was stopped.
     OvertakenBy,
     /// It was stopped inside a write, holding the resource's `flock`.
@@ -513,9 +521,9 @@ enum Stop {
 /// Finds a worker that holds a lock, stops it until its lease is over and another
 /// worker has written that lock's resource with a newer fence (bounded), and resumes
 /// it. `None` if no holder was found.
-fn stop_a_holder(
+pub(crate) fn stop_a_holder(
     rng: &mut Rng,
-    server: &ServerChild,
+    port: u16,
     workers: &Workers,
     locks: &[String],
     resource_dir: &Path,
@@ -525,13 +533,12 @@ fn stop_a_holder(
     let search_end = Instant::now() + HOLDER_SEARCH;
     let (worker, fence, lock) = loop {
         let lock = &locks[rng.below_or_eq(locks.len() as u64 - 1) as usize];
-        let found =
-            get_json(server.port, &format!("/v1/locks/{lock}")).and_then(|(status, body)| {
-                let holder = body.get("holders")?.as_array()?.first()?.clone();
-                let owner = holder.get("owner")?.as_str()?;
-                let id: usize = owner.strip_prefix('w')?.parse().ok()?;
-                (status == 200).then_some((id, holder.get("fence")?.as_u64()?))
-            });
+        let found = get_json(port, &format!("/v1/locks/{lock}")).and_then(|(status, body)| {
+            let holder = body.get("holders")?.as_array()?.first()?.clone();
+            let owner = holder.get("owner")?.as_str()?;
+            let id: usize = owner.strip_prefix('w')?.parse().ok()?;
+            (status == 200).then_some((id, holder.get("fence")?.as_u64()?))
+        });
         if let Some((id, fence)) = found {
             if id < workers.children.len() {
                 break (id, fence, lock);
@@ -569,27 +576,30 @@ fn stop_a_holder(
 }
 
 /// Follows a history file as it grows, remembering the latest successful acquire.
-struct Tail {
+pub(crate) struct Tail {
     path: PathBuf,
     offset: u64,
     /// An unfinished last line, kept until its newline arrives.
     partial: Vec<u8>,
     last_acquired_ns: u64,
+    /// Completion times of every successful acquire seen, in file order.
+    acquired_ns: Vec<u64>,
 }
 
 impl Tail {
-    fn new(path: PathBuf) -> Tail {
+    pub(crate) fn new(path: PathBuf) -> Tail {
         Tail {
             path,
             offset: 0,
             partial: Vec::new(),
             last_acquired_ns: 0,
+            acquired_ns: Vec::new(),
         }
     }
 
     /// Reads what was appended since the last call; true if the worker completed a
     /// successful acquire after `since_ns`.
-    fn acquired_after(&mut self, since_ns: u64) -> bool {
+    pub(crate) fn acquired_after(&mut self, since_ns: u64) -> bool {
         use std::io::{Seek, SeekFrom};
         let mut fresh = Vec::new();
         if let Ok(mut file) = File::open(&self.path) {
@@ -613,10 +623,24 @@ impl Tail {
                 && e.outcome == Some(Outcome::Ok)
             {
                 self.last_acquired_ns = self.last_acquired_ns.max(e.time_ns);
+                self.acquired_ns.push(e.time_ns);
             }
         }
         self.partial.drain(..complete);
         self.last_acquired_ns > since_ns
+    }
+}
+
+impl Tail {
+    /// The earliest successful acquire completed after `since_ns` among those read
+    /// so far (`u64::MAX` if none).
+    pub(crate) fn first_acquired_after(&self, since_ns: u64) -> u64 {
+        self.acquired_ns
+            .iter()
+            .copied()
+            .filter(|&t| t > since_ns)
+            .min()
+            .unwrap_or(u64::MAX)
     }
 }
 
@@ -629,7 +653,7 @@ fn inside_write(history: &Path) -> bool {
 }
 
 /// For each kill, the time until the first acquire that succeeded after it.
-fn recoveries(events: &[history::Event], kills_ns: &[u64]) -> Vec<Duration> {
+pub(crate) fn recoveries(events: &[history::Event], kills_ns: &[u64]) -> Vec<Duration> {
     let mut granted: Vec<u64> = events
         .iter()
         .filter(|e| {
@@ -652,6 +676,7 @@ fn recoveries(events: &[history::Event], kills_ns: &[u64]) -> Vec<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
 
     #[test]
     fn percentiles_use_the_nearest_rank() {

@@ -19,6 +19,7 @@ use fencelock_fence::FileGate;
 use serde::{Deserialize, Serialize};
 
 use crate::history::{HistoryWriter, OpKind, Outcome};
+use crate::leader::LeaderBackend;
 
 /// What one worker does. Passed as JSON in [`WORKER_ENV`](crate::WORKER_ENV).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -27,6 +28,15 @@ pub struct WorkerConfig {
     pub id: u32,
     /// The server, e.g. `http://127.0.0.1:7420`.
     pub url: String,
+    /// Cluster mode: every member's URL. When non-empty the worker talks to the
+    /// leader among them ([`LeaderBackend`]) and `url` is ignored.
+    #[serde(default)]
+    pub urls: Vec<String>,
+    /// Skip the write when the guard reports the lock lost (a renewal could not
+    /// reach a leader before the lease's conservative deadline). False: write anyway,
+    /// as if a pause struck between that check and the write.
+    #[serde(default)]
+    pub stop_when_lost: bool,
     /// The locks to pick from (at random); each protects the resource file
     /// [`resource_name`]`(lock)` in `resource_dir`.
     pub locks: Vec<String>,
@@ -121,14 +131,16 @@ async fn run(config: WorkerConfig) -> Result<(), String> {
         HistoryWriter::open(&config.history, config.id)
             .map_err(|e| format!("open {}: {e}", config.history.display()))?,
     );
-    let mut server = ServerConfig::new(config.url.clone());
-    server.connect_timeout = Duration::from_secs(1);
-    server.request_timeout = Duration::from_secs(5);
-    let inner = FencelockBackend::connect_lazy(server).map_err(|e| e.to_string())?;
-    let client = Client::new(RecordingBackend {
-        inner,
-        history: history.clone(),
-    });
+    let client = if config.urls.is_empty() {
+        let mut server = ServerConfig::new(config.url.clone());
+        server.connect_timeout = Duration::from_secs(1);
+        server.request_timeout = Duration::from_secs(5);
+        let inner = FencelockBackend::connect_lazy(server).map_err(|e| e.to_string())?;
+        Client::new(RecordingBackend::new(inner, history.clone()))
+    } else {
+        let inner = LeaderBackend::new(&config.urls)?;
+        Client::new(RecordingBackend::new(inner, history.clone()))
+    };
     let gate = FileGate::new(&config.resource_dir).map_err(|e| e.to_string())?;
     let mut rng = Rng::new(config.seed);
     let ttl = Duration::from_millis(config.ttl_ms);
@@ -153,7 +165,9 @@ async fn run(config: WorkerConfig) -> Result<(), String> {
             }
         };
         tokio::time::sleep(Duration::from_millis(rng.below_or_eq(config.hold_ms))).await;
-        write(&history, &gate, &config, &guard).await;
+        if !(config.stop_when_lost && guard.is_lost()) {
+            write(&history, &gate, &config, &guard).await;
+        }
         // Recorded by the backend; a failure leaves the lease to expire.
         let _ = guard.release().await;
     }
@@ -206,16 +220,19 @@ fn unfenced_write(path: &Path, data: &[u8]) -> Result<(), String> {
     std::fs::rename(&tmp, path).map_err(|e| e.to_string())
 }
 
-/// A [`LockBackend`] that records every call it passes on to the real one.
+/// A [`LockBackend`] that records every call it passes on to the real one (a
+/// server, or a cluster's leader through [`LeaderBackend`]: then one recorded
+/// operation spans the retries the routing made, invoked before the first and
+/// completed after the last).
 #[derive(Debug)]
-pub struct RecordingBackend {
-    inner: FencelockBackend,
+pub struct RecordingBackend<B = FencelockBackend> {
+    inner: B,
     history: Arc<HistoryWriter>,
 }
 
-impl RecordingBackend {
+impl<B: LockBackend> RecordingBackend<B> {
     /// Wraps `inner`, recording into `history`.
-    pub fn new(inner: FencelockBackend, history: Arc<HistoryWriter>) -> RecordingBackend {
+    pub fn new(inner: B, history: Arc<HistoryWriter>) -> RecordingBackend<B> {
         RecordingBackend { inner, history }
     }
 }
@@ -231,7 +248,7 @@ fn failed(e: &Error) -> (Outcome, Option<String>) {
     }
 }
 
-impl LockBackend for RecordingBackend {
+impl<B: LockBackend> LockBackend for RecordingBackend<B> {
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }
