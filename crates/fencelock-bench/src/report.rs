@@ -313,7 +313,11 @@ fn failover_table(records: &[&Value], out: &mut String) {
 /// the ratios taken within each run (with every run's ratio, to show the spread).
 pub fn cluster_markdown(files: &[Vec<Value>]) -> String {
     let mut out = String::new();
-    let n = files.len();
+    // Runs with W1–W3 figures (a failover-only run adds none).
+    let n = files
+        .iter()
+        .filter(|runs| runs.iter().any(|r| r["workload"] == "W2"))
+        .count();
     let values = |target: &str, w: &str, c: u64, field: &str| -> Vec<f64> {
         files
             .iter()
