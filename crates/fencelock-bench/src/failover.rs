@@ -4,10 +4,11 @@
 //! and repeat.
 //!
 //! The probe is a fresh client per attempt (`L::connect`, then `acquire` on a new
-//! key), the attempts cycling through the members (a client cannot know which one
-//! died): what a new request sees, from the kill to the first grant, including
-//! the client's own discovery of the new leader (fencelock) or a live member (etcd,
-//! ZooKeeper). A new key, so that a lease of a dead client cannot be what is timed.
+//! key), a new attempt every 50 ms, overlapping, cycling through the members (a
+//! client cannot know which one died): the time from the kill to the first grant any
+//! new request gets, including the client's own discovery of the new leader
+//! (fencelock) or of a live member (etcd, ZooKeeper). A new key, so that a lease of
+//! a dead client cannot be what is timed.
 //!
 //! Bounded: `kills` rounds; each round's probe gives up after `probe_timeout`, the
 //! restart after `heal_timeout`; every load operation has a timeout.
@@ -29,7 +30,9 @@ pub struct FailoverSpec {
     pub load_clients: usize,
     /// Load before each kill, with the cluster healthy.
     pub settle: Duration,
-    /// One probe attempt (connect + acquire) may take this long before the next.
+    /// A new probe attempt starts this often (attempts overlap).
+    pub attempt_every: Duration,
+    /// One probe attempt (connect + acquire) is given up after this.
     pub attempt_timeout: Duration,
     /// A round whose probe has no grant after this counts as a timeout.
     pub probe_timeout: Duration,
@@ -46,7 +49,7 @@ pub struct Round {
     pub leader: usize,
     /// From the kill to the probe's first grant; `None` if the probe timed out.
     pub grant_after: Option<Duration>,
-    /// Probe attempts, the successful one included.
+    /// Probe attempts started, the successful one included.
     pub attempts: u64,
     /// The probe's first failure, if any (what a client saw meanwhile).
     pub first_error: Option<String>,
@@ -168,7 +171,7 @@ pub async fn run<L: Locker>(
             shared.clone(),
         )));
     }
-    let result = rounds::<L>(cluster, &config, spec, &shared.checker).await;
+    let result = rounds::<L>(cluster, &config, spec).await;
     shared.stop.store(true, Ordering::Relaxed);
     for task in load {
         // Each load operation is bounded by `op_timeout`, so this ends soon.
@@ -185,56 +188,23 @@ pub async fn run<L: Locker>(
 
 async fn rounds<L: Locker>(
     cluster: &mut Cluster,
-    config: &L::Config,
+    config: &Arc<L::Config>,
     spec: &FailoverSpec,
-    checker: &Checker,
 ) -> anyhow::Result<Vec<Round>> {
     let mut rounds = Vec::with_capacity(spec.kills);
-    // The probe is client number PROBE_BASE + attempt, apart from the load clients.
-    const PROBE_CLIENT: usize = 1_000_000;
     let mut attempt_no = 0usize;
     for kill in 0..spec.kills {
         cluster.wait_healthy(spec.heal_timeout).await?;
         tokio::time::sleep(spec.settle).await;
         let leader = leader_of(cluster, spec.heal_timeout).await?;
         cluster.kill(leader)?;
-        let killed_at = Instant::now();
-        let mut attempts = 0u64;
-        let mut first_error = None;
-        let mut grant_after = None;
-        while killed_at.elapsed() < spec.probe_timeout {
-            attempts += 1;
-            attempt_no += 1;
-            let key = format!("{}probe-{kill}-{attempts}", spec.key_prefix);
-            let t0 = Instant::now();
-            checker.waiting(&key, PROBE_CLIENT, t0);
-            let tried = tokio::time::timeout(
-                spec.attempt_timeout,
-                probe_once::<L>(config, attempt_no, &key),
-            )
-            .await;
-            match tried {
-                Ok(Ok(mut locker)) => {
-                    grant_after = Some(killed_at.elapsed());
-                    checker.granted(&key, PROBE_CLIENT, t0, None, false);
-                    checker.releasing(&key, PROBE_CLIENT);
-                    let _ = tokio::time::timeout(spec.attempt_timeout, locker.release()).await;
-                    break;
-                }
-                Ok(Err(e)) => {
-                    checker.gave_up(&key, PROBE_CLIENT, t0);
-                    first_error.get_or_insert_with(|| format!("{e:#}"));
-                    // A refused connection fails at once: do not spin.
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-                Err(_) => {
-                    checker.gave_up(&key, PROBE_CLIENT, t0);
-                    first_error.get_or_insert_with(|| {
-                        format!("attempt timed out after {:?}", spec.attempt_timeout)
-                    });
-                }
-            }
-        }
+        let (grant_after, attempts, first_error) = probe::<L>(
+            config,
+            spec,
+            &format!("{}probe-{kill}-", spec.key_prefix),
+            &mut attempt_no,
+        )
+        .await;
         cluster.restart(leader)?;
         let heal = cluster.wait_healthy(spec.heal_timeout).await?;
         eprintln!(
@@ -254,6 +224,67 @@ async fn rounds<L: Locker>(
         });
     }
     Ok(rounds)
+}
+
+/// The probe of one round, started just after the kill: a new attempt (a fresh
+/// client on the next member, a new key) every `spec.attempt_every`, each given up
+/// after `spec.attempt_timeout`, until one is granted or `spec.probe_timeout`
+/// passes. Attempts overlap so that a request stuck on a member that lost its
+/// leader (etcd keeps a forwarded proposal until the client's deadline) cannot hide
+/// the moment the service is back: the time measured is that of the earliest grant,
+/// to within `attempt_every`. Returns (kill → grant, attempts started, the first
+/// failure seen).
+async fn probe<L: Locker>(
+    config: &Arc<L::Config>,
+    spec: &FailoverSpec,
+    key_prefix: &str,
+    attempt_no: &mut usize,
+) -> (Option<Duration>, u64, Option<String>) {
+    let killed_at = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    let mut next_launch = killed_at;
+    let mut attempts = 0u64;
+    let mut first_error: Option<String> = None;
+    let grant_after = loop {
+        if killed_at.elapsed() >= spec.probe_timeout {
+            break None;
+        }
+        if Instant::now() >= next_launch {
+            attempts += 1;
+            *attempt_no += 1;
+            let (config, client, timeout) = (config.clone(), *attempt_no, spec.attempt_timeout);
+            let key = format!("{key_prefix}{attempts}");
+            set.spawn(async move {
+                tokio::time::timeout(timeout, probe_once::<L>(&config, client, &key)).await
+            });
+            next_launch += spec.attempt_every;
+            continue;
+        }
+        tokio::select! {
+            Some(joined) = set.join_next() => match joined {
+                Ok(Ok(Ok(mut locker))) => {
+                    let at = killed_at.elapsed();
+                    let _ = tokio::time::timeout(spec.attempt_timeout, locker.release()).await;
+                    break Some(at);
+                }
+                Ok(Ok(Err(e))) => {
+                    first_error.get_or_insert_with(|| format!("{e:#}"));
+                }
+                Ok(Err(_)) => {
+                    first_error.get_or_insert_with(|| {
+                        format!("attempt timed out after {:?}", spec.attempt_timeout)
+                    });
+                }
+                Err(e) => {
+                    first_error.get_or_insert_with(|| format!("attempt task: {e}"));
+                }
+            },
+            _ = tokio::time::sleep_until(next_launch.into()) => {}
+        }
+    };
+    // The attempts still under way are not needed (their keys are never used again).
+    set.abort_all();
+    (grant_after, attempts, first_error)
 }
 
 /// The leader's member index, waiting (at most `timeout`) while none is known.

@@ -508,7 +508,8 @@ fn failover_spec(args: &RunArgs, spec: &Spec) -> FailoverSpec {
         } else {
             Duration::from_secs(1)
         },
-        attempt_timeout: Duration::from_secs(1),
+        attempt_every: Duration::from_millis(50),
+        attempt_timeout: Duration::from_secs(2),
         probe_timeout: PROBE_TIMEOUT,
         heal_timeout: Duration::from_secs(90),
         key_prefix: spec.key_prefix.clone(),
