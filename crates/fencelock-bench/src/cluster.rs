@@ -75,6 +75,8 @@ struct Member {
 pub struct Cluster {
     kind: Kind,
     program: PathBuf,
+    /// Appended to every fencelock member's arguments (e.g. `--raft-heartbeat-ms 50`).
+    extra_args: Vec<String>,
     members: Vec<Member>,
     // Last: the processes stop (in `Drop`) before the directory goes.
     root: tempfile::TempDir,
@@ -133,9 +135,14 @@ fn log_tail(dir: &Path) -> String {
 
 impl Cluster {
     /// Starts three members of `kind` and waits (at most [`START_TIMEOUT`]) until the
-    /// cluster is healthy (see [`Cluster::wait_healthy`]). `fencelock_bin` is only used
-    /// for [`Kind::Fencelock`].
-    pub async fn start(kind: Kind, fencelock_bin: &Path) -> anyhow::Result<Cluster> {
+    /// cluster is healthy (see [`Cluster::wait_healthy`]). `fencelock_bin` and
+    /// `fencelock_args` (appended to each member's `fencelock serve` arguments) are
+    /// only used for [`Kind::Fencelock`].
+    pub async fn start(
+        kind: Kind,
+        fencelock_bin: &Path,
+        fencelock_args: &[String],
+    ) -> anyhow::Result<Cluster> {
         let program = program(kind, fencelock_bin)?;
         let root = tempfile::Builder::new()
             .prefix(&format!("fencelock-bench-{}-3-", kind.name()))
@@ -157,6 +164,11 @@ impl Cluster {
         let mut cluster = Cluster {
             kind,
             program,
+            extra_args: if kind == Kind::Fencelock {
+                fencelock_args.to_vec()
+            } else {
+                Vec::new()
+            },
             members,
             root,
         };
@@ -256,6 +268,9 @@ impl Cluster {
                     "warn".to_owned(),
                 ] {
                     push(s);
+                }
+                for s in &self.extra_args {
+                    push(s.clone());
                 }
             }
             Kind::Etcd => {

@@ -97,6 +97,10 @@ struct RunArgs {
     /// Failover: leader kills per cluster target (1 with --smoke).
     #[arg(long, default_value_t = 10)]
     kills: usize,
+    /// fencelock-3: one more argument for every member's `fencelock serve` (repeat
+    /// it: `--fencelock-cluster-arg=--raft-heartbeat-ms --fencelock-cluster-arg=50`).
+    #[arg(long, allow_hyphen_values = true)]
+    fencelock_cluster_arg: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -403,7 +407,8 @@ async fn run_cluster(
         Target::Etcd3 => cluster::Kind::Etcd,
         _ => cluster::Kind::ZooKeeper,
     };
-    let mut cluster = Cluster::start(kind, &args.fencelock_bin).await?;
+    let mut cluster =
+        Cluster::start(kind, &args.fencelock_bin, &args.fencelock_cluster_arg).await?;
     let w123: Vec<(Workload, Spec)> = runs
         .iter()
         .filter(|(w, _)| *w != Workload::Failover)
@@ -552,6 +557,7 @@ fn emit_failover(
             "kind": format!("{:?}", v.kind), "key": v.key, "detail": v.detail,
         })).collect::<Vec<_>>(),
         "seconds": o.seconds,
+        "server_args": if target == Target::Fencelock3 { args.fencelock_cluster_arg.clone() } else { Vec::new() },
         "load_avg_1m": load(),
     }))
 }
