@@ -667,6 +667,35 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn cluster_run(fl: f64, etcd: f64, zk: f64) -> Vec<Value> {
+        [("fencelock-3", fl), ("etcd-3", etcd), ("zk-3", zk)]
+            .iter()
+            .map(|(t, v)| json!({"target": t, "tier": "cluster", "workload": "W2", "clients": 64, "pairs_per_s": v}))
+            .collect()
+    }
+
+    #[test]
+    fn cluster_ratios_are_the_median_of_each_run_s_own_ratio() {
+        // zk-3's per-run ratios are 2, 5 and 1.5: their median is 2, while the ratio
+        // of the figures' medians (300 / 100) would be 3.
+        let files = vec![
+            cluster_run(200.0, 100.0, 100.0),
+            cluster_run(400.0, 200.0, 80.0),
+            cluster_run(300.0, 50.0, 200.0),
+        ];
+        let md = cluster_markdown(&files);
+        assert!(md.contains("**2.00×** (2.00 / 5.00 / 1.50)"), "{md}");
+        assert!(md.contains("| W2 ≥ 2× zk-3 | 2.00× (c=64) | yes |"), "{md}");
+        // etcd-3: ratios 2, 2 and 6, median 2: short of the 3× goal.
+        assert!(
+            md.contains("| W2 ≥ 3× etcd-3 | 2.00× (c=64) | **no** (67 % of the goal) |"),
+            "{md}"
+        );
+        assert_eq!(median(vec![3.0, 1.0, f64::NAN, 2.0]), Some(2.0));
+        assert_eq!(median(vec![1.0, 4.0]), Some(2.5));
+        assert_eq!(median(Vec::new()), None);
+    }
+
     fn runs() -> Vec<Value> {
         vec![
             json!({"target": "fencelock", "tier": "fsync", "workload": "W2", "clients": 64, "pairs_per_s": 40000.0}),
