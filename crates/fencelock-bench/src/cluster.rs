@@ -417,7 +417,7 @@ impl Cluster {
 
     /// Whether every member runs and the cluster is whole: for fencelock, all three
     /// agree on one leader and, in the leader's view, each is within
-    /// [`MAX_LAG_ENTRIES`] of it; for etcd, every member's `/health` is true (it has a
+    /// 1,000 log entries of it; for etcd, every member's `/health` is true (it has a
     /// leader and no alarm) and one is leader; for ZooKeeper, every server serves as
     /// leader or follower, exactly one as leader.
     pub async fn healthy(&self) -> bool {
