@@ -489,13 +489,21 @@ pub fn cluster_markdown(files: &[Vec<Value>]) -> String {
 /// The markdown tables for `BENCHMARKS.md`.
 pub fn markdown(runs: &[Value]) -> String {
     let mut out = String::new();
-    out.push_str("### Durable tier (fsync before acknowledging)\n\nRatios: fencelock's figure against the peer's, > 1 means fencelock is better (more per second, or less latency).\n\n");
-    tier_table(runs, "fsync", BASE, &mut out);
-    out.push_str("\n### Memory tier (no fsync)\n\n");
-    tier_table(runs, "memory", BASE_NONE, &mut out);
+    // A cluster-only run has no single-node tiers: no empty headings then.
+    let single = runs
+        .iter()
+        .any(|r| r["tier"] == "fsync" || r["tier"] == "memory");
+    if single {
+        out.push_str("### Durable tier (fsync before acknowledging)\n\nRatios: fencelock's figure against the peer's, > 1 means fencelock is better (more per second, or less latency).\n\n");
+        tier_table(runs, "fsync", BASE, &mut out);
+        out.push_str("\n### Memory tier (no fsync)\n\n");
+        tier_table(runs, "memory", BASE_NONE, &mut out);
+    }
     if runs.iter().any(|r| r["tier"] == "cluster") {
-        out.push_str("\n### Cluster tier (3 members, every member fsyncs)\n\nRatios: fencelock-3's figure against the peer's, > 1 means fencelock-3 is better.\n\n");
-        tier_table(runs, "cluster", CLUSTER_BASE, &mut out);
+        if !targets_in_tier(runs, "cluster").is_empty() {
+            out.push_str("\n### Cluster tier (3 members, every member fsyncs)\n\nRatios: fencelock-3's figure against the peer's, > 1 means fencelock-3 is better.\n\n");
+            tier_table(runs, "cluster", CLUSTER_BASE, &mut out);
+        }
         if runs.iter().any(|r| r["workload"] == "failover") {
             out.push_str("\n### Failover: the leader killed (`kill -9`) under W2 load\n\n");
             failover_table(&runs.iter().collect::<Vec<_>>(), &mut out);
