@@ -4,7 +4,7 @@
 # ratios), then the failover workload once with KILLS leader kills per target, and
 # the tables of all of it. Every cluster is started by the harness on loopback ports
 # in temporary directories and stopped afterwards.
-#   ./scripts/bench-cluster.sh                 # 3 runs + failover (about 25 minutes)
+#   ./scripts/bench-cluster.sh                 # 3 runs + failover (about 10 minutes)
 #   RUNS=1 KILLS=3 ./scripts/bench-cluster.sh  # quicker
 #   OUT=/tmp/c ./scripts/bench-cluster.sh      # keep everything in /tmp/c
 set -euo pipefail
