@@ -6,11 +6,14 @@
 //! ([`peers`]), drives the workloads ([`workload`] for W1–W3, [`fleet`] for W4–W5)
 //! through one client per target ([`targets`]), feeds every grant to the online
 //! [`checker`], and writes one JSON line per run plus the tables and the chart of
-//! `BENCHMARKS.md` ([`report`]).
+//! `BENCHMARKS.md` ([`report`]). Three-member clusters ([`cluster`]) are measured with
+//! W1–W3 and with leader kills ([`failover`]).
 
 #![deny(missing_docs)]
 
 pub mod checker;
+pub mod cluster;
+pub mod failover;
 pub mod fleet;
 pub mod peers;
 pub mod report;

@@ -4,6 +4,8 @@
 //! fencelock-bench run --fencelock-bin target/release/fencelock --out DIR   # full run
 //! fencelock-bench run --smoke --fencelock-bin target/debug/fencelock       # seconds, for CI
 //! fencelock-bench report --results DIR/results.jsonl --out DIR             # tables + chart again
+//! fencelock-bench run --targets fencelock-3,etcd-3,zk-3 --workloads w1,w2,w3,failover  # clusters
+//! fencelock-bench cluster-report --results A.jsonl --results B.jsonl …    # medians of runs
 //! ```
 //! Exit status: 0 when every run completed and the checker found no violation in
 //! fencelock; 1 otherwise (peers' violations are reported, not failures).
@@ -18,7 +20,10 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
 
+use fencelock_bench::cluster::{self, Cluster};
+use fencelock_bench::failover::{self, FailoverSpec};
 use fencelock_bench::fleet::{self, RecoverySpec, SessionsSpec};
+use fencelock_bench::targets::cluster::{FencelockClusterLocker, Spread};
 use fencelock_bench::targets::etcd::EtcdLocker;
 use fencelock_bench::targets::fencelock::{FencelockGrpcLocker, FencelockLocker, FencelockTarget};
 use fencelock_bench::targets::pg::{self, PgAdvisoryLocker, PgTableLocker};
@@ -47,6 +52,13 @@ enum Command {
         /// Where report.md and chart.svg go.
         #[arg(long)]
         out: PathBuf,
+    },
+    /// Print the "Cluster (3 members)" tables of BENCHMARKS.md: per figure, the
+    /// median over the given runs of each run's own ratio, and the failover rounds.
+    ClusterReport {
+        /// The JSON lines of each run (give it once per run).
+        #[arg(long, required = true)]
+        results: Vec<PathBuf>,
     },
 }
 
@@ -82,6 +94,13 @@ struct RunArgs {
     /// W5: keep the data directory here (to profile restarts) instead of a temp dir.
     #[arg(long)]
     keep_data: Option<PathBuf>,
+    /// Failover: leader kills per cluster target (1 with --smoke).
+    #[arg(long, default_value_t = 10)]
+    kills: usize,
+    /// fencelock-3: one more argument for every member's `fencelock serve` (repeat
+    /// it: `--fencelock-cluster-arg=--raft-heartbeat-ms --fencelock-cluster-arg=50`).
+    #[arg(long, allow_hyphen_values = true)]
+    fencelock_cluster_arg: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -98,6 +117,15 @@ enum Target {
     RedisFencedAof,
     PgTable,
     PgAdvisory,
+    /// Three `fencelock serve` members; clients on the leader, following `not_leader`.
+    #[value(name = "fencelock-3")]
+    Fencelock3,
+    /// Three etcd members; client i on member i % 3.
+    #[value(name = "etcd-3")]
+    Etcd3,
+    /// A three-server ZooKeeper ensemble; client i on server i % 3.
+    #[value(name = "zk-3")]
+    Zk3,
 }
 
 impl Target {
@@ -115,7 +143,15 @@ impl Target {
             Target::RedisFencedAof => "redis-fenced-aof",
             Target::PgTable => "pg-table",
             Target::PgAdvisory => "pg-advisory",
+            Target::Fencelock3 => "fencelock-3",
+            Target::Etcd3 => "etcd-3",
+            Target::Zk3 => "zk-3",
         }
+    }
+
+    /// A three-member cluster (run only when named: `--targets fencelock-3,…`).
+    fn is_cluster(self) -> bool {
+        matches!(self, Target::Fencelock3 | Target::Etcd3 | Target::Zk3)
     }
 
     /// The durability tier: acknowledged grants survive a crash ("fsync") or not.
@@ -132,6 +168,8 @@ impl Target {
             Target::FencelockNone | Target::Redis | Target::RedisFenced | Target::PgAdvisory => {
                 "memory"
             }
+            // Durable too (every member fsyncs), but compared only with each other.
+            Target::Fencelock3 | Target::Etcd3 | Target::Zk3 => "cluster",
         }
     }
 }
@@ -143,6 +181,8 @@ enum Workload {
     W3,
     W4,
     W5,
+    /// `kill -9` the leader of each cluster target under W2 load, `--kills` times.
+    Failover,
 }
 
 fn main() -> ExitCode {
@@ -154,6 +194,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => runtime.block_on(run(args)),
         Command::Report { results, out } => write_report(&results, &out).map(|()| true),
+        Command::ClusterReport { results } => cluster_report(&results).map(|()| true),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -347,7 +388,175 @@ async fn run_target(
                 one::<PgAdvisoryLocker>(conninfo, runs, target, None, session).await
             }
         }
+        Target::Fencelock3 | Target::Etcd3 | Target::Zk3 => {
+            run_cluster(target, args, runs, session).await
+        }
     }
+}
+
+/// A cluster target: one three-member cluster for its W1–W3 runs and then, if asked,
+/// the failover rounds.
+async fn run_cluster(
+    target: Target,
+    args: &RunArgs,
+    runs: &[(Workload, Spec)],
+    session: &mut Session,
+) -> anyhow::Result<()> {
+    let kind = match target {
+        Target::Fencelock3 => cluster::Kind::Fencelock,
+        Target::Etcd3 => cluster::Kind::Etcd,
+        _ => cluster::Kind::ZooKeeper,
+    };
+    let mut cluster =
+        Cluster::start(kind, &args.fencelock_bin, &args.fencelock_cluster_arg).await?;
+    let w123: Vec<(Workload, Spec)> = runs
+        .iter()
+        .filter(|(w, _)| *w != Workload::Failover)
+        .cloned()
+        .collect();
+    let failover = runs.iter().find(|(w, _)| *w == Workload::Failover);
+    match target {
+        Target::Fencelock3 => {
+            let urls = cluster.urls();
+            if !w123.is_empty() {
+                let leader = fencelock_bench::targets::cluster::find_leader(
+                    &urls,
+                    0,
+                    std::time::Instant::now() + Duration::from_secs(30),
+                )
+                .await?;
+                // W3's FIFO order, audited on the leader's own event stream too.
+                let stop = Arc::new(tokio::sync::Notify::new());
+                let mut audits = Vec::new();
+                for (w, spec) in w123.iter().filter(|(w, _)| *w == Workload::W3) {
+                    let audit =
+                        fleet::fifo_audit(leader.clone(), spec.key_prefix.clone(), stop.clone())
+                            .await?;
+                    audits.push((*w, spec.clients, audit));
+                }
+                // No `log_port`: a cluster member's `fencelock_log_sync_seconds` stays at
+                // zero (the Raft log's fdatasyncs are not counted there), so it would
+                // record a misleading `log_syncs: 0`.
+                let result =
+                    one::<FencelockClusterLocker>(urls.clone(), &w123, target, None, session).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                stop.notify_waiters();
+                for (w, clients, audit) in audits {
+                    let a = audit.await?;
+                    if a.inversions > 0 || a.incomplete {
+                        session.ok = false;
+                    }
+                    session.emit(json!({
+                        "target": target.name(), "tier": target.tier(),
+                        "workload": format!("{w:?}-server-fifo"), "clients": clients,
+                        "grants_seen": a.grants, "server_fifo_inversions": a.inversions,
+                        "incomplete": a.incomplete,
+                    }))?;
+                }
+                result?;
+            }
+            if let Some((_, spec)) = failover {
+                let config = Arc::new(urls);
+                let o = failover::run::<FencelockClusterLocker>(
+                    &mut cluster,
+                    config,
+                    &failover_spec(args, spec),
+                )
+                .await?;
+                emit_failover(target, args, spec, &o, session)?;
+            }
+        }
+        Target::Etcd3 => {
+            let urls = cluster.urls();
+            if !w123.is_empty() {
+                one::<Spread<EtcdLocker>>(urls.clone(), &w123, target, None, session).await?;
+            }
+            if let Some((_, spec)) = failover {
+                let o = failover::run::<Spread<EtcdLocker>>(
+                    &mut cluster,
+                    Arc::new(urls),
+                    &failover_spec(args, spec),
+                )
+                .await?;
+                emit_failover(target, args, spec, &o, session)?;
+            }
+        }
+        _ => {
+            let ports = cluster.client_ports();
+            if !w123.is_empty() {
+                one::<Spread<ZkLocker>>(ports.clone(), &w123, target, None, session).await?;
+            }
+            if let Some((_, spec)) = failover {
+                let o = failover::run::<Spread<ZkLocker>>(
+                    &mut cluster,
+                    Arc::new(ports),
+                    &failover_spec(args, spec),
+                )
+                .await?;
+                emit_failover(target, args, spec, &o, session)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The failover rounds' shape: `--kills` kills (1 in smoke mode) under W2's load.
+fn failover_spec(args: &RunArgs, spec: &Spec) -> FailoverSpec {
+    FailoverSpec {
+        kills: if args.smoke { 1 } else { args.kills.max(1) },
+        load_clients: spec.clients,
+        settle: if args.smoke {
+            Duration::from_millis(300)
+        } else {
+            Duration::from_secs(1)
+        },
+        attempt_every: Duration::from_millis(50),
+        attempt_timeout: Duration::from_secs(2),
+        probe_timeout: PROBE_TIMEOUT,
+        heal_timeout: Duration::from_secs(90),
+        key_prefix: spec.key_prefix.clone(),
+    }
+}
+
+/// A failover round without a grant after this counts as this long.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn emit_failover(
+    target: Target,
+    args: &RunArgs,
+    spec: &Spec,
+    o: &failover::FailoverOutcome,
+    session: &mut Session,
+) -> anyhow::Result<()> {
+    let (p50, max) = failover::summary_ms(&o.rounds, PROBE_TIMEOUT).unwrap_or((f64::NAN, f64::NAN));
+    let timeouts = o.rounds.iter().filter(|r| r.grant_after.is_none()).count();
+    let violated = o.checked.overlaps + o.checked.fence_decreases > 0;
+    if target == Target::Fencelock3 && (violated || timeouts > 0 || o.rounds.is_empty()) {
+        session.ok = false;
+    }
+    let mut heal: Vec<f64> = o.rounds.iter().map(|r| r.heal.as_secs_f64()).collect();
+    heal.sort_by(f64::total_cmp);
+    session.emit(json!({
+        "target": target.name(), "tier": target.tier(), "workload": "failover",
+        "clients": spec.clients,
+        "kills": o.rounds.len(),
+        "kills_asked": if args.smoke { 1 } else { args.kills },
+        "failover_p50_ms": p50, "failover_max_ms": max,
+        "failover_ms": o.rounds.iter().map(|r| r.grant_after.map(|d| d.as_secs_f64() * 1e3)).collect::<Vec<_>>(),
+        "attempts": o.rounds.iter().map(|r| r.attempts).collect::<Vec<_>>(),
+        "killed_members": o.rounds.iter().map(|r| r.leader).collect::<Vec<_>>(),
+        "probe_first_errors": o.rounds.iter().map(|r| r.first_error.clone()).collect::<Vec<_>>(),
+        "timeouts": timeouts,
+        "heal_p50_s": heal.get(heal.len() / 2).copied(),
+        "load_pairs": o.load_pairs, "load_errors": o.load_errors,
+        "overlaps": o.checked.overlaps, "fence_decreases": o.checked.fence_decreases,
+        "violations": o.checked.examples.iter().map(|v| json!({
+            "kind": format!("{:?}", v.kind), "key": v.key, "detail": v.detail,
+        })).collect::<Vec<_>>(),
+        "seconds": o.seconds,
+        "server_args": if target == Target::Fencelock3 { args.fencelock_cluster_arg.clone() } else { Vec::new() },
+        "load_avg_1m": load(),
+    }))
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<bool> {
@@ -368,7 +577,12 @@ async fn run(args: RunArgs) -> anyhow::Result<bool> {
         ok: true,
     };
     let targets = if args.targets.is_empty() {
-        Target::value_variants().to_vec()
+        // The clusters start nine processes each: only when named.
+        Target::value_variants()
+            .iter()
+            .copied()
+            .filter(|t| !t.is_cluster())
+            .collect()
     } else {
         args.targets.clone()
     };
@@ -418,6 +632,10 @@ async fn run(args: RunArgs) -> anyhow::Result<bool> {
             vec![small, big]
         } {
             push(Workload::W3, c, Keys::Shared);
+        }
+        if target.is_cluster() {
+            // Under W2's load, with its smaller client count.
+            push(Workload::Failover, small, Keys::Distinct);
         }
         if runs.is_empty() {
             continue;
@@ -485,6 +703,24 @@ async fn run(args: RunArgs) -> anyhow::Result<bool> {
     drop(session.out);
     write_report(&results, &args.out)?;
     Ok(session.ok)
+}
+
+/// Prints the cluster tables of several runs (see `report::cluster_markdown`).
+fn cluster_report(results: &[PathBuf]) -> anyhow::Result<()> {
+    let mut files = Vec::with_capacity(results.len());
+    for path in results {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+        let runs: Vec<Value> = text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(serde_json::from_str)
+            .collect::<Result<_, _>>()
+            .with_context(|| format!("parse {}", path.display()))?;
+        files.push(runs);
+    }
+    print!("{}", report::cluster_markdown(&files));
+    Ok(())
 }
 
 fn write_report(results: &Path, out: &Path) -> anyhow::Result<()> {

@@ -267,15 +267,252 @@ fn violations_table(runs: &[Value], out: &mut String) {
     }
 }
 
+/// The base of the cluster tier.
+pub const CLUSTER_BASE: &str = "fencelock-3";
+/// The cluster tier's peers, in table order.
+const CLUSTER_PEERS: &[&str] = &["etcd-3", "zk-3"];
+
+/// The median of some figures (the mean of the middle two for an even count).
+pub fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.retain(|x| x.is_finite());
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+/// One row per failover record: the kill-to-grant times and what the load saw.
+fn failover_table(records: &[&Value], out: &mut String) {
+    out.push_str("| target | kills | kill → grant on a new key p50 / max (ms) | probe timeouts | restart → healthy p50 (s) | load pairs / errors | overlaps / fence decreases |\n|---|---|---|---|---|---|---|\n");
+    for r in records.iter().filter(|r| r["workload"] == "failover") {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {:.0} / {:.0} | {} | {:.1} | {} / {} | {} / {} |",
+            r["target"].as_str().unwrap_or(""),
+            r["kills"],
+            r["failover_p50_ms"].as_f64().unwrap_or(f64::NAN),
+            r["failover_max_ms"].as_f64().unwrap_or(f64::NAN),
+            r["timeouts"],
+            r["heal_p50_s"].as_f64().unwrap_or(f64::NAN),
+            r["load_pairs"],
+            r["load_errors"],
+            r["overlaps"],
+            r["fence_decreases"]
+        );
+    }
+}
+
+/// The "Cluster (3 members)" tables from several runs (one `Vec` of JSON lines per
+/// run): each figure's median over the runs, and each peer's ratio as the median of
+/// the ratios taken within each run (with every run's ratio, to show the spread).
+pub fn cluster_markdown(files: &[Vec<Value>]) -> String {
+    let mut out = String::new();
+    // Runs with W1–W3 figures (a failover-only run adds none).
+    let n = files
+        .iter()
+        .filter(|runs| runs.iter().any(|r| r["workload"] == "W2"))
+        .count();
+    let values = |target: &str, w: &str, c: u64, field: &str| -> Vec<f64> {
+        files
+            .iter()
+            .filter_map(|runs| metric(runs, target, w, c, field))
+            .collect()
+    };
+    let ratios = |peer: &str, w: &str, c: u64, field: &str, higher: bool| -> Vec<f64> {
+        files
+            .iter()
+            .filter_map(|runs| {
+                let b = metric(runs, CLUSTER_BASE, w, c, field)?;
+                let p = metric(runs, peer, w, c, field)?;
+                ratio(b, p, higher)
+            })
+            .collect()
+    };
+    let _ = write!(out, "| metric (median of {n} runs) | {CLUSTER_BASE} |");
+    for p in CLUSTER_PEERS {
+        let _ = write!(out, " {p} | ratio (each run) |");
+    }
+    out.push('\n');
+    out.push_str(&"|---".repeat(2 + 2 * CLUSTER_PEERS.len()));
+    out.push_str("|\n");
+    for &(w, c, field, higher, label) in METRICS {
+        let b = median(values(CLUSTER_BASE, w, c, field));
+        let _ = write!(out, "| {label} | {} |", b.map_or("–".to_owned(), fmt_num));
+        for p in CLUSTER_PEERS {
+            let v = median(values(p, w, c, field));
+            let rs = ratios(p, w, c, field, higher);
+            let each: Vec<String> = rs.iter().map(|r| format!("{r:.2}")).collect();
+            let cell = match median(rs.clone()) {
+                Some(m) => format!("**{m:.2}×** ({})", each.join(" / ")),
+                None => "–".to_owned(),
+            };
+            let _ = write!(out, " {} | {cell} |", v.map_or("–".to_owned(), fmt_num));
+        }
+        out.push('\n');
+    }
+    // Safety and order, summed over every run.
+    let sum = |target: &str, pred: &dyn Fn(&Value) -> bool, field: &str| -> u64 {
+        files
+            .iter()
+            .flatten()
+            .filter(|r| r["target"] == target && pred(r))
+            .filter_map(|r| r[field].as_u64())
+            .sum()
+    };
+    let w123 = |r: &Value| r["workload"].as_str().is_some_and(|w| w < "W4");
+    let w3 = |r: &Value| r["workload"] == "W3";
+    let _ = write!(
+        out,
+        "| W3 FIFO inversions, client-side (sum) | {} |",
+        sum(CLUSTER_BASE, &w3, "fifo_inversions")
+    );
+    for p in CLUSTER_PEERS {
+        let _ = write!(out, " {} | |", sum(p, &w3, "fifo_inversions"));
+    }
+    out.push('\n');
+    let _ = write!(
+        out,
+        "| overlaps / fence decreases / errors (sum) | {} / {} / {} |",
+        sum(CLUSTER_BASE, &w123, "overlaps"),
+        sum(CLUSTER_BASE, &w123, "fence_decreases"),
+        sum(CLUSTER_BASE, &w123, "errors")
+    );
+    for p in CLUSTER_PEERS {
+        let _ = write!(
+            out,
+            " {} / {} / {} | |",
+            sum(p, &w123, "overlaps"),
+            sum(p, &w123, "fence_decreases"),
+            sum(p, &w123, "errors")
+        );
+    }
+    out.push('\n');
+    let server_fifo = |r: &Value| r["workload"] == "W3-server-fifo";
+    let server_inversions = sum(CLUSTER_BASE, &server_fifo, "server_fifo_inversions");
+    let audits = files
+        .iter()
+        .flatten()
+        .filter(|r| r["target"] == CLUSTER_BASE && server_fifo(r))
+        .count();
+    let incomplete = files
+        .iter()
+        .flatten()
+        .filter(|r| r["target"] == CLUSTER_BASE && server_fifo(r) && r["incomplete"] == true)
+        .count();
+    let _ = writeln!(
+        out,
+        "\nfencelock-3's W3 order on the leader's event stream: {server_inversions} inversions in {audits} audits ({incomplete} incomplete)."
+    );
+
+    let failovers: Vec<&Value> = files
+        .iter()
+        .flatten()
+        .filter(|r| r["workload"] == "failover")
+        .collect();
+    if !failovers.is_empty() {
+        out.push('\n');
+        failover_table(&failovers, &mut out);
+    }
+
+    // The targets for the cluster tier.
+    out.push_str("\n| target | measured (median of runs) | met |\n|---|---|---|\n");
+    let mut row = |name: &str, measured: Option<(f64, String)>, goal: f64| {
+        let (cell, met) = match measured {
+            Some((r, text)) if r >= goal => (text, "yes".to_owned()),
+            Some((r, text)) => (
+                text,
+                format!("**no** ({:.0} % of the goal)", 100.0 * r / goal),
+            ),
+            None => ("not measured".to_owned(), "–".to_owned()),
+        };
+        let _ = writeln!(out, "| {name} | {cell} | {met} |");
+    };
+    let by_ratio = |peer: &str, w: &str, c: u64, field: &str| {
+        let m = median(ratios(peer, w, c, field, true))?;
+        Some((m, format!("{m:.2}× (c={c})")))
+    };
+    row(
+        "W2 ≥ 3× etcd-3",
+        by_ratio("etcd-3", "W2", 64, "pairs_per_s"),
+        3.0,
+    );
+    row(
+        "W2 ≥ 2× zk-3",
+        by_ratio("zk-3", "W2", 64, "pairs_per_s"),
+        2.0,
+    );
+    row(
+        "W3 ≥ 2× zk-3 hand-offs",
+        by_ratio("zk-3", "W3", 64, "handoffs_per_s"),
+        2.0,
+    );
+    let client_fifo = sum(CLUSTER_BASE, &w3, "fifo_inversions");
+    row(
+        "W3 zero FIFO inversions",
+        (audits > 0).then(|| {
+            (
+                if server_inversions == 0 && incomplete == 0 { 1.0 } else { 0.0 },
+                format!("{server_inversions} on the leader's event stream; {client_fifo} by client-side stamps"),
+            )
+        }),
+        1.0,
+    );
+    let p50 = |t: &str| {
+        median(
+            failovers
+                .iter()
+                .filter(|r| r["target"] == t)
+                .filter_map(|r| r["failover_p50_ms"].as_f64())
+                .collect(),
+        )
+    };
+    row(
+        "failover p50 ≤ 1 s",
+        p50(CLUSTER_BASE).map(|ms| (1000.0 / ms, format!("{ms:.0} ms"))),
+        1.0,
+    );
+    for peer in CLUSTER_PEERS {
+        let measured = p50(CLUSTER_BASE)
+            .zip(p50(peer))
+            .map(|(b, p)| (p / b, format!("{b:.0} ms vs {p:.0} ms ({:.2}×)", p / b)));
+        row(&format!("failover p50 better than {peer}"), measured, 1.0);
+    }
+    out
+}
+
 /// The markdown tables for `BENCHMARKS.md`.
 pub fn markdown(runs: &[Value]) -> String {
     let mut out = String::new();
-    out.push_str("### Durable tier (fsync before acknowledging)\n\nRatios: fencelock's figure against the peer's, > 1 means fencelock is better (more per second, or less latency).\n\n");
-    tier_table(runs, "fsync", BASE, &mut out);
-    out.push_str("\n### Memory tier (no fsync)\n\n");
-    tier_table(runs, "memory", BASE_NONE, &mut out);
-    out.push_str("\n### The issue's targets\n\n");
-    targets_table(runs, &mut out);
+    // A cluster-only run has no single-node tiers: no empty headings then.
+    let single = runs
+        .iter()
+        .any(|r| r["tier"] == "fsync" || r["tier"] == "memory");
+    if single {
+        out.push_str("### Durable tier (fsync before acknowledging)\n\nRatios: fencelock's figure against the peer's, > 1 means fencelock is better (more per second, or less latency).\n\n");
+        tier_table(runs, "fsync", BASE, &mut out);
+        out.push_str("\n### Memory tier (no fsync)\n\n");
+        tier_table(runs, "memory", BASE_NONE, &mut out);
+    }
+    if runs.iter().any(|r| r["tier"] == "cluster") {
+        if !targets_in_tier(runs, "cluster").is_empty() {
+            out.push_str("\n### Cluster tier (3 members, every member fsyncs)\n\nRatios: fencelock-3's figure against the peer's, > 1 means fencelock-3 is better.\n\n");
+            tier_table(runs, "cluster", CLUSTER_BASE, &mut out);
+        }
+        if runs.iter().any(|r| r["workload"] == "failover") {
+            out.push_str("\n### Failover: the leader killed (`kill -9`) under W2 load\n\n");
+            failover_table(&runs.iter().collect::<Vec<_>>(), &mut out);
+        }
+    }
+    if runs.iter().any(|r| r["target"] == BASE) {
+        out.push_str("\n### The issue's targets\n\n");
+        targets_table(runs, &mut out);
+    }
     if let Some(text) = w3_ceiling(runs) {
         out.push('\n');
         out.push_str(&text);
@@ -437,6 +674,35 @@ pub fn svg(runs: &[Value]) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn cluster_run(fl: f64, etcd: f64, zk: f64) -> Vec<Value> {
+        [("fencelock-3", fl), ("etcd-3", etcd), ("zk-3", zk)]
+            .iter()
+            .map(|(t, v)| json!({"target": t, "tier": "cluster", "workload": "W2", "clients": 64, "pairs_per_s": v}))
+            .collect()
+    }
+
+    #[test]
+    fn cluster_ratios_are_the_median_of_each_run_s_own_ratio() {
+        // zk-3's per-run ratios are 2, 5 and 1.5: their median is 2, while the ratio
+        // of the figures' medians (300 / 100) would be 3.
+        let files = vec![
+            cluster_run(200.0, 100.0, 100.0),
+            cluster_run(400.0, 200.0, 80.0),
+            cluster_run(300.0, 50.0, 200.0),
+        ];
+        let md = cluster_markdown(&files);
+        assert!(md.contains("**2.00×** (2.00 / 5.00 / 1.50)"), "{md}");
+        assert!(md.contains("| W2 ≥ 2× zk-3 | 2.00× (c=64) | yes |"), "{md}");
+        // etcd-3: ratios 2, 2 and 6, median 2: short of the 3× goal.
+        assert!(
+            md.contains("| W2 ≥ 3× etcd-3 | 2.00× (c=64) | **no** (67 % of the goal) |"),
+            "{md}"
+        );
+        assert_eq!(median(vec![3.0, 1.0, f64::NAN, 2.0]), Some(2.0));
+        assert_eq!(median(vec![1.0, 4.0]), Some(2.5));
+        assert_eq!(median(Vec::new()), None);
+    }
 
     fn runs() -> Vec<Value> {
         vec![

@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+pub mod cluster;
 pub mod etcd;
 pub mod fencelock;
 pub mod pg;
