@@ -281,7 +281,7 @@ pub fn router(state: PeerState) -> axum::Router {
 
 /// Refuses a request without the secret or with another configuration; records
 /// the sender's URL.
-fn admit(state: &PeerState, headers: &HeaderMap) -> Result<(), Response> {
+fn admit(state: &PeerState, headers: &HeaderMap) -> Result<(), Box<Response>> {
     if let Some(secret) = &state.identity.secret {
         let presented = header(headers, AUTHORIZATION)
             .and_then(|v| v.strip_prefix("Bearer "))
@@ -294,14 +294,14 @@ fn admit(state: &PeerState, headers: &HeaderMap) -> Result<(), Response> {
     }
     let config = header(headers, CONFIG_HEADER).unwrap_or("");
     if config != state.identity.config {
-        return Err((
+        return Err(Box::new((
             StatusCode::CONFLICT,
             format!(
                 "core configuration differs: this member has {}, the sender {config}; every member must run with the same limits",
                 state.identity.config
             ),
         )
-            .into_response());
+            .into_response()));
     }
     if let (Some(id), Some(url)) = (
         header(headers, NODE_HEADER).and_then(|v| v.parse().ok()),
@@ -327,7 +327,7 @@ fn reply<T: Serialize>(state: &PeerState, value: &T) -> Response {
     }
 }
 
-fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, Response> {
+fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, Box<Response>> {
     postcard::from_bytes(body).map_err(|e| {
         (
             StatusCode::BAD_REQUEST,
@@ -339,11 +339,11 @@ fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, Response> {
 
 async fn append(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(refused) = admit(&state, &headers) {
-        return refused;
+        return *refused;
     }
     let req: AppendEntriesRequest<TypeConfig> = match decode(&body) {
         Ok(req) => req,
-        Err(bad) => return bad,
+        Err(bad) => return *bad,
     };
     let result = state.raft.append_entries(req).await;
     reply(&state, &result)
@@ -351,11 +351,11 @@ async fn append(State(state): State<PeerState>, headers: HeaderMap, body: Bytes)
 
 async fn vote(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(refused) = admit(&state, &headers) {
-        return refused;
+        return *refused;
     }
     let req: VoteRequest<TypeConfig> = match decode(&body) {
         Ok(req) => req,
-        Err(bad) => return bad,
+        Err(bad) => return *bad,
     };
     let result = state.raft.vote(req).await;
     reply(&state, &result)
@@ -363,11 +363,11 @@ async fn vote(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -
 
 async fn pre_vote(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(refused) = admit(&state, &headers) {
-        return refused;
+        return *refused;
     }
     let req: VoteRequest<TypeConfig> = match decode(&body) {
         Ok(req) => req,
-        Err(bad) => return bad,
+        Err(bad) => return *bad,
     };
     let result = state.raft.pre_vote(req).await;
     reply(&state, &result)
@@ -375,11 +375,11 @@ async fn pre_vote(State(state): State<PeerState>, headers: HeaderMap, body: Byte
 
 async fn snapshot(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(refused) = admit(&state, &headers) {
-        return refused;
+        return *refused;
     }
     let (vote, meta, data): (Vote, SnapshotMeta, Vec<u8>) = match decode(&body) {
         Ok(req) => req,
-        Err(bad) => return bad,
+        Err(bad) => return *bad,
     };
     let snapshot = openraft::alias::SnapshotOf::<TypeConfig, Vec<u8>> {
         meta,
@@ -399,11 +399,11 @@ async fn transfer_leader(
     body: Bytes,
 ) -> Response {
     if let Err(refused) = admit(&state, &headers) {
-        return refused;
+        return *refused;
     }
     let req: TransferLeaderRequest<TypeConfig> = match decode(&body) {
         Ok(req) => req,
-        Err(bad) => return bad,
+        Err(bad) => return *bad,
     };
     let result = state
         .raft
