@@ -231,12 +231,9 @@ async fn a_cluster_forms_by_itself_and_followers_point_at_the_leader() {
         .get("/v1/locks/job:a")
         .await
         .expect_error(503, "not_leader");
-    eventually("the follower applies the grant", || {
-        let follower = follower;
-        async move {
-            let r = follower.get("/v1/locks/job:a?stale=true").await;
-            (r.status == 200).then_some(())
-        }
+    eventually("the follower applies the grant", || async move {
+        let r = follower.get("/v1/locks/job:a?stale=true").await;
+        (r.status == 200).then_some(())
     })
     .await;
     let shown = leader
@@ -315,7 +312,6 @@ async fn after_the_leader_stops_locks_fences_and_retries_carry_over() {
     // The queued request kept its place: retried, it is granted when the holder
     // releases, before anyone who arrives later.
     let retry = tokio::spawn({
-        let new = new;
         async move {
             new.post(
                 "/v1/acquire",
@@ -326,7 +322,6 @@ async fn after_the_leader_stops_locks_fences_and_retries_carry_over() {
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
     let late = tokio::spawn({
-        let new = new;
         async move {
             new.post(
                 "/v1/acquire",
@@ -508,9 +503,8 @@ async fn members_are_added_and_removed_and_leadership_moves() {
     assert_eq!(four["role"], json!("follower"), "{added}");
     // It has the state.
     let c4 = Client::new(listen);
-    eventually("member 4 applies the lock", || {
-        let c4 = c4;
-        async move { (c4.get("/v1/locks/m:1?stale=true").await.status == 200).then_some(()) }
+    eventually("member 4 applies the lock", || async move {
+        (c4.get("/v1/locks/m:1?stale=true").await.status == 200).then_some(())
     })
     .await;
 

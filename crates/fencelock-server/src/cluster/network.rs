@@ -287,9 +287,9 @@ fn admit(state: &PeerState, headers: &HeaderMap) -> Result<(), Box<Response>> {
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
         if !crate::auth::secrets_equal(presented.as_bytes(), secret.as_bytes()) {
-            return Err(
+            return Err(Box::new(
                 (StatusCode::UNAUTHORIZED, "wrong or missing cluster secret").into_response(),
-            );
+            ));
         }
     }
     let config = header(headers, CONFIG_HEADER).unwrap_or("");
@@ -329,11 +329,13 @@ fn reply<T: Serialize>(state: &PeerState, value: &T) -> Response {
 
 fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, Box<Response>> {
     postcard::from_bytes(body).map_err(|e| {
-        (
-            StatusCode::BAD_REQUEST,
-            format!("undecodable peer message: {e}"),
+        Box::new(
+            (
+                StatusCode::BAD_REQUEST,
+                format!("undecodable peer message: {e}"),
+            )
+                .into_response(),
         )
-            .into_response()
     })
 }
 
