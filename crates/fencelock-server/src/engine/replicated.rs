@@ -1065,7 +1065,7 @@ fn refuse_single_node_data(dir: &std::path::Path) -> Result<(), ApiError> {
         return Err(ApiError::new(
             ApiErrorKind::InvalidArgument,
             format!(
-                "{} holds a single server's data; a cluster member needs its own directory (back the single server up and restore the backup into the cluster instead)",
+                "{} holds a single server's data; a cluster member needs a directory of its own (moving a single server's locks into a cluster is not supported yet)",
                 dir.display()
             ),
         ));
