@@ -1,0 +1,262 @@
+//! The simulated network: openraft's RPCs delivered straight to the target
+//! member's `Raft`, through links the run cuts, delays and makes lossy.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fencelock_server::cluster::{Member, Raft, TypeConfig, Vote};
+use fencelock_sim::Rng;
+use openraft::error::{NetworkError, RPCError, ReplicationClosed, StreamingError, Unreachable};
+use openraft::network::v2::RaftNetworkV2;
+use openraft::network::{RPCOption, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, TransferLeaderRequest,
+    TransferLeaderResponse, VoteRequest, VoteResponse,
+};
+
+/// What the run does to the network now.
+#[derive(Debug, Default)]
+struct Faults {
+    /// Directed links that deliver nothing.
+    cut: BTreeSet<(u64, u64)>,
+    /// Messages lost, per mille.
+    loss: u64,
+    /// Each message waits up to this long.
+    max_delay_ms: u64,
+}
+
+/// The network every member of one run shares.
+pub struct Net {
+    rafts: Mutex<BTreeMap<u64, Raft>>,
+    faults: Mutex<Faults>,
+    rng: Mutex<Rng>,
+    /// Messages delivered and dropped, for the report.
+    pub counts: Mutex<(u64, u64)>,
+}
+
+fn io(what: &str) -> std::io::Error {
+    std::io::Error::other(what.to_owned())
+}
+
+impl Net {
+    /// An empty network with its own random stream.
+    pub fn new(rng: Rng) -> Arc<Net> {
+        Arc::new(Net {
+            rafts: Mutex::default(),
+            faults: Mutex::default(),
+            rng: Mutex::new(rng),
+            counts: Mutex::default(),
+        })
+    }
+
+    /// Member `id` is up with this `Raft`.
+    pub fn up(&self, id: u64, raft: Raft) {
+        self.rafts.lock().unwrap().insert(id, raft);
+    }
+
+    /// Member `id` is down: nothing reaches it.
+    pub fn down(&self, id: u64) {
+        self.rafts.lock().unwrap().remove(&id);
+    }
+
+    /// Cuts (or heals) both directions between `id` and every other member.
+    pub fn isolate(&self, id: u64, members: &[u64], cut: bool) {
+        let mut f = self.faults.lock().unwrap();
+        for &other in members.iter().filter(|&&o| o != id) {
+            for link in [(id, other), (other, id)] {
+                if cut {
+                    f.cut.insert(link);
+                } else {
+                    f.cut.remove(&link);
+                }
+            }
+        }
+    }
+
+    /// Cuts one direction.
+    pub fn cut(&self, from: u64, to: u64) {
+        self.faults.lock().unwrap().cut.insert((from, to));
+    }
+
+    /// Loss (per mille) and delay for every message from now on.
+    pub fn weather(&self, loss: u64, max_delay_ms: u64) {
+        let mut f = self.faults.lock().unwrap();
+        f.loss = loss;
+        f.max_delay_ms = max_delay_ms;
+    }
+
+    /// Heals every link and calms the weather.
+    pub fn heal(&self) {
+        *self.faults.lock().unwrap() = Faults::default();
+    }
+
+    /// Whether a message from `from` to `to` goes through now, and after how long.
+    fn route(&self, from: u64, to: u64) -> Option<(Raft, Duration)> {
+        let f = self.faults.lock().unwrap();
+        let mut rng = self.rng.lock().unwrap();
+        let mut counts = self.counts.lock().unwrap();
+        let target = self.rafts.lock().unwrap().get(&to).cloned();
+        let lost = f.cut.contains(&(from, to)) || rng.chance(f.loss);
+        match target {
+            Some(raft) if !lost => {
+                counts.0 += 1;
+                Some((raft, Duration::from_millis(rng.range(0, f.max_delay_ms))))
+            }
+            _ => {
+                counts.1 += 1;
+                None
+            }
+        }
+    }
+}
+
+/// openraft's client factory for one member.
+#[derive(Clone)]
+pub struct SimNetwork {
+    /// The member sending.
+    pub from: u64,
+    /// The shared network.
+    pub net: Arc<Net>,
+}
+
+impl RaftNetworkFactory<TypeConfig> for SimNetwork {
+    type Network = SimPeer;
+
+    async fn new_client(&mut self, target: u64, _node: &Member) -> SimPeer {
+        SimPeer {
+            from: self.from,
+            to: target,
+            net: self.net.clone(),
+        }
+    }
+}
+
+/// openraft's client for one peer.
+pub struct SimPeer {
+    from: u64,
+    to: u64,
+    net: Arc<Net>,
+}
+
+impl SimPeer {
+    async fn deliver(&self) -> Result<Raft, RPCError<TypeConfig>> {
+        match self.net.route(self.from, self.to) {
+            Some((raft, delay)) => {
+                tokio::time::sleep(delay).await;
+                Ok(raft)
+            }
+            None => {
+                // A lost message looks like a timeout to the sender.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Err(RPCError::Unreachable(Unreachable::new(&io("lost"))))
+            }
+        }
+    }
+
+    /// The answer's way back is as unreliable as the request's. A lost answer
+    /// costs the sender a timeout, as on a real network (an instant error would
+    /// have openraft retry at once, and virtual time would never move).
+    async fn back(&self) -> Result<(), RPCError<TypeConfig>> {
+        match self.net.route(self.to, self.from) {
+            Some(_) => Ok(()),
+            None => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Err(RPCError::Network(NetworkError::new(&io("answer lost"))))
+            }
+        }
+    }
+}
+
+/// The target's Raft failed (it is shutting down): unreachable, after a timeout.
+async fn remote<E: std::fmt::Display>(e: E) -> RPCError<TypeConfig> {
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    RPCError::Unreachable(Unreachable::new(&io(&e.to_string())))
+}
+
+impl RaftNetworkV2<TypeConfig> for SimPeer {
+    type SnapshotData = Vec<u8>;
+
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        _option: RPCOption,
+    ) -> Result<AppendEntriesResponse<TypeConfig>, RPCError<TypeConfig>> {
+        let raft = self.deliver().await?;
+        let answer = raft.append_entries(rpc).await;
+        let answer = match answer {
+            Ok(a) => a,
+            Err(e) => return Err(remote(e).await),
+        };
+        self.back().await?;
+        Ok(answer)
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<TypeConfig>,
+        _option: RPCOption,
+    ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
+        let raft = self.deliver().await?;
+        let answer = raft.vote(rpc).await;
+        let answer = match answer {
+            Ok(a) => a,
+            Err(e) => return Err(remote(e).await),
+        };
+        self.back().await?;
+        Ok(answer)
+    }
+
+    async fn pre_vote(
+        &mut self,
+        rpc: VoteRequest<TypeConfig>,
+        _option: RPCOption,
+    ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
+        let raft = self.deliver().await?;
+        let answer = raft.pre_vote(rpc).await;
+        let answer = match answer {
+            Ok(a) => a,
+            Err(e) => return Err(remote(e).await),
+        };
+        self.back().await?;
+        Ok(answer)
+    }
+
+    async fn full_snapshot(
+        &mut self,
+        vote: Vote,
+        snapshot: openraft::alias::SnapshotOf<TypeConfig, Vec<u8>>,
+        cancel: impl Future<Output = ReplicationClosed> + Send + 'static,
+        _option: RPCOption,
+    ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
+        let send = async {
+            let raft = self.deliver().await?;
+            let answer = match raft.install_full_snapshot(vote, snapshot).await {
+                Ok(a) => a,
+                Err(e) => return Err(remote(e).await),
+            };
+            self.back().await?;
+            Ok::<_, RPCError<TypeConfig>>(answer)
+        };
+        tokio::select! {
+            closed = cancel => Err(StreamingError::Closed(closed)),
+            result = send => result.map_err(StreamingError::from),
+        }
+    }
+
+    async fn transfer_leader(
+        &mut self,
+        req: TransferLeaderRequest<TypeConfig>,
+        _option: RPCOption,
+    ) -> Result<TransferLeaderResponse<TypeConfig>, RPCError<TypeConfig>> {
+        let raft = self.deliver().await?;
+        let answer = raft.handle_transfer_leader(req).await;
+        let answer = match answer {
+            Ok(a) => a,
+            Err(e) => return Err(remote(e).await),
+        };
+        self.back().await?;
+        Ok(answer)
+    }
+}

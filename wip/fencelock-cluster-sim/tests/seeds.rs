@@ -1,0 +1,71 @@
+//! Many seeds of the cluster simulation, 3 and 5 members: no violation.
+//!
+//! `FENCELOCK_CLUSTER_SIM_SEEDS=N` runs N seeds (default 1,000),
+//! `FENCELOCK_CLUSTER_SIM_FIRST_SEED=S` from seed S.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use fencelock_cluster_sim::{run_seed, Options};
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Every fourth seed runs five members.
+fn options(seed: u64) -> Options {
+    Options {
+        members: if seed % 4 == 3 { 5 } else { 3 },
+        ..Options::default()
+    }
+}
+
+#[test]
+fn every_seed_keeps_every_invariant() {
+    let seeds = env("FENCELOCK_CLUSTER_SIM_SEEDS", 1_000);
+    let first = env("FENCELOCK_CLUSTER_SIM_FIRST_SEED", 0);
+    let next = AtomicU64::new(first);
+    let totals = Mutex::new((0u64, 0u64, 0u64, BTreeMap::<&'static str, u64>::new()));
+    let failures = Mutex::new(Vec::new());
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let seed = next.fetch_add(1, Ordering::Relaxed);
+                if seed >= first + seeds {
+                    return;
+                }
+                let report = run_seed(seed, options(seed));
+                let mut t = totals.lock().unwrap();
+                t.0 += 1;
+                t.1 += report.grants;
+                t.2 += report.reads;
+                for (k, v) in &report.faults {
+                    *t.3.entry(k).or_default() += v;
+                }
+                if let Some(v) = report.violation {
+                    failures.lock().unwrap().push(format!("seed {seed}: {v}"));
+                }
+            });
+        }
+    });
+    let (runs, grants, reads, faults) = totals.into_inner().unwrap();
+    println!(
+        "cluster sim: {runs} seeds from {first}, {grants} grants, {reads} linearizable reads, faults {faults:?}"
+    );
+    assert!(
+        grants > runs,
+        "the clients hardly got anything: {grants} grants"
+    );
+    let failures = failures.into_inner().unwrap();
+    assert!(
+        failures.is_empty(),
+        "{} violations:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
