@@ -335,8 +335,10 @@ enum Msg {
         seq: u64,
         error: ApiError,
     },
-    /// Cluster mode: the tick proposal finished (committed or refused).
-    TickDone,
+    /// Cluster mode: the tick proposal finished (committed, or `refused`).
+    TickDone {
+        refused: bool,
+    },
     Drain,
     Shutdown(oneshot::Sender<()>),
 }
@@ -401,7 +403,9 @@ fn random_u128() -> u128 {
 #[derive(Clone, Copy)]
 struct ServiceClock {
     base_ms: u64,
-    start: Instant,
+    /// tokio's clock (the same as std's outside tests): under a paused test clock,
+    /// leases run on the virtual time the timers use.
+    start: tokio::time::Instant,
 }
 
 impl ServiceClock {
@@ -409,7 +413,7 @@ impl ServiceClock {
         self.base_ms + self.start.elapsed().as_millis() as u64
     }
 
-    fn instant_of(&self, service_ms: u64) -> Instant {
+    fn instant_of(&self, service_ms: u64) -> tokio::time::Instant {
         self.start + Duration::from_millis(service_ms.saturating_sub(self.base_ms))
     }
 }
@@ -619,7 +623,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     // clients. The restart itself is a logged command, so replay stays exact.
     let clock = ServiceClock {
         base_ms: core.now_ms() + 1,
-        start: Instant::now(),
+        start: tokio::time::Instant::now(),
     };
     let now = clock.now_ms();
     let io = |e: fencelock_log::LogError| {
@@ -849,7 +853,7 @@ impl EngineTask {
             let deadline = self
                 .core
                 .next_deadline_ms()
-                .map(|d| tokio::time::Instant::from_std(self.clock.instant_of(d)));
+                .map(|d| self.clock.instant_of(d));
             if let Some(at) = deadline {
                 if armed.is_none_or(|armed| at < armed) {
                     timer.as_mut().reset(at);
@@ -937,7 +941,7 @@ impl EngineTask {
                 self.deliveries.push(delivery);
             }
             Msg::Drain => self.drain(),
-            Msg::Abandon { .. } | Msg::TickDone => {
+            Msg::Abandon { .. } | Msg::TickDone { .. } => {
                 unreachable!("only cluster mode proposes")
             }
             Msg::Shutdown(_) => unreachable!("handled by run"),

@@ -57,6 +57,12 @@ pub(super) struct Replicated {
     /// Least TTL accepted (ms): see `ClusterConfig::min_ttl`.
     pub(super) min_ttl_ms: u64,
     pub(super) tick_in_flight: bool,
+    /// After a refused tick (openraft still reports this member as leader but will
+    /// not take writes, e.g. its leader lease lapsed), no tick before this: the
+    /// deadline is still due, and retrying at once would spin.
+    pub(super) tick_retry_at: Option<tokio::time::Instant>,
+    /// How long to wait after a refused tick: one heartbeat.
+    pub(super) tick_retry_pause: Duration,
     /// Audit entries go to this thread, which writes them to the audit store.
     pub(super) audit: AuditWriter,
     /// The Raft log (stopped at shutdown, releasing its directory).
@@ -212,13 +218,13 @@ impl EngineTask {
             // No timer while a tick is on its way through Raft: the deadline it
             // processes is still in the past until it is applied.
             let r = self.replica();
-            let arm = r.leading.is_some() && !r.tick_in_flight;
+            let (arm, retry_at) = (r.leading.is_some() && !r.tick_in_flight, r.tick_retry_at);
             if arm {
                 let deadline = self
                     .core
                     .next_deadline_ms()
-                    .map(|d| tokio::time::Instant::from_std(self.clock.instant_of(d)));
-                if let Some(at) = deadline {
+                    .map(|d| self.clock.instant_of(d));
+                if let Some(at) = deadline.map(|at| retry_at.map_or(at, |retry| at.max(retry))) {
                     if armed.is_none_or(|armed| at < armed) {
                         timer.as_mut().reset(at);
                         armed = Some(at);
@@ -293,7 +299,7 @@ impl EngineTask {
                 // ahead of real time, so no lease ends early.
                 self.clock = ServiceClock {
                     base_ms: self.core.now_ms() + 1,
-                    start: Instant::now(),
+                    start: tokio::time::Instant::now(),
                 };
                 self.metrics
                     .cluster
@@ -457,7 +463,11 @@ impl EngineTask {
                     self.answer_error(pending, error);
                 }
             }
-            Msg::TickDone => self.replica().tick_in_flight = false,
+            Msg::TickDone { refused } => {
+                let r = self.replica();
+                r.tick_in_flight = false;
+                r.tick_retry_at = refused.then(|| tokio::time::Instant::now() + r.tick_retry_pause);
+            }
             Msg::Shutdown(_) => unreachable!("handled by run_replicated"),
         }
     }
@@ -514,7 +524,9 @@ impl EngineTask {
         let directory = r.directory.clone();
         let is_tick = matches!(command, Command::Tick);
         tokio::spawn(async move {
-            if let Err(e) = raft.client_write(proposal).await {
+            let written = raft.client_write(proposal).await;
+            let refused = written.is_err();
+            if let Err(e) = written {
                 let error = match e {
                     RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => {
                         let url = f
@@ -532,7 +544,7 @@ impl EngineTask {
                 let _ = tx.send(Msg::Abandon { seq, error });
             }
             if is_tick {
-                let _ = tx.send(Msg::TickDone);
+                let _ = tx.send(Msg::TickDone { refused });
             }
         });
     }
@@ -640,7 +652,7 @@ impl EngineTask {
         if self.replica().leading.is_some() && self.clock.now_ms() < self.core.now_ms() {
             self.clock = ServiceClock {
                 base_ms: self.core.now_ms(),
-                start: Instant::now(),
+                start: tokio::time::Instant::now(),
             };
         }
         // Entries proposed by an earlier run of this member (replayed after a
@@ -867,7 +879,7 @@ where
         core,
         clock: ServiceClock {
             base_ms: 1,
-            start: Instant::now(),
+            start: tokio::time::Instant::now(),
         },
         rx,
         self_tx: tx.clone(),
@@ -898,6 +910,8 @@ where
             leader: None,
             min_ttl_ms: cluster.min_ttl().as_millis() as u64,
             tick_in_flight: false,
+            tick_retry_at: None,
+            tick_retry_pause: cluster.heartbeat,
             audit,
             log_store: Some(log_store.clone()),
             stop_peers: on_shutdown,
@@ -1102,7 +1116,7 @@ pub async fn storage_for_tests(
         core: fencelock_core::Core::new(Default::default()),
         clock: ServiceClock {
             base_ms: 1,
-            start: Instant::now(),
+            start: tokio::time::Instant::now(),
         },
         rx,
         self_tx: tx,
@@ -1133,6 +1147,8 @@ pub async fn storage_for_tests(
             leader: None,
             min_ttl_ms: 0,
             tick_in_flight: false,
+            tick_retry_at: None,
+            tick_retry_pause: Duration::from_millis(50),
             audit,
             log_store: None,
             stop_peers: None,
