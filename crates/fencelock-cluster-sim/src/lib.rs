@@ -57,8 +57,10 @@ const HEARTBEAT: Duration = Duration::from_millis(50);
 pub struct Options {
     /// Members: 3 or 5.
     pub members: usize,
-    /// Clients acquiring, holding, renewing, releasing and reading.
+    /// Clients acquiring, holding, renewing and releasing.
     pub clients: usize,
+    /// Readers making linearizable reads of random locks on random members.
+    pub readers: usize,
     /// Distinct locks they contend for.
     pub locks: usize,
     /// Virtual time with faults.
@@ -71,7 +73,8 @@ impl Default for Options {
     fn default() -> Options {
         Options {
             members: 3,
-            clients: 4,
+            clients: 5,
+            readers: 2,
             locks: 2,
             fault_ms: 6_000,
             bugs: ClusterBugs::default(),
@@ -257,6 +260,15 @@ async fn run(seed: u64, options: Options) -> Report {
             fault_end,
         )));
     }
+    for _ in 0..options.readers {
+        clients.push(tokio::spawn(reader(
+            cluster.clone(),
+            history.clone(),
+            fork(),
+            options.locks,
+            fault_end,
+        )));
+    }
     let mut report = Report::default();
     let mut rng = fork();
     let mut down: BTreeMap<usize, Instant> = BTreeMap::new();
@@ -359,6 +371,20 @@ async fn run(seed: u64, options: Options) -> Report {
         let _ = c.await;
     }
     dbg("clients done");
+    if std::env::var_os("SIMDEBUG").is_some() {
+        for i in 0..n {
+            if let Some(h) = cluster.handle(i) {
+                let Some(c) = h.cluster() else { continue };
+                let m = openraft::async_runtime::WatchReceiver::borrow_watched(&c.raft.metrics())
+                    .clone();
+                eprintln!(
+                    "member {i}: {:?} term {} last_log {:?} applied {:?} snapshot {:?}",
+                    m.state, m.current_term, m.last_log_index, m.last_applied, m.snapshot
+                );
+            }
+        }
+        eprintln!("messages {:?}", net.counts.lock().unwrap());
+    }
     // Progress: a fresh grant within the bound.
     let probe_start = Instant::now();
     let progressed = probe(&cluster, Duration::from_secs(10)).await;
@@ -569,6 +595,21 @@ async fn client(
             }
         }
         tokio::time::sleep(Duration::from_millis(rng.range(0, 200))).await;
+    }
+}
+
+/// Reads a random lock every few tens of milliseconds until `until`.
+async fn reader(
+    cluster: Arc<Cluster>,
+    history: Arc<Mutex<History>>,
+    mut rng: Rng,
+    locks: usize,
+    until: Instant,
+) {
+    while Instant::now() < until {
+        let lock = format!("L{}", rng.index(locks));
+        read(&cluster, &history, &mut rng, &lock).await;
+        tokio::time::sleep(Duration::from_millis(rng.range(20, 150))).await;
     }
 }
 

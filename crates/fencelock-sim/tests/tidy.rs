@@ -9,7 +9,12 @@ use std::path::PathBuf;
 /// Crates whose manifest names the feature: the core, which defines it; the server,
 /// which defines its own `planted-bugs` (off unless asked; it forwards to the core's
 /// and switches on the cluster simulation's hooks); and the one allowed to enable it.
-const ALLOWED: [&str; 3] = ["fencelock-core", "fencelock-server", "fencelock-sim"];
+const ALLOWED: [&str; 4] = [
+    "fencelock-cluster-sim",
+    "fencelock-core",
+    "fencelock-server",
+    "fencelock-sim",
+];
 
 /// The crates (by folder name) whose manifest text mentions `planted-bugs` outside
 /// comments.
