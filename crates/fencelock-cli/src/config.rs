@@ -104,6 +104,20 @@ pub struct ServeArgs {
     /// traffic (at least 16 characters; required unless peers listen on loopback).
     #[arg(long, env = "FENCELOCK_CLUSTER_SECRET_FILE")]
     pub cluster_secret_file: Option<PathBuf>,
+    /// Cluster mode: this member's peer TLS certificate, PEM (with --peer-tls-key
+    /// and --peer-tls-ca): the peer port speaks mutual TLS. The certificate needs
+    /// extendedKeyUsage serverAuth and clientAuth and a subjectAltName IP entry for
+    /// the IP of this member's peer address as --peers lists it.
+    #[arg(long, env = "FENCELOCK_PEER_TLS_CERT")]
+    pub peer_tls_cert: Option<PathBuf>,
+    /// Cluster mode: the private key of --peer-tls-cert, PEM.
+    #[arg(long, env = "FENCELOCK_PEER_TLS_KEY")]
+    pub peer_tls_key: Option<PathBuf>,
+    /// Cluster mode: the CA certificate that signs every member's peer certificate,
+    /// PEM: peers are verified against it both ways (a peer without a certificate
+    /// from it is refused), which authenticates peer traffic.
+    #[arg(long, env = "FENCELOCK_PEER_TLS_CA")]
+    pub peer_tls_ca: Option<PathBuf>,
     /// Cluster mode: the Raft heartbeat in ms; elections time out after 5–10
     /// heartbeats, and leases must be at least 3 of the longest election timeouts
     /// (1,500 ms at the default) [default: 50].
@@ -128,6 +142,9 @@ struct FileCluster {
     peers: Option<String>,
     advertise_url: Option<String>,
     secret_file: Option<PathBuf>,
+    peer_tls_cert: Option<PathBuf>,
+    peer_tls_key: Option<PathBuf>,
+    peer_tls_ca: Option<PathBuf>,
     heartbeat_ms: Option<u64>,
     join: Option<bool>,
 }
@@ -193,6 +210,27 @@ fn cluster_config(
         ),
         None => None,
     };
+    let tls = match (
+        args.peer_tls_cert.clone().or(file.peer_tls_cert.clone()),
+        args.peer_tls_key.clone().or(file.peer_tls_key.clone()),
+        args.peer_tls_ca.clone().or(file.peer_tls_ca.clone()),
+    ) {
+        (Some(cert_path), Some(key_path), Some(ca_path)) => {
+            let tls = fencelock_server::PeerTlsConfig {
+                cert_path,
+                key_path,
+                ca_path,
+            };
+            // Read the files now, so a bad path is a configuration error (exit 2).
+            tls.acceptor().map_err(anyhow::Error::msg)?;
+            tls.connector().map_err(anyhow::Error::msg)?;
+            Some(tls)
+        }
+        (None, None, None) => None,
+        _ => bail!(
+            "peer TLS needs --peer-tls-cert, --peer-tls-key and --peer-tls-ca together (every member both serves and dials its peers, so it needs its certificate and the CA that verifies theirs)"
+        ),
+    };
     let heartbeat = std::time::Duration::from_millis(
         args.raft_heartbeat_ms.or(file.heartbeat_ms).unwrap_or(50),
     );
@@ -212,6 +250,7 @@ fn cluster_config(
             .or(file.advertise_url.clone())
             .unwrap_or_default(),
         secret,
+        tls,
         heartbeat,
     };
     config.validate().map_err(anyhow::Error::msg)?;
@@ -675,6 +714,9 @@ mod tests {
             peers: None,
             advertise_url: None,
             cluster_secret_file: None,
+            peer_tls_cert: None,
+            peer_tls_key: None,
+            peer_tls_ca: None,
             raft_heartbeat_ms: None,
             peer_dial: None,
             join: false,
@@ -976,6 +1018,50 @@ mod tests {
         assert_eq!((t.name.as_str(), t.role), ("w", Role::Reader));
         assert_eq!(t.acquire_rate.unwrap().per_second, 9);
         assert!(!s.server.insecure);
+    }
+
+    #[test]
+    fn peer_tls_from_the_file_and_flags_all_three_or_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = fencelock_testkit::TestCa::create(dir.path()).unwrap();
+        let (cert, key) = ca.peer("m1", [127, 0, 0, 1].into()).unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "[cluster]\nnode_id = 1\npeer_listen = \"127.0.0.1:7521\"\n\
+                 peers = \"1=127.0.0.1:7521\"\npeer_tls_cert = {cert:?}\n\
+                 peer_tls_key = {key:?}\npeer_tls_ca = {:?}\n",
+                ca.ca_cert
+            ),
+        )
+        .unwrap();
+        let mut a = args();
+        a.config = Some(path.clone());
+        let tls = resolve(a).unwrap().server.engine.cluster.unwrap().tls;
+        assert_eq!(
+            tls,
+            Some(fencelock_server::PeerTlsConfig {
+                cert_path: cert.clone(),
+                key_path: key.clone(),
+                ca_path: ca.ca_cert.clone(),
+            })
+        );
+        // A flag overrides its key; a file that cannot be read is a configuration
+        // error, not a failure at the first peer connection.
+        let mut a = args();
+        a.config = Some(path);
+        a.peer_tls_ca = Some(dir.path().join("missing.pem"));
+        let e = resolve(a).unwrap_err().to_string();
+        assert!(e.contains("missing.pem"), "{e}");
+        let mut a = args();
+        a.node_id = Some(1);
+        a.peer_listen = Some("127.0.0.1:7521".parse().unwrap());
+        a.peers = Some("1=127.0.0.1:7521".into());
+        a.peer_tls_cert = Some(cert);
+        a.peer_tls_key = Some(key);
+        let e = resolve(a).unwrap_err().to_string();
+        assert!(e.contains("--peer-tls-ca together"), "{e}");
     }
 
     #[test]

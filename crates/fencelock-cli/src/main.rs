@@ -38,7 +38,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Commands {
     /// Run the lock server (HTTP/JSON and gRPC on one port) with embedded storage.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Save a consistent snapshot of a running server to a file.
     Backup {
         /// Server base URL (for a cluster: the members' URLs, separated by commas).
@@ -122,7 +122,7 @@ enum Commands {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Commands::Serve(args) => serve(args),
+        Commands::Serve(args) => serve(*args),
         Commands::Backup {
             server,
             out,

@@ -196,6 +196,7 @@ async fn start(id: u64, slot: &Slot, n: usize, net: &Arc<Net>, bugs: ClusterBugs
         join: false,
         advertise_url: format!("http://sim-{id}"),
         secret: None,
+        tls: None,
         heartbeat: HEARTBEAT,
         dial: BTreeMap::new(),
     });

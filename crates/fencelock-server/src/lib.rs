@@ -35,7 +35,7 @@ pub use engine::{
 };
 pub use error::{ApiError, ApiErrorKind};
 pub use limits::{Limits, QuotaOverrides, Quotas, RateLimit};
-pub use tls::TlsConfig;
+pub use tls::{PeerTlsConfig, TlsConfig};
 
 /// Default time a client has to send a request's headers (also the longest an idle
 /// HTTP/1.1 keep-alive connection is kept waiting for its next request).
@@ -208,14 +208,17 @@ impl Server {
         let handle = match &config.engine.cluster {
             None => engine::start(config.engine)?,
             Some(cluster) => {
-                // Protected mode covers the peer port too.
+                // Protected mode covers the peer port too: it needs peer
+                // authentication, a cluster secret or mutual TLS.
                 if cluster.secret.is_none()
+                    && cluster.tls.is_none()
                     && !config.insecure
                     && !cluster.peer_listen.ip().is_loopback()
                 {
                     return Err(refuse(format!(
-                        "refusing to listen for peers on {} without a cluster secret: set \
-                         --cluster-secret-file, listen for peers on a loopback address, or pass \
+                        "refusing to listen for peers on {} without peer authentication: set \
+                         --cluster-secret-file or mutual TLS (--peer-tls-cert, --peer-tls-key, \
+                         --peer-tls-ca), listen for peers on a loopback address, or pass \
                          --insecure",
                         cluster.peer_listen
                     )));

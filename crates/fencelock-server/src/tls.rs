@@ -1,12 +1,12 @@
 //! TLS for the one port (HTTP/1.1, HTTP/2 and gRPC): rustls with the `ring` crypto
 //! provider only, certificate chain and private key from PEM files, ALPN `h2` and
-//! `http/1.1`.
+//! `http/1.1`. And mutual TLS for the cluster's peer port ([`PeerTlsConfig`]).
 //!
 //! The handshake runs in the connection's own task, under
 //! [`crate::limits::Limits::tls_handshake_timeout`], so a slow or silent client never
 //! holds up the accept loop (see `serve` in `lib.rs`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls::pki_types::pem::PemObject;
@@ -157,30 +157,33 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// Reads a PEM certificate chain (at least one certificate).
+fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect())
+        .map_err(|e| format!("tls: cannot read certificates from {}: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("tls: no certificate in {}", path.display()));
+    }
+    Ok(certs)
+}
+
+/// Reads a PEM private key.
+fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
+    PrivateKeyDer::from_pem_file(path).map_err(|e| {
+        format!(
+            "tls: cannot read a private key from {}: {e}",
+            path.display()
+        )
+    })
+}
+
 impl TlsConfig {
     /// Reads the files and builds the acceptor. Errors name the file and the problem.
     pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, String> {
-        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&self.cert_path)
-            .and_then(|certs| certs.collect())
-            .map_err(|e| {
-                format!(
-                    "tls: cannot read certificates from {}: {e}",
-                    self.cert_path.display()
-                )
-            })?;
-        if certs.is_empty() {
-            return Err(format!(
-                "tls: no certificate in {}",
-                self.cert_path.display()
-            ));
-        }
+        let certs = read_certs(&self.cert_path)?;
         warn_if_not_valid_now(&self.cert_path, &certs[0]);
-        let key = PrivateKeyDer::from_pem_file(&self.key_path).map_err(|e| {
-            format!(
-                "tls: cannot read a private key from {}: {e}",
-                self.key_path.display()
-            )
-        })?;
+        let key = read_key(&self.key_path)?;
         let mut config = rustls::ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| format!("tls: {e}"))?
@@ -195,6 +198,88 @@ impl TlsConfig {
             })?;
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+    }
+}
+
+/// Mutual TLS on the cluster's peer port: this member's certificate and key, and the
+/// CA that signed every member's certificate.
+///
+/// Every member both serves and dials, so one certificate does both: the peer
+/// listener presents it and requires a client certificate signed by `ca_path`
+/// (peer authentication), and a member dialing a peer presents it as its client
+/// certificate and verifies the peer's against `ca_path`. So each certificate needs
+/// `extendedKeyUsage = serverAuth, clientAuth` and a `subjectAltName` IP entry for
+/// the IP of the member's peer address as the cluster records it (`--peers`,
+/// `fencelock cluster add --peer-addr`), which is the name a peer is verified under
+/// (also when `--peer-dial` dials it elsewhere).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerTlsConfig {
+    /// PEM file with this member's certificate chain, leaf first.
+    pub cert_path: PathBuf,
+    /// PEM file with its private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_path: PathBuf,
+    /// PEM file with the CA certificate(s) that sign every member's certificate.
+    pub ca_path: PathBuf,
+}
+
+impl PeerTlsConfig {
+    fn roots(&self) -> Result<Arc<rustls::RootCertStore>, String> {
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in read_certs(&self.ca_path)? {
+            roots.add(cert).map_err(|e| {
+                format!(
+                    "tls: {} holds a certificate that is not a usable CA: {e}",
+                    self.ca_path.display()
+                )
+            })?;
+        }
+        Ok(Arc::new(roots))
+    }
+
+    fn identity(&self) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), String> {
+        let certs = read_certs(&self.cert_path)?;
+        warn_if_not_valid_now(&self.cert_path, &certs[0]);
+        Ok((certs, read_key(&self.key_path)?))
+    }
+
+    fn mismatch(&self, e: rustls::Error) -> String {
+        format!(
+            "tls: the key in {} does not fit the certificate in {}: {e}",
+            self.key_path.display(),
+            self.cert_path.display()
+        )
+    }
+
+    /// The peer listener's acceptor: presents this member's certificate, requires a
+    /// client certificate signed by the CA, ALPN `h2`.
+    pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, String> {
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(self.roots()?, provider())
+                .build()
+                .map_err(|e| format!("tls: {}: {e}", self.ca_path.display()))?;
+        let (certs, key) = self.identity()?;
+        let mut config = rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("tls: {e}"))?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(certs, key)
+            .map_err(|e| self.mismatch(e))?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+    }
+
+    /// What a member dials its peers with: trusts only the CA, presents this
+    /// member's certificate, ALPN `h2`.
+    pub fn connector(&self) -> Result<tokio_rustls::TlsConnector, String> {
+        let (certs, key) = self.identity()?;
+        let mut config = rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("tls: {e}"))?
+            .with_root_certificates(self.roots()?)
+            .with_client_auth_cert(certs, key)
+            .map_err(|e| self.mismatch(e))?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
     }
 }
 

@@ -8,12 +8,12 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::net::{SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use fencelock_server::cluster::ClusterConfig;
-use fencelock_server::{EngineConfig, Server, ServerConfig};
+use fencelock_server::{EngineConfig, PeerTlsConfig, Server, ServerConfig};
 use serde_json::{json, Value};
 use support::Client;
 
@@ -71,6 +71,7 @@ fn config(
         join,
         advertise_url: String::new(),
         secret: Some(SECRET.into()),
+        tls: None,
         heartbeat: HEARTBEAT,
         dial: BTreeMap::new(),
     });
@@ -389,7 +390,10 @@ async fn the_peer_port_refuses_strangers_and_other_configurations() {
     .await;
     let peer = cluster.members[0].peer;
     let raw = |headers: Vec<(&'static str, String)>| async move {
-        let mut req = format!("POST /raft/vote HTTP/1.1\r\nhost: {peer}\r\ncontent-length: 0\r\nconnection: close\r\n");
+        let mut req = format!("POST /raft/vote HTTP/1.1\r\nhost: {peer}\r\nconnection: close\r\n");
+        if !headers.iter().any(|(k, _)| *k == "content-length") {
+            req.push_str("content-length: 0\r\n");
+        }
         for (k, v) in headers {
             req.push_str(&format!("{k}: {v}\r\n"));
         }
@@ -403,6 +407,16 @@ async fn the_peer_port_refuses_strangers_and_other_configurations() {
     };
     let no_secret = raw(vec![]).await;
     assert!(no_secret.starts_with("HTTP/1.1 401"), "{no_secret}");
+    // The secret is checked before the body is read: a stranger announcing a huge
+    // body is refused at once, not waited for (the handler used to read the body,
+    // up to 1 GiB, before it checked).
+    let huge = tokio::time::timeout(
+        support::IO_TIMEOUT,
+        raw(vec![("content-length", "100000000".into())]),
+    )
+    .await
+    .expect("refused without waiting for the body");
+    assert!(huge.starts_with("HTTP/1.1 401"), "{huge}");
     let wrong = raw(vec![(
         "authorization",
         "Bearer not-the-secret-at-all".into(),
@@ -545,4 +559,274 @@ async fn a_single_server_has_no_cluster_api() {
         .await
         .expect_error(404, "not_found");
     s.stop().await;
+}
+
+// ---------------------------------------------------------------------------------
+// Peer TLS
+
+/// `name`'s peer certificate for 127.0.0.1, signed by `ca`, as a member's settings.
+fn peer_tls(ca: &fencelock_testkit::TestCa, name: &str) -> PeerTlsConfig {
+    let (cert_path, key_path) = ca
+        .peer(name, IpAddr::from([127, 0, 0, 1]))
+        .expect("issue a peer certificate");
+    PeerTlsConfig {
+        cert_path,
+        key_path,
+        ca_path: ca.ca_cert.clone(),
+    }
+}
+
+/// Test CA and a peer certificate per member.
+fn cluster_certs(
+    dir: &Path,
+    ids: &[u64],
+) -> (fencelock_testkit::TestCa, BTreeMap<u64, PeerTlsConfig>) {
+    let ca = fencelock_testkit::TestCa::create(dir).expect("make a test CA");
+    let tls = ids
+        .iter()
+        .map(|id| (*id, peer_tls(&ca, &format!("m{id}"))))
+        .collect();
+    (ca, tls)
+}
+
+/// A TLS client for a peer port: trusts `ca`, presents `identity`'s certificate if
+/// given. No ALPN, so it can speak HTTP/1.1.
+fn tls_client(ca: &Path, identity: Option<&PeerTlsConfig>) -> tokio_rustls::TlsConnector {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(fencelock_server::tls::provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let config = match identity {
+        Some(id) => {
+            let certs = CertificateDer::pem_file_iter(&id.cert_path)
+                .unwrap()
+                .collect::<Result<Vec<_>, _>>()
+                .unwrap();
+            let key = PrivateKeyDer::from_pem_file(&id.key_path).unwrap();
+            builder.with_client_auth_cert(certs, key).unwrap()
+        }
+        None => builder.with_no_client_auth(),
+    };
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+}
+
+/// Reads what the server sends until it closes; an error after some bytes ends it.
+async fn read_answer(io: &mut (impl tokio::io::AsyncRead + Unpin)) -> std::io::Result<String> {
+    use tokio::io::AsyncReadExt;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match io.read(&mut buf).await {
+            Ok(0) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e) if out.is_empty() => return Err(e),
+            Err(_) => break,
+        }
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+const VOTE: &[u8] =
+    b"POST /raft/vote HTTP/1.1\r\nhost: peer\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+
+/// A vote request over TLS to a peer port: its answer, or how the handshake or the
+/// connection failed. Never hangs: the peer port answers or closes.
+async fn tls_vote(peer: SocketAddr, client: tokio_rustls::TlsConnector) -> std::io::Result<String> {
+    use tokio::io::AsyncWriteExt;
+    let exchange = async {
+        let tcp = tokio::net::TcpStream::connect(peer).await?;
+        let name = rustls::pki_types::ServerName::IpAddress(peer.ip().into());
+        let mut tls = client.connect(name, tcp).await?;
+        tls.write_all(VOTE).await?;
+        read_answer(&mut tls).await
+    };
+    tokio::time::timeout(support::IO_TIMEOUT, exchange)
+        .await
+        .expect("the peer port answers or closes the connection; it does not hang")
+}
+
+/// The same request in plain HTTP.
+async fn plain_vote(peer: SocketAddr) -> std::io::Result<String> {
+    use tokio::io::AsyncWriteExt;
+    let exchange = async {
+        let mut tcp = tokio::net::TcpStream::connect(peer).await?;
+        tcp.write_all(VOTE).await?;
+        read_answer(&mut tcp).await
+    };
+    tokio::time::timeout(support::IO_TIMEOUT, exchange)
+        .await
+        .expect("the peer port answers or closes the connection; it does not hang")
+}
+
+fn is_http(answer: &std::io::Result<String>) -> bool {
+    answer.as_ref().is_ok_and(|a| a.starts_with("HTTP/"))
+}
+
+/// Acquires through whichever member leads: every running member is tried, until
+/// one grants. Members name a new leader a moment before it takes requests (it
+/// answers `not_leader` until its first command is applied), and a loaded machine
+/// can see an election or two at the start. `body` has a `request_id`, so a retry
+/// never takes a second grant. Returns the leader's index and the grant.
+async fn acquire_at_leader(cluster: &Cluster, body: Value) -> (usize, Value) {
+    let body = &body;
+    eventually("a leader grants the lock", || async move {
+        for (i, m) in cluster.running() {
+            let r = acquire(&m.client(), body.clone()).await;
+            if r.status == 200 {
+                return Some((i, r.json()));
+            }
+        }
+        None
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cluster_forms_over_mutual_tls_and_refuses_peers_without_a_certificate_of_its_ca() {
+    let certs = tempfile::tempdir().unwrap();
+    let (ca, tls) = cluster_certs(certs.path(), &[1, 2, 3]);
+    // Mutual TLS alone authenticates the peers: no cluster secret.
+    let mut cluster = Cluster::start_with(3, &|id, c| {
+        let cluster = c.engine.cluster.as_mut().unwrap();
+        cluster.secret = None;
+        cluster.tls = Some(tls[&id].clone());
+    })
+    .await;
+    cluster.leader().await;
+    let (l, granted) = acquire_at_leader(
+        &cluster,
+        json!({"name": "tls:a", "ttl_ms": 5000, "request_id": "tls-1"}),
+    )
+    .await;
+    assert_eq!(granted["fence"], json!(1));
+    for (i, m) in cluster.running().filter(|(i, _)| *i != l) {
+        let c = m.client();
+        let shown = eventually(
+            &format!("member {} applies the grant", i + 1),
+            || async move {
+                let r = c.get("/v1/locks/tls:a?stale=true").await;
+                (r.status == 200).then(|| r.json())
+            },
+        )
+        .await;
+        assert_eq!(shown["holders"][0]["fence"], json!(1), "{shown}");
+    }
+
+    let peer = cluster.members[0].peer;
+    // The control: a member's certificate gets through the handshake and the gate;
+    // the request is refused only for its missing configuration fingerprint.
+    let member = tls_vote(peer, tls_client(&ca.ca_cert, Some(&tls[&2]))).await;
+    assert!(
+        member.as_ref().is_ok_and(|a| a.starts_with("HTTP/1.1 409")),
+        "{member:?}"
+    );
+    // No client certificate: refused in the handshake.
+    let anonymous = tls_vote(peer, tls_client(&ca.ca_cert, None)).await;
+    assert!(!is_http(&anonymous), "{anonymous:?}");
+    // A certificate from another CA: refused in the handshake.
+    let other = tempfile::tempdir().unwrap();
+    let other_ca = fencelock_testkit::TestCa::create(other.path()).unwrap();
+    let stranger = peer_tls(&other_ca, "stranger");
+    let forged = tls_vote(peer, tls_client(&ca.ca_cert, Some(&stranger))).await;
+    assert!(!is_http(&forged), "{forged:?}");
+    // Plain HTTP on the TLS port: closed at its first byte, nothing answered.
+    let plain = plain_vote(peer).await;
+    assert!(!is_http(&plain), "{plain:?}");
+    assert!(plain.as_ref().map_or(true, String::is_empty), "{plain:?}");
+    cluster.stop_all().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_member_without_peer_tls_is_not_accepted_by_a_tls_cluster() {
+    let certs = tempfile::tempdir().unwrap();
+    let (ca, tls) = cluster_certs(certs.path(), &[1, 2]);
+    // Member 3 runs plain (no secret either: its peer port is on loopback).
+    let mut cluster = Cluster::start_with(3, &|id, c| {
+        let cluster = c.engine.cluster.as_mut().unwrap();
+        cluster.secret = None;
+        cluster.tls = tls.get(&id).cloned();
+    })
+    .await;
+    let (l, _) = acquire_at_leader(
+        &cluster,
+        json!({"name": "mixed", "ttl_ms": 5000, "request_id": "mixed-1"}),
+    )
+    .await;
+    assert_ne!(l, 2, "the plain member leads a TLS cluster");
+    let lc = cluster.members[l].client();
+    let oc = cluster.members[1 - l].client();
+    eventually("the other TLS member applies the grant", || async move {
+        (oc.get("/v1/locks/mixed?stale=true").await.status == 200).then_some(())
+    })
+    .await;
+    let status = lc.get("/v1/cluster").await.expect_json(200);
+    let third = status["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["id"] == json!(3))
+        .unwrap()
+        .clone();
+    assert!(
+        third["matched_index"].is_null() || third["matched_index"] == json!(0),
+        "{third}"
+    );
+    let s3 = cluster.members[2]
+        .client()
+        .get("/v1/locks/mixed?stale=true")
+        .await;
+    assert_eq!(s3.status, 404, "member 3 must not have applied anything");
+    // A TLS handshake on the plain port is closed at its first byte.
+    let tls_on_plain = tls_vote(
+        cluster.members[2].peer,
+        tls_client(&ca.ca_cert, Some(&tls[&1])),
+    )
+    .await;
+    assert!(tls_on_plain.is_err(), "{tls_on_plain:?}");
+    cluster.stop_all().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protected_mode_needs_a_secret_or_mutual_tls_on_a_non_loopback_peer_port() {
+    let root = tempfile::tempdir().unwrap();
+    let (_ca, tls) = cluster_certs(root.path(), &[1]);
+    let peers = BTreeMap::from([(1, free_port())]);
+    let open = |dir: &str, tls: Option<PeerTlsConfig>| {
+        config(
+            1,
+            &root.path().join(dir),
+            free_port(),
+            "0.0.0.0:0".parse().unwrap(),
+            &peers,
+            false,
+            &|c| {
+                let cluster = c.engine.cluster.as_mut().unwrap();
+                cluster.secret = None;
+                cluster.tls = tls.clone();
+            },
+        )
+    };
+    let refused = match Server::start(open("plain", None)).await {
+        Ok(_) => {
+            panic!("a member listening for peers on 0.0.0.0 without peer authentication started")
+        }
+        Err(e) => e,
+    };
+    let message = refused.message();
+    assert!(message.contains("without peer authentication"), "{message}");
+    assert!(message.contains("--peer-tls-cert"), "{message}");
+    assert!(message.contains("--cluster-secret-file"), "{message}");
+    let server = Server::start(open("mtls", Some(tls[&1].clone())))
+        .await
+        .expect("a member with mutual TLS starts on 0.0.0.0");
+    tokio::time::timeout(support::IO_TIMEOUT, server.shutdown())
+        .await
+        .expect("stops in time")
+        .expect("stops cleanly");
 }

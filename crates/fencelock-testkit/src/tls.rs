@@ -1,4 +1,5 @@
-//! A throwaway certificate authority for TLS tests, made with the `openssl` command.
+//! A throwaway certificate authority for TLS tests, made with the `openssl` command:
+//! a server certificate, and cluster members' peer certificates for mutual TLS.
 
 use std::path::{Path, PathBuf};
 
@@ -106,5 +107,67 @@ impl TestCa {
             server_cert: dir.join("server.pem"),
             server_key: dir.join("server.key"),
         })
+    }
+
+    /// Issues a cluster member's peer certificate, signed by this CA: usable as a
+    /// server and as a client certificate (mutual TLS), for `ip`. Creates
+    /// `<name>.pem` and `<name>.key` next to the CA's files and returns (certificate,
+    /// key).
+    pub fn peer(&self, name: &str, ip: std::net::IpAddr) -> Result<(PathBuf, PathBuf), Error> {
+        let dir = self
+            .ca_cert
+            .parent()
+            .ok_or_else(|| Error::new(ErrorKind::Failed, "the CA certificate has no directory"))?;
+        let (key, csr, cert, ext) = (
+            format!("{name}.key"),
+            format!("{name}.csr"),
+            format!("{name}.pem"),
+            format!("{name}.cnf"),
+        );
+        openssl(
+            dir,
+            &[
+                "req",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-keyout",
+                &key,
+                "-out",
+                &csr,
+                "-subj",
+                &format!("/CN={name}"),
+            ],
+        )?;
+        std::fs::write(
+            dir.join(&ext),
+            format!(
+                "subjectAltName=IP:{ip}\nextendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n"
+            ),
+        )
+        .map_err(|e| Error::io("write the extensions file", e))?;
+        openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                &cert,
+                "-days",
+                "2",
+                "-extfile",
+                &ext,
+            ],
+        )?;
+        Ok((dir.join(cert), dir.join(key)))
     }
 }

@@ -12,9 +12,12 @@
 //! - [`state_machine`]: openraft's state machine, a bridge to the engine task, which
 //!   owns the core; snapshots are the core's image.
 //! - [`network`]: peer RPCs over HTTP/2 on the peer port, authenticated with the
-//!   cluster secret, refused when the sender's core configuration differs.
+//!   cluster secret and/or mutual TLS, refused when the sender's core configuration
+//!   differs.
+//! - `listener`: the peer port's accept loop: TLS, connection admission, timeouts.
 
 pub mod api;
+pub(crate) mod listener;
 pub mod log_store;
 pub mod network;
 pub mod state_machine;
@@ -110,9 +113,13 @@ pub struct ClusterConfig {
     pub join: bool,
     /// The URL clients should use for this member.
     pub advertise_url: String,
-    /// Shared secret every peer request carries; `None`: peer traffic is not
-    /// authenticated (loopback only, unless `insecure`).
+    /// Shared secret every peer request carries; `None` and no `tls`: peer traffic
+    /// is not authenticated (loopback only, unless `insecure`).
     pub secret: Option<String>,
+    /// Mutual TLS on the peer port: the peer listener speaks TLS and requires a
+    /// client certificate from the CA, and peers are dialed with TLS. Every member
+    /// of a cluster must use the same mode. May be combined with `secret`.
+    pub tls: Option<crate::tls::PeerTlsConfig>,
     /// Raft heartbeat interval (see [`ClusterConfig::election_timeout`]).
     pub heartbeat: Duration,
     /// Where to dial some members instead of their recorded peer address (id →

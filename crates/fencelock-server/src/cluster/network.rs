@@ -1,10 +1,18 @@
 //! Peer RPCs: openraft's messages, postcard-encoded, as HTTP/2 POSTs to the peer
-//! port. Every request carries the cluster secret (when set), the sender's id and
-//! URL, and a fingerprint of its core configuration: a member whose configuration
-//! differs is refused, so every member applies commands with the same bounds.
+//! port, over mutual TLS when the cluster has peer TLS ([`crate::tls::PeerTlsConfig`]:
+//! the peer's certificate is verified against the CA under the IP of its recorded
+//! peer address, and this member presents its own). Every request carries the
+//! cluster secret (when set), the sender's id and URL, and a fingerprint of its core
+//! configuration: a member whose configuration differs is refused, so every member
+//! applies commands with the same bounds. The peer port's accept loop (admission,
+//! timeouts, the TLS handshake) is in `listener.rs`.
 
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
-use std::sync::Arc;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Bytes;
@@ -13,8 +21,8 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use openraft::error::{
     NetworkError, RPCError, RaftError, ReplicationClosed, StreamingError, Unreachable,
 };
@@ -26,7 +34,10 @@ use openraft::raft::{
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
 
+use super::listener::{LogThrottle, PeerConnection};
 use super::{Directory, Member, Raft, SnapshotMeta, TypeConfig, Vote};
 
 /// Header: `Bearer <cluster secret>`.
@@ -67,7 +78,162 @@ impl PeerIdentity {
     }
 }
 
-type HttpClient = hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>>;
+type HttpClient = hyper_util::client::legacy::Client<Connector, Full<Bytes>>;
+
+/// A connection to a peer: plain TCP, or mutual TLS over it.
+enum PeerStream {
+    /// Plain TCP (no peer TLS).
+    Plain(TcpStream),
+    /// Mutual TLS.
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for PeerStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            PeerStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            PeerStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for PeerStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            PeerStream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            PeerStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            PeerStream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            PeerStream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            PeerStream::Plain(s) => s.is_write_vectored(),
+            PeerStream::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            PeerStream::Plain(s) => Pin::new(s).poll_flush(cx),
+            PeerStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            PeerStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            PeerStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+impl Connection for PeerStream {
+    fn connected(&self) -> Connected {
+        Connected::new()
+    }
+}
+
+/// Dials peers for the HTTP/2 client: TCP, then the TLS handshake when the cluster
+/// has peer TLS.
+#[derive(Clone)]
+struct Connector {
+    tcp: HttpConnector,
+    tls: Option<tokio_rustls::TlsConnector>,
+    /// Dial address (`--peer-dial`) → the IP the peer's certificate is verified
+    /// for: that of its recorded peer address. Other addresses are their own name.
+    names: Arc<Mutex<HashMap<String, IpAddr>>>,
+    /// Handshake failures are configuration errors, retried many times a second.
+    warnings: Arc<LogThrottle<String>>,
+}
+
+impl Connector {
+    fn new(tls: Option<tokio_rustls::TlsConnector>) -> Connector {
+        let mut tcp = HttpConnector::new();
+        tcp.set_nodelay(true);
+        tcp.set_connect_timeout(Some(Duration::from_secs(1)));
+        // The scheme is `https` with peer TLS; this connector does the TLS itself.
+        tcp.enforce_http(false);
+        Connector {
+            tcp,
+            tls,
+            names: Arc::default(),
+            warnings: Arc::new(LogThrottle::new(Duration::from_secs(10))),
+        }
+    }
+
+    /// The name `authority` (`ip:port`) is verified under.
+    fn server_name(&self, authority: &str) -> Option<rustls::pki_types::ServerName<'static>> {
+        let names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        let ip = match names.get(authority) {
+            Some(ip) => *ip,
+            None => authority.parse::<SocketAddr>().ok()?.ip(),
+        };
+        Some(rustls::pki_types::ServerName::IpAddress(ip.into()))
+    }
+}
+
+/// What the connector fails with.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl tower::Service<axum::http::Uri> for Connector {
+    type Response = TokioIo<PeerStream>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.tcp.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: axum::http::Uri) -> Self::Future {
+        let authority = uri
+            .authority()
+            .map(|a| a.as_str().to_owned())
+            .unwrap_or_default();
+        let name = self.server_name(&authority);
+        let tcp = self.tcp.call(uri);
+        let tls = self.tls.clone();
+        let warnings = self.warnings.clone();
+        Box::pin(async move {
+            let tcp = tcp.await?.into_inner();
+            let Some(tls) = tls else {
+                return Ok(TokioIo::new(PeerStream::Plain(tcp)));
+            };
+            let name = name.ok_or_else(|| format!("{authority} is not an IP:port peer address"))?;
+            match tls.connect(name, tcp).await {
+                Ok(stream) => Ok(TokioIo::new(PeerStream::Tls(Box::new(stream)))),
+                Err(e) => {
+                    if warnings.allow(authority.clone()) {
+                        tracing::warn!(
+                            peer = %authority,
+                            error = %e,
+                            "TLS handshake with a peer failed: every member of a cluster must use the same peer TLS settings, with certificates signed by the same --peer-tls-ca and naming the IP of their peer address"
+                        );
+                    }
+                    Err(e.into())
+                }
+            }
+        })
+    }
+}
 
 /// Builds peer clients for openraft.
 #[derive(Clone)]
@@ -75,27 +241,37 @@ pub struct Network {
     identity: Arc<PeerIdentity>,
     directory: Arc<Directory>,
     http: HttpClient,
-    dial: Arc<std::collections::BTreeMap<u64, std::net::SocketAddr>>,
+    connector: Connector,
+    dial: Arc<BTreeMap<u64, SocketAddr>>,
 }
 
 impl Network {
-    /// A network with one HTTP/2 connection pool for all peers.
+    /// A network with one HTTP/2 connection pool for all peers; `tls`: dial them
+    /// with mutual TLS (see [`crate::tls::PeerTlsConfig::connector`]).
     pub fn new(
         identity: Arc<PeerIdentity>,
         directory: Arc<Directory>,
-        dial: std::collections::BTreeMap<u64, std::net::SocketAddr>,
+        dial: BTreeMap<u64, SocketAddr>,
+        tls: Option<tokio_rustls::TlsConnector>,
     ) -> Network {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(1)));
+        let connector = Connector::new(tls);
         let http = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
             .http2_only(true)
-            .build(connector);
+            .build(connector.clone());
         Network {
             identity,
             directory,
             http,
+            connector,
             dial: Arc::new(dial),
+        }
+    }
+
+    fn scheme(&self) -> &'static str {
+        if self.connector.tls.is_some() {
+            "https"
+        } else {
+            "http"
         }
     }
 }
@@ -105,7 +281,18 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 
     async fn new_client(&mut self, target: u64, node: &Member) -> Peer {
         let addr = match self.dial.get(&target) {
-            Some(addr) => addr.to_string(),
+            Some(addr) => {
+                // The peer is still verified as the member the cluster records.
+                if let Ok(recorded) = node.peer_addr.parse::<SocketAddr>() {
+                    let mut names = self
+                        .connector
+                        .names
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner());
+                    names.insert(addr.to_string(), recorded.ip());
+                }
+                addr.to_string()
+            }
             None => node.peer_addr.clone(),
         };
         Peer {
@@ -143,7 +330,11 @@ impl Peer {
         Resp: DeserializeOwned,
     {
         let body = postcard::to_allocvec(req).map_err(network_error)?;
-        let mut request = axum::http::Request::post(format!("http://{}/raft/{path}", self.addr));
+        let mut request = axum::http::Request::post(format!(
+            "{}://{}/raft/{path}",
+            self.network.scheme(),
+            self.addr
+        ));
         for (name, value) in self.network.identity.headers() {
             request = request.header(name, value);
         }
@@ -158,7 +349,14 @@ impl Peer {
                     self.target
                 ))
             })?
-            .map_err(|e| unreachable(format!("peer {} at {}: {e}", self.target, self.addr)))?;
+            .map_err(|e| {
+                unreachable(format!(
+                    "peer {} at {}: {}",
+                    self.target,
+                    self.addr,
+                    error_chain(&e)
+                ))
+            })?;
         let status = response.status();
         if let (Some(id), Some(url)) = (
             header(response.headers(), NODE_HEADER).and_then(|v| v.parse().ok()),
@@ -182,6 +380,19 @@ impl Peer {
         }
         postcard::from_bytes(&bytes).map_err(network_error)
     }
+}
+
+/// An error and its sources, `a: b: c` (the HTTP client's own message is only
+/// "client error (Connect)").
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(e) = source {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        source = e.source();
+    }
+    text
 }
 
 /// A peer's own Raft failure (it stopped): to us, an unreachable peer.
@@ -276,22 +487,43 @@ pub fn router(state: PeerState) -> axum::Router {
         .route("/raft/snapshot", post(snapshot))
         .route("/raft/transfer-leader", post(transfer_leader))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_PEER_BODY))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), gate))
         .with_state(state)
 }
 
-/// Refuses a request without the secret or with another configuration; records
-/// the sender's URL.
-fn admit(state: &PeerState, headers: &HeaderMap) -> Result<(), Box<Response>> {
+/// In front of every peer route, before any body is read: a request without the
+/// cluster secret (when one is set) is refused with 401; otherwise its connection
+/// is admitted (`listener.rs`), or refused with 503 when the peer port has its
+/// maximum of admitted connections.
+async fn gate(
+    State(state): State<PeerState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
     if let Some(secret) = &state.identity.secret {
-        let presented = header(headers, AUTHORIZATION)
+        let presented = header(request.headers(), AUTHORIZATION)
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
         if !crate::auth::secrets_equal(presented.as_bytes(), secret.as_bytes()) {
-            return Err(Box::new(
-                (StatusCode::UNAUTHORIZED, "wrong or missing cluster secret").into_response(),
-            ));
+            return (StatusCode::UNAUTHORIZED, "wrong or missing cluster secret").into_response();
         }
     }
+    if let Some(PeerConnection(ticket)) = request.extensions().get::<PeerConnection>() {
+        if let Err(refused) = ticket.admit() {
+            let refused = refused.into_error();
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                refused.message().to_owned(),
+            )
+                .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// Refuses a request from a member with another configuration; records the
+/// sender's URL. (The secret is checked by [`gate`].)
+fn check_sender(state: &PeerState, headers: &HeaderMap) -> Result<(), Box<Response>> {
     let config = header(headers, CONFIG_HEADER).unwrap_or("");
     if config != state.identity.config {
         return Err(Box::new((
@@ -340,7 +572,7 @@ fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, Box<Response>> {
 }
 
 async fn append(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(refused) = admit(&state, &headers) {
+    if let Err(refused) = check_sender(&state, &headers) {
         return *refused;
     }
     let req: AppendEntriesRequest<TypeConfig> = match decode(&body) {
@@ -352,7 +584,7 @@ async fn append(State(state): State<PeerState>, headers: HeaderMap, body: Bytes)
 }
 
 async fn vote(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(refused) = admit(&state, &headers) {
+    if let Err(refused) = check_sender(&state, &headers) {
         return *refused;
     }
     let req: VoteRequest<TypeConfig> = match decode(&body) {
@@ -364,7 +596,7 @@ async fn vote(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -
 }
 
 async fn pre_vote(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(refused) = admit(&state, &headers) {
+    if let Err(refused) = check_sender(&state, &headers) {
         return *refused;
     }
     let req: VoteRequest<TypeConfig> = match decode(&body) {
@@ -376,7 +608,7 @@ async fn pre_vote(State(state): State<PeerState>, headers: HeaderMap, body: Byte
 }
 
 async fn snapshot(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(refused) = admit(&state, &headers) {
+    if let Err(refused) = check_sender(&state, &headers) {
         return *refused;
     }
     let (vote, meta, data): (Vote, SnapshotMeta, Vec<u8>) = match decode(&body) {
@@ -400,7 +632,7 @@ async fn transfer_leader(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(refused) = admit(&state, &headers) {
+    if let Err(refused) = check_sender(&state, &headers) {
         return *refused;
     }
     let req: TransferLeaderRequest<TypeConfig> = match decode(&body) {

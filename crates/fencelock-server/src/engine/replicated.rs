@@ -985,8 +985,9 @@ where
 }
 
 /// Starts a cluster member on this machine's network: the Raft log in
-/// `data_dir/raft/log` (fencelock-log), the peer listener (HTTP/2, the cluster
-/// secret, the configuration check), and [`start_member`].
+/// `data_dir/raft/log` (fencelock-log), the peer listener (HTTP/2, optionally inside
+/// mutual TLS, connection admission, the cluster secret, the configuration check),
+/// and [`start_member`].
 pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRuntime), ApiError> {
     let cluster = config
         .cluster
@@ -995,6 +996,17 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
     cluster
         .validate()
         .map_err(|e| ApiError::new(ApiErrorKind::InvalidArgument, e))?;
+    // Read before anything is opened: a bad file is a configuration error.
+    let (peer_acceptor, peer_connector) = match &cluster.tls {
+        Some(tls) => {
+            let refuse = |e: String| ApiError::new(ApiErrorKind::InvalidArgument, e);
+            (
+                Some(tls.acceptor().map_err(refuse)?),
+                Some(tls.connector().map_err(refuse)?),
+            )
+        }
+        None => (None, None),
+    };
     let fsync = config.durability == super::Durability::Fsync;
     let raft_dir = config.data_dir.join("raft");
     std::fs::create_dir_all(&raft_dir)
@@ -1031,6 +1043,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         identity.clone(),
         directory.clone(),
         cluster.dial.clone(),
+        peer_connector,
     );
     let (stop_peers, peers_stopped) = oneshot::channel::<()>();
     let (handle, runtime) = start_member(MemberSpec {
@@ -1049,17 +1062,13 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         directory: runtime.shared.directory.clone(),
     };
     let router = crate::cluster::network::router(peer_state);
-    tokio::spawn(async move {
-        let stopped = async {
-            let _ = peers_stopped.await;
-        };
-        if let Err(e) = axum::serve(peer_listener, router)
-            .with_graceful_shutdown(stopped)
-            .await
-        {
-            tracing::error!(error = %e, "the peer listener stopped");
-        }
-    });
+    tokio::spawn(crate::cluster::listener::serve(
+        peer_listener,
+        router,
+        peer_acceptor,
+        cluster.secret.is_some(),
+        peers_stopped,
+    ));
     Ok((handle, runtime))
 }
 
