@@ -546,3 +546,111 @@ async fn a_single_server_has_no_cluster_api() {
         .expect_error(404, "not_found");
     s.stop().await;
 }
+
+/// `GET /readyz` on a member: 200 `ready`, or the 503 `unavailable` message.
+async fn readyz(m: &Member) -> Result<(), String> {
+    let r = m.client().get("/readyz").await;
+    if r.status == 200 {
+        assert_eq!(r.text(), "ready\n");
+        return Ok(());
+    }
+    Err(r.expect_error(503, "unavailable"))
+}
+
+/// Issue 20: `/readyz` said 200 on every running member, caught up or not, so a
+/// load balancer or a rolling restart could not wait for a member to be part of
+/// the cluster again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn readyz_is_ready_only_on_a_caught_up_voter_in_touch_with_a_quorum() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    for (_, m) in cluster.running() {
+        eventually(
+            "every member of a healthy cluster is ready",
+            || async move { readyz(m).await.ok() },
+        )
+        .await;
+    }
+
+    // Member 4 starts empty, waiting to be added: not ready.
+    let dir = cluster._root.path().join("m4");
+    let (listen, peer) = (free_port(), free_port());
+    let server = Server::start(config(
+        4,
+        &dir,
+        listen,
+        peer,
+        &BTreeMap::new(),
+        true,
+        &|_| {},
+    ))
+    .await
+    .expect("member 4 starts");
+    cluster.members.push(Member {
+        id: 4,
+        server: Some(server),
+        dir,
+        listen,
+        peer,
+    });
+    let four = &cluster.members[3];
+    let why = readyz(four)
+        .await
+        .expect_err("a member waiting to be added");
+    assert!(why.contains("not in the cluster's membership"), "{why}");
+
+    // A learner (caught up, not yet promoted) is not ready either.
+    let raft = &cluster.members[l]
+        .server
+        .as_ref()
+        .expect("the leader runs")
+        .handle()
+        .cluster()
+        .expect("cluster mode")
+        .raft;
+    let node = fencelock_server::cluster::Member {
+        peer_addr: peer.to_string(),
+        url: four.url(),
+    };
+    raft.add_learner(4, node, true)
+        .await
+        .expect("member 4 joins as a learner");
+    // (Once its own metrics show the membership entry it holds.)
+    eventually("member 4 reports being a learner", || async move {
+        let why = readyz(four).await.expect_err("a learner is not ready");
+        why.contains("is a learner").then_some(())
+    })
+    .await;
+
+    // Promoted, it becomes ready.
+    let lc = cluster.members[l].client();
+    lc.post(
+        "/v1/cluster/members",
+        &json!({"id": 4, "peer_addr": peer.to_string(), "url": four.url()}),
+    )
+    .await
+    .expect_json(200);
+    eventually("member 4 is ready once a voter", || async move {
+        readyz(four).await.ok()
+    })
+    .await;
+
+    // Two of four voters stopped (the leader among them): no quorum, and the
+    // survivors say so.
+    let other = (0..3).find(|i| *i != l).expect("a follower");
+    cluster.stop(l).await;
+    cluster.stop(other).await;
+    for (_, m) in cluster.running() {
+        let why = eventually("a member without a quorum is not ready", || async move {
+            readyz(m).await.err()
+        })
+        .await;
+        assert!(
+            why.contains("not heard from the leader")
+                || why.contains("no leader is known")
+                || why.contains("no quorum has acknowledged"),
+            "{why}"
+        );
+    }
+    cluster.stop_all().await;
+}

@@ -27,7 +27,7 @@ use openraft::raft::{
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::{Directory, Member, Raft, SnapshotMeta, TypeConfig, Vote};
+use super::{Directory, LeaderContact, Member, Raft, SnapshotMeta, TypeConfig, Vote};
 
 /// Header: `Bearer <cluster secret>`.
 const AUTHORIZATION: &str = "authorization";
@@ -265,6 +265,8 @@ pub struct PeerState {
     pub identity: Arc<PeerIdentity>,
     /// Where peers' URLs are recorded.
     pub directory: Arc<Directory>,
+    /// Where accepted replication from the leader is recorded (for readiness).
+    pub contact: Arc<LeaderContact>,
 }
 
 /// The peer port's routes.
@@ -348,6 +350,10 @@ async fn append(State(state): State<PeerState>, headers: HeaderMap, body: Bytes)
         Err(bad) => return *bad,
     };
     let result = state.raft.append_entries(req).await;
+    // Refused for a higher vote: the sender is no leader of ours.
+    if matches!(&result, Ok(r) if !matches!(r, AppendEntriesResponse::HigherVote(_))) {
+        state.contact.record();
+    }
     reply(&state, &result)
 }
 

@@ -27,7 +27,9 @@ use super::{
 };
 use crate::audit::{self, AuditEntry, AuditStore};
 use crate::cluster::state_machine::SmRequest;
-use crate::cluster::{Directory, LeaderInfo, Proposal, Raft, StoredMembership, TypeConfig};
+use crate::cluster::{
+    Directory, LeaderContact, LeaderInfo, Proposal, Raft, StoredMembership, TypeConfig,
+};
 use crate::codec::{self, RecordMeta};
 use crate::error::{ApiError, ApiErrorKind};
 
@@ -83,9 +85,21 @@ pub struct ClusterShared {
     pub directory: Arc<Directory>,
     /// This member's advertised URL.
     pub url: String,
+    /// When this member last accepted the leader's replication.
+    pub contact: Arc<LeaderContact>,
+    /// How long a leader counts as confirmed by a quorum, and a follower as in
+    /// touch with its leader: the longest election timeout (openraft's leader
+    /// lease).
+    pub lease: Duration,
     #[cfg(feature = "planted-bugs")]
     pub(crate) stale_leader_reads: bool,
 }
+
+/// Most entries a member's applied index may be behind the cluster's commit index
+/// and still be ready (`/readyz`): a few group commits' worth, so a healthy member
+/// under load stays ready while one catching up (a restart, a snapshot, a slow
+/// disk) does not.
+pub const READY_MAX_LAG: u64 = 1_000;
 
 impl ClusterShared {
     /// The leader as this member knows it.
@@ -98,6 +112,59 @@ impl ClusterShared {
             leader_url(&metrics.membership_config, &self.directory, id)?
         };
         Some(LeaderInfo { id, url })
+    }
+
+    /// Whether this member can serve as a caught-up part of the cluster (`/readyz`),
+    /// or why not: it is a voter, a leader is known, the leader was confirmed by a
+    /// quorum (on the leader) or was heard from (on a follower) within
+    /// [`ClusterShared::lease`], and the applied index is at most
+    /// [`READY_MAX_LAG`] entries behind the cluster's commit index.
+    pub fn readiness(&self) -> Result<(), String> {
+        let m = self.raft.metrics().borrow_watched().clone();
+        let me = self.node_id;
+        let lease_ms = self.lease.as_millis();
+        let membership = m.membership_config.membership();
+        if membership.get_node(&me).is_none() {
+            return Err(format!(
+                "member {me} is not in the cluster's membership (it waits to be added with `fencelock cluster add`, or was removed)"
+            ));
+        }
+        let voters: Vec<u64> = membership.voter_ids().collect();
+        if !voters.contains(&me) {
+            return Err(format!(
+                "member {me} is a learner: it is catching up and not yet a voter"
+            ));
+        }
+        let Some(leader) = m.current_leader else {
+            return Err(
+                "no leader is known (an election is under way, or there is no quorum)".into(),
+            );
+        };
+        if leader == me {
+            let alone = voters == [me];
+            let confirmed = m
+                .last_quorum_acked
+                .as_ref()
+                .is_some_and(|at| openraft::Instant::elapsed(&**at) < self.lease);
+            if !alone && !confirmed {
+                return Err(format!(
+                    "member {me} leads, but no quorum has acknowledged it within {lease_ms} ms"
+                ));
+            }
+        } else if self.contact.since().is_none_or(|since| since >= self.lease) {
+            return Err(format!(
+                "member {me} has not heard from the leader (member {leader}) within {lease_ms} ms"
+            ));
+        }
+        let applied = m.last_applied.map_or(0, |id| id.index);
+        let committed = m.cluster_committed.map_or(0, |id| id.index);
+        let behind = committed.saturating_sub(applied);
+        if behind > READY_MAX_LAG {
+            return Err(format!(
+                "member {me} has applied up to index {applied}, {behind} entries behind the cluster's commit index {committed} (ready within {READY_MAX_LAG})"
+            ));
+        }
+        Ok(())
     }
 
     /// `not_leader`, naming the leader if known.
@@ -950,6 +1017,8 @@ where
         node_id: cluster.node_id,
         directory,
         url: cluster.advertise_url.clone(),
+        contact: Arc::new(LeaderContact::default()),
+        lease: cluster.election_timeout().1,
         #[cfg(feature = "planted-bugs")]
         stale_leader_reads: bugs.stale_leader_reads,
     });
@@ -1033,6 +1102,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         raft: runtime.shared.raft.clone(),
         identity,
         directory: runtime.shared.directory.clone(),
+        contact: runtime.shared.contact.clone(),
     };
     let router = crate::cluster::network::router(peer_state);
     tokio::spawn(async move {
