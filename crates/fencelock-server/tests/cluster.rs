@@ -654,3 +654,54 @@ async fn readyz_is_ready_only_on_a_caught_up_voter_in_touch_with_a_quorum() {
     }
     cluster.stop_all().await;
 }
+
+/// Issue 20: in cluster mode a read's `held_ms` and time left were counted to the
+/// last applied command's time, so on an idle cluster they stood still. They count
+/// to the answering member's clock at the read now, on the leader (linearizable)
+/// and on a follower (`?stale=true`), for one lock and for a listing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reads_count_held_and_left_time_to_the_moment_of_the_read() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    let lc = cluster.members[l].client();
+    let ttl_ms = 60_000;
+    acquire(&lc, json!({"name": "t:a", "ttl_ms": ttl_ms}))
+        .await
+        .expect_json(200);
+    let f = (l + 1) % 3;
+    let fc = cluster.members[f].client();
+    let holder_of = |v: &Value| -> (u64, u64) {
+        let h = &v["holders"][0];
+        (
+            h["held_ms"].as_u64().expect("held_ms"),
+            h["ttl_remaining_ms"].as_u64().expect("ttl_remaining_ms"),
+        )
+    };
+    for (who, c, path) in [
+        ("leader", &lc, "/v1/locks/t:a"),
+        ("follower", &fc, "/v1/locks/t:a?stale=true"),
+        ("leader listing", &lc, "/v1/locks?prefix=t:"),
+        ("follower listing", &fc, "/v1/locks?prefix=t:&stale=true"),
+    ] {
+        let listing = path.starts_with("/v1/locks?");
+        // Nothing is written after the grant, yet held time grows.
+        let (held, left) = eventually(&format!("{who}: held time grows"), || async move {
+            let r = c.get(path).await;
+            if r.status != 200 {
+                return None;
+            }
+            let body = r.json();
+            let view = if listing {
+                body["locks"][0].clone()
+            } else {
+                body
+            };
+            let (held, left) = holder_of(&view);
+            (held >= 300).then_some((held, left))
+        })
+        .await;
+        // Both count to the same moment: together they are the whole lease.
+        assert_eq!(held + left, ttl_ms, "{who}: held {held} + left {left}");
+    }
+    cluster.stop_all().await;
+}

@@ -52,6 +52,9 @@ pub(super) struct Replicated {
     pub(super) pending: HashMap<u64, Pending>,
     pub(super) next_seq: u64,
     pub(super) applied: Option<crate::cluster::LogId>,
+    /// The service time of the last applied command and when it was applied here:
+    /// a follower's clock for reads (see `EngineTask::read_time_ms`).
+    pub(super) applied_time: Option<(u64, Instant)>,
     pub(super) membership: StoredMembership,
     /// Leadership as last reported: `Some(term)` while this member leads.
     pub(super) leading: Option<u64>,
@@ -384,6 +387,28 @@ impl EngineTask {
         }
     }
 
+    /// The service time a read on this member counts to. The leader reads its
+    /// service clock (the one it stamps commands with). A follower has no clock of
+    /// the cluster's: it takes the last applied command's time plus the time since
+    /// it applied it, which stays at or behind the leader's clock while that leader
+    /// leads (a command is applied here after the leader stamped it). After a
+    /// failover the new leader's clock restarts from the applied time, so until its
+    /// first command is applied here a follower may count a little ahead of it.
+    /// Never earlier than the core's own time.
+    fn read_time_ms(&mut self) -> u64 {
+        let applied = self.core.now_ms();
+        let r = self.replica();
+        let now = if r.leading.is_some() {
+            self.clock.now_ms()
+        } else {
+            match r.applied_time {
+                Some((ms, at)) => ms.saturating_add(at.elapsed().as_millis() as u64),
+                None => applied,
+            }
+        };
+        now.max(applied)
+    }
+
     fn not_leader(&mut self) -> ApiError {
         let r = self.replica();
         let Some(id) = r.leader.filter(|id| *id != r.node_id) else {
@@ -493,7 +518,8 @@ impl EngineTask {
             }
             Msg::Read(read) => {
                 // The handle passed the read barrier (or asked for a stale read).
-                let delivery = read(&self.core);
+                let now_ms = self.read_time_ms();
+                let delivery = read(&self.core, now_ms);
                 self.deliveries.push(delivery);
             }
             Msg::Drain => {
@@ -635,8 +661,10 @@ impl EngineTask {
                 match result {
                     Ok(core) => {
                         self.core = core;
+                        let applied_ms = self.core.now_ms();
                         let r = self.replica();
                         r.applied = meta.last_log_id;
+                        r.applied_time = Some((applied_ms, Instant::now()));
                         r.membership = meta.last_membership;
                         // Whoever waited on this member is answered by the new state
                         // no more: they retry (with their request ids).
@@ -694,6 +722,8 @@ impl EngineTask {
             self.core.plant_next_fence(next);
         }
         let result = self.core.apply(now, command);
+        let applied_ms = self.core.now_ms();
+        self.replica().applied_time = Some((applied_ms, Instant::now()));
         #[cfg(feature = "planted-bugs")]
         if local {
             self.replica().local_fence = self.core.stats().next_fence;
@@ -960,6 +990,7 @@ where
             pending: HashMap::new(),
             next_seq: 0,
             applied: None,
+            applied_time: None,
             membership: StoredMembership::default(),
             leading: None,
             leader: None,
@@ -1198,6 +1229,7 @@ pub async fn storage_for_tests(
             pending: HashMap::new(),
             next_seq: 0,
             applied: None,
+            applied_time: None,
             membership: StoredMembership::default(),
             leading: None,
             leader: None,
