@@ -705,3 +705,31 @@ async fn reads_count_held_and_left_time_to_the_moment_of_the_read() {
     }
     cluster.stop_all().await;
 }
+
+/// Issue 20: the Raft log's fdatasyncs were not measured (the single-node
+/// `fencelock_log_sync_seconds` stays empty in cluster mode).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn raft_log_syncs_are_measured() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    let lc = cluster.members[l].client();
+    let syncs = |text: String| support::metric(&text, "fencelock_raft_log_sync_seconds_count");
+    let before = syncs(lc.get("/metrics").await.text()).expect("the histogram is rendered");
+    acquire(&lc, json!({"name": "s:a", "ttl_ms": 5000}))
+        .await
+        .expect_json(200);
+    // The grant's entry is synced on the leader too (perhaps after a quorum of
+    // followers answered, so polled).
+    let lc = &lc;
+    eventually("the leader's sync count grows", || async move {
+        let now = syncs(lc.get("/metrics").await.text())?;
+        (now > before).then_some(())
+    })
+    .await;
+    let text = lc.get("/metrics").await.text();
+    assert!(
+        text.contains("# TYPE fencelock_raft_log_sync_seconds histogram"),
+        "{text}"
+    );
+    cluster.stop_all().await;
+}

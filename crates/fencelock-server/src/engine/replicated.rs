@@ -949,7 +949,9 @@ where
         .map_err(|e| internal(format!("cannot start a thread: {e}")))?;
 
     directory.learn(cluster.node_id, &cluster.advertise_url);
-    let metrics = Arc::new(crate::metrics::Metrics::default());
+    let mut metrics = crate::metrics::Metrics::default();
+    metrics.cluster.log_sync = log_store.sync_histogram();
+    let metrics = Arc::new(metrics);
     metrics
         .audit_entries
         .store(audit_len, std::sync::atomic::Ordering::Relaxed);
