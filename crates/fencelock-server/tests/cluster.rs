@@ -733,3 +733,50 @@ async fn raft_log_syncs_are_measured() {
     );
     cluster.stop_all().await;
 }
+
+/// Issue 20: the dashboard said nothing about the cluster. The index page of a
+/// member has a "Cluster" section: this member, its role and term, the leader,
+/// and a row per member (with replication progress on the leader).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_dashboard_shows_the_cluster() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    let leader = &cluster.members[l];
+    let html = leader.client().get("/").await.text();
+    assert!(html.contains("<h2>Cluster</h2>"), "{html}");
+    assert!(
+        html.contains(&format!(
+            "This is member <b>{}</b>, <b>leader</b>, term <b>",
+            leader.id
+        )),
+        "{html}"
+    );
+    assert!(
+        html.contains(&format!("<a href=\"{0}\">{0}</a>", leader.url())),
+        "{html}"
+    );
+    for m in &cluster.members {
+        let row = html
+            .split("<tr data-member=")
+            .find(|r| r.starts_with(&format!("\"{}\"", m.id)))
+            .unwrap_or_else(|| panic!("no row for member {}: {html}", m.id));
+        assert!(row.contains(&m.url()), "{row}");
+        let role = if m.id == leader.id {
+            "leader"
+        } else {
+            "follower"
+        };
+        assert!(row.contains(&format!("<td>{role}</td>")), "{row}");
+    }
+    let follower = &cluster.members[(l + 1) % 3];
+    let html = follower.client().get("/").await.text();
+    assert!(html.contains("<h2>Cluster</h2>"), "{html}");
+    assert!(html.contains("known on the leader only"), "{html}");
+
+    let single = support::TestServer::start().await;
+    let html = single.client.get("/").await.text();
+    assert!(html.contains("<h2>Health</h2>"), "{html}");
+    assert!(!html.contains("<h2>Cluster</h2>"), "{html}");
+    single.stop().await;
+    cluster.stop_all().await;
+}

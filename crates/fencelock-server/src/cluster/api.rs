@@ -45,14 +45,51 @@ fn cluster_of(h: &Handle) -> Result<&std::sync::Arc<crate::engine::ClusterShared
     })
 }
 
-/// The `/v1/cluster` body as this member sees the cluster.
-pub fn status_json(h: &Handle) -> Result<serde_json::Value, ApiError> {
-    let c = cluster_of(h)?;
+/// The cluster as one member sees it: what `/v1/cluster` and the dashboard's
+/// "Cluster" section show.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterView {
+    /// This member's id.
+    pub node_id: u64,
+    /// This member's role: `leader`, `follower`, `candidate`, `learner`, or
+    /// `none` (not in the membership: waiting to be added, or removed).
+    pub role: &'static str,
+    /// The current term.
+    pub term: u64,
+    /// The leader as this member knows it.
+    pub leader: Option<super::LeaderInfo>,
+    /// On the leader: its last log index (what the members' lag counts to).
+    pub last_log_index: Option<u64>,
+    /// Every member of the membership, by id.
+    pub members: Vec<MemberView>,
+}
+
+/// One member in a [`ClusterView`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberView {
+    /// Its id.
+    pub id: u64,
+    /// Its client URL, if known.
+    pub url: Option<String>,
+    /// Its peer address.
+    pub peer_addr: String,
+    /// `leader`, `follower` (a voter) or `learner`.
+    pub role: &'static str,
+    /// On the leader: the last log index known replicated to it (0: none yet).
+    /// `None` on other members, which do not track replication.
+    pub matched_index: Option<u64>,
+    /// On the leader: entries it is behind, the leader's last log index − matched.
+    pub lag: Option<u64>,
+}
+
+/// The cluster as member `c` sees it now.
+pub fn view(c: &crate::engine::ClusterShared) -> ClusterView {
     let m = c.raft.metrics().borrow_watched().clone();
     let membership = m.membership_config.membership();
-    let leader = c.leader();
     let voters: BTreeSet<u64> = membership.voter_ids().collect();
-    let members: Vec<serde_json::Value> = membership
+    let leading = m.current_leader == Some(c.node_id);
+    let last_log_index = leading.then(|| m.last_log_index.unwrap_or(0));
+    let members = membership
         .nodes()
         .map(|(id, node)| {
             let role = if Some(*id) == m.current_leader {
@@ -67,24 +104,68 @@ pub fn status_json(h: &Handle) -> Result<serde_json::Value, ApiError> {
             } else {
                 Some(node.url.clone())
             };
-            let matched = m
+            let matched_index = m
                 .replication
                 .as_ref()
                 .and_then(|r| r.get(id).cloned())
                 .map(|l| l.map_or(0, |l| l.index));
+            let lag = matched_index
+                .zip(last_log_index)
+                .map(|(matched, last)| last.saturating_sub(matched));
+            MemberView {
+                id: *id,
+                url,
+                peer_addr: node.peer_addr.clone(),
+                role,
+                matched_index,
+                lag,
+            }
+        })
+        .collect();
+    let role = if leading {
+        "leader"
+    } else if m.state == openraft::ServerState::Candidate {
+        "candidate"
+    } else if voters.contains(&c.node_id) {
+        "follower"
+    } else if membership.get_node(&c.node_id).is_some() {
+        "learner"
+    } else {
+        "none"
+    };
+    ClusterView {
+        node_id: c.node_id,
+        role,
+        term: m.current_term,
+        leader: c.leader(),
+        last_log_index,
+        members,
+    }
+}
+
+/// The `/v1/cluster` body as this member sees the cluster.
+pub fn status_json(h: &Handle) -> Result<serde_json::Value, ApiError> {
+    let v = view(cluster_of(h)?);
+    let members: Vec<serde_json::Value> = v
+        .members
+        .iter()
+        .map(|m| {
             json!({
-                "id": id,
-                "url": url,
-                "peer_addr": node.peer_addr,
-                "role": role,
-                "matched_index": matched,
+                "id": m.id,
+                "url": m.url,
+                "peer_addr": m.peer_addr,
+                "role": m.role,
+                "matched_index": m.matched_index,
+                "lag": m.lag,
             })
         })
         .collect();
     Ok(json!({
-        "node_id": c.node_id,
-        "term": m.current_term,
-        "leader": leader.map(|l| json!({"id": l.id, "url": l.url})),
+        "node_id": v.node_id,
+        "role": v.role,
+        "term": v.term,
+        "leader": v.leader.map(|l| json!({"id": l.id, "url": l.url})),
+        "last_log_index": v.last_log_index,
         "members": members,
     }))
 }
@@ -129,6 +210,40 @@ fn write_error(
             ApiErrorKind::Unavailable,
             format!("membership change failed: {other}"),
         ),
+    }
+}
+
+/// How a refused membership change is answered: the transient refusals (a change
+/// still in progress; a fresh leader that has not yet committed an entry of its
+/// term) are 503 `unavailable`, for the caller to retry; the others (an empty
+/// membership, an unknown learner, an unsupported transition, a member's address
+/// changed under its id) are the request's fault, 400.
+fn membership_error_kind(e: &MembershipError) -> ApiErrorKind {
+    match e {
+        ChangeMembershipError::InProgress(_) | ChangeMembershipError::UncommittedLeaderLog(_) => {
+            ApiErrorKind::Unavailable
+        }
+        _ => ApiErrorKind::InvalidArgument,
+    }
+}
+
+/// Runs a membership change for at most [`MEMBERSHIP_WAIT`]: a leader that lost
+/// its quorum after accepting the change would otherwise hold the request forever.
+async fn bounded<T>(
+    c: &crate::engine::ClusterShared,
+    change: impl std::future::Future<
+        Output = Result<T, RaftError<super::TypeConfig, ClientWriteError<super::TypeConfig>>>,
+    >,
+) -> Result<T, ApiError> {
+    match tokio::time::timeout(MEMBERSHIP_WAIT, change).await {
+        Ok(result) => result.map_err(|e| write_error(c, e)),
+        Err(_) => Err(ApiError::new(
+            ApiErrorKind::Unavailable,
+            format!(
+                "the membership change did not complete within {} s (no quorum, or a new member still catching up); it may still take effect: check `fencelock cluster status`",
+                MEMBERSHIP_WAIT.as_secs()
+            ),
+        )),
     }
 }
 
@@ -207,40 +322,6 @@ async fn remove_member(
     bounded(c, c.raft.change_membership(change, false)).await?;
     tracing::info!(member = id, "member removed");
     Ok(Json(status_json(&h)?))
-}
-
-/// How a refused membership change is answered: the transient refusals (a change
-/// still in progress; a fresh leader that has not yet committed an entry of its
-/// term) are 503 `unavailable`, for the caller to retry; the others (an empty
-/// membership, an unknown learner, an unsupported transition, a member's address
-/// changed under its id) are the request's fault, 400.
-fn membership_error_kind(e: &MembershipError) -> ApiErrorKind {
-    match e {
-        ChangeMembershipError::InProgress(_) | ChangeMembershipError::UncommittedLeaderLog(_) => {
-            ApiErrorKind::Unavailable
-        }
-        _ => ApiErrorKind::InvalidArgument,
-    }
-}
-
-/// Runs a membership change for at most [`MEMBERSHIP_WAIT`]: a leader that lost
-/// its quorum after accepting the change would otherwise hold the request forever.
-async fn bounded<T>(
-    c: &crate::engine::ClusterShared,
-    change: impl std::future::Future<
-        Output = Result<T, RaftError<super::TypeConfig, ClientWriteError<super::TypeConfig>>>,
-    >,
-) -> Result<T, ApiError> {
-    match tokio::time::timeout(MEMBERSHIP_WAIT, change).await {
-        Ok(result) => result.map_err(|e| write_error(c, e)),
-        Err(_) => Err(ApiError::new(
-            ApiErrorKind::Unavailable,
-            format!(
-                "the membership change did not complete within {} s (no quorum, or a new member still catching up); it may still take effect: check `fencelock cluster status`",
-                MEMBERSHIP_WAIT.as_secs()
-            ),
-        )),
-    }
 }
 
 #[derive(Deserialize)]
