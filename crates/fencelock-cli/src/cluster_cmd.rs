@@ -1,9 +1,12 @@
 //! `fencelock cluster status|add|remove|transfer-leader`: an admin looks at and
 //! changes a cluster's membership over the HTTP API (`/v1/cluster`). Requests that
 //! change the cluster go to the leader: `--server` may list every member, and a
-//! member that is not the leader names it (see `http_get`).
+//! member that is not the leader names it (see `http_get`). While no member can be
+//! reached, or the cluster has no leader (every member answers 503), a command
+//! retries with backoff for up to `--wait`, then exits 69.
 
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
@@ -26,12 +29,25 @@ pub enum ClusterCmd {
     TransferLeader(TransferArgs),
 }
 
+/// How long a cluster command keeps trying.
+#[derive(Debug, Args)]
+pub struct Retry {
+    /// How long to keep retrying, with backoff, while no member can be reached or
+    /// the cluster has no leader (members answer 503); then exit 69. `0s`: try once.
+    #[arg(long, default_value = "10s", value_parser = remote::parse_duration)]
+    pub wait: Duration,
+}
+
 /// Flags of `fencelock cluster status`.
 #[derive(Debug, Args)]
 pub struct StatusArgs {
     /// Server(s), admin token, CA certificate, `--json`.
     #[command(flatten)]
     pub connection: Connection,
+    /// `--wait` (here also while the members that answer know no leader; the last
+    /// answer is printed before exiting 69).
+    #[command(flatten)]
+    pub retry: Retry,
 }
 
 /// Flags of `fencelock cluster add`.
@@ -49,6 +65,9 @@ pub struct AddArgs {
     /// Server(s), admin token, CA certificate, `--json`.
     #[command(flatten)]
     pub connection: Connection,
+    /// `--wait`.
+    #[command(flatten)]
+    pub retry: Retry,
 }
 
 /// Flags of `fencelock cluster remove`.
@@ -59,6 +78,9 @@ pub struct RemoveArgs {
     /// Server(s), admin token, CA certificate, `--json`.
     #[command(flatten)]
     pub connection: Connection,
+    /// `--wait`.
+    #[command(flatten)]
+    pub retry: Retry,
 }
 
 /// Flags of `fencelock cluster transfer-leader`.
@@ -69,10 +91,13 @@ pub struct TransferArgs {
     /// Server(s), admin token, CA certificate, `--json`.
     #[command(flatten)]
     pub connection: Connection,
+    /// `--wait`.
+    #[command(flatten)]
+    pub retry: Retry,
 }
 
-/// Runs the command; exit codes as the other client commands (69 unreachable, 77
-/// not allowed, 2 refused as malformed, 1 otherwise).
+/// Runs the command; exit codes as the other client commands (69 unreachable or
+/// no leader within `--wait`, 77 not allowed, 2 refused as malformed, 1 otherwise).
 pub fn run(cmd: ClusterCmd) -> ExitCode {
     remote::finish(execute(cmd))
 }
@@ -80,8 +105,25 @@ pub fn run(cmd: ClusterCmd) -> ExitCode {
 fn execute(cmd: ClusterCmd) -> Result<(), Failure> {
     match cmd {
         ClusterCmd::Status(args) => {
-            let body = call(&args.connection, "GET", "/v1/cluster", None)?;
-            print_cluster(&args.connection, &body)
+            let c = &args.connection;
+            let mut leaderless = None;
+            let answer = with_retries(args.retry.wait, std::thread::sleep, || {
+                let body = request(c, "GET", "/v1/cluster", None)?;
+                if body["leader"].is_null() {
+                    leaderless = Some(body);
+                    return Err(NoLeader.into());
+                }
+                Ok(body)
+            });
+            match (answer, leaderless) {
+                (Ok(body), _) => print_cluster(c, &body),
+                // Still worth seeing: who answered, in which term, with whom.
+                (Err(failure), Some(body)) => {
+                    print_cluster(c, &body)?;
+                    Err(failure)
+                }
+                (Err(failure), None) => Err(failure),
+            }
         }
         ClusterCmd::Add(args) => {
             if args.peer_addr.trim().is_empty() || args.url.trim().is_empty() {
@@ -93,6 +135,7 @@ fn execute(cmd: ClusterCmd) -> Result<(), Failure> {
             let request = json!({"id": args.id, "peer_addr": args.peer_addr, "url": args.url});
             let body = call(
                 &args.connection,
+                args.retry.wait,
                 "POST",
                 "/v1/cluster/members",
                 Some(&request),
@@ -100,14 +143,33 @@ fn execute(cmd: ClusterCmd) -> Result<(), Failure> {
             print_cluster(&args.connection, &body)
         }
         ClusterCmd::Remove(args) => {
+            let c = &args.connection;
             let path = format!("/v1/cluster/members/{}", args.id);
-            let body = call(&args.connection, "DELETE", &path, None)?;
-            print_cluster(&args.connection, &body)
+            let mut attempts = 0;
+            let body = with_retries(args.retry.wait, std::thread::sleep, || {
+                attempts += 1;
+                match request(c, "DELETE", &path, None) {
+                    // After a transient failure, "not in the cluster" is what was
+                    // asked for (perhaps done by the earlier attempt: a 503 for a
+                    // removal that had begun but did not complete in time).
+                    Err(e) if attempts > 1 && not_found(&e) => {
+                        request(c, "GET", "/v1/cluster", None)
+                    }
+                    other => other,
+                }
+            })?;
+            print_cluster(c, &body)
         }
         ClusterCmd::TransferLeader(args) => {
             let request = json!({"id": args.id});
             let path = "/v1/cluster/transfer-leader";
-            let body = call(&args.connection, "POST", path, Some(&request))?;
+            let body = call(
+                &args.connection,
+                args.retry.wait,
+                "POST",
+                path,
+                Some(&request),
+            )?;
             if args.connection.json {
                 println!("{body}");
             } else {
@@ -119,8 +181,26 @@ fn execute(cmd: ClusterCmd) -> Result<(), Failure> {
     }
 }
 
-/// One request to the cluster, its JSON answer or a failure with its exit code.
-fn call(c: &Connection, method: &str, path: &str, body: Option<&Value>) -> Result<Value, Failure> {
+/// One request to the cluster, retried for up to `wait` (see [`with_retries`]): its
+/// JSON answer or a failure with its exit code.
+fn call(
+    c: &Connection,
+    wait: Duration,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> Result<Value, Failure> {
+    with_retries(wait, std::thread::sleep, || request(c, method, path, body))
+}
+
+/// One request to the cluster (to the first member that answers, following the
+/// leader it names): its JSON answer.
+fn request(
+    c: &Connection,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> anyhow::Result<Value> {
     let body = body.map(|b| b.to_string().into_bytes());
     let answer = http_get::send(
         method,
@@ -129,12 +209,87 @@ fn call(c: &Connection, method: &str, path: &str, body: Option<&Value>) -> Resul
         c.token.as_deref(),
         c.ca_cert.as_deref(),
         body.as_deref(),
-    )
-    .map_err(failure)?;
-    serde_json::from_slice(&answer).map_err(|e| Failure {
-        message: format!("the server sent invalid JSON: {e}"),
-        code: exit::FAILURE,
-    })
+    )?;
+    serde_json::from_slice(&answer)
+        .map_err(|e| anyhow::anyhow!("the server sent invalid JSON: {e}"))
+}
+
+/// First pause between attempts; it doubles up to [`MAX_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_millis(100);
+/// Longest pause between attempts.
+const MAX_PAUSE: Duration = Duration::from_secs(1);
+
+/// The members that answered know no leader (`cluster status`).
+#[derive(Debug)]
+struct NoLeader;
+
+impl std::fmt::Display for NoLeader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the members that answered know no leader")
+    }
+}
+
+impl std::error::Error for NoLeader {}
+
+/// Whether another attempt may succeed: no member could be reached, one answered
+/// 503 (no leader, a leader without a quorum, a change not possible yet), or none
+/// knows a leader. Nothing else is retried: a real answer, or an I/O failure after
+/// a state change may have been sent.
+fn transient(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<Unreachable>().is_some()
+        || e.downcast_ref::<NoLeader>().is_some()
+        || e.downcast_ref::<HttpStatus>()
+            .is_some_and(|s| s.status == 503)
+}
+
+fn not_found(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<HttpStatus>()
+        .is_some_and(|s| s.status == 404 && s.code().as_deref() == Some("not_found"))
+}
+
+/// Runs `attempt` until it succeeds, fails for good, or `wait` is spent on
+/// transient failures ([`transient`]), pausing with `pause` between attempts
+/// (100 ms doubling to 1 s). Out of time: exit 69 with the last reason.
+fn with_retries<T>(
+    wait: Duration,
+    mut pause: impl FnMut(Duration),
+    mut attempt: impl FnMut() -> anyhow::Result<T>,
+) -> Result<T, Failure> {
+    let started = Instant::now();
+    // Time spent: real time, or the pauses alone if they did not really sleep.
+    let mut paused = Duration::ZERO;
+    let mut next = FIRST_PAUSE;
+    loop {
+        let e = match attempt() {
+            Ok(value) => return Ok(value),
+            Err(e) if transient(&e) => e,
+            Err(e) => return Err(failure(e)),
+        };
+        let spent = started.elapsed().max(paused);
+        if spent + next > wait {
+            return Err(Failure {
+                message: format!(
+                    "no leader answered within {} (--wait): {e:#}",
+                    humantime(wait)
+                ),
+                code: exit::UNAVAILABLE,
+            });
+        }
+        pause(next);
+        paused += next;
+        next = (next * 2).min(MAX_PAUSE);
+    }
+}
+
+/// `wait` as `--wait` takes it: `10s`, `1.5s`, `250ms`.
+fn humantime(wait: Duration) -> String {
+    if wait.subsec_millis() == 0 {
+        format!("{}s", wait.as_secs())
+    } else if wait < Duration::from_secs(1) {
+        format!("{}ms", wait.as_millis())
+    } else {
+        format!("{:.1}s", wait.as_secs_f64())
+    }
 }
 
 /// The exit code and message of a failed request.
@@ -233,6 +388,100 @@ mod tests {
             leaderless.starts_with("member 3, term 6, leader none known\n"),
             "{leaderless}"
         );
+    }
+
+    fn unavailable() -> anyhow::Error {
+        HttpStatus {
+            status: 503,
+            body: r#"{"error":{"code":"not_leader","message":"no leader is known yet"}}"#.into(),
+        }
+        .into()
+    }
+
+    #[test]
+    fn transient_failures_are_retried_with_backoff_within_the_wait() {
+        // Two 503s, then the answer: three attempts, pauses 100 and 200 ms.
+        let mut pauses = Vec::new();
+        let mut left = 2;
+        let got = with_retries(
+            Duration::from_secs(10),
+            |d| pauses.push(d),
+            || {
+                if left == 0 {
+                    return Ok("answer");
+                }
+                left -= 1;
+                Err(unavailable())
+            },
+        );
+        assert_eq!(got.expect("the third attempt answers"), "answer");
+        assert_eq!(
+            pauses,
+            [Duration::from_millis(100), Duration::from_millis(200)]
+        );
+
+        // Never a leader: pauses until the wait is spent (100+200+400+800+1000+1000
+        // = 3.5 s of a 4 s wait), then 69 with the last reason.
+        let mut pauses = Vec::new();
+        let mut attempts = 0;
+        let err = with_retries(
+            Duration::from_secs(4),
+            |d| pauses.push(d),
+            || -> anyhow::Result<()> {
+                attempts += 1;
+                Err(if attempts % 2 == 1 {
+                    unavailable()
+                } else {
+                    Unreachable("cannot connect to 127.0.0.1:1".into()).into()
+                })
+            },
+        )
+        .expect_err("no leader");
+        assert_eq!(err.code, exit::UNAVAILABLE);
+        assert_eq!(pauses.len(), 6, "{pauses:?}");
+        assert_eq!(attempts, 7);
+        assert!(
+            err.message
+                .starts_with("no leader answered within 4s (--wait): "),
+            "{}",
+            err.message
+        );
+        assert!(
+            err.message.contains("no leader is known yet"),
+            "{}",
+            err.message
+        );
+
+        // `--wait 0s`: one attempt.
+        let mut attempts = 0;
+        let err = with_retries(
+            Duration::ZERO,
+            |_| panic!("no pause without a wait"),
+            || -> anyhow::Result<()> {
+                attempts += 1;
+                Err(NoLeader.into())
+            },
+        )
+        .expect_err("no leader");
+        assert_eq!((attempts, err.code), (1, exit::UNAVAILABLE));
+        assert!(err.message.contains("know no leader"), "{}", err.message);
+
+        // A real answer is not retried.
+        let mut attempts = 0;
+        let err = with_retries(
+            Duration::from_secs(10),
+            |_| panic!("a final answer is not retried"),
+            || -> anyhow::Result<()> {
+                attempts += 1;
+                Err(HttpStatus {
+                    status: 400,
+                    body: String::new(),
+                }
+                .into())
+            },
+        )
+        .expect_err("refused");
+        assert_eq!((attempts, err.code), (1, exit::USAGE));
     }
 
     #[test]

@@ -6,7 +6,8 @@ use fencelock::ErrorKind;
 pub const FAILURE: u8 = 1;
 /// Bad flags or configuration.
 pub const USAGE: u8 = 2;
-/// The server could not be reached (sysexits' `EX_UNAVAILABLE`).
+/// The server could not be reached, or (`cluster …`) no leader answered within
+/// `--wait` (sysexits' `EX_UNAVAILABLE`).
 pub const UNAVAILABLE: u8 = 69;
 /// The token is missing, wrong, or not allowed to do this (sysexits' `EX_NOPERM`).
 pub const NO_PERMISSION: u8 = 77;

@@ -2,7 +2,7 @@
 //!
 //! Exit codes (see `exit.rs`): 0 success; 1 runtime failure (cannot bind, storage
 //! failed, corrupt backup); 2 usage error (bad flags or config file); 69 server
-//! unreachable; 75 lock lost while `run`'s command ran; 77 not authenticated or not
+//! unreachable (`cluster …`: or no leader answered within `--wait`); 75 lock lost while `run`'s command ran; 77 not authenticated or not
 //! allowed; 124 lock not acquired within
 //! `--wait`; 126/127 `run`'s command could not be executed / was not found; otherwise
 //! `run` exits with its command's code.
@@ -111,7 +111,8 @@ enum Commands {
         cmd: sessions_cmd::SessionsCmd,
     },
     /// Admin: a cluster's members, term and leader (`status`), and membership
-    /// changes (`add`, `remove`, `transfer-leader`).
+    /// changes (`add`, `remove`, `transfer-leader`); retried while the cluster has no
+    /// leader, for up to `--wait` (then exit 69).
     Cluster {
         /// `status`, `add`, `remove ID` or `transfer-leader ID`.
         #[command(subcommand)]

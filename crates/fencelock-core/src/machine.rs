@@ -1301,6 +1301,14 @@ impl Core {
 
     /// The view of one open session, if it exists.
     pub fn session(&self, id: SessionId) -> Option<SessionView> {
+        self.session_at(id, self.now_ms)
+    }
+
+    /// [`Core::session`] as seen at service time `now_ms` (never earlier than
+    /// [`Core::now_ms`]): a reader whose clock has moved on since the last command
+    /// sees the lease time left then. Nothing is expired by it: that takes a command.
+    pub fn session_at(&self, id: SessionId, now_ms: u64) -> Option<SessionView> {
+        let now = now_ms.max(self.now_ms);
         let s = self.sessions.get(&id)?;
         let mut holding: Vec<LockName> = s
             .holders
@@ -1319,7 +1327,7 @@ impl Core {
             owner: s.owner.clone(),
             tenant: s.tenant.clone(),
             ttl_ms: s.ttl_ms,
-            ttl_remaining_ms: s.deadline_ms.saturating_sub(self.now_ms),
+            ttl_remaining_ms: s.deadline_ms.saturating_sub(now),
             holding,
             waiting,
         })
@@ -1345,15 +1353,36 @@ impl Core {
 
     /// The view of one lock, or `None` if nobody holds, waits for or delays it.
     pub fn lock(&self, name: &LockName) -> Option<LockView> {
+        self.lock_at(name, self.now_ms)
+    }
+
+    /// [`Core::lock`] as seen at service time `now_ms` (never earlier than
+    /// [`Core::now_ms`]): `held_ms` and the time left count to `now_ms`, for a
+    /// reader whose clock has moved on since the last command (a cluster member
+    /// between commands). Nothing is expired by it: a lease past its deadline shows
+    /// 0 ms left until a command processes the expiry.
+    pub fn lock_at(&self, name: &LockName, now_ms: u64) -> Option<LockView> {
         self.locks
             .get(&NameKey::of(name))
-            .map(|lock| self.view(name, lock))
+            .map(|lock| self.view(name, lock, now_ms.max(self.now_ms)))
     }
 
     /// Locks whose names start with `prefix`, in name order, starting after `after`,
     /// at most `max` of them.
     pub fn locks(&self, prefix: &str, after: Option<&LockName>, max: usize) -> Vec<LockView> {
+        self.locks_at(prefix, after, max, self.now_ms)
+    }
+
+    /// [`Core::locks`] as seen at service time `now_ms` (see [`Core::lock_at`]).
+    pub fn locks_at(
+        &self,
+        prefix: &str,
+        after: Option<&LockName>,
+        max: usize,
+        now_ms: u64,
+    ) -> Vec<LockView> {
         use std::ops::Bound;
+        let now = now_ms.max(self.now_ms);
         let start = match after {
             Some(a) => Bound::Excluded(NameKey::of(a)),
             None => match LockName::recorded(prefix) {
@@ -1367,12 +1396,13 @@ impl Core {
             .skip_while(|(n, _)| !n.as_str().starts_with(prefix) && n.as_str() < prefix)
             .take_while(|(n, _)| n.as_str().starts_with(prefix))
             .take(max)
-            .map(|(n, l)| self.view(n, l))
+            .map(|(n, l)| self.view(n, l, now))
             .collect()
     }
 
-    fn view(&self, name: &LockName, lock: &Lock) -> LockView {
-        let now = self.now_ms;
+    /// `now` is at least `self.now_ms`, so at least every grant's time.
+    fn view(&self, name: &LockName, lock: &Lock, now: u64) -> LockView {
+        debug_assert!(now >= self.now_ms);
         let holders = lock
             .holders
             .iter()

@@ -443,6 +443,30 @@ fn promote_gives_every_lease_a_fresh_full_ttl_and_keeps_the_queue() {
 
 #[rustfmt::skip]
 #[test]
+fn views_at_a_later_time_count_to_it_without_expiring_anything() {
+    let mut c = core();
+    check(&mut c, 100, open_session(1, 500), "session-opened s1 ttl=500");
+    check(&mut c, 100, acquire("a", 1).ttl(1000), "granted a fence=1 t1 ttl=1000");
+    check(&mut c, 200, acquire("b", 2).delay(300), "granted b fence=2 t2 ttl=1000");
+    check(&mut c, 250, force_release("b", None), "force-released fences=[2]");
+    // A reader at 700 whose core last applied a command at 250 (a cluster member
+    // between commands): held and left count to 700, not to 250.
+    let a = c.lock_at(&name("a"), 700).expect("held");
+    assert_eq!((a.holders[0].held_ms, a.holders[0].ttl_remaining_ms), (600, 400));
+    assert_eq!(c.locks_at("", None, 10, 700)[0], a);
+    assert_eq!(c.lock_at(&name("b"), 500).expect("in lock-delay").lock_delay_remaining_ms, 50);
+    assert_eq!(c.session_at(sid(1), 550).expect("open").ttl_remaining_ms, 50);
+    // Past the deadline: 0 left, still shown (expiry takes a command); never
+    // earlier than the last command's time.
+    let late = c.lock_at(&name("a"), 5_000).expect("not expired by a read");
+    assert_eq!((late.holders[0].held_ms, late.holders[0].ttl_remaining_ms), (4_900, 0));
+    assert_eq!(c.lock_at(&name("a"), 0), c.lock(&name("a")));
+    assert_eq!(c.lock(&name("a")).expect("held").holders[0].held_ms, 150);
+    assert_eq!(c.stats().holders, 1);
+}
+
+#[rustfmt::skip]
+#[test]
 fn recover_gives_every_lease_a_fresh_full_ttl_and_drops_waiters() {
     let mut c = core();
     check(&mut c, 0, open_session(1, 100), "session-opened s1 ttl=100");

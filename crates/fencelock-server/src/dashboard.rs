@@ -365,7 +365,13 @@ fn health(h: &Handle, who: &Principal) -> String {
         );
     }
     let m = h.metrics();
-    let fsync = match (m.fsync.mean(), m.fsync.quantile_bound(0.99)) {
+    // A cluster member syncs the Raft log instead of the command log.
+    let sync = if h.cluster().is_some() {
+        &*m.cluster.log_sync
+    } else {
+        &m.fsync
+    };
+    let fsync = match (sync.mean(), sync.quantile_bound(0.99)) {
         (Some(mean), Some(p99)) => format!(
             "{:.2} ms <span class=\"muted\">(p99 ≤ {:.2} ms)</span>",
             mean / 1000.0,
@@ -395,9 +401,67 @@ fn health(h: &Handle, who: &Principal) -> String {
         m.sessions.load(Relaxed),
         m.locks.load(Relaxed),
         m.next_fence.load(Relaxed),
-        m.fsync.count(),
+        sync.count(),
         m.audit_entries.load(Relaxed),
     )
+}
+
+/// A member's URL as a link, if it is an http(s) URL (anything else, such as a
+/// `javascript:` URL, is shown as text), or `—` if unknown.
+fn member_link(url: Option<&str>) -> String {
+    match url {
+        Some(u) if u.starts_with("http://") || u.starts_with("https://") => {
+            format!("<a href=\"{}\">{}</a>", esc(u), esc(u))
+        }
+        Some(u) => esc(u),
+        None => "—".to_owned(),
+    }
+}
+
+/// The "Cluster" section (cluster mode only): this member, the term and the leader,
+/// then one row per member with its replication progress (known on the leader).
+fn cluster_section(v: &crate::cluster::api::ClusterView) -> String {
+    let leader = match &v.leader {
+        Some(l) => format!(
+            "member <b>{}</b> ({})",
+            l.id,
+            member_link(Some(l.url.as_str()))
+        ),
+        None => "<span class=\"error\">none known</span>".to_owned(),
+    };
+    let mut s = format!(
+        "<p id=\"cluster-self\">This is member <b>{}</b>, <b>{}</b>, term <b>{}</b>. Leader: {leader}.</p>\
+<table id=\"cluster-table\"><thead><tr><th>Member</th><th>URL</th><th>Role</th><th>Matched index</th>\
+<th>Lag (entries)</th></tr></thead><tbody>",
+        v.node_id,
+        esc(v.role),
+        v.term
+    );
+    let num = |n: Option<u64>| n.map_or("—".to_owned(), |n| n.to_string());
+    for m in &v.members {
+        let _ = write!(
+            s,
+            "<tr data-member=\"{}\"><td class=\"num\">{}{}</td><td>{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
+            m.id,
+            m.id,
+            if m.id == v.node_id { " <span class=\"muted\">(this)</span>" } else { "" },
+            member_link(m.url.as_deref()),
+            esc(m.role),
+            num(m.matched_index),
+            num(m.lag),
+        );
+    }
+    s.push_str("</tbody></table>");
+    if v.last_log_index.is_none() {
+        s.push_str("<p class=\"muted\">Replication progress is known on the leader only.</p>");
+    }
+    s
+}
+
+/// The cluster section of `h`'s dashboard, `None` on a single server.
+fn cluster_html(h: &Handle) -> Option<String> {
+    h.cluster()
+        .map(|c| cluster_section(&crate::cluster::api::view(c)))
 }
 
 fn audit_row(e: &AuditEntry) -> String {
@@ -497,10 +561,13 @@ async fn index(
     {
         events.push_str(&audit_row(e));
     }
+    let cluster = cluster_html(&h)
+        .map(|c| format!("<h2>Cluster</h2><div id=\"cluster\" sse-swap=\"cluster\">{c}</div>"))
+        .unwrap_or_default();
     let body = format!(
         "<form method=\"get\" action=\"/\"><label>Prefix <input type=\"text\" name=\"prefix\" value=\"{}\" placeholder=\"tenant:kind:\"></label> <button>Show</button></form>\
 <div sse-connect=\"/ui/stream?prefix={}\">\
-<h2>Health</h2><div id=\"health\" sse-swap=\"health\">{}</div>\
+<h2>Health</h2><div id=\"health\" sse-swap=\"health\">{}</div>{cluster}\
 <h2>Locks <span class=\"muted\" id=\"live\">(live)</span></h2><div id=\"locks\" sse-swap=\"locks\">{}</div>\
 <h2>Recent events</h2>{EVENTS_HEAD}<tbody id=\"events\" sse-swap=\"event\" hx-swap=\"afterbegin\">{}</tbody></table>\
 </div>",
@@ -545,6 +612,12 @@ async fn stream(
         ];
         out.extend(
             frame
+                .cluster
+                .as_ref()
+                .map(|c| SseEvent::default().event("cluster").data(c)),
+        );
+        out.extend(
+            frame
                 .rows
                 .iter()
                 .map(|r| SseEvent::default().event("event").data(r)),
@@ -578,6 +651,8 @@ struct ViewKey {
 struct Frame {
     table: String,
     health: String,
+    /// The cluster section (cluster mode only).
+    cluster: Option<String>,
     /// Rows of "recent events" since the previous frame, oldest first.
     rows: Vec<String>,
 }
@@ -733,6 +808,7 @@ async fn render_view(
         let frame = Frame {
             table,
             health: health(&h, &who),
+            cluster: cluster_html(&h),
             rows: std::mem::take(&mut rows),
         };
         h.metrics().dashboard_renders.fetch_add(1, Relaxed);
@@ -1065,6 +1141,121 @@ mod tests {
     }
 
     #[test]
+    fn the_cluster_section_lists_members_escaped_and_links_only_http() {
+        use crate::cluster::api::{ClusterView, MemberView};
+        let member = |id: u64, url: Option<&str>, role, matched: Option<u64>, lag| MemberView {
+            id,
+            url: url.map(str::to_owned),
+            peer_addr: format!("127.0.0.1:752{id}"),
+            role,
+            matched_index: matched,
+            lag,
+        };
+        let leader_view = ClusterView {
+            node_id: 1,
+            role: "leader",
+            term: 7,
+            leader: Some(crate::cluster::LeaderInfo {
+                id: 1,
+                url: "http://10.0.0.1:7420/?a=1&b=\"<x>".into(),
+            }),
+            last_log_index: Some(42),
+            members: vec![
+                member(
+                    1,
+                    Some("http://10.0.0.1:7420/?a=1&b=\"<x>"),
+                    "leader",
+                    Some(42),
+                    Some(0),
+                ),
+                member(
+                    2,
+                    Some("javascript:alert(1)"),
+                    "follower",
+                    Some(40),
+                    Some(2),
+                ),
+                member(3, None, "learner", Some(0), Some(42)),
+            ],
+        };
+        let html = cluster_section(&leader_view);
+        assert!(
+            html.contains("member <b>1</b>, <b>leader</b>, term <b>7</b>"),
+            "{html}"
+        );
+        assert!(
+            html.contains("<a href=\"http://10.0.0.1:7420/?a=1&amp;b=&quot;&lt;x&gt;\">"),
+            "{html}"
+        );
+        assert!(
+            !html.contains("<x>") && !html.contains("href=\"javascript"),
+            "{html}"
+        );
+        for (id, tail) in [
+            (1, "42</td><td class=\"num\">0</td>"),
+            (2, "40</td><td class=\"num\">2</td>"),
+            (3, "0</td><td class=\"num\">42</td>"),
+        ] {
+            let row = html
+                .split("<tr data-member=")
+                .find(|r| r.starts_with(&format!("\"{id}\"")))
+                .unwrap_or_else(|| panic!("no row for member {id}: {html}"));
+            assert!(row.contains(tail), "member {id}: {row}");
+        }
+        assert!(!html.contains("known on the leader only"), "{html}");
+
+        // A follower knows no replication progress, and may know no leader.
+        let follower_view = ClusterView {
+            node_id: 2,
+            role: "follower",
+            leader: None,
+            last_log_index: None,
+            members: leader_view
+                .members
+                .iter()
+                .map(|m| MemberView {
+                    matched_index: None,
+                    lag: None,
+                    ..m.clone()
+                })
+                .collect(),
+            ..leader_view
+        };
+        let html = cluster_section(&follower_view);
+        assert!(
+            html.contains("Leader: <span class=\"error\">none known</span>"),
+            "{html}"
+        );
+        assert!(html.contains("known on the leader only"), "{html}");
+        assert_eq!(html.matches("<tr data-member=").count(), 3, "{html}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_single_server_has_no_cluster_section() {
+        let (h, _dir) = engine();
+        assert_eq!(cluster_html(&h), None);
+        let page = index(
+            State(h.clone()),
+            anonymous_admin(),
+            HeaderMap::new(),
+            Ok(Query(PrefixParams {
+                prefix: String::new(),
+            })),
+        )
+        .await;
+        let body = axum::body::to_bytes(page.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        let html = String::from_utf8_lossy(&body);
+        assert!(html.contains("<h2>Health</h2>"), "{html}");
+        assert!(
+            !html.contains("Cluster") && !html.contains("cluster-table"),
+            "{html}"
+        );
+        h.shutdown().await;
+    }
+
+    #[test]
     fn cookie_values_cannot_inject_attributes() {
         assert!(cookie_safe("flk_abcDEF-123_x"));
         assert!(!cookie_safe("abc; Domain=evil"));
@@ -1077,6 +1268,13 @@ mod tests {
         let mut config = crate::engine::EngineConfig::new(dir.path());
         config.durability = crate::engine::Durability::None;
         (crate::engine::start(config).unwrap(), dir)
+    }
+
+    /// A request's extensions as the auth layer leaves them with authentication off.
+    fn anonymous_admin() -> Extensions {
+        let mut ext = Extensions::new();
+        ext.insert(Principal::anonymous());
+        ext
     }
 
     async fn acquire(h: &Handle, name: &str) {

@@ -253,7 +253,9 @@ pub const EVENT_BUFFER: usize = 4096;
 pub type SharedEvent = Arc<Event>;
 
 type Delivery = Box<dyn FnOnce() + Send>;
-type Read = Box<dyn FnOnce(&Core) -> Delivery + Send>;
+/// A read of the core, given the service time of the read (ms): what views count
+/// held and remaining time to.
+type Read = Box<dyn FnOnce(&Core, u64) -> Delivery + Send>;
 
 /// Where an acquire's answer goes, called on the thread that delivers it (the writer
 /// thread, once the grant is durable): the wire protocol writes it to the client's
@@ -937,7 +939,7 @@ impl EngineTask {
             }
             Msg::Read(read) => {
                 self.execute(Command::Tick, |_| {});
-                let delivery = read(&self.core);
+                let delivery = read(&self.core, self.core.now_ms());
                 self.deliveries.push(delivery);
             }
             Msg::Drain => self.drain(),
@@ -1875,10 +1877,7 @@ impl Handle {
         &self,
         f: impl FnOnce(&Core) -> T + Send + 'static,
     ) -> Result<T, ApiError> {
-        if let Some(cluster) = self.shared.cluster() {
-            cluster.read_barrier().await?;
-        }
-        self.read_local(f).await
+        self.read_at(move |core, _| f(core), false).await
     }
 
     /// Reads this member's state as applied so far, without asking the leader
@@ -1888,9 +1887,25 @@ impl Handle {
         &self,
         f: impl FnOnce(&Core) -> T + Send + 'static,
     ) -> Result<T, ApiError> {
+        self.read_at(move |core, _| f(core), true).await
+    }
+
+    /// [`Handle::read`] (or with `stale`, [`Handle::read_local`]), with the
+    /// service time of the read for `f`: on a single server the time of the tick
+    /// that precedes every read; on a cluster member its clock at the read (see
+    /// `EngineTask::read_time_ms`), so views do not stop at the last applied
+    /// command's time while the cluster is idle.
+    async fn read_at<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Core, u64) -> T + Send + 'static,
+        stale: bool,
+    ) -> Result<T, ApiError> {
+        if let (Some(cluster), false) = (self.shared.cluster(), stale) {
+            cluster.read_barrier().await?;
+        }
         let (tx, rx) = oneshot::channel();
-        self.send(Msg::Read(Box::new(move |core| {
-            let value = f(core);
+        self.send(Msg::Read(Box::new(move |core, now_ms| {
+            let value = f(core, now_ms);
             Box::new(move || {
                 let _ = tx.send(value);
             })
@@ -2122,21 +2137,24 @@ impl Handle {
         max: usize,
     ) -> Result<Vec<SessionView>, ApiError> {
         let caller = caller.clone();
-        self.read(move |core| {
-            let mut ids = core.session_ids();
-            ids.sort_unstable();
-            ids.into_iter()
-                .filter_map(|id| core.session(id))
-                .filter(|s| caller.may_manage(s))
-                .filter(|s| {
-                    s.holding
-                        .iter()
-                        .chain(&s.waiting)
-                        .all(|n| n.as_str().starts_with(&prefix))
-                })
-                .take(max)
-                .collect()
-        })
+        self.read_at(
+            move |core, now_ms| {
+                let mut ids = core.session_ids();
+                ids.sort_unstable();
+                ids.into_iter()
+                    .filter_map(|id| core.session_at(id, now_ms))
+                    .filter(|s| caller.may_manage(s))
+                    .filter(|s| {
+                        s.holding
+                            .iter()
+                            .chain(&s.waiting)
+                            .all(|n| n.as_str().starts_with(&prefix))
+                    })
+                    .take(max)
+                    .collect()
+            },
+            false,
+        )
         .await
     }
 
@@ -2152,10 +2170,8 @@ impl Handle {
         name: LockName,
         stale: bool,
     ) -> Result<Option<LockView>, ApiError> {
-        if stale {
-            return self.read_local(move |core| core.lock(&name)).await;
-        }
-        self.read(move |core| core.lock(&name)).await
+        self.read_at(move |core, now_ms| core.lock_at(&name, now_ms), stale)
+            .await
     }
 
     /// [`Handle::locks`], or with `stale` this member's view (see
@@ -2167,12 +2183,11 @@ impl Handle {
         max: usize,
         stale: bool,
     ) -> Result<Vec<LockView>, ApiError> {
-        if stale {
-            return self
-                .read_local(move |core| core.locks(&prefix, after.as_ref(), max))
-                .await;
-        }
-        self.locks(prefix, after, max).await
+        self.read_at(
+            move |core, now_ms| core.locks_at(&prefix, after.as_ref(), max, now_ms),
+            stale,
+        )
+        .await
     }
 
     /// Locks by prefix, paginated by name.
@@ -2182,8 +2197,7 @@ impl Handle {
         after: Option<LockName>,
         max: usize,
     ) -> Result<Vec<LockView>, ApiError> {
-        self.read(move |core| core.locks(&prefix, after.as_ref(), max))
-            .await
+        self.locks_with(prefix, after, max, false).await
     }
 
     /// A consistent snapshot of the whole durable state (for `fencelock backup`). It

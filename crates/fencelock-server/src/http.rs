@@ -502,11 +502,20 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
+/// `GET /readyz`: 200 `ready` while the server serves; 503 `unavailable` with the
+/// reason in the message otherwise. A cluster member is ready only when it is caught
+/// up (`ClusterShared::readiness`: a voter, in touch with a leader that a quorum
+/// confirms, applied within `READY_MAX_LAG` entries of the commit index).
 async fn readyz(State(h): State<Handle>) -> Response {
-    match h.state() {
-        RunState::Running => (StatusCode::OK, "ready\n").into_response(),
-        other => ApiError::new(ApiErrorKind::Unavailable, format!("not ready: {other:?}"))
-            .into_response(),
+    let why = match h.state() {
+        RunState::Running => h.cluster().and_then(|c| c.readiness().err()),
+        other => Some(format!("{other:?}")),
+    };
+    match why {
+        None => (StatusCode::OK, "ready\n").into_response(),
+        Some(why) => {
+            ApiError::new(ApiErrorKind::Unavailable, format!("not ready: {why}")).into_response()
+        }
     }
 }
 

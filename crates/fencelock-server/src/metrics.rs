@@ -28,6 +28,12 @@ impl Histogram {
         }
     }
 
+    /// A histogram of durations in µs, rendered in seconds, with the buckets of
+    /// the log syncs (50 µs to 1 s).
+    pub fn sync_micros() -> Histogram {
+        Histogram::new(MICROS_BOUNDS, 1_000_000.0)
+    }
+
     /// Records one observation.
     pub fn observe(&self, value: u64) {
         if let Some(i) = self.bounds.iter().position(|b| value <= *b) {
@@ -148,7 +154,7 @@ pub struct Metrics {
 }
 
 /// Raft figures of a cluster member (see [`CLUSTER_METRIC_NAMES`]).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ClusterMetrics {
     /// Set once this member runs in cluster mode.
     pub enabled: std::sync::atomic::AtomicBool,
@@ -164,6 +170,24 @@ pub struct ClusterMetrics {
     pub leader_changes: AtomicU64,
     /// On the leader: entries each member is behind the leader's last log index.
     pub peer_lag: std::sync::Mutex<std::collections::BTreeMap<u64, u64>>,
+    /// Duration of each Raft log sync (write and fdatasync of a group), µs. Shared
+    /// with the Raft log's writer thread (`LogStore::sync_histogram`).
+    pub log_sync: Arc<Histogram>,
+}
+
+impl Default for ClusterMetrics {
+    fn default() -> ClusterMetrics {
+        ClusterMetrics {
+            enabled: Default::default(),
+            leader: AtomicU64::new(0),
+            term: AtomicU64::new(0),
+            committed: AtomicU64::new(0),
+            applied: AtomicU64::new(0),
+            leader_changes: AtomicU64::new(0),
+            peer_lag: Default::default(),
+            log_sync: Arc::new(Histogram::sync_micros()),
+        }
+    }
 }
 
 /// The metric families a cluster member adds.
@@ -174,6 +198,7 @@ pub const CLUSTER_METRIC_NAMES: &[&str] = &[
     "fencelock_raft_applied_index",
     "fencelock_raft_leader_changes_total",
     "fencelock_raft_peer_lag_entries",
+    "fencelock_raft_log_sync_seconds",
 ];
 
 impl Metrics {
@@ -206,7 +231,7 @@ impl Default for Metrics {
             next_fence: AtomicU64::new(0),
             acquire_wait: Histogram::new(MS_BOUNDS, 1_000.0),
             hold_time: Histogram::new(MS_BOUNDS, 1_000.0),
-            fsync: Histogram::new(MICROS_BOUNDS, 1_000_000.0),
+            fsync: Histogram::sync_micros(),
             batch_size: Histogram::new(BATCH_BOUNDS, 1.0),
             audit_write: Histogram::new(MICROS_BOUNDS, 1_000_000.0),
             audit_entries: AtomicU64::new(0),
@@ -495,6 +520,12 @@ impl Metrics {
         for (id, behind) in lag.iter() {
             let _ = writeln!(out, "{name}{{member=\"{id}\"}} {behind}");
         }
+        drop(lag);
+        c.log_sync.render(
+            out,
+            CLUSTER_METRIC_NAMES[6],
+            "Duration of a Raft log sync (write and fdatasync of a group of appends, votes and commits).",
+        );
     }
 
     /// Counts a request refused with `kind`, if it is one of the edge refusals.
@@ -529,5 +560,20 @@ mod tests {
         assert!(text.contains("fencelock_acquire_wait_seconds_bucket{le=\"1\"} 2\n"));
         assert!(text.contains("fencelock_acquire_wait_seconds_bucket{le=\"+Inf\"} 3\n"));
         assert!(text.contains("fencelock_acquire_wait_seconds_count 3\n"));
+        // Cluster figures only in cluster mode.
+        assert!(!text.contains("fencelock_raft_"), "{text}");
+    }
+
+    #[test]
+    fn a_cluster_member_renders_every_cluster_metric() {
+        let m = Metrics::default();
+        m.cluster.enabled.store(true, Ordering::Relaxed);
+        m.cluster.log_sync.observe(1_500);
+        let text = m.render();
+        for name in CLUSTER_METRIC_NAMES {
+            assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
+        }
+        assert!(text.contains("fencelock_raft_log_sync_seconds_bucket{le=\"0.002\"} 1\n"));
+        assert!(text.contains("fencelock_raft_log_sync_seconds_count 1\n"));
     }
 }

@@ -830,3 +830,237 @@ async fn protected_mode_needs_a_secret_or_mutual_tls_on_a_non_loopback_peer_port
         .expect("stops in time")
         .expect("stops cleanly");
 }
+
+/// `GET /readyz` on a member: 200 `ready`, or the 503 `unavailable` message.
+async fn readyz(m: &Member) -> Result<(), String> {
+    let r = m.client().get("/readyz").await;
+    if r.status == 200 {
+        assert_eq!(r.text(), "ready\n");
+        return Ok(());
+    }
+    Err(r.expect_error(503, "unavailable"))
+}
+
+/// Issue 20: `/readyz` said 200 on every running member, caught up or not, so a
+/// load balancer or a rolling restart could not wait for a member to be part of
+/// the cluster again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn readyz_is_ready_only_on_a_caught_up_voter_in_touch_with_a_quorum() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    for (_, m) in cluster.running() {
+        eventually(
+            "every member of a healthy cluster is ready",
+            || async move { readyz(m).await.ok() },
+        )
+        .await;
+    }
+
+    // Member 4 starts empty, waiting to be added: not ready.
+    let dir = cluster._root.path().join("m4");
+    let (listen, peer) = (free_port(), free_port());
+    let server = Server::start(config(
+        4,
+        &dir,
+        listen,
+        peer,
+        &BTreeMap::new(),
+        true,
+        &|_| {},
+    ))
+    .await
+    .expect("member 4 starts");
+    cluster.members.push(Member {
+        id: 4,
+        server: Some(server),
+        dir,
+        listen,
+        peer,
+    });
+    let four = &cluster.members[3];
+    let why = readyz(four)
+        .await
+        .expect_err("a member waiting to be added");
+    assert!(why.contains("not in the cluster's membership"), "{why}");
+
+    // A learner (caught up, not yet promoted) is not ready either.
+    let raft = &cluster.members[l]
+        .server
+        .as_ref()
+        .expect("the leader runs")
+        .handle()
+        .cluster()
+        .expect("cluster mode")
+        .raft;
+    let node = fencelock_server::cluster::Member {
+        peer_addr: peer.to_string(),
+        url: four.url(),
+    };
+    raft.add_learner(4, node, true)
+        .await
+        .expect("member 4 joins as a learner");
+    // (Once its own metrics show the membership entry it holds.)
+    eventually("member 4 reports being a learner", || async move {
+        let why = readyz(four).await.expect_err("a learner is not ready");
+        why.contains("is a learner").then_some(())
+    })
+    .await;
+
+    // Promoted, it becomes ready.
+    let lc = cluster.members[l].client();
+    lc.post(
+        "/v1/cluster/members",
+        &json!({"id": 4, "peer_addr": peer.to_string(), "url": four.url()}),
+    )
+    .await
+    .expect_json(200);
+    eventually("member 4 is ready once a voter", || async move {
+        readyz(four).await.ok()
+    })
+    .await;
+
+    // Two of four voters stopped (the leader among them): no quorum, and the
+    // survivors say so.
+    let other = (0..3).find(|i| *i != l).expect("a follower");
+    cluster.stop(l).await;
+    cluster.stop(other).await;
+    for (_, m) in cluster.running() {
+        let why = eventually("a member without a quorum is not ready", || async move {
+            readyz(m).await.err()
+        })
+        .await;
+        assert!(
+            why.contains("not heard from the leader")
+                || why.contains("no leader is known")
+                || why.contains("no quorum has acknowledged"),
+            "{why}"
+        );
+    }
+    cluster.stop_all().await;
+}
+
+/// Issue 20: in cluster mode a read's `held_ms` and time left were counted to the
+/// last applied command's time, so on an idle cluster they stood still. They count
+/// to the answering member's clock at the read now, on the leader (linearizable)
+/// and on a follower (`?stale=true`), for one lock and for a listing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reads_count_held_and_left_time_to_the_moment_of_the_read() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    let lc = cluster.members[l].client();
+    let ttl_ms = 60_000;
+    acquire(&lc, json!({"name": "t:a", "ttl_ms": ttl_ms}))
+        .await
+        .expect_json(200);
+    let f = (l + 1) % 3;
+    let fc = cluster.members[f].client();
+    let holder_of = |v: &Value| -> (u64, u64) {
+        let h = &v["holders"][0];
+        (
+            h["held_ms"].as_u64().expect("held_ms"),
+            h["ttl_remaining_ms"].as_u64().expect("ttl_remaining_ms"),
+        )
+    };
+    for (who, c, path) in [
+        ("leader", &lc, "/v1/locks/t:a"),
+        ("follower", &fc, "/v1/locks/t:a?stale=true"),
+        ("leader listing", &lc, "/v1/locks?prefix=t:"),
+        ("follower listing", &fc, "/v1/locks?prefix=t:&stale=true"),
+    ] {
+        let listing = path.starts_with("/v1/locks?");
+        // Nothing is written after the grant, yet held time grows.
+        let (held, left) = eventually(&format!("{who}: held time grows"), || async move {
+            let r = c.get(path).await;
+            if r.status != 200 {
+                return None;
+            }
+            let body = r.json();
+            let view = if listing {
+                body["locks"][0].clone()
+            } else {
+                body
+            };
+            let (held, left) = holder_of(&view);
+            (held >= 300).then_some((held, left))
+        })
+        .await;
+        // Both count to the same moment: together they are the whole lease.
+        assert_eq!(held + left, ttl_ms, "{who}: held {held} + left {left}");
+    }
+    cluster.stop_all().await;
+}
+
+/// Issue 20: the Raft log's fdatasyncs were not measured (the single-node
+/// `fencelock_log_sync_seconds` stays empty in cluster mode).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn raft_log_syncs_are_measured() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    let lc = cluster.members[l].client();
+    let syncs = |text: String| support::metric(&text, "fencelock_raft_log_sync_seconds_count");
+    let before = syncs(lc.get("/metrics").await.text()).expect("the histogram is rendered");
+    acquire(&lc, json!({"name": "s:a", "ttl_ms": 5000}))
+        .await
+        .expect_json(200);
+    // The grant's entry is synced on the leader too (perhaps after a quorum of
+    // followers answered, so polled).
+    let lc = &lc;
+    eventually("the leader's sync count grows", || async move {
+        let now = syncs(lc.get("/metrics").await.text())?;
+        (now > before).then_some(())
+    })
+    .await;
+    let text = lc.get("/metrics").await.text();
+    assert!(
+        text.contains("# TYPE fencelock_raft_log_sync_seconds histogram"),
+        "{text}"
+    );
+    cluster.stop_all().await;
+}
+
+/// Issue 20: the dashboard said nothing about the cluster. The index page of a
+/// member has a "Cluster" section: this member, its role and term, the leader,
+/// and a row per member (with replication progress on the leader).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_dashboard_shows_the_cluster() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    let leader = &cluster.members[l];
+    let html = leader.client().get("/").await.text();
+    assert!(html.contains("<h2>Cluster</h2>"), "{html}");
+    assert!(
+        html.contains(&format!(
+            "This is member <b>{}</b>, <b>leader</b>, term <b>",
+            leader.id
+        )),
+        "{html}"
+    );
+    assert!(
+        html.contains(&format!("<a href=\"{0}\">{0}</a>", leader.url())),
+        "{html}"
+    );
+    for m in &cluster.members {
+        let row = html
+            .split("<tr data-member=")
+            .find(|r| r.starts_with(&format!("\"{}\"", m.id)))
+            .unwrap_or_else(|| panic!("no row for member {}: {html}", m.id));
+        assert!(row.contains(&m.url()), "{row}");
+        let role = if m.id == leader.id {
+            "leader"
+        } else {
+            "follower"
+        };
+        assert!(row.contains(&format!("<td>{role}</td>")), "{row}");
+    }
+    let follower = &cluster.members[(l + 1) % 3];
+    let html = follower.client().get("/").await.text();
+    assert!(html.contains("<h2>Cluster</h2>"), "{html}");
+    assert!(html.contains("known on the leader only"), "{html}");
+
+    let single = support::TestServer::start().await;
+    let html = single.client.get("/").await.text();
+    assert!(html.contains("<h2>Health</h2>"), "{html}");
+    assert!(!html.contains("<h2>Cluster</h2>"), "{html}");
+    single.stop().await;
+    cluster.stop_all().await;
+}

@@ -9,7 +9,7 @@ use axum::extract::{Path, State};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use openraft::async_runtime::WatchReceiver;
-use openraft::error::{ClientWriteError, RaftError};
+use openraft::error::{ChangeMembershipError, ClientWriteError, RaftError};
 use openraft::ChangeMembers;
 use serde::Deserialize;
 use serde_json::json;
@@ -23,6 +23,9 @@ use crate::input::invalid;
 
 /// How long `transfer-leader` waits for the new leader to take over.
 const TRANSFER_WAIT: Duration = Duration::from_secs(10);
+/// How long one membership change (each step of an add: the learner caught up,
+/// then its promotion) may take before the request is answered 503.
+pub const MEMBERSHIP_WAIT: Duration = Duration::from_secs(30);
 
 /// The cluster routes (added to the HTTP router).
 pub fn routes(router: Router<Handle>) -> Router<Handle> {
@@ -42,14 +45,51 @@ fn cluster_of(h: &Handle) -> Result<&std::sync::Arc<crate::engine::ClusterShared
     })
 }
 
-/// The `/v1/cluster` body as this member sees the cluster.
-pub fn status_json(h: &Handle) -> Result<serde_json::Value, ApiError> {
-    let c = cluster_of(h)?;
+/// The cluster as one member sees it: what `/v1/cluster` and the dashboard's
+/// "Cluster" section show.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterView {
+    /// This member's id.
+    pub node_id: u64,
+    /// This member's role: `leader`, `follower`, `candidate`, `learner`, or
+    /// `none` (not in the membership: waiting to be added, or removed).
+    pub role: &'static str,
+    /// The current term.
+    pub term: u64,
+    /// The leader as this member knows it.
+    pub leader: Option<super::LeaderInfo>,
+    /// On the leader: its last log index (what the members' lag counts to).
+    pub last_log_index: Option<u64>,
+    /// Every member of the membership, by id.
+    pub members: Vec<MemberView>,
+}
+
+/// One member in a [`ClusterView`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberView {
+    /// Its id.
+    pub id: u64,
+    /// Its client URL, if known.
+    pub url: Option<String>,
+    /// Its peer address.
+    pub peer_addr: String,
+    /// `leader`, `follower` (a voter) or `learner`.
+    pub role: &'static str,
+    /// On the leader: the last log index known replicated to it (0: none yet).
+    /// `None` on other members, which do not track replication.
+    pub matched_index: Option<u64>,
+    /// On the leader: entries it is behind, the leader's last log index − matched.
+    pub lag: Option<u64>,
+}
+
+/// The cluster as member `c` sees it now.
+pub fn view(c: &crate::engine::ClusterShared) -> ClusterView {
     let m = c.raft.metrics().borrow_watched().clone();
     let membership = m.membership_config.membership();
-    let leader = c.leader();
     let voters: BTreeSet<u64> = membership.voter_ids().collect();
-    let members: Vec<serde_json::Value> = membership
+    let leading = m.current_leader == Some(c.node_id);
+    let last_log_index = leading.then(|| m.last_log_index.unwrap_or(0));
+    let members = membership
         .nodes()
         .map(|(id, node)| {
             let role = if Some(*id) == m.current_leader {
@@ -64,24 +104,68 @@ pub fn status_json(h: &Handle) -> Result<serde_json::Value, ApiError> {
             } else {
                 Some(node.url.clone())
             };
-            let matched = m
+            let matched_index = m
                 .replication
                 .as_ref()
                 .and_then(|r| r.get(id).cloned())
                 .map(|l| l.map_or(0, |l| l.index));
+            let lag = matched_index
+                .zip(last_log_index)
+                .map(|(matched, last)| last.saturating_sub(matched));
+            MemberView {
+                id: *id,
+                url,
+                peer_addr: node.peer_addr.clone(),
+                role,
+                matched_index,
+                lag,
+            }
+        })
+        .collect();
+    let role = if leading {
+        "leader"
+    } else if m.state == openraft::ServerState::Candidate {
+        "candidate"
+    } else if voters.contains(&c.node_id) {
+        "follower"
+    } else if membership.get_node(&c.node_id).is_some() {
+        "learner"
+    } else {
+        "none"
+    };
+    ClusterView {
+        node_id: c.node_id,
+        role,
+        term: m.current_term,
+        leader: c.leader(),
+        last_log_index,
+        members,
+    }
+}
+
+/// The `/v1/cluster` body as this member sees the cluster.
+pub fn status_json(h: &Handle) -> Result<serde_json::Value, ApiError> {
+    let v = view(cluster_of(h)?);
+    let members: Vec<serde_json::Value> = v
+        .members
+        .iter()
+        .map(|m| {
             json!({
-                "id": id,
-                "url": url,
-                "peer_addr": node.peer_addr,
-                "role": role,
-                "matched_index": matched,
+                "id": m.id,
+                "url": m.url,
+                "peer_addr": m.peer_addr,
+                "role": m.role,
+                "matched_index": m.matched_index,
+                "lag": m.lag,
             })
         })
         .collect();
     Ok(json!({
-        "node_id": c.node_id,
-        "term": m.current_term,
-        "leader": leader.map(|l| json!({"id": l.id, "url": l.url})),
+        "node_id": v.node_id,
+        "role": v.role,
+        "term": v.term,
+        "leader": v.leader.map(|l| json!({"id": l.id, "url": l.url})),
+        "last_log_index": v.last_log_index,
         "members": members,
     }))
 }
@@ -94,20 +178,72 @@ async fn status(
     Ok(Json(status_json(&h)?))
 }
 
+type MembershipError =
+    ChangeMembershipError<openraft::alias::CommittedLeaderIdOf<super::TypeConfig>, u64>;
+
 fn write_error(
     c: &crate::engine::ClusterShared,
     e: RaftError<super::TypeConfig, ClientWriteError<super::TypeConfig>>,
 ) -> ApiError {
     match e {
-        RaftError::APIError(ClientWriteError::ForwardToLeader(_)) => c.not_leader(),
-        RaftError::APIError(ClientWriteError::ChangeMembershipError(e)) => ApiError::new(
-            ApiErrorKind::InvalidArgument,
-            format!("membership change refused: {e}"),
-        ),
+        RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => {
+            // A leader whose lease ran out (no quorum heard from) forwards to
+            // nobody: it must not name itself.
+            let url = f.leader_id.filter(|id| *id != c.node_id).and_then(|id| {
+                f.leader_node
+                    .map(|n| n.url)
+                    .filter(|u| !u.is_empty())
+                    .or_else(|| c.directory.url(id))
+            });
+            ApiError::not_leader(url)
+        }
+        RaftError::APIError(ClientWriteError::ChangeMembershipError(e)) => {
+            let kind = membership_error_kind(&e);
+            let what = if kind == ApiErrorKind::Unavailable {
+                "membership change not possible yet; retry shortly"
+            } else {
+                "membership change refused"
+            };
+            ApiError::new(kind, format!("{what}: {e}"))
+        }
         other => ApiError::new(
             ApiErrorKind::Unavailable,
             format!("membership change failed: {other}"),
         ),
+    }
+}
+
+/// How a refused membership change is answered: the transient refusals (a change
+/// still in progress; a fresh leader that has not yet committed an entry of its
+/// term) are 503 `unavailable`, for the caller to retry; the others (an empty
+/// membership, an unknown learner, an unsupported transition, a member's address
+/// changed under its id) are the request's fault, 400.
+fn membership_error_kind(e: &MembershipError) -> ApiErrorKind {
+    match e {
+        ChangeMembershipError::InProgress(_) | ChangeMembershipError::UncommittedLeaderLog(_) => {
+            ApiErrorKind::Unavailable
+        }
+        _ => ApiErrorKind::InvalidArgument,
+    }
+}
+
+/// Runs a membership change for at most [`MEMBERSHIP_WAIT`]: a leader that lost
+/// its quorum after accepting the change would otherwise hold the request forever.
+async fn bounded<T>(
+    c: &crate::engine::ClusterShared,
+    change: impl std::future::Future<
+        Output = Result<T, RaftError<super::TypeConfig, ClientWriteError<super::TypeConfig>>>,
+    >,
+) -> Result<T, ApiError> {
+    match tokio::time::timeout(MEMBERSHIP_WAIT, change).await {
+        Ok(result) => result.map_err(|e| write_error(c, e)),
+        Err(_) => Err(ApiError::new(
+            ApiErrorKind::Unavailable,
+            format!(
+                "the membership change did not complete within {} s (no quorum, or a new member still catching up); it may still take effect: check `fencelock cluster status`",
+                MEMBERSHIP_WAIT.as_secs()
+            ),
+        )),
     }
 }
 
@@ -146,14 +282,13 @@ async fn add_member(
         peer_addr: body.peer_addr,
         url: body.url,
     };
-    c.raft
-        .add_learner(body.id, member, true)
-        .await
-        .map_err(|e| write_error(c, e))?;
-    c.raft
-        .change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([body.id])), false)
-        .await
-        .map_err(|e| write_error(c, e))?;
+    bounded(c, c.raft.add_learner(body.id, member, true)).await?;
+    bounded(
+        c,
+        c.raft
+            .change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([body.id])), false),
+    )
+    .await?;
     tracing::info!(member = body.id, "member added");
     Ok(Json(status_json(&h)?))
 }
@@ -179,17 +314,12 @@ async fn remove_member(
         ));
     }
     let is_voter = membership.voter_ids().any(|v| v == id);
-    if is_voter {
-        c.raft
-            .change_membership(ChangeMembers::RemoveVoters(BTreeSet::from([id])), false)
-            .await
-            .map_err(|e| write_error(c, e))?;
+    let change = if is_voter {
+        ChangeMembers::RemoveVoters(BTreeSet::from([id]))
     } else {
-        c.raft
-            .change_membership(ChangeMembers::RemoveNodes(BTreeSet::from([id])), false)
-            .await
-            .map_err(|e| write_error(c, e))?;
-    }
+        ChangeMembers::RemoveNodes(BTreeSet::from([id]))
+    };
+    bounded(c, c.raft.change_membership(change, false)).await?;
     tracing::info!(member = id, "member removed");
     Ok(Json(status_json(&h)?))
 }
@@ -252,4 +382,46 @@ async fn transfer_leader(
         }
     }
     Ok(Json(json!({"leader": body.id})))
+}
+
+#[cfg(test)]
+mod tests {
+    use openraft::alias::LeaderIdOf;
+    use openraft::error::{EmptyMembership, InProgress, LearnerNotFound, UncommittedLeaderLog};
+    use openraft::vote::RaftLeaderId;
+
+    use super::*;
+    use crate::cluster::TypeConfig;
+
+    /// Issue 20: a fresh leader refused a membership change with 400 until it had
+    /// committed an entry of its term, so a script had to tell a retryable 400 from
+    /// a real one by its message. The transient refusals are 503 now.
+    #[test]
+    fn transient_membership_refusals_are_unavailable_and_the_rest_invalid() {
+        let leader = LeaderIdOf::<TypeConfig>::new(3, 1).to_committed();
+        let in_progress = MembershipError::InProgress(InProgress {
+            committed: None,
+            membership_log_id: Some(openraft::LogId::new(leader, 7)),
+        });
+        let uncommitted = MembershipError::UncommittedLeaderLog(UncommittedLeaderLog {
+            committed: Some(openraft::LogId::new(leader, 6)),
+            leader_log_id: openraft::LogId::new(leader, 8),
+        });
+        for transient in [in_progress, uncommitted] {
+            assert_eq!(
+                membership_error_kind(&transient),
+                ApiErrorKind::Unavailable,
+                "{transient}"
+            );
+        }
+        let empty = MembershipError::EmptyMembership(EmptyMembership {});
+        let unknown = MembershipError::LearnerNotFound(LearnerNotFound { node_id: 9 });
+        for permanent in [empty, unknown] {
+            assert_eq!(
+                membership_error_kind(&permanent),
+                ApiErrorKind::InvalidArgument,
+                "{permanent}"
+            );
+        }
+    }
 }

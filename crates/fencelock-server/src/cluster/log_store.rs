@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use super::{Entry, LogId, TypeConfig, Vote};
+use crate::metrics::Histogram;
 
 /// Compact once the records since the last compaction exceed this many bytes and
 /// are more than [`COMPACT_RATIO`] times the live view.
@@ -114,6 +115,8 @@ pub struct LogStore {
     /// `None`: in memory only (the simulation), where an append is "durable" at once.
     jobs: Option<std::sync::mpsc::SyncSender<Job>>,
     dir: PathBuf,
+    /// Each group's sync duration, µs (`fencelock_raft_log_sync_seconds`).
+    sync_time: Arc<Histogram>,
 }
 
 fn io_error(e: impl std::fmt::Display) -> io::Error {
@@ -146,9 +149,11 @@ impl LogStore {
         }
         let view = Arc::new(Mutex::new(view));
         let (jobs, rx) = std::sync::mpsc::sync_channel(QUEUE);
+        let sync_time = Arc::new(Histogram::sync_micros());
         let writer = Writer {
             log,
             view: view.clone(),
+            sync_time: sync_time.clone(),
         };
         std::thread::Builder::new()
             .name("fencelock-raft-log".into())
@@ -157,6 +162,7 @@ impl LogStore {
             view,
             jobs: Some(jobs),
             dir: dir.to_owned(),
+            sync_time,
         })
     }
 
@@ -167,6 +173,7 @@ impl LogStore {
             view: Arc::default(),
             jobs: None,
             dir: PathBuf::from("(memory)"),
+            sync_time: Arc::new(Histogram::sync_micros()),
         }
     }
 
@@ -194,6 +201,11 @@ impl LogStore {
         })
     }
 
+    /// The durations of this log's syncs (the member's metrics render them).
+    pub fn sync_histogram(&self) -> Arc<Histogram> {
+        self.sync_time.clone()
+    }
+
     /// Stops the writer after everything queued is durable.
     pub async fn stop(&self) {
         let Some(jobs) = &self.jobs else { return };
@@ -207,6 +219,7 @@ impl LogStore {
 struct Writer {
     log: Log,
     view: Arc<Mutex<View>>,
+    sync_time: Arc<Histogram>,
 }
 
 impl Writer {
@@ -259,7 +272,9 @@ impl Writer {
                 }
             }
         }
+        let started = std::time::Instant::now();
         self.log.sync().map_err(io_error)?;
+        self.sync_time.observe(started.elapsed().as_micros() as u64);
         self.maybe_compact()
     }
 

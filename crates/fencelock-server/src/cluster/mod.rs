@@ -218,3 +218,27 @@ impl Directory {
         urls.get(&id).cloned()
     }
 }
+
+/// When this member last accepted replication from a leader (an AppendEntries,
+/// heartbeats included, that openraft did not refuse for a higher vote). openraft
+/// reports no such time for a follower, and a follower whose leader is gone keeps
+/// naming it (Pre-Vote keeps its term), so readiness needs this to tell a follower
+/// cut off from its leader from a healthy one. Recorded by the peer listener.
+#[derive(Debug, Default)]
+pub struct LeaderContact {
+    last: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl LeaderContact {
+    /// Records a contact now.
+    pub fn record(&self) {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        *last = Some(std::time::Instant::now());
+    }
+
+    /// How long ago the last contact was; `None` if never.
+    pub fn since(&self) -> Option<Duration> {
+        let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        last.map(|at| at.elapsed())
+    }
+}

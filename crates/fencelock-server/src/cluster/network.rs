@@ -38,7 +38,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::listener::{LogThrottle, PeerConnection};
-use super::{Directory, Member, Raft, SnapshotMeta, TypeConfig, Vote};
+use super::{Directory, LeaderContact, Member, Raft, SnapshotMeta, TypeConfig, Vote};
 
 /// Header: `Bearer <cluster secret>`.
 const AUTHORIZATION: &str = "authorization";
@@ -476,6 +476,8 @@ pub struct PeerState {
     pub identity: Arc<PeerIdentity>,
     /// Where peers' URLs are recorded.
     pub directory: Arc<Directory>,
+    /// Where accepted replication from the leader is recorded (for readiness).
+    pub contact: Arc<LeaderContact>,
 }
 
 /// The peer port's routes.
@@ -580,6 +582,10 @@ async fn append(State(state): State<PeerState>, headers: HeaderMap, body: Bytes)
         Err(bad) => return *bad,
     };
     let result = state.raft.append_entries(req).await;
+    // Refused for a higher vote: the sender is no leader of ours.
+    if matches!(&result, Ok(r) if !matches!(r, AppendEntriesResponse::HigherVote(_))) {
+        state.contact.record();
+    }
     reply(&state, &result)
 }
 

@@ -27,7 +27,9 @@ use super::{
 };
 use crate::audit::{self, AuditEntry, AuditStore};
 use crate::cluster::state_machine::SmRequest;
-use crate::cluster::{Directory, LeaderInfo, Proposal, Raft, StoredMembership, TypeConfig};
+use crate::cluster::{
+    Directory, LeaderContact, LeaderInfo, Proposal, Raft, StoredMembership, TypeConfig,
+};
 use crate::codec::{self, RecordMeta};
 use crate::error::{ApiError, ApiErrorKind};
 
@@ -50,6 +52,9 @@ pub(super) struct Replicated {
     pub(super) pending: HashMap<u64, Pending>,
     pub(super) next_seq: u64,
     pub(super) applied: Option<crate::cluster::LogId>,
+    /// The service time of the last applied command and when it was applied here:
+    /// a follower's clock for reads (see `EngineTask::read_time_ms`).
+    pub(super) applied_time: Option<(u64, Instant)>,
     pub(super) membership: StoredMembership,
     /// Leadership as last reported: `Some(term)` while this member leads.
     pub(super) leading: Option<u64>,
@@ -89,9 +94,21 @@ pub struct ClusterShared {
     pub directory: Arc<Directory>,
     /// This member's advertised URL.
     pub url: String,
+    /// When this member last accepted the leader's replication.
+    pub contact: Arc<LeaderContact>,
+    /// How long a leader counts as confirmed by a quorum, and a follower as in
+    /// touch with its leader: the longest election timeout (openraft's leader
+    /// lease).
+    pub lease: Duration,
     #[cfg(feature = "planted-bugs")]
     pub(crate) stale_leader_reads: bool,
 }
+
+/// Most entries a member's applied index may be behind the cluster's commit index
+/// and still be ready (`/readyz`): a few group commits' worth, so a healthy member
+/// under load stays ready while one catching up (a restart, a snapshot, a slow
+/// disk) does not.
+pub const READY_MAX_LAG: u64 = 1_000;
 
 impl ClusterShared {
     /// The leader as this member knows it.
@@ -104,6 +121,59 @@ impl ClusterShared {
             leader_url(&metrics.membership_config, &self.directory, id)?
         };
         Some(LeaderInfo { id, url })
+    }
+
+    /// Whether this member can serve as a caught-up part of the cluster (`/readyz`),
+    /// or why not: it is a voter, a leader is known, the leader was confirmed by a
+    /// quorum (on the leader) or was heard from (on a follower) within
+    /// [`ClusterShared::lease`], and the applied index is at most
+    /// [`READY_MAX_LAG`] entries behind the cluster's commit index.
+    pub fn readiness(&self) -> Result<(), String> {
+        let m = self.raft.metrics().borrow_watched().clone();
+        let me = self.node_id;
+        let lease_ms = self.lease.as_millis();
+        let membership = m.membership_config.membership();
+        if membership.get_node(&me).is_none() {
+            return Err(format!(
+                "member {me} is not in the cluster's membership (it waits to be added with `fencelock cluster add`, or was removed)"
+            ));
+        }
+        let voters: Vec<u64> = membership.voter_ids().collect();
+        if !voters.contains(&me) {
+            return Err(format!(
+                "member {me} is a learner: it is catching up and not yet a voter"
+            ));
+        }
+        let Some(leader) = m.current_leader else {
+            return Err(
+                "no leader is known (an election is under way, or there is no quorum)".into(),
+            );
+        };
+        if leader == me {
+            let alone = voters == [me];
+            let confirmed = m
+                .last_quorum_acked
+                .as_ref()
+                .is_some_and(|at| openraft::Instant::elapsed(&**at) < self.lease);
+            if !alone && !confirmed {
+                return Err(format!(
+                    "member {me} leads, but no quorum has acknowledged it within {lease_ms} ms"
+                ));
+            }
+        } else if self.contact.since().is_none_or(|since| since >= self.lease) {
+            return Err(format!(
+                "member {me} has not heard from the leader (member {leader}) within {lease_ms} ms"
+            ));
+        }
+        let applied = m.last_applied.map_or(0, |id| id.index);
+        let committed = m.cluster_committed.map_or(0, |id| id.index);
+        let behind = committed.saturating_sub(applied);
+        if behind > READY_MAX_LAG {
+            return Err(format!(
+                "member {me} has applied up to index {applied}, {behind} entries behind the cluster's commit index {committed} (ready within {READY_MAX_LAG})"
+            ));
+        }
+        Ok(())
     }
 
     /// `not_leader`, naming the leader if known.
@@ -323,6 +393,28 @@ impl EngineTask {
         }
     }
 
+    /// The service time a read on this member counts to. The leader reads its
+    /// service clock (the one it stamps commands with). A follower has no clock of
+    /// the cluster's: it takes the last applied command's time plus the time since
+    /// it applied it, which stays at or behind the leader's clock while that leader
+    /// leads (a command is applied here after the leader stamped it). After a
+    /// failover the new leader's clock restarts from the applied time, so until its
+    /// first command is applied here a follower may count a little ahead of it.
+    /// Never earlier than the core's own time.
+    fn read_time_ms(&mut self) -> u64 {
+        let applied = self.core.now_ms();
+        let r = self.replica();
+        let now = if r.leading.is_some() {
+            self.clock.now_ms()
+        } else {
+            match r.applied_time {
+                Some((ms, at)) => ms.saturating_add(at.elapsed().as_millis() as u64),
+                None => applied,
+            }
+        };
+        now.max(applied)
+    }
+
     fn not_leader(&mut self) -> ApiError {
         let r = self.replica();
         let Some(id) = r.leader.filter(|id| *id != r.node_id) else {
@@ -432,7 +524,8 @@ impl EngineTask {
             }
             Msg::Read(read) => {
                 // The handle passed the read barrier (or asked for a stale read).
-                let delivery = read(&self.core);
+                let now_ms = self.read_time_ms();
+                let delivery = read(&self.core, now_ms);
                 self.deliveries.push(delivery);
             }
             Msg::Drain => {
@@ -580,8 +673,10 @@ impl EngineTask {
                 match result {
                     Ok(core) => {
                         self.core = core;
+                        let applied_ms = self.core.now_ms();
                         let r = self.replica();
                         r.applied = meta.last_log_id;
+                        r.applied_time = Some((applied_ms, Instant::now()));
                         r.membership = meta.last_membership;
                         // Whoever waited on this member is answered by the new state
                         // no more: they retry (with their request ids).
@@ -639,6 +734,8 @@ impl EngineTask {
             self.core.plant_next_fence(next);
         }
         let result = self.core.apply(now, command);
+        let applied_ms = self.core.now_ms();
+        self.replica().applied_time = Some((applied_ms, Instant::now()));
         #[cfg(feature = "planted-bugs")]
         if local {
             self.replica().local_fence = self.core.stats().next_fence;
@@ -864,7 +961,9 @@ where
         .map_err(|e| internal(format!("cannot start a thread: {e}")))?;
 
     directory.learn(cluster.node_id, &cluster.advertise_url);
-    let metrics = Arc::new(crate::metrics::Metrics::default());
+    let mut metrics = crate::metrics::Metrics::default();
+    metrics.cluster.log_sync = log_store.sync_histogram();
+    let metrics = Arc::new(metrics);
     metrics
         .audit_entries
         .store(audit_len, std::sync::atomic::Ordering::Relaxed);
@@ -905,6 +1004,7 @@ where
             pending: HashMap::new(),
             next_seq: 0,
             applied: None,
+            applied_time: None,
             membership: StoredMembership::default(),
             leading: None,
             leader: None,
@@ -964,6 +1064,8 @@ where
         node_id: cluster.node_id,
         directory,
         url: cluster.advertise_url.clone(),
+        contact: Arc::new(LeaderContact::default()),
+        lease: cluster.election_timeout().1,
         #[cfg(feature = "planted-bugs")]
         stale_leader_reads: bugs.stale_leader_reads,
     });
@@ -1060,6 +1162,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         raft: runtime.shared.raft.clone(),
         identity,
         directory: runtime.shared.directory.clone(),
+        contact: runtime.shared.contact.clone(),
     };
     let router = crate::cluster::network::router(peer_state);
     tokio::spawn(crate::cluster::listener::serve(
@@ -1151,6 +1254,7 @@ pub async fn storage_for_tests(
             pending: HashMap::new(),
             next_seq: 0,
             applied: None,
+            applied_time: None,
             membership: StoredMembership::default(),
             leading: None,
             leader: None,
