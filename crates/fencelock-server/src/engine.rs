@@ -1884,6 +1884,10 @@ impl Handle {
         &self,
         f: impl FnOnce(&Core) -> T + Send + 'static,
     ) -> Result<T, ApiError> {
+        // A member importing a single server's state would show an empty one.
+        if self.shared.cluster().is_some_and(|c| c.importing()) {
+            return Err(replicated::importing_error());
+        }
         let (tx, rx) = oneshot::channel();
         self.send(Msg::Read(Box::new(move |core| {
             let value = f(core);

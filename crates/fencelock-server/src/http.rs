@@ -504,6 +504,11 @@ async fn healthz() -> &'static str {
 
 async fn readyz(State(h): State<Handle>) -> Response {
     match h.state() {
+        RunState::Running if h.cluster().is_some_and(|c| c.importing()) => ApiError::new(
+            ApiErrorKind::Unavailable,
+            "not ready: importing a single server's state",
+        )
+        .into_response(),
         RunState::Running => (StatusCode::OK, "ready\n").into_response(),
         other => ApiError::new(ApiErrorKind::Unavailable, format!("not ready: {other:?}"))
             .into_response(),

@@ -42,6 +42,22 @@ fn cluster_of(h: &Handle) -> Result<&std::sync::Arc<crate::engine::ClusterShared
     })
 }
 
+/// The member, for a membership or leadership change: none while it imports a
+/// single server's state (a new member could lead, from an empty state, before
+/// the import is applied).
+fn cluster_to_change(
+    h: &Handle,
+) -> Result<&std::sync::Arc<crate::engine::ClusterShared>, ApiError> {
+    let c = cluster_of(h)?;
+    if c.importing() {
+        return Err(ApiError::new(
+            ApiErrorKind::Unavailable,
+            "this member is importing a single server's state; change the membership once it is done",
+        ));
+    }
+    Ok(c)
+}
+
 /// The `/v1/cluster` body as this member sees the cluster.
 pub fn status_json(h: &Handle) -> Result<serde_json::Value, ApiError> {
     let c = cluster_of(h)?;
@@ -83,6 +99,7 @@ pub fn status_json(h: &Handle) -> Result<serde_json::Value, ApiError> {
         "term": m.current_term,
         "leader": leader.map(|l| json!({"id": l.id, "url": l.url})),
         "members": members,
+        "importing": c.importing(),
     }))
 }
 
@@ -127,7 +144,7 @@ async fn add_member(
     JsonBody(body): JsonBody<AddMember>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     caller.authorize(Action::Snapshot, None)?;
-    let c = cluster_of(&h)?;
+    let c = cluster_to_change(&h)?;
     if body.id == 0 {
         return Err(invalid("id", "must be at least 1"));
     }
@@ -165,7 +182,7 @@ async fn remove_member(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     caller.authorize(Action::Snapshot, None)?;
-    let c = cluster_of(&h)?;
+    let c = cluster_to_change(&h)?;
     let Path(raw) = path.map_err(|e| invalid("id", e.body_text()))?;
     let id: u64 = raw
         .parse()
@@ -207,7 +224,7 @@ async fn transfer_leader(
     JsonBody(body): JsonBody<Transfer>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     caller.authorize(Action::Snapshot, None)?;
-    let c = cluster_of(&h)?;
+    let c = cluster_to_change(&h)?;
     let m = c.raft.metrics().borrow_watched().clone();
     if m.current_leader != Some(c.node_id) {
         return Err(c.not_leader());

@@ -13,8 +13,10 @@
 //!   owns the core; snapshots are the core's image.
 //! - [`network`]: peer RPCs over HTTP/2 on the peer port, authenticated with the
 //!   cluster secret, refused when the sender's core configuration differs.
+//! - [`import`]: a single server's data directory becomes the first member.
 
 pub mod api;
+pub mod import;
 pub mod log_store;
 pub mod network;
 pub mod state_machine;
