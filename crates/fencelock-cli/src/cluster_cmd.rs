@@ -327,8 +327,13 @@ fn table(v: &Value) -> String {
         Value::Null => "none known".to_owned(),
         l => format!("{} ({})", num(&l["id"]), text(&l["url"])),
     };
+    let importing = if v["importing"] == Value::Bool(true) {
+        ", importing a single server's state (clients wait)"
+    } else {
+        ""
+    };
     let mut out = format!(
-        "member {}, term {}, leader {leader}\n",
+        "member {}, term {}, leader {leader}{importing}\n",
         num(&v["node_id"]),
         num(&v["term"])
     );
@@ -387,6 +392,14 @@ mod tests {
         assert!(
             leaderless.starts_with("member 3, term 6, leader none known\n"),
             "{leaderless}"
+        );
+        let importing = table(&json!({"node_id": 1, "term": 1, "leader": null,
+            "members": [], "importing": true}));
+        assert!(
+            importing.starts_with(
+                "member 1, term 1, leader none known, importing a single server's state"
+            ),
+            "{importing}"
         );
     }
 

@@ -3,12 +3,13 @@
 //! finds the leader; after `kill -9` of the leader its guard keeps renewing on the new
 //! leader without reporting the lock lost, a new acquire succeeds, `fencelock run`
 //! keeps its command running, and `fencelock cluster status` still lists 3 members.
+//! A single server's data directory becomes the first member of a cluster.
 
 #[allow(dead_code)] // This file starts its members itself (fixed ports); see `Member`.
 mod support;
 
 use std::net::TcpListener;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -24,7 +25,8 @@ struct Member {
     id: u64,
     url: String,
     child: Child,
-    _dir: tempfile::TempDir,
+    /// Its data directory, unless the test keeps it (to restart the member on it).
+    _dir: Option<tempfile::TempDir>,
 }
 
 impl Drop for Member {
@@ -64,6 +66,13 @@ fn start_cluster(n: u64) -> Vec<Member> {
 /// `membership` (`--peers …` for a new cluster, `--join` for a later member).
 fn spawn_member(id: u64, listen: u16, peer: u16, membership: &[&str]) -> Member {
     let dir = tempfile::tempdir().expect("temp dir");
+    let mut member = spawn_member_in(id, listen, peer, membership, dir.path().to_owned());
+    member._dir = Some(dir);
+    member
+}
+
+/// [`spawn_member`] on a data directory the caller keeps.
+fn spawn_member_in(id: u64, listen: u16, peer: u16, membership: &[&str], dir: PathBuf) -> Member {
     let url = format!("http://127.0.0.1:{listen}");
     let child = Command::new(support::BIN)
         .args([
@@ -78,7 +87,7 @@ fn spawn_member(id: u64, listen: u16, peer: u16, membership: &[&str]) -> Member 
         .args(membership)
         .args(["--advertise-url", &url])
         .arg("--data-dir")
-        .arg(dir.path())
+        .arg(&dir)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -88,7 +97,7 @@ fn spawn_member(id: u64, listen: u16, peer: u16, membership: &[&str]) -> Member 
         id,
         url,
         child,
-        _dir: dir,
+        _dir: None,
     }
 }
 
@@ -568,4 +577,138 @@ async fn cluster_commands_exit_69_when_no_leader_answers_within_the_wait() {
         Some(69) => assert!(stdout.contains("leader none known"), "{stdout}{stderr}"),
         other => panic!("status exited {other:?}: {stderr}"),
     }
+}
+
+/// Runs `fencelock ARGS… --json` against `servers`; its JSON output, or its exit
+/// code and stderr.
+async fn cli_json(servers: &str, args: &[&str]) -> Result<Value, (Option<i32>, String)> {
+    let out = timeout(STEP, fencelock(servers).args(args).arg("--json").output())
+        .await
+        .expect("the command answers in time")
+        .expect("run fencelock");
+    if !out.status.success() {
+        return Err((
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ));
+    }
+    Ok(serde_json::from_slice(&out.stdout).expect("JSON output"))
+}
+
+/// Adds member `id` (started with `--join`) through `servers`, retrying while the
+/// cluster is between leaders or finishing a configuration change.
+async fn add(servers: &str, id: u64, peer: u16, url: &str) {
+    let give_up = Instant::now() + STEP;
+    let peer_addr = format!("127.0.0.1:{peer}");
+    let id = id.to_string();
+    let args = [
+        "cluster",
+        "add",
+        "--id",
+        &id,
+        "--peer-addr",
+        &peer_addr,
+        "--url",
+        url,
+    ];
+    loop {
+        match cli_json(servers, &args).await {
+            Ok(_) => return,
+            Err((code, stderr)) => {
+                assert!(
+                    Instant::now() < give_up && matches!(code, Some(2 | 69)),
+                    "{code:?}: {stderr}"
+                );
+                sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_server_becomes_a_cluster_whose_locks_survive_a_kill_of_its_first_member() {
+    let root = tempfile::tempdir().expect("temp dir");
+    let dir = root.path().join("data");
+    let dir_arg = dir.to_str().expect("UTF-8 path");
+    let (mut single, addr) = support::serve(["--data-dir", dir_arg]);
+    let single_url = format!("http://{addr}");
+    let held = cli_json(&single_url, &["acquire", "imp:held", "--ttl", "60s"])
+        .await
+        .expect("acquire");
+    let pid = single.id() as libc::pid_t;
+    // SAFETY: signals a child process this test started and still owns.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    assert!(single.wait().expect("wait").success());
+
+    // The same directory, as the one member of a new cluster.
+    let (listen, peer) = (free_port(), free_port());
+    let peers = format!("1=127.0.0.1:{peer}");
+    let mut first = spawn_member_in(1, listen, peer, &["--peers", &peers], dir.clone());
+    let give_up = Instant::now() + STEP;
+    let shown = loop {
+        // Until the import is applied, clients get 503 (and retry).
+        if let Ok(shown) = cli_json(&first.url, &["show", "imp:held"]).await {
+            break shown;
+        }
+        assert!(Instant::now() < give_up, "the import is not served");
+        sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(shown["holders"][0]["fence"], held["fence"], "{shown}");
+    let token = held["owner_token"].as_str().expect("owner token");
+    cli_json(&first.url, &["renew", "imp:held", "--owner-token", token])
+        .await
+        .expect("the old owner token renews");
+    assert!(dir
+        .join("imported-single-node")
+        .join("log.manifest")
+        .exists());
+
+    // Two more members, then kill -9 the first: the new leader has the lock, and
+    // fences keep increasing.
+    let mut others = Vec::new();
+    for id in [2, 3] {
+        let (listen, peer) = (free_port(), free_port());
+        let member = spawn_member(id, listen, peer, &["--join"]);
+        add(&first.url, id, peer, &member.url).await;
+        others.push(member);
+    }
+    let _ = first.child.kill();
+    let _ = first.child.wait();
+    let survivors = list(&others.iter().collect::<Vec<_>>());
+    leader(&survivors, Some(1)).await;
+    let shown = cli_json(&survivors, &["show", "imp:held"])
+        .await
+        .expect("show on the new leader");
+    assert_eq!(shown["holders"][0]["fence"], held["fence"], "{shown}");
+    let next = cli_json(&survivors, &["acquire", "imp:next", "--ttl", "60s"])
+        .await
+        .expect("acquire on the new leader");
+    assert!(
+        next["fence"].as_u64() > held["fence"].as_u64(),
+        "{next} after {held}"
+    );
+    cli_json(&survivors, &["release", "imp:held", "--owner-token", token])
+        .await
+        .expect("the old owner token releases");
+
+    // The first member comes back on its directory without importing again.
+    drop(first);
+    let back = spawn_member_in(1, listen, peer, &["--peers", &peers], dir.clone());
+    let all = format!("{},{survivors}", back.url);
+    let give_up = Instant::now() + STEP;
+    while cli_json(&back.url, &["cluster", "status"])
+        .await
+        .map_or(true, |s| {
+            member_ids(&s) != [1, 2, 3] || s["importing"] != Value::Bool(false)
+        })
+    {
+        assert!(Instant::now() < give_up, "member 1 does not come back");
+        sleep(Duration::from_millis(100)).await;
+    }
+    let err = cli_json(&all, &["show", "imp:held"]).await;
+    assert!(
+        matches!(&err, Err((Some(1), e)) if e.contains("imp:held is not held")),
+        "imp:held stays released: {err:?}"
+    );
+    assert!(!dir.join("log.manifest").exists());
 }

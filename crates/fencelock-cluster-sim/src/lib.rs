@@ -209,6 +209,7 @@ async fn start(id: u64, slot: &Slot, n: usize, net: &Arc<Net>, bugs: ClusterBugs
         log_store: slot.log.after_crash(),
         directory: Arc::new(Directory::default()),
         on_shutdown: None,
+        import: None,
         bugs,
     })
     .await

@@ -430,6 +430,60 @@ pub fn decode_record(bytes: &[u8]) -> Result<(RecordMeta, Command), DecodeError>
     Ok((meta, command))
 }
 
+/// Format version (leading byte) of a replicated record that carries a state image
+/// instead of a command: a single server's state imported into a cluster (see
+/// [`Replicated::Import`]). Only ever inside a Raft entry, never in a single
+/// server's log, whose decoder ([`decode_record`]) refuses it.
+const IMPORT_RECORD_VERSION: u8 = 0x49;
+
+/// What a Raft entry's record holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Replicated {
+    /// A command, as in a single server's log.
+    Command(RecordMeta, Command),
+    /// A single server's whole state, to become the cluster's: every member applies
+    /// it to an empty state only.
+    Import {
+        /// When and by whom it was proposed.
+        meta: RecordMeta,
+        /// [`encode_snapshot`] of the state (decoded when applied).
+        snapshot: Vec<u8>,
+    },
+}
+
+/// Encodes an import record: its metadata and the state image's bytes.
+pub fn encode_import(meta: &RecordMeta, snapshot: &[u8]) -> Vec<u8> {
+    let mut e = Enc::default();
+    e.u8(IMPORT_RECORD_VERSION);
+    e.u64(meta.now_ms);
+    e.u64(meta.seq);
+    e.u64(meta.wall_ms);
+    e.opt_str(meta.actor.as_deref());
+    e.u64(snapshot.len() as u64);
+    e.0.extend_from_slice(snapshot);
+    e.0
+}
+
+/// Decodes a Raft entry's record: a command record (any version) or an import.
+pub fn decode_replicated(bytes: &[u8]) -> Result<Replicated, DecodeError> {
+    if bytes.first() != Some(&IMPORT_RECORD_VERSION) {
+        let (meta, command) = decode_record(bytes)?;
+        return Ok(Replicated::Command(meta, command));
+    }
+    let mut d = Dec::new(bytes);
+    d.u8()?;
+    let meta = RecordMeta {
+        now_ms: d.time()?,
+        seq: d.u64()?,
+        wall_ms: d.u64()?,
+        actor: d.opt_str()?.map(str::to_owned),
+    };
+    let len = usize::try_from(d.u64()?).map_err(|_| bad("import length overflows"))?;
+    let snapshot = d.take(len)?.to_vec();
+    d.finish()?;
+    Ok(Replicated::Import { meta, snapshot })
+}
+
 impl Enc {
     fn tenant_quota(&mut self, tenant: Option<&Tenant>, quota: Option<&Quota>) {
         self.opt_str(tenant.map(Tenant::as_str));
@@ -777,6 +831,40 @@ mod tests {
             let bytes = encode_record(&meta, &c);
             assert_eq!(decode_record(&bytes).unwrap(), (meta, c));
         }
+    }
+
+    /// A Raft entry holds a command record or an import; a single server's log
+    /// never holds an import, so its decoder refuses one.
+    #[test]
+    fn replicated_records_are_commands_or_imports() {
+        let meta = RecordMeta {
+            seq: 0,
+            now_ms: 12,
+            wall_ms: 34,
+            actor: Some("server".into()),
+        };
+        let command = encode_record(&meta, &Command::Promote);
+        assert_eq!(
+            decode_replicated(&command).unwrap(),
+            Replicated::Command(meta.clone(), Command::Promote)
+        );
+        let image = encode_snapshot(&Core::new(Config::default()).export());
+        let import = encode_import(&meta, &image);
+        assert_eq!(
+            decode_replicated(&import).unwrap(),
+            Replicated::Import {
+                meta: meta.clone(),
+                snapshot: image.clone()
+            }
+        );
+        assert!(decode_record(&import).is_err());
+        // Cut anywhere, or with a byte more, it is refused.
+        for cut in 0..import.len() {
+            assert!(decode_replicated(&import[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut longer = import.clone();
+        longer.push(0);
+        assert!(decode_replicated(&longer).is_err());
     }
 
     /// Records written before principals were recorded (version 2) decode with

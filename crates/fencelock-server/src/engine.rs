@@ -1900,6 +1900,10 @@ impl Handle {
         f: impl FnOnce(&Core, u64) -> T + Send + 'static,
         stale: bool,
     ) -> Result<T, ApiError> {
+        // A member importing a single server's state would show an empty one.
+        if self.shared.cluster().is_some_and(|c| c.importing()) {
+            return Err(replicated::importing_error());
+        }
         if let (Some(cluster), false) = (self.shared.cluster(), stale) {
             cluster.read_barrier().await?;
         }

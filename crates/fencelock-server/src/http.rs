@@ -508,6 +508,9 @@ async fn healthz() -> &'static str {
 /// confirms, applied within `READY_MAX_LAG` entries of the commit index).
 async fn readyz(State(h): State<Handle>) -> Response {
     let why = match h.state() {
+        RunState::Running if h.cluster().is_some_and(|c| c.importing()) => {
+            Some("importing a single server's state".to_owned())
+        }
         RunState::Running => h.cluster().and_then(|c| c.readiness().err()),
         other => Some(format!("{other:?}")),
     };

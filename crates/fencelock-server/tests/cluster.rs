@@ -1064,3 +1064,356 @@ async fn the_dashboard_shows_the_cluster() {
     single.stop().await;
     cluster.stop_all().await;
 }
+
+/// A single server on `dir` (no cluster), on a free port.
+async fn single_server(dir: &Path) -> (Server, Client) {
+    let listen = free_port();
+    let server = Server::start(ServerConfig::new(listen, EngineConfig::new(dir)))
+        .await
+        .expect("the single server starts");
+    (server, Client::new(listen))
+}
+
+/// A one-member cluster on `dir`, as `fencelock serve --node-id 1 --peers 1=…`.
+fn alone(root: tempfile::TempDir, dir: PathBuf) -> Cluster {
+    let peer = free_port();
+    Cluster {
+        members: vec![Member {
+            id: 1,
+            server: None,
+            dir,
+            listen: free_port(),
+            peer,
+        }],
+        peers: BTreeMap::from([(1, peer)]),
+        _root: root,
+    }
+}
+
+/// Waits until member `i` leads and has imported (its status says so).
+async fn imported(cluster: &Cluster, i: usize) {
+    let c = cluster.members[i].client();
+    let id = cluster.members[i].id;
+    eventually("the member leads and has imported", || async move {
+        let s = c.get("/v1/cluster").await.json();
+        (s["leader"]["id"] == json!(id) && s["importing"] == json!(false)).then_some(())
+    })
+    .await;
+}
+
+/// Starts member `id` with `--join` and adds it through the leader `via`.
+async fn add_member(cluster: &mut Cluster, id: u64, via: &Client) {
+    let dir = cluster._root.path().join(format!("m{id}"));
+    let (listen, peer) = (free_port(), free_port());
+    let server = Server::start(config(
+        id,
+        &dir,
+        listen,
+        peer,
+        &BTreeMap::new(),
+        true,
+        &|_| {},
+    ))
+    .await
+    .expect("the new member starts");
+    cluster.members.push(Member {
+        id,
+        server: Some(server),
+        dir,
+        listen,
+        peer,
+    });
+    via.post(
+        "/v1/cluster/members",
+        &json!({"id": id, "peer_addr": peer.to_string(), "url": format!("http://{listen}")}),
+    )
+    .await
+    .expect_json(200);
+}
+
+fn fence(grant: &Value) -> u64 {
+    grant["fence"].as_u64().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_single_servers_directory_becomes_the_first_member_with_its_locks_and_fences() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("m1");
+
+    // A single server: a held lock, a released one, a session holding one, and a
+    // queued request.
+    let (single, c) = single_server(&dir).await;
+    let a = acquire(&c, json!({"name": "imp:a", "ttl_ms": 30000}))
+        .await
+        .expect_json(200);
+    let b = acquire(&c, json!({"name": "imp:b", "ttl_ms": 30000}))
+        .await
+        .expect_json(200);
+    c.post(
+        "/v1/release",
+        &json!({"name": "imp:b", "owner_token": b["owner_token"]}),
+    )
+    .await
+    .expect_json(200);
+    let session = c
+        .post("/v1/sessions", &json!({"ttl_ms": 30000}))
+        .await
+        .expect_json(200);
+    let s = acquire(&c, json!({"name": "imp:s", "session": session["session"]}))
+        .await
+        .expect_json(200);
+    let waiter_body = json!({"name": "imp:a", "ttl_ms": 30000, "wait_ms": 20000});
+    let mut waiter = Box::pin(c.post("/v1/acquire", &waiter_body));
+    let waited = tokio::time::timeout(Duration::from_millis(300), &mut waiter).await;
+    assert!(waited.is_err(), "the second acquire of imp:a waits");
+    let shown = c.get("/v1/locks/imp:a").await.expect_json(200);
+    assert_eq!(shown["waiters"], json!(1), "{shown}");
+    single.shutdown().await.unwrap();
+    drop(waiter);
+    let old_fences = [fence(&a), fence(&b), fence(&s)];
+    let last_old = *old_fences.iter().max().unwrap();
+
+    // The same directory, started as the one member of a new cluster.
+    let mut cluster = alone(root, dir.clone());
+    cluster.restart(0).await;
+    imported(&cluster, 0).await;
+    let m1 = cluster.members[0].client();
+    // The single server's files moved aside; nothing is left to import again.
+    assert!(dir.join("imported-single-node/log.manifest").exists());
+    assert!(dir.join("imported-single-node/audit").exists());
+    assert!(!dir.join("log.manifest").exists());
+    assert!(!dir.join("raft/import.snap").exists());
+
+    // Same holders, same fences; the queued request is gone, as after a restart.
+    let shown = m1.get("/v1/locks/imp:a").await.expect_json(200);
+    assert_eq!(shown["holders"][0]["fence"], a["fence"], "{shown}");
+    assert_eq!(shown["waiters"], json!(0), "{shown}");
+    assert!(
+        shown["holders"][0]["ttl_remaining_ms"].as_u64().unwrap() > 20000,
+        "a full lease again: {shown}"
+    );
+    m1.get("/v1/locks/imp:b")
+        .await
+        .expect_error(404, "not_found");
+    let shown = m1.get("/v1/locks/imp:s").await.expect_json(200);
+    assert_eq!(shown["holders"][0]["fence"], s["fence"], "{shown}");
+    // The old owner tokens and the session still work.
+    let renewed = m1
+        .post(
+            "/v1/renew",
+            &json!({"name": "imp:a", "owner_token": a["owner_token"]}),
+        )
+        .await
+        .expect_json(200);
+    assert_eq!(renewed["fence"], a["fence"]);
+    m1.post(
+        &format!(
+            "/v1/sessions/{}/keepalive",
+            session["session"].as_str().unwrap()
+        ),
+        &json!({}),
+    )
+    .await
+    .expect_json(200);
+    // A repeat release of the released lock is recognised.
+    let again = m1
+        .post(
+            "/v1/release",
+            &json!({"name": "imp:b", "owner_token": b["owner_token"]}),
+        )
+        .await
+        .expect_json(200);
+    assert_eq!(again["released"], json!(false), "{again}");
+    m1.post(
+        "/v1/release",
+        &json!({"name": "imp:a", "owner_token": a["owner_token"]}),
+    )
+    .await
+    .expect_json(200);
+    // Fences go on from the single server's.
+    let n = acquire(&m1, json!({"name": "imp:n", "ttl_ms": 30000}))
+        .await
+        .expect_json(200);
+    assert!(fence(&n) > last_old, "{n} after {old_fences:?}");
+
+    // Two more members get the state through the log.
+    add_member(&mut cluster, 2, &m1).await;
+    add_member(&mut cluster, 3, &m1).await;
+    for i in [1, 2] {
+        let follower = cluster.members[i].client();
+        eventually("a new member applies the log up to imp:n", || async move {
+            let r = follower.get("/v1/locks/imp:n?stale=true").await;
+            (r.status == 200).then_some(())
+        })
+        .await;
+        let shown = follower
+            .get("/v1/locks/imp:s?stale=true")
+            .await
+            .expect_json(200);
+        assert_eq!(shown["holders"][0]["fence"], s["fence"], "{shown}");
+        follower
+            .get("/v1/locks/imp:a?stale=true")
+            .await
+            .expect_error(404, "not_found");
+    }
+
+    // The first member goes away: the new leader has the imported locks, and fences
+    // still increase.
+    cluster.stop(0).await;
+    let l = cluster.leader().await;
+    let lc = cluster.members[l].client();
+    let shown = lc.get("/v1/locks/imp:s").await.expect_json(200);
+    assert_eq!(shown["holders"][0]["fence"], s["fence"], "{shown}");
+    let after = acquire(&lc, json!({"name": "imp:after", "ttl_ms": 30000}))
+        .await
+        .expect_json(200);
+    assert!(fence(&after) > fence(&n), "{after} after {n}");
+
+    // It comes back without importing again: imp:a stays released.
+    cluster.restart(0).await;
+    let back = cluster.members[0].client();
+    eventually("the first member catches up", || async move {
+        let r = back.get("/v1/locks/imp:after?stale=true").await;
+        (r.status == 200).then_some(())
+    })
+    .await;
+    back.get("/v1/locks/imp:a?stale=true")
+        .await
+        .expect_error(404, "not_found");
+    let status = back.get("/v1/cluster").await.expect_json(200);
+    assert_eq!(status["importing"], json!(false), "{status}");
+    assert!(!dir.join("log.manifest").exists());
+    cluster.stop_all().await;
+}
+
+/// The image `fencelock backup` would save of the single server whose files are in
+/// `dir`, written where an import stages it.
+fn stage(single_dir: &Path, member_dir: &Path) {
+    let recovery = fencelock_server::engine::recover(
+        fencelock_log::LogOptions::default(),
+        single_dir,
+        &fencelock_core::Config::default(),
+        None,
+    )
+    .unwrap();
+    drop(recovery.log);
+    let bytes = fencelock_server::codec::encode_snapshot(&recovery.core.export());
+    fencelock_log::write_snapshot_file(&member_dir.join("raft/import.snap"), &bytes).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_import_is_applied_once_and_conflicting_state_is_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("m1");
+    let (single, c) = single_server(&dir).await;
+    let x = acquire(&c, json!({"name": "once:x", "ttl_ms": 30000}))
+        .await
+        .expect_json(200);
+    single.shutdown().await.unwrap();
+    let mut cluster = alone(root, dir.clone());
+    cluster.restart(0).await;
+    imported(&cluster, 0).await;
+    let m1 = cluster.members[0].client();
+    m1.post(
+        "/v1/release",
+        &json!({"name": "once:x", "owner_token": x["owner_token"]}),
+    )
+    .await
+    .expect_json(200);
+    cluster.stop(0).await;
+
+    // A crash after the import was applied, before its staged file was deleted:
+    // the next start proposes the same image again, and it is not applied twice
+    // (once:x, released since, stays released).
+    stage(&dir.join("imported-single-node"), &dir);
+    cluster.restart(0).await;
+    imported(&cluster, 0).await;
+    assert!(!dir.join("raft/import.snap").exists());
+    m1.get("/v1/locks/once:x")
+        .await
+        .expect_error(404, "not_found");
+    let y = acquire(&m1, json!({"name": "once:y", "ttl_ms": 30000}))
+        .await
+        .expect_json(200);
+    assert!(fence(&y) > fence(&x));
+    cluster.stop(0).await;
+
+    // Another single server's image staged into a cluster that holds state: every
+    // member refuses it, this one stops, clients are never served from it.
+    let other = cluster._root.path().join("other");
+    let (single, c) = single_server(&other).await;
+    acquire(&c, json!({"name": "other:z", "ttl_ms": 30000}))
+        .await
+        .expect_json(200);
+    single.shutdown().await.unwrap();
+    stage(&other, &dir);
+    cluster.restart(0).await;
+    let server = cluster.members[0].server.as_ref().unwrap();
+    let mut state = server.handle().watch_state();
+    let why = tokio::time::timeout(support::IO_TIMEOUT, async {
+        loop {
+            if let fencelock_server::RunState::Failed(why) = state.borrow_and_update().clone() {
+                return why;
+            }
+            state.changed().await.unwrap();
+        }
+    })
+    .await
+    .expect("the member stops");
+    assert!(why.contains("cannot import"), "{why}");
+    assert!(why.contains("already holds state"), "{why}");
+    assert!(dir.join("raft/import.snap").exists(), "the image is kept");
+    let refused = m1.get("/v1/locks/once:y?stale=true").await;
+    assert_eq!(refused.error_code().as_deref(), Some("unavailable"));
+    assert!(refused.text().contains("importing"), "{}", refused.text());
+    assert_eq!(m1.get("/readyz").await.status, 503);
+    cluster.stop(0).await;
+    std::fs::remove_file(dir.join("raft/import.snap")).unwrap();
+
+    // A single server's files beside a member's Raft state, nothing staged: which
+    // holds the locks? Refused, and nothing is moved.
+    for entry in std::fs::read_dir(&other).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::rename(entry.path(), dir.join(entry.file_name())).unwrap();
+        }
+    }
+    let m = &cluster.members[0];
+    let err = Server::start(config(
+        1,
+        &dir,
+        m.listen,
+        m.peer,
+        &cluster.peers,
+        false,
+        &|_| {},
+    ))
+    .await
+    .err()
+    .expect("refused");
+    let message = err.to_string();
+    assert!(message.contains("holds both"), "{message}");
+    assert!(message.contains("From a single server"), "{message}");
+    assert!(dir.join("log.manifest").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_servers_directory_is_imported_only_by_a_member_starting_alone() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("m1");
+    let (single, _) = single_server(&dir).await;
+    single.shutdown().await.unwrap();
+    let peers: BTreeMap<u64, SocketAddr> = (1..=3).map(|id| (id, free_port())).collect();
+    let (listen, peer) = (free_port(), peers[&1]);
+    for (peers, join) in [(peers.clone(), false), (BTreeMap::new(), true)] {
+        let err = Server::start(config(1, &dir, listen, peer, &peers, join, &|_| {}))
+            .await
+            .err()
+            .expect("refused");
+        let message = err.to_string();
+        assert!(message.contains("--peers 1="), "{message}");
+        assert!(message.contains("fencelock cluster add"), "{message}");
+        assert!(dir.join("log.manifest").exists(), "nothing moved");
+        assert!(!dir.join("imported-single-node").exists());
+    }
+}

@@ -45,6 +45,22 @@ fn cluster_of(h: &Handle) -> Result<&std::sync::Arc<crate::engine::ClusterShared
     })
 }
 
+/// The member, for a membership or leadership change: none while it imports a
+/// single server's state (a new member could lead, from an empty state, before
+/// the import is applied).
+fn cluster_to_change(
+    h: &Handle,
+) -> Result<&std::sync::Arc<crate::engine::ClusterShared>, ApiError> {
+    let c = cluster_of(h)?;
+    if c.importing() {
+        return Err(ApiError::new(
+            ApiErrorKind::Unavailable,
+            "this member is importing a single server's state; change the membership once it is done",
+        ));
+    }
+    Ok(c)
+}
+
 /// The cluster as one member sees it: what `/v1/cluster` and the dashboard's
 /// "Cluster" section show.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -145,7 +161,8 @@ pub fn view(c: &crate::engine::ClusterShared) -> ClusterView {
 
 /// The `/v1/cluster` body as this member sees the cluster.
 pub fn status_json(h: &Handle) -> Result<serde_json::Value, ApiError> {
-    let v = view(cluster_of(h)?);
+    let c = cluster_of(h)?;
+    let v = view(c);
     let members: Vec<serde_json::Value> = v
         .members
         .iter()
@@ -167,6 +184,7 @@ pub fn status_json(h: &Handle) -> Result<serde_json::Value, ApiError> {
         "leader": v.leader.map(|l| json!({"id": l.id, "url": l.url})),
         "last_log_index": v.last_log_index,
         "members": members,
+        "importing": c.importing(),
     }))
 }
 
@@ -263,7 +281,7 @@ async fn add_member(
     JsonBody(body): JsonBody<AddMember>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     caller.authorize(Action::Snapshot, None)?;
-    let c = cluster_of(&h)?;
+    let c = cluster_to_change(&h)?;
     if body.id == 0 {
         return Err(invalid("id", "must be at least 1"));
     }
@@ -300,7 +318,7 @@ async fn remove_member(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     caller.authorize(Action::Snapshot, None)?;
-    let c = cluster_of(&h)?;
+    let c = cluster_to_change(&h)?;
     let Path(raw) = path.map_err(|e| invalid("id", e.body_text()))?;
     let id: u64 = raw
         .parse()
@@ -337,7 +355,7 @@ async fn transfer_leader(
     JsonBody(body): JsonBody<Transfer>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     caller.authorize(Action::Snapshot, None)?;
-    let c = cluster_of(&h)?;
+    let c = cluster_to_change(&h)?;
     let m = c.raft.metrics().borrow_watched().clone();
     if m.current_leader != Some(c.node_id) {
         return Err(c.not_leader());

@@ -15,8 +15,10 @@
 //!   cluster secret and/or mutual TLS, refused when the sender's core configuration
 //!   differs.
 //! - `listener`: the peer port's accept loop: TLS, connection admission, timeouts.
+//! - [`import`]: a single server's data directory becomes the first member.
 
 pub mod api;
+pub mod import;
 pub(crate) mod listener;
 pub mod log_store;
 pub mod network;

@@ -9,6 +9,7 @@
 //! applied, and only a leader stamps and proposes.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,11 +27,12 @@ use super::{
     ServiceClock, Shared, EVENT_BUFFER,
 };
 use crate::audit::{self, AuditEntry, AuditStore};
+use crate::cluster::import::Staged;
 use crate::cluster::state_machine::SmRequest;
 use crate::cluster::{
     Directory, LeaderContact, LeaderInfo, Proposal, Raft, StoredMembership, TypeConfig,
 };
-use crate::codec::{self, RecordMeta};
+use crate::codec::{self, RecordMeta, Replicated as ReplicatedRecord};
 use crate::error::{ApiError, ApiErrorKind};
 
 /// Most state machine requests queued for the engine (openraft waits beyond it).
@@ -38,8 +40,37 @@ pub(crate) const SM_QUEUE: usize = 64;
 
 /// A proposal's asker, waiting for its apply.
 pub(super) enum Pending {
-    Acquire { listener: u128, reply: AcquireReply },
+    Acquire {
+        listener: u128,
+        reply: AcquireReply,
+    },
     Command(CommandReply),
+    /// This member's import of a single server's state (see `cluster::import`).
+    Import,
+}
+
+/// How an import entry was applied (the same on every member).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ImportOutcome {
+    /// The image replaced the empty state.
+    Applied {
+        locks: usize,
+        sessions: usize,
+        next_fence: u64,
+    },
+    /// This image was applied earlier in the log (a crash came before the staged
+    /// file was deleted): nothing changed.
+    AlreadyApplied,
+    /// The state was not empty, or the image unusable: nothing changed.
+    Refused(String),
+}
+
+/// A single server's state this member imports: proposed whenever it leads and no
+/// proposal of it is in flight, until one is applied.
+pub(super) struct PendingImport {
+    snapshot: Vec<u8>,
+    in_flight: bool,
+    done: Option<oneshot::Sender<ImportOutcome>>,
 }
 
 /// What the engine task keeps in cluster mode.
@@ -54,7 +85,7 @@ pub(super) struct Replicated {
     pub(super) applied: Option<crate::cluster::LogId>,
     /// The service time of the last applied command and when it was applied here:
     /// a follower's clock for reads (see `EngineTask::read_time_ms`).
-    pub(super) applied_time: Option<(u64, Instant)>,
+    pub(super) applied_time: Option<(u64, tokio::time::Instant)>,
     pub(super) membership: StoredMembership,
     /// Leadership as last reported: `Some(term)` while this member leads.
     pub(super) leading: Option<u64>,
@@ -77,6 +108,13 @@ pub(super) struct Replicated {
     /// The audit store's high-water mark at start: entries at or below it were
     /// recorded before (re-applied after a restart) and are not recorded again.
     pub(super) audit_high_water: (u64, u32),
+    /// The single server's state to import, until its entry is applied here.
+    pub(super) import: Option<PendingImport>,
+    /// The digest of the import entry applied in this run (replayed from the log
+    /// after a restart): a new proposal of the same image is "already imported".
+    pub(super) imported: Option<[u8; 32]>,
+    /// Set while this member imports: clients are refused (503) until it is clear.
+    pub(super) importing: Arc<AtomicBool>,
     #[cfg(feature = "planted-bugs")]
     pub(super) bugs: ClusterBugs,
     /// With the `local_fence` bug: the next fence by this member's own count.
@@ -100,6 +138,9 @@ pub struct ClusterShared {
     /// touch with its leader: the longest election timeout (openraft's leader
     /// lease).
     pub lease: Duration,
+    /// Set while this member imports a single server's state: until the import is
+    /// applied (and its staged file deleted), clients are refused.
+    pub(crate) importing: Arc<AtomicBool>,
     #[cfg(feature = "planted-bugs")]
     pub(crate) stale_leader_reads: bool,
 }
@@ -110,7 +151,21 @@ pub struct ClusterShared {
 /// disk) does not.
 pub const READY_MAX_LAG: u64 = 1_000;
 
+/// What a client hears while its member imports a single server's state.
+pub(crate) fn importing_error() -> ApiError {
+    ApiError::new(
+        ApiErrorKind::Unavailable,
+        "this member is importing a single server's state into the cluster; retry shortly",
+    )
+}
+
 impl ClusterShared {
+    /// Whether this member is still importing a single server's state (clients
+    /// are refused until it is done).
+    pub fn importing(&self) -> bool {
+        self.importing.load(Ordering::Acquire)
+    }
+
     /// The leader as this member knows it.
     pub fn leader(&self) -> Option<LeaderInfo> {
         let metrics = self.raft.metrics().borrow_watched().clone();
@@ -391,6 +446,39 @@ impl EngineTask {
             }
             _ => {}
         }
+        self.propose_import();
+    }
+
+    /// Proposes the single server's state, if this member leads and has one to
+    /// import with no proposal of it in flight.
+    fn propose_import(&mut self) {
+        let r = self.replica();
+        if r.leading.is_none() {
+            return;
+        }
+        let Some(import) = r.import.as_mut().filter(|i| !i.in_flight) else {
+            return;
+        };
+        import.in_flight = true;
+        let meta = self.stamp(&Requester::server());
+        let record = match &self.replica().import {
+            Some(import) => codec::encode_import(&meta, &import.snapshot),
+            None => return,
+        };
+        tracing::info!(
+            bytes = record.len(),
+            "proposing the single server's state as the cluster's"
+        );
+        self.submit(record, Some(Pending::Import), false);
+    }
+
+    /// The import entry proposed here was applied (or refused): report it.
+    fn import_answered(&mut self, outcome: ImportOutcome) {
+        if let Some(mut import) = self.replica().import.take() {
+            if let Some(done) = import.done.take() {
+                let _ = done.send(outcome);
+            }
+        }
     }
 
     /// The service time a read on this member counts to. The leader reads its
@@ -455,6 +543,7 @@ impl EngineTask {
                 let refused = self
                     .check_ttl("ttl_ms", acquire.ttl_ms)
                     .err()
+                    .or_else(|| self.refused_while_importing())
                     .or_else(|| self.replica().leading.is_none().then(|| self.not_leader()));
                 if let Some(err) = refused {
                     self.deliveries.push(Box::new(move || {
@@ -494,6 +583,7 @@ impl EngineTask {
                 let refused = self
                     .check_ttl("ttl_ms", ttl)
                     .err()
+                    .or_else(|| self.refused_while_importing())
                     .or_else(|| self.replica().leading.is_none().then(|| self.not_leader()));
                 if let Some(err) = refused {
                     self.deliveries.push(Box::new(move || reply.send_api(err)));
@@ -565,12 +655,28 @@ impl EngineTask {
         }
     }
 
+    fn refused_while_importing(&mut self) -> Option<ApiError> {
+        self.replica()
+            .importing
+            .load(Ordering::Acquire)
+            .then(importing_error)
+    }
+
     fn answer_error(&mut self, pending: Pending, error: ApiError) {
         self.deliveries.push(match pending {
             Pending::Acquire { reply, .. } => Box::new(move || {
                 let _ = reply.send(Err(error));
             }),
             Pending::Command(reply) => Box::new(move || reply.send_api(error)),
+            Pending::Import => {
+                // Not committed (this member stopped leading, or is stopping): it
+                // is proposed again when this member leads.
+                tracing::warn!(error = %error.message(), "the import was not committed; proposing it again once this member leads");
+                if let Some(import) = self.replica().import.as_mut() {
+                    import.in_flight = false;
+                }
+                return;
+            }
         });
     }
 
@@ -586,14 +692,24 @@ impl EngineTask {
     /// Stamps `command` with this leader's service time and proposes it; its
     /// answer goes to `pending` once applied (or an error if it cannot commit).
     fn propose(&mut self, command: Command, caller: Requester, pending: Option<Pending>) {
-        let now = self.clock.now_ms().max(self.core.now_ms());
-        let meta = RecordMeta {
+        let meta = self.stamp(&caller);
+        let record = codec::encode_record(&meta, &command);
+        self.submit(record, pending, matches!(command, Command::Tick));
+    }
+
+    /// A proposal's metadata: this leader's service time, the wall clock, the actor.
+    fn stamp(&self, caller: &Requester) -> RecordMeta {
+        RecordMeta {
             seq: 0,
-            now_ms: now,
+            now_ms: self.clock.now_ms().max(self.core.now_ms()),
             wall_ms: audit::wall_ms(),
             actor: Some(caller.actor().to_owned()),
-        };
-        let record = codec::encode_record(&meta, &command);
+        }
+    }
+
+    /// Hands `record` to Raft; `pending` hears the outcome once it is applied, or
+    /// an error if it cannot commit.
+    fn submit(&mut self, record: Vec<u8>, pending: Option<Pending>, is_tick: bool) {
         let tx = self.self_tx.clone();
         let r = self.replica();
         let Some(raft) = r.raft.clone() else {
@@ -615,7 +731,6 @@ impl EngineTask {
             record,
         };
         let directory = r.directory.clone();
-        let is_tick = matches!(command, Command::Tick);
         tokio::spawn(async move {
             let written = raft.client_write(proposal).await;
             let refused = written.is_err();
@@ -676,7 +791,7 @@ impl EngineTask {
                         let applied_ms = self.core.now_ms();
                         let r = self.replica();
                         r.applied = meta.last_log_id;
-                        r.applied_time = Some((applied_ms, Instant::now()));
+                        r.applied_time = Some((applied_ms, tokio::time::Instant::now()));
                         r.membership = meta.last_membership;
                         // Whoever waited on this member is answered by the new state
                         // no more: they retry (with their request ids).
@@ -713,8 +828,11 @@ impl EngineTask {
     }
 
     fn apply_proposal(&mut self, index: u64, proposal: Proposal) {
-        let (mut meta, command) = match codec::decode_record(&proposal.record) {
-            Ok(decoded) => decoded,
+        let (mut meta, command) = match codec::decode_replicated(&proposal.record) {
+            Ok(ReplicatedRecord::Command(meta, command)) => (meta, command),
+            Ok(ReplicatedRecord::Import { meta, snapshot }) => {
+                return self.apply_import(index, &proposal, meta, &snapshot);
+            }
             Err(e) => {
                 // Every member refuses it alike, so the state stays the same
                 // everywhere; the asker hears why.
@@ -735,7 +853,7 @@ impl EngineTask {
         }
         let result = self.core.apply(now, command);
         let applied_ms = self.core.now_ms();
-        self.replica().applied_time = Some((applied_ms, Instant::now()));
+        self.replica().applied_time = Some((applied_ms, tokio::time::Instant::now()));
         #[cfg(feature = "planted-bugs")]
         if local {
             self.replica().local_fence = self.core.stats().next_fence;
@@ -765,7 +883,7 @@ impl EngineTask {
             None
         };
         match pending {
-            None => {}
+            None | Some(Pending::Import) => {}
             Some(Pending::Command(reply)) => {
                 self.deliveries.push(Box::new(move || reply.send(result)));
             }
@@ -796,6 +914,111 @@ impl EngineTask {
                     }));
                 }
             },
+        }
+    }
+
+    /// Applies an import entry (see `cluster::import`), the same way on every
+    /// member: to an empty state only. Answers the proposer whether it applied, had
+    /// applied this image before (a re-proposal after a crash), or refused.
+    fn apply_import(
+        &mut self,
+        index: u64,
+        proposal: &Proposal,
+        mut meta: RecordMeta,
+        snapshot: &[u8],
+    ) {
+        meta.seq = index;
+        let digest = crate::cluster::import::digest(snapshot);
+        let outcome = self.import_state(&meta, snapshot, digest);
+        match &outcome {
+            ImportOutcome::Applied {
+                locks,
+                sessions,
+                next_fence,
+            } => tracing::info!(
+                index,
+                locks,
+                sessions,
+                next_fence,
+                "imported a single server's state"
+            ),
+            ImportOutcome::AlreadyApplied => {
+                tracing::info!(index, "this single server's state was imported before")
+            }
+            ImportOutcome::Refused(why) => {
+                tracing::warn!(index, why = %why, "refused an import; nothing changed")
+            }
+        }
+        let r = self.replica();
+        let mine = proposal.origin == r.node_id && proposal.incarnation == r.incarnation;
+        if mine && matches!(r.pending.get(&proposal.seq), Some(Pending::Import)) {
+            r.pending.remove(&proposal.seq);
+            self.import_answered(outcome);
+        }
+    }
+
+    fn import_state(
+        &mut self,
+        meta: &RecordMeta,
+        snapshot: &[u8],
+        digest: [u8; 32],
+    ) -> ImportOutcome {
+        let stats = self.core.stats();
+        let empty =
+            stats.locks == 0 && stats.sessions == 0 && self.core.export().recent_ends.is_empty();
+        if !empty {
+            // Only the answer depends on what this member saw (the state does not:
+            // every member decides by the replicated state alone).
+            if self.replica().imported == Some(digest) {
+                return ImportOutcome::AlreadyApplied;
+            }
+            return ImportOutcome::Refused(format!(
+                "the cluster already holds state ({} locks, {} sessions, or recently ended grants); an import replaces an empty state only",
+                stats.locks, stats.sessions
+            ));
+        }
+        let mut image = match codec::decode_snapshot(snapshot) {
+            Ok(image) => image,
+            Err(e) => return ImportOutcome::Refused(format!("the imported state: {e}")),
+        };
+        // The single server's service time becomes the cluster's: every time moves
+        // by the same amount, so leases and lock-delays keep what they had left.
+        let now = meta.now_ms.max(self.core.now_ms()).max(image.now_ms);
+        let delta_ms = now - image.now_ms;
+        crate::cluster::import::shift_times(&mut image, delta_ms);
+        image.next_fence = image.next_fence.max(stats.next_fence);
+        let core = match fencelock_core::Core::import(self.core.config().clone(), image) {
+            Ok(core) => core,
+            Err(e) => {
+                return ImportOutcome::Refused(format!("the imported state is inconsistent: {e}"))
+            }
+        };
+        self.core = core;
+        // As at the single server's own restart: every lease and session gets a
+        // full TTL, queued requests (their clients are gone) are dropped.
+        let result = self.core.apply(now, Command::Recover);
+        let outcomes = self.core.take_outcomes();
+        let meta = RecordMeta {
+            now_ms: now,
+            ..meta.clone()
+        };
+        let entries = audit::entries_for(&meta, &Command::Recover, &result, &outcomes);
+        let high_water = self.replica().audit_high_water;
+        self.audit.extend(audit::missing(high_water, entries));
+        self.outcomes.extend(outcomes);
+        self.route_replicated_outcomes();
+        if self.replica().leading.is_some() && self.clock.now_ms() < self.core.now_ms() {
+            self.clock = ServiceClock {
+                base_ms: self.core.now_ms(),
+                start: tokio::time::Instant::now(),
+            };
+        }
+        self.replica().imported = Some(digest);
+        let stats = self.core.stats();
+        ImportOutcome::Applied {
+            locks: stats.locks,
+            sessions: stats.sessions,
+            next_fence: stats.next_fence,
         }
     }
 
@@ -901,6 +1124,9 @@ pub struct MemberSpec<N> {
     pub directory: Arc<Directory>,
     /// Sent at shutdown (stops the peer listener).
     pub on_shutdown: Option<oneshot::Sender<()>>,
+    /// A single server's state to import once this member leads
+    /// (`cluster::import::prepare`); clients are refused until it is applied.
+    pub import: Option<Staged>,
     /// Protections switched off for the simulation's planted-bug tests.
     #[cfg(feature = "planted-bugs")]
     pub bugs: ClusterBugs,
@@ -936,6 +1162,7 @@ where
         log_store,
         directory,
         on_shutdown,
+        import,
         #[cfg(feature = "planted-bugs")]
         bugs,
     } = spec;
@@ -974,6 +1201,14 @@ where
     let (state_tx, state_rx) = watch::channel(RunState::Running);
     let (sm_tx, sm_rx) = mpsc::channel(SM_QUEUE);
     let (attach_tx, attach_rx) = oneshot::channel();
+    let importing = Arc::new(AtomicBool::new(import.is_some()));
+    let (import_done_tx, import_done) = oneshot::channel();
+    let staged_path = import.as_ref().map(|staged| staged.path.clone());
+    let import = import.map(|staged| PendingImport {
+        snapshot: staged.snapshot,
+        in_flight: false,
+        done: Some(import_done_tx),
+    });
     let engine = EngineTask {
         core,
         clock: ServiceClock {
@@ -1016,6 +1251,9 @@ where
             log_store: Some(log_store.clone()),
             stop_peers: on_shutdown,
             audit_high_water,
+            import,
+            imported: None,
+            importing: importing.clone(),
             #[cfg(feature = "planted-bugs")]
             bugs,
             #[cfg(feature = "planted-bugs")]
@@ -1033,6 +1271,15 @@ where
             }
         }
     });
+
+    if let Some(staged) = staged_path {
+        tokio::spawn(finish_import(
+            import_done,
+            staged,
+            importing.clone(),
+            state_tx.clone(),
+        ));
+    }
 
     let sm = crate::cluster::state_machine::StateMachine::new(sm_tx, raft_dir.clone());
     let raft_config = Arc::new(cluster.raft_config().validate().map_err(|e| {
@@ -1066,6 +1313,7 @@ where
         url: cluster.advertise_url.clone(),
         contact: Arc::new(LeaderContact::default()),
         lease: cluster.election_timeout().1,
+        importing,
         #[cfg(feature = "planted-bugs")]
         stale_leader_reads: bugs.stale_leader_reads,
     });
@@ -1084,6 +1332,47 @@ where
         }),
     };
     Ok((handle, ClusterRuntime { shared, log_store }))
+}
+
+/// Step 4 of an import (see `cluster::import`): once its entry is applied here,
+/// deletes the staged image, then lets clients in. An import refused, or a staged
+/// file that cannot be deleted, stops the member (`RunState::Failed`): serving
+/// with the file in place could import it again at the next start.
+async fn finish_import(
+    done: oneshot::Receiver<ImportOutcome>,
+    staged: std::path::PathBuf,
+    importing: Arc<AtomicBool>,
+    state: watch::Sender<RunState>,
+) {
+    let Ok(outcome) = done.await else {
+        return; // the engine stopped first
+    };
+    let fail = |why: String| {
+        tracing::error!(error = %why, "fail-stop");
+        let _ = state.send(RunState::Failed(why));
+    };
+    if let ImportOutcome::Refused(why) = outcome {
+        fail(format!(
+            "cannot import the single server's state: {why}. It is kept in {} (a backup file);              if this member imported it before and stopped before deleting it, delete it",
+            staged.display()
+        ));
+        return;
+    }
+    let path = staged.clone();
+    match tokio::task::spawn_blocking(move || crate::cluster::import::finish(&path)).await {
+        Ok(Ok(())) => {
+            importing.store(false, Ordering::Release);
+            tracing::info!(
+                "the single server's state is the cluster's; serving clients (its files are in {}/)",
+                crate::cluster::import::ASIDE_DIR
+            );
+        }
+        Ok(Err(e)) => fail(format!(
+            "the import is applied, but {} cannot be deleted: {e}; delete it before the next start",
+            staged.display()
+        )),
+        Err(e) => fail(format!("the import's clean-up stopped: {e}")),
+    }
 }
 
 /// Starts a cluster member on this machine's network: the Raft log in
@@ -1113,7 +1402,9 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
     let raft_dir = config.data_dir.join("raft");
     std::fs::create_dir_all(&raft_dir)
         .map_err(|e| internal(format!("cannot create {}: {e}", raft_dir.display())))?;
-    refuse_single_node_data(&config.data_dir)?;
+    // A single server's data becomes this member's state (or is refused) before
+    // anything of the member is created.
+    let import = crate::cluster::import::prepare(&config, &raft_dir)?;
     let log_store = crate::cluster::log_store::LogStore::open(&raft_dir.join("log"), fsync)
         .map_err(|e| {
             let locked = e.to_string().contains("in use") || e.to_string().contains("lock");
@@ -1154,6 +1445,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         log_store,
         directory,
         on_shutdown: Some(stop_peers),
+        import,
         #[cfg(feature = "planted-bugs")]
         bugs: ClusterBugs::default(),
     })
@@ -1173,30 +1465,6 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         peers_stopped,
     ));
     Ok((handle, runtime))
-}
-
-/// A single server's data directory cannot silently become a member: its state
-/// would be invisible to the other members.
-fn refuse_single_node_data(dir: &std::path::Path) -> Result<(), ApiError> {
-    let single = std::fs::read_dir(dir)
-        .map(|entries| {
-            entries.flatten().any(|e| {
-                let name = e.file_name();
-                let name = name.to_string_lossy();
-                name == "log.manifest" || name.ends_with(".seg") || name.starts_with("snap-")
-            })
-        })
-        .unwrap_or(false);
-    if single {
-        return Err(ApiError::new(
-            ApiErrorKind::InvalidArgument,
-            format!(
-                "{} holds a single server's data; a cluster member needs a directory of its own (moving a single server's locks into a cluster is not supported yet)",
-                dir.display()
-            ),
-        ));
-    }
-    Ok(())
 }
 
 /// The Raft log and state machine of a member without Raft or network: the real
@@ -1266,6 +1534,9 @@ pub async fn storage_for_tests(
             log_store: None,
             stop_peers: None,
             audit_high_water,
+            import: None,
+            imported: None,
+            importing: Arc::new(AtomicBool::new(false)),
             #[cfg(feature = "planted-bugs")]
             bugs: ClusterBugs::default(),
             #[cfg(feature = "planted-bugs")]
