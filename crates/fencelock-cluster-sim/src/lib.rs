@@ -92,6 +92,10 @@ pub enum Invariant {
     /// A linearizable read missed a grant that was acknowledged before it and still
     /// believed held after it.
     StaleRead,
+    /// A queued request was passed over, or a retried one lost its place.
+    Fifo,
+    /// A grant a client was told of is missing from the applied history.
+    LostGrant,
     /// No grant within the bound after the network healed.
     Progress,
     /// A member failed (its engine panicked: a broken invariant).
@@ -120,6 +124,9 @@ pub struct Report {
     pub grants: u64,
     /// Linearizable reads that returned.
     pub reads: u64,
+    /// Requests that queued, in the longest complete event stream (what FIFO and
+    /// "no lost grant" were checked against; 0 if no stream was complete).
+    pub queued: u64,
     /// Faults injected, by kind.
     pub faults: BTreeMap<&'static str, u64>,
     /// Peer messages delivered and dropped.
@@ -131,6 +138,8 @@ pub struct Report {
 #[derive(Debug, Clone)]
 struct GrantRecord {
     client: usize,
+    /// The request id (also the owner).
+    request: String,
     lock: String,
     fence: u64,
     token: String,
@@ -149,10 +158,81 @@ struct ReadRecord {
     fences: Vec<u64>,
 }
 
+/// One lock event as a member applied it.
+#[derive(Debug, Clone)]
+enum Applied {
+    Queued {
+        lock: String,
+        owner: String,
+    },
+    Granted {
+        lock: String,
+        owner: String,
+        fence: u64,
+    },
+    WaitEnded {
+        lock: String,
+        owner: String,
+    },
+}
+
+/// The events one run of one member applied, in order.
+#[derive(Debug, Default)]
+struct EventStream {
+    /// Subscribed before any client command existed: the whole history.
+    from_start: bool,
+    /// The member fell behind the event channel: events after `events` are missing.
+    lagged: bool,
+    events: Vec<Applied>,
+}
+
 #[derive(Default)]
 struct History {
     grants: Vec<GrantRecord>,
     reads: Vec<ReadRecord>,
+    streams: Vec<EventStream>,
+}
+
+/// Records the lock events `h` applies from now on (a restarted member re-applies
+/// its log, so its stream is a suffix of the history, possibly all of it).
+fn record_events(h: &Handle, history: &Arc<Mutex<History>>, from_start: bool) {
+    use fencelock_core::EventKind;
+    use tokio::sync::broadcast::error::RecvError;
+    let mut rx = h.subscribe();
+    let index = {
+        let mut hist = history.lock().unwrap();
+        hist.streams.push(EventStream {
+            from_start,
+            ..EventStream::default()
+        });
+        hist.streams.len() - 1
+    };
+    let history = history.clone();
+    tokio::spawn(async move {
+        loop {
+            let event = match rx.recv().await {
+                Ok(event) => event,
+                Err(RecvError::Lagged(_)) => {
+                    history.lock().unwrap().streams[index].lagged = true;
+                    return;
+                }
+                Err(RecvError::Closed) => return,
+            };
+            let lock = event.name.as_str().to_owned();
+            let owner = event.owner.as_str().to_owned();
+            let applied = match (&event.kind, event.fence) {
+                (EventKind::Queued, _) => Applied::Queued { lock, owner },
+                (EventKind::Granted, Some(fence)) => Applied::Granted {
+                    lock,
+                    owner,
+                    fence: fence.get(),
+                },
+                (EventKind::WaitEnded(_), _) => Applied::WaitEnded { lock, owner },
+                _ => continue,
+            };
+            history.lock().unwrap().streams[index].events.push(applied);
+        }
+    });
 }
 
 /// The members of a run, as clients see them.
@@ -240,14 +320,16 @@ async fn run(seed: u64, options: Options) -> Report {
             log: fencelock_server::cluster::log_store::LogStore::in_memory(),
         })
         .collect();
+    let history = Arc::new(Mutex::new(History::default()));
     let mut handles = Vec::new();
     for (i, slot) in slots.iter().enumerate() {
-        handles.push(Some(start(i as u64 + 1, slot, n, &net, options.bugs).await));
+        let h = start(i as u64 + 1, slot, n, &net, options.bugs).await;
+        record_events(&h, &history, true);
+        handles.push(Some(h));
     }
     let cluster = Arc::new(Cluster {
         handles: Mutex::new(handles),
     });
-    let history = Arc::new(Mutex::new(History::default()));
     let start_at = Instant::now();
     let fault_end = start_at + Duration::from_millis(options.fault_ms);
 
@@ -297,6 +379,7 @@ async fn run(seed: u64, options: Options) -> Report {
         for i in due {
             down.remove(&i);
             let h = start(i as u64 + 1, &slots[i], n, &net, options.bugs).await;
+            record_events(&h, &history, false);
             cluster.handles.lock().unwrap()[i] = Some(h);
         }
         if heal_at.is_some_and(|at| at <= now) {
@@ -357,6 +440,7 @@ async fn run(seed: u64, options: Options) -> Report {
     net.heal();
     for i in std::mem::take(&mut down).into_keys() {
         let h = start(i as u64 + 1, &slots[i], n, &net, options.bugs).await;
+        record_events(&h, &history, false);
         cluster.handles.lock().unwrap()[i] = Some(h);
     }
     let dbg = |what: &str| {
@@ -409,6 +493,18 @@ async fn run(seed: u64, options: Options) -> Report {
     let history = std::mem::take(&mut *history.lock().unwrap());
     report.grants = history.grants.len() as u64;
     report.reads = history.reads.len() as u64;
+    report.queued = history
+        .streams
+        .iter()
+        .filter(|s| s.from_start && !s.lagged)
+        .map(|s| {
+            s.events
+                .iter()
+                .filter(|e| matches!(e, Applied::Queued { .. }))
+                .count() as u64
+        })
+        .max()
+        .unwrap_or(0);
     report.violation = check(&history).or_else(|| {
         if let Some(why) = failed.first() {
             return Some(Violation {
@@ -447,7 +543,8 @@ fn args(name: &str, wait_ms: u64, request_id: &str) -> AcquireArgs {
         name: LockName::new(name).expect("a valid lock name"),
         ttl_ms: Some(TTL_MS),
         wait_ms,
-        owner: Owner::new("sim").expect("a valid owner"),
+        // The owner names the request, so the event streams tell waiters apart.
+        owner: Owner::new(request_id).expect("a valid owner"),
         request_id: Some(RequestId::new(request_id).expect("a valid request id")),
         limit: 1,
         lock_delay_ms: 0,
@@ -524,6 +621,7 @@ async fn client(
             let mut h = history.lock().unwrap();
             h.grants.push(GrantRecord {
                 client: id,
+                request: request_id.clone(),
                 lock: lock.clone(),
                 fence: grant.fence.get(),
                 token: grant.token.to_string(),
@@ -669,6 +767,61 @@ async fn probe(cluster: &Cluster, within: Duration) -> bool {
     false
 }
 
+/// FIFO over one member's applied events: a queued request is granted only when
+/// every request queued before it on that lock has left the queue, nobody is
+/// granted past waiters without having queued, and a request retried with its
+/// request id (after a failover) never queues a second time: it keeps its place.
+fn check_fifo(stream: &EventStream) -> Option<Violation> {
+    let mut queues: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    let violation = |detail: String| {
+        Some(Violation {
+            invariant: Invariant::Fifo,
+            detail,
+        })
+    };
+    for e in &stream.events {
+        match e {
+            Applied::Queued { lock, owner } => {
+                let queue = queues.entry(lock).or_default();
+                if queue.contains(&owner.as_str()) {
+                    return violation(format!(
+                        "{owner} queued twice for {lock}: its retry lost its place"
+                    ));
+                }
+                queue.push(owner);
+            }
+            Applied::Granted { lock, owner, .. } => {
+                let queue = queues.entry(lock).or_default();
+                match queue.iter().position(|o| o == owner) {
+                    Some(0) => {
+                        queue.remove(0);
+                    }
+                    Some(_) => {
+                        return violation(format!(
+                            "{owner} was granted {lock} ahead of {} queued before it",
+                            queue[0]
+                        ))
+                    }
+                    // (A stream that began mid-run may have missed its queueing.)
+                    None if stream.from_start && !queue.is_empty() => {
+                        return violation(format!(
+                            "{owner} was granted {lock} without queueing while {} waited",
+                            queue[0]
+                        ))
+                    }
+                    None => {}
+                }
+            }
+            Applied::WaitEnded { lock, owner } => {
+                if let Some(queue) = queues.get_mut(lock.as_str()) {
+                    queue.retain(|o| o != owner);
+                }
+            }
+        }
+    }
+    None
+}
+
 /// The invariants over a run's history.
 fn check(history: &History) -> Option<Violation> {
     let end_of = |g: &GrantRecord| g.end.unwrap_or(g.ack + Duration::from_secs(3600));
@@ -714,6 +867,42 @@ fn check(history: &History) -> Option<Violation> {
             }
         }
     }
+    for stream in &history.streams {
+        if let Some(v) = check_fifo(stream) {
+            return Some(v);
+        }
+    }
+    // No lost acknowledged grant: a member that applied the whole history (and
+    // is the furthest along) applied every grant a client was told of.
+    let complete = history
+        .streams
+        .iter()
+        .filter(|s| s.from_start && !s.lagged)
+        .max_by_key(|s| s.events.len());
+    if let Some(stream) = complete {
+        let applied: std::collections::BTreeSet<(&str, &str, u64)> = stream
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Applied::Granted { lock, owner, fence } => {
+                    Some((lock.as_str(), owner.as_str(), *fence))
+                }
+                _ => None,
+            })
+            .collect();
+        let last_fence = applied.iter().map(|g| g.2).max().unwrap_or(0);
+        for g in grants.iter().filter(|g| g.fence <= last_fence) {
+            if !applied.contains(&(g.lock.as_str(), g.request.as_str(), g.fence)) {
+                return Some(Violation {
+                    invariant: Invariant::LostGrant,
+                    detail: format!(
+                        "client {} was granted {} with fence {} ({}), which the history does not hold",
+                        g.client, g.lock, g.fence, g.request
+                    ),
+                });
+            }
+        }
+    }
     for r in &history.reads {
         for g in grants.iter().filter(|g| g.lock == r.lock) {
             if g.ack < r.invoke && end_of(g) > r.complete && !r.fences.contains(&g.fence) {
@@ -728,4 +917,91 @@ fn check(history: &History) -> Option<Violation> {
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant(client: usize, request: &str, fence: u64) -> GrantRecord {
+        let at = Instant::now();
+        GrantRecord {
+            client,
+            request: request.to_owned(),
+            lock: "L0".to_owned(),
+            fence,
+            token: format!("t{fence}"),
+            invoke: at,
+            ack: at,
+            end: Some(at),
+        }
+    }
+
+    fn granted(owner: &str, fence: u64) -> Applied {
+        Applied::Granted {
+            lock: "L0".to_owned(),
+            owner: owner.to_owned(),
+            fence,
+        }
+    }
+
+    fn queued(owner: &str) -> Applied {
+        Applied::Queued {
+            lock: "L0".to_owned(),
+            owner: owner.to_owned(),
+        }
+    }
+
+    fn stream(events: Vec<Applied>) -> EventStream {
+        EventStream {
+            from_start: true,
+            lagged: false,
+            events,
+        }
+    }
+
+    #[test]
+    fn an_acknowledged_grant_missing_from_the_history_is_lost() {
+        let mut history = History {
+            grants: vec![grant(0, "a", 1), grant(1, "b", 2)],
+            streams: vec![stream(vec![granted("a", 1), granted("c", 3)])],
+            ..History::default()
+        };
+        let v = check(&history).expect("a lost grant");
+        assert_eq!(v.invariant, Invariant::LostGrant, "{v}");
+        history.streams = vec![stream(vec![granted("a", 1), granted("b", 2)])];
+        assert!(check(&history).is_none());
+    }
+
+    #[test]
+    fn fifo_catches_a_waiter_passed_over_or_queued_twice() {
+        let passed = stream(vec![
+            granted("a", 1),
+            queued("b"),
+            queued("c"),
+            granted("c", 2),
+        ]);
+        assert_eq!(
+            check_fifo(&passed).map(|v| v.invariant),
+            Some(Invariant::Fifo)
+        );
+        let twice = stream(vec![granted("a", 1), queued("b"), queued("b")]);
+        assert_eq!(
+            check_fifo(&twice).map(|v| v.invariant),
+            Some(Invariant::Fifo)
+        );
+        let barged = stream(vec![granted("a", 1), queued("b"), granted("x", 2)]);
+        assert_eq!(
+            check_fifo(&barged).map(|v| v.invariant),
+            Some(Invariant::Fifo)
+        );
+        let fine = stream(vec![
+            granted("a", 1),
+            queued("b"),
+            queued("c"),
+            granted("b", 2),
+            granted("c", 3),
+        ]);
+        assert!(check_fifo(&fine).is_none());
+    }
 }

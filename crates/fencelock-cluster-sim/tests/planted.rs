@@ -79,3 +79,15 @@ fn reads_served_by_a_deposed_leader_are_caught() {
         &[Invariant::StaleRead],
     );
 }
+
+#[test]
+fn a_retried_waiter_losing_its_place_is_caught() {
+    caught(
+        ClusterBugs {
+            requeue_retries: true,
+            ..ClusterBugs::default()
+        },
+        "requeue-retries",
+        &[Invariant::Fifo],
+    );
+}

@@ -29,7 +29,7 @@ fn every_seed_keeps_every_invariant() {
     let seeds = env("FENCELOCK_CLUSTER_SIM_SEEDS", 1_000);
     let first = env("FENCELOCK_CLUSTER_SIM_FIRST_SEED", 0);
     let next = AtomicU64::new(first);
-    let totals = Mutex::new((0u64, 0u64, 0u64, BTreeMap::<&'static str, u64>::new()));
+    let totals = Mutex::new((0u64, 0u64, 0u64, 0u64, BTreeMap::<&'static str, u64>::new()));
     let failures = Mutex::new(Vec::new());
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     std::thread::scope(|scope| {
@@ -43,9 +43,10 @@ fn every_seed_keeps_every_invariant() {
                 let mut t = totals.lock().unwrap();
                 t.0 += 1;
                 t.1 += report.grants;
+                t.3 += report.queued;
                 t.2 += report.reads;
                 for (k, v) in &report.faults {
-                    *t.3.entry(k).or_default() += v;
+                    *t.4.entry(k).or_default() += v;
                 }
                 if let Some(v) = report.violation {
                     failures.lock().unwrap().push(format!("seed {seed}: {v}"));
@@ -53,9 +54,13 @@ fn every_seed_keeps_every_invariant() {
             });
         }
     });
-    let (runs, grants, reads, faults) = totals.into_inner().unwrap();
+    let (runs, grants, reads, queued, faults) = totals.into_inner().unwrap();
     println!(
-        "cluster sim: {runs} seeds from {first}, {grants} grants, {reads} linearizable reads, faults {faults:?}"
+        "cluster sim: {runs} seeds from {first}, {grants} grants, {reads} linearizable reads, {queued} queued requests in complete event streams, faults {faults:?}"
+    );
+    assert!(
+        queued > runs / 2,
+        "hardly any request queued: FIFO was barely exercised ({queued} queued)"
     );
     assert!(
         grants > runs,

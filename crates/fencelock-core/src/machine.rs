@@ -314,6 +314,9 @@ pub struct PlantedBugs {
     /// An expired grant is not taken off its principal's usage (so the principal
     /// is refused by its quota while holding less than it).
     pub leak_usage_on_expiry: bool,
+    /// An acquire retried with its request id while queued goes to the back of
+    /// the queue (as if the retry were a new request): it loses its place.
+    pub requeue_retries: bool,
 }
 
 fn err(kind: ErrorKind, message: impl Into<String>) -> Error {
@@ -508,6 +511,13 @@ impl Core {
                     return Ok(Reply::Granted(self.grant_of(token)));
                 }
                 if self.waiters.contains_key(&token) {
+                    #[cfg(feature = "planted-bugs")]
+                    if self.planted.requeue_retries {
+                        let lock = self.locks.get_mut(&NameKey::of(&a.name));
+                        let queue = &mut lock.expect("indexed waiter's lock").waiters;
+                        queue.retain(|t| *t != token);
+                        queue.push_back(token);
+                    }
                     let position = self.locks[&NameKey::of(&a.name)]
                         .waiters
                         .iter()

@@ -1146,6 +1146,9 @@ pub struct ClusterBugs {
     pub local_fence: bool,
     /// A member that believes it leads serves reads without ReadIndex.
     pub stale_leader_reads: bool,
+    /// A queued request retried with its request id (after a failover) goes to
+    /// the back of the queue.
+    pub requeue_retries: bool,
 }
 
 /// Starts a cluster member over any network: the engine task in cluster mode,
@@ -1194,7 +1197,13 @@ where
     metrics
         .audit_entries
         .store(audit_len, std::sync::atomic::Ordering::Relaxed);
-    let core = fencelock_core::Core::new(config.core.clone());
+    #[allow(unused_mut)]
+    let mut core = fencelock_core::Core::new(config.core.clone());
+    #[cfg(feature = "planted-bugs")]
+    core.plant_bugs(fencelock_core::PlantedBugs {
+        requeue_retries: bugs.requeue_retries,
+        ..Default::default()
+    });
     metrics.set_state_gauges(&core.stats());
     let (tx, rx) = mpsc::unbounded_channel::<Msg>();
     let (events, _) = tokio::sync::broadcast::channel(EVENT_BUFFER);

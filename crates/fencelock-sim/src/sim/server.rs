@@ -313,6 +313,7 @@ impl Sim {
             release_by_name_only: self.options.planted == Some(PlantedBug::ReleaseByNameOnly),
             grant_expired_waiters: self.options.planted == Some(PlantedBug::GrantExpiredWaiters),
             leak_usage_on_expiry: false,
+            requeue_retries: false,
         }
     }
 
