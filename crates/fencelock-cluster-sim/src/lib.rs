@@ -238,11 +238,23 @@ fn record_events(h: &Handle, history: &Arc<Mutex<History>>, from_start: bool) {
 /// The members of a run, as clients see them.
 struct Cluster {
     handles: Mutex<Vec<Option<Handle>>>,
+    /// Paused members (index) and when they resume.
+    paused: Mutex<BTreeMap<usize, Instant>>,
 }
 
 impl Cluster {
     fn handle(&self, i: usize) -> Option<Handle> {
         self.handles.lock().unwrap()[i].clone()
+    }
+
+    /// Member `i` for a client request: a request to a paused member waits until
+    /// it resumes (in its socket buffer, as it were).
+    async fn reach(&self, i: usize) -> Option<Handle> {
+        let until = self.paused.lock().unwrap().get(&i).copied();
+        if let Some(until) = until {
+            tokio::time::sleep_until(until).await;
+        }
+        self.handle(i)
     }
 
     fn len(&self) -> usize {
@@ -329,6 +341,7 @@ async fn run(seed: u64, options: Options) -> Report {
     }
     let cluster = Arc::new(Cluster {
         handles: Mutex::new(handles),
+        paused: Mutex::default(),
     });
     let start_at = Instant::now();
     let fault_end = start_at + Duration::from_millis(options.fault_ms);
@@ -388,7 +401,7 @@ async fn run(seed: u64, options: Options) -> Report {
         }
         let leader = current_leader(&cluster).await;
         let max_down = (n - 1) / 2;
-        let fault = rng.index(6);
+        let fault = rng.index(7);
         let mut count = |k: &'static str| *report.faults.entry(k).or_default() += 1;
         match fault {
             0 | 1 if down.len() < max_down => {
@@ -423,6 +436,22 @@ async fn run(seed: u64, options: Options) -> Report {
                 count("lossy-slow");
                 net.weather(rng.range(50, 300), rng.range(0, 80));
                 heal_at = Some(now + Duration::from_millis(rng.range(500, 2_500)));
+            }
+            6 => {
+                // A paused member (SIGSTOP, a long GC): nothing in or out until it
+                // resumes, then everything late. Its own timers keep running.
+                let victim = match leader {
+                    Some(l) if rng.chance(500) => l,
+                    _ => rng.index(n),
+                };
+                count(if Some(victim) == leader {
+                    "pause-leader"
+                } else {
+                    "pause"
+                });
+                let until = now + Duration::from_millis(rng.range(300, 2_000));
+                net.pause(victim as u64 + 1, until);
+                cluster.paused.lock().unwrap().insert(victim, until);
             }
             5 => {
                 let from = rng.index(n) as u64 + 1;
@@ -565,7 +594,7 @@ async fn acquire(
     let give_up = first + Duration::from_millis(wait_ms + 2_000);
     let mut target = rng.index(cluster.len());
     while Instant::now() < give_up {
-        let Some(h) = cluster.handle(target) else {
+        let Some(h) = cluster.reach(target).await else {
             target = rng.index(cluster.len());
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
@@ -653,7 +682,9 @@ async fn client(
                 (target + 1) % cluster.len(),
                 (target + 2) % cluster.len(),
             ] {
-                let Some(h) = cluster.handle(t) else { continue };
+                let Some(h) = cluster.reach(t).await else {
+                    continue;
+                };
                 let r = tokio::time::timeout(
                     Duration::from_millis(300),
                     h.renew(
@@ -682,7 +713,7 @@ async fn client(
         if end < deadline {
             // Best effort: the lease ends it otherwise.
             for t in 0..cluster.len() {
-                if let Some(h) = cluster.handle(t) {
+                if let Some(h) = cluster.reach(t).await {
                     let r = tokio::time::timeout(
                         Duration::from_millis(300),
                         h.release(&Requester::anonymous(), grant.name.clone(), grant.token),
@@ -717,7 +748,7 @@ async fn read(cluster: &Cluster, history: &Mutex<History>, rng: &mut Rng, lock: 
     let name = LockName::new(lock).expect("a valid lock name");
     let mut target = rng.index(cluster.len());
     for _ in 0..3 {
-        let Some(h) = cluster.handle(target) else {
+        let Some(h) = cluster.reach(target).await else {
             target = rng.index(cluster.len());
             continue;
         };

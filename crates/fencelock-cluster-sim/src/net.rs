@@ -25,6 +25,9 @@ struct Faults {
     loss: u64,
     /// Each message waits up to this long.
     max_delay_ms: u64,
+    /// Paused members (as by SIGSTOP): what they send and what is sent to them
+    /// waits until they resume, then arrives (late, not lost).
+    paused: BTreeMap<u64, tokio::time::Instant>,
 }
 
 /// The network every member of one run shares.
@@ -87,6 +90,11 @@ impl Net {
         f.max_delay_ms = max_delay_ms;
     }
 
+    /// Pauses member `id` until `until`.
+    pub fn pause(&self, id: u64, until: tokio::time::Instant) {
+        self.faults.lock().unwrap().paused.insert(id, until);
+    }
+
     /// Heals every link and calms the weather.
     pub fn heal(&self) {
         *self.faults.lock().unwrap() = Faults::default();
@@ -102,7 +110,15 @@ impl Net {
         match target {
             Some(raft) if !lost => {
                 counts.0 += 1;
-                Some((raft, Duration::from_millis(rng.range(0, f.max_delay_ms))))
+                let delay = Duration::from_millis(rng.range(0, f.max_delay_ms));
+                let now = tokio::time::Instant::now();
+                let resume = [from, to]
+                    .iter()
+                    .filter_map(|id| f.paused.get(id))
+                    .map(|until| until.saturating_duration_since(now))
+                    .max()
+                    .unwrap_or_default();
+                Some((raft, delay.max(resume)))
             }
             _ => {
                 counts.1 += 1;
