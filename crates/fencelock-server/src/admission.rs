@@ -270,6 +270,31 @@ impl Drop for Ticket {
     }
 }
 
+/// The next accepted connection (with `TCP_NODELAY`), or `None` once `stop` has
+/// fired. An accept error (out of file descriptors and the like) is logged with
+/// `port` and retried after 50 ms: the port keeps serving.
+pub(crate) async fn accept_until(
+    listener: &tokio::net::TcpListener,
+    stop: &mut tokio::sync::oneshot::Receiver<()>,
+    port: &str,
+) -> Option<(tokio::net::TcpStream, std::net::SocketAddr)> {
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    return Some((stream, peer));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, port, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = &mut *stop => return None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -394,19 +394,10 @@ async fn serve(
     // finish what is in flight.
     let (stopping, stopping_rx) = tokio::sync::watch::channel(());
     loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off, keep serving.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = &mut stop => break,
+        let Some((stream, peer)) = admission::accept_until(&listener, &mut stop, "client").await
+        else {
+            break;
         };
-        let _ = stream.set_nodelay(true);
         let ticket = match admission.enter(peer.ip()) {
             Ok(ticket) => Arc::new(ticket),
             Err(admission::Refused::PerIp(max)) => {

@@ -81,6 +81,30 @@ fn config(
 }
 
 impl Cluster {
+    /// Starts member `id` empty, waiting to be added (`--join`).
+    async fn start_joining(&mut self, id: u64) {
+        let dir = self._root.path().join(format!("m{id}"));
+        let (listen, peer) = (free_port(), free_port());
+        let server = Server::start(config(
+            id,
+            &dir,
+            listen,
+            peer,
+            &BTreeMap::new(),
+            true,
+            &|_| {},
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("member {id} starts: {e:?}"));
+        self.members.push(Member {
+            id,
+            server: Some(server),
+            dir,
+            listen,
+            peer,
+        });
+    }
+
     async fn start(n: u64) -> Cluster {
         Cluster::start_with(n, &|_, _| {}).await
     }
@@ -480,26 +504,8 @@ async fn members_are_added_and_removed_and_leadership_moves() {
         .expect_json(200);
 
     // Member 4 starts empty, waiting to be added.
-    let dir = cluster._root.path().join("m4");
-    let (listen, peer) = (free_port(), free_port());
-    let server = Server::start(config(
-        4,
-        &dir,
-        listen,
-        peer,
-        &BTreeMap::new(),
-        true,
-        &|_| {},
-    ))
-    .await
-    .expect("member 4 starts");
-    cluster.members.push(Member {
-        id: 4,
-        server: Some(server),
-        dir,
-        listen,
-        peer,
-    });
+    cluster.start_joining(4).await;
+    let (listen, peer) = (cluster.members[3].listen, cluster.members[3].peer);
     let added = lc
         .post(
             "/v1/cluster/members",
@@ -857,26 +863,8 @@ async fn readyz_is_ready_only_on_a_caught_up_voter_in_touch_with_a_quorum() {
     }
 
     // Member 4 starts empty, waiting to be added: not ready.
-    let dir = cluster._root.path().join("m4");
-    let (listen, peer) = (free_port(), free_port());
-    let server = Server::start(config(
-        4,
-        &dir,
-        listen,
-        peer,
-        &BTreeMap::new(),
-        true,
-        &|_| {},
-    ))
-    .await
-    .expect("member 4 starts");
-    cluster.members.push(Member {
-        id: 4,
-        server: Some(server),
-        dir,
-        listen,
-        peer,
-    });
+    cluster.start_joining(4).await;
+    let peer = cluster.members[3].peer;
     let four = &cluster.members[3];
     let why = readyz(four)
         .await

@@ -145,18 +145,11 @@ pub(crate) async fn serve(
     let admission = Admission::new(&limits, Arc::default());
     let (stopping, stopping_rx) = watch::channel(());
     loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    tracing::warn!(error = %e, "peer accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = &mut stop => break,
+        let Some((stream, peer)) =
+            crate::admission::accept_until(&listener, &mut stop, "peer").await
+        else {
+            break;
         };
-        let _ = stream.set_nodelay(true);
         let ticket = match admission.enter(peer.ip()) {
             Ok(ticket) => Arc::new(ticket),
             Err(Refused::PerIp(max)) => {

@@ -503,6 +503,29 @@ impl EngineTask {
         now.max(applied)
     }
 
+    /// After the core applied `command`: its audit entries (those not recorded
+    /// before a restart), its outcomes routed, and a leader's service clock kept
+    /// from falling behind the applied time.
+    fn after_apply(
+        &mut self,
+        meta: &RecordMeta,
+        command: &Command,
+        result: &Result<Reply, fencelock_core::Error>,
+    ) {
+        let outcomes = self.core.take_outcomes();
+        let entries = audit::entries_for(meta, command, result, &outcomes);
+        let high_water = self.replica().audit_high_water;
+        self.audit.extend(audit::missing(high_water, entries));
+        self.outcomes.extend(outcomes);
+        self.route_replicated_outcomes();
+        if self.replica().leading.is_some() && self.clock.now_ms() < self.core.now_ms() {
+            self.clock = ServiceClock {
+                base_ms: self.core.now_ms(),
+                start: tokio::time::Instant::now(),
+            };
+        }
+    }
+
     fn not_leader(&mut self) -> ApiError {
         let r = self.replica();
         let Some(id) = r.leader.filter(|id| *id != r.node_id) else {
@@ -858,18 +881,7 @@ impl EngineTask {
         if local {
             self.replica().local_fence = self.core.stats().next_fence;
         }
-        let outcomes = self.core.take_outcomes();
-        let entries = audit::entries_for(&meta, &copy, &result, &outcomes);
-        let high_water = self.replica().audit_high_water;
-        self.audit.extend(audit::missing(high_water, entries));
-        self.outcomes.extend(outcomes);
-        self.route_replicated_outcomes();
-        if self.replica().leading.is_some() && self.clock.now_ms() < self.core.now_ms() {
-            self.clock = ServiceClock {
-                base_ms: self.core.now_ms(),
-                start: tokio::time::Instant::now(),
-            };
-        }
+        self.after_apply(&meta, &copy, &result);
         // Entries proposed by an earlier run of this member (replayed after a
         // restart) answer nobody: their request numbers are reused.
         let mine = proposal.origin == self.replica().node_id
@@ -997,22 +1009,11 @@ impl EngineTask {
         // As at the single server's own restart: every lease and session gets a
         // full TTL, queued requests (their clients are gone) are dropped.
         let result = self.core.apply(now, Command::Recover);
-        let outcomes = self.core.take_outcomes();
         let meta = RecordMeta {
             now_ms: now,
             ..meta.clone()
         };
-        let entries = audit::entries_for(&meta, &Command::Recover, &result, &outcomes);
-        let high_water = self.replica().audit_high_water;
-        self.audit.extend(audit::missing(high_water, entries));
-        self.outcomes.extend(outcomes);
-        self.route_replicated_outcomes();
-        if self.replica().leading.is_some() && self.clock.now_ms() < self.core.now_ms() {
-            self.clock = ServiceClock {
-                base_ms: self.core.now_ms(),
-                start: tokio::time::Instant::now(),
-            };
-        }
+        self.after_apply(&meta, &Command::Recover, &result);
         self.replica().imported = Some(digest);
         let stats = self.core.stats();
         ImportOutcome::Applied {
