@@ -36,7 +36,7 @@ use fencelock_core::{
     SessionView, Tenant, WaitEnd,
 };
 use fencelock_log::LogOptions;
-use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::sync::{broadcast, oneshot, watch};
 
 use crate::audit::{self, AuditConfig, AuditEntry};
 use crate::auth::{Principal, Role};
@@ -45,6 +45,7 @@ use crate::error::{ApiError, ApiErrorKind};
 use crate::metrics::Metrics;
 
 mod handle;
+mod queue;
 mod recovery;
 mod replica;
 mod replicated;
@@ -52,6 +53,8 @@ mod writer;
 
 pub use handle::Handle;
 use handle::Shared;
+pub use queue::ENGINE_QUEUE;
+use queue::{EngineRx, EngineTx};
 pub use recovery::{recover, Recovery, RecoveryReport, Replayed};
 use replica::{dir_id, Snapshotter};
 #[cfg(feature = "planted-bugs")]
@@ -471,7 +474,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     metrics
         .audit_entries
         .store(audit_store.len() as u64, Ordering::Relaxed);
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = queue::queue();
     let (events, _) = broadcast::channel(EVENT_BUFFER);
     let (state_tx, state_rx) = watch::channel(RunState::Running);
     let (writer_tx, writer_rx) = std::sync::mpsc::channel();
@@ -574,8 +577,9 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
 struct EngineTask {
     core: Core,
     clock: ServiceClock,
-    rx: mpsc::UnboundedReceiver<Msg>,
-    self_tx: mpsc::UnboundedSender<Msg>,
+    /// Client requests (bounded) and the engine's own messages, in one FIFO.
+    rx: EngineRx,
+    self_tx: EngineTx,
     writer: std::sync::mpsc::Sender<WriterMsg>,
     metrics: Arc<Metrics>,
     events: broadcast::Sender<SharedEvent>,
@@ -1047,6 +1051,8 @@ fn session_missing(id: SessionId) -> CoreError {
 
 #[cfg(test)]
 mod tests {
+    use tokio::sync::mpsc;
+
     use super::writer::gate::{SyncGate, REPLICA_GATE, SYNC_GATE};
     use super::*;
     use crate::audit::AuditQuery;
@@ -1280,6 +1286,79 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(!dir.exists(), "something was written at the deleted path");
+    }
+
+    /// Issue 20, item 2: with the engine's queue full, a client's request is
+    /// refused at once with 503 `unavailable` (and counted), the engine's own
+    /// messages still get in, and every request admitted is answered.
+    #[tokio::test]
+    async fn a_full_queue_refuses_requests_at_once_and_loses_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        queue::test_capacity::set(2);
+        let handle = start(EngineConfig::new(dir.path())).unwrap();
+        let anyone = Requester::anonymous();
+        let name = LockName::new("batch").unwrap();
+        // A current-thread runtime: the engine task takes nothing from its queue
+        // until this test awaits.
+        let (heard, mut answers) = mpsc::unbounded_channel();
+        let sink = |who: &'static str| -> GrantSink {
+            let heard = heard.clone();
+            Box::new(move |result| heard.send((who, result)).is_ok())
+        };
+        let holder = handle.new_listener();
+        handle
+            .acquire_to(&anyone, acquire_args(&name, 0), holder, sink("holder"))
+            .unwrap();
+        let waiter = handle.new_listener();
+        handle
+            .acquire_to(&anyone, acquire_args(&name, 30_000), waiter, sink("waiter"))
+            .unwrap();
+        let refused = handle
+            .acquire_to(
+                &anyone,
+                acquire_args(&name, 0),
+                handle.new_listener(),
+                sink("refused"),
+            )
+            .unwrap_err();
+        assert_eq!(refused.kind().http_status(), 503, "{refused}");
+        assert_eq!(refused.kind(), ApiErrorKind::Unavailable);
+        assert!(refused.message().contains("overloaded"), "{refused}");
+        assert_eq!(
+            handle.metrics().refused_overloaded.load(Ordering::Relaxed),
+            1
+        );
+        assert!(handle
+            .metrics()
+            .render()
+            .contains("fencelock_requests_refused_total{reason=\"overloaded\"} 1\n"));
+        // The waiter's cancellation is the engine's own business: it goes in
+        // behind the full queue, and after the acquire it cancels.
+        handle.cancel_listener(waiter);
+
+        let (who, granted) = tokio::time::timeout(Duration::from_secs(10), answers.recv())
+            .await
+            .expect("an admitted acquire was never answered")
+            .unwrap();
+        assert_eq!(who, "holder");
+        let granted = granted.unwrap();
+        // Reads are requests too: more of them than the bound, one after another,
+        // show the queue's room comes back as the engine takes them.
+        for _ in 0..5 {
+            let view = handle.lock(name.clone()).await.unwrap().unwrap();
+            assert_eq!(view.holders.len(), 1);
+            assert_eq!(view.waiters, 0, "the cancellation was lost");
+        }
+        assert!(handle
+            .release(&anyone, name.clone(), granted.token)
+            .await
+            .unwrap());
+        assert!(answers.try_recv().is_err(), "the refused acquire was run");
+        assert_eq!(
+            handle.metrics().refused_overloaded.load(Ordering::Relaxed),
+            1
+        );
+        handle.shutdown().await;
     }
 
     /// The fence floor is applied once, at start, and the gauges show the

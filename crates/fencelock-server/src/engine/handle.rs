@@ -9,8 +9,9 @@ use fencelock_core::{
     Acquire, Command, Core, Fence, Grant, LockName, LockView, Owner, OwnerToken, Reason, Reply,
     SessionId, SessionView,
 };
-use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::sync::{broadcast, oneshot, watch};
 
+use super::queue::{EngineTx, Refused};
 use super::writer::WriterMsg;
 use super::{
     random_u128, replicated, AcquireArgs, AcquireReply, ClusterShared, CommandReply, GrantSink,
@@ -22,7 +23,7 @@ use crate::error::{ApiError, ApiErrorKind};
 use crate::metrics::Metrics;
 
 pub(super) struct Shared {
-    pub(super) tx: mpsc::UnboundedSender<Msg>,
+    pub(super) tx: EngineTx,
     /// Backups go through the writer (see [`WriterMsg::Backup`]); `None` in
     /// cluster mode, which has no writer thread.
     pub(super) writer: Option<std::sync::mpsc::Sender<WriterMsg>>,
@@ -113,9 +114,24 @@ pub(super) fn unavailable() -> ApiError {
     )
 }
 
+/// A client request refused because [`ENGINE_QUEUE`](super::ENGINE_QUEUE) requests
+/// already wait.
+fn overloaded() -> ApiError {
+    ApiError::new(ApiErrorKind::Unavailable, "the server is overloaded; retry")
+}
+
 impl Handle {
     fn send(&self, msg: Msg) -> Result<(), ApiError> {
-        self.shared.tx.send(msg).map_err(|_| unavailable())
+        self.shared.tx.send(msg).map_err(|refused| match refused {
+            Refused::Full => {
+                self.shared
+                    .metrics
+                    .refused_overloaded
+                    .fetch_add(1, Ordering::Relaxed);
+                overloaded()
+            }
+            Refused::Closed => unavailable(),
+        })
     }
 
     async fn command(&self, caller: &Requester, command: Command) -> Result<Reply, ApiError> {
