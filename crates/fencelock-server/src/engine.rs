@@ -21,6 +21,12 @@
 //! next batch's fdatasync, so that a client's next request does not find the writer
 //! busy syncing its release.
 //!
+//! A panic on the engine task, the writer thread or the replica thread (a delivery's
+//! sink included) fails the server (`RunState::Failed`, with a log line naming it):
+//! nothing more is acknowledged and nothing waits for an answer that cannot come.
+//! The engine's inbox holds at most [`ENGINE_QUEUE`] client requests; the next is
+//! refused at once (`queue`).
+//!
 //! Handing the deliveries back to the engine task instead (so the writer starts the
 //! next group sooner) measured +5 % at W2 but was reverted on W4 evidence that later
 //! proved to be noise; BENCHMARKS.md ("Afternoon work") has the figures.
@@ -499,10 +505,13 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         writer: writer_tx.clone(),
         state: state_tx.clone(),
     };
-    std::thread::Builder::new()
-        .name("fencelock-snapshot".into())
-        .spawn(move || snapshotter.run(recovered, snap_rx))
-        .map_err(thread_error)?;
+    spawn_fail_stop(
+        "fencelock-snapshot",
+        "replica",
+        state_tx.clone(),
+        move || snapshotter.run(recovered, snap_rx),
+    )
+    .map_err(thread_error)?;
     let writer = Writer {
         log,
         audit: audit_store,
@@ -520,10 +529,13 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         #[cfg(test)]
         replica_gate: writer::gate::REPLICA_GATE.with(|gate| gate.borrow_mut().take()),
     };
-    std::thread::Builder::new()
-        .name("fencelock-writer".into())
-        .spawn(move || writer.run(writer_rx))
-        .map_err(thread_error)?;
+    spawn_fail_stop(
+        "fencelock-writer",
+        "log writer",
+        state_tx.clone(),
+        move || writer.run(writer_rx),
+    )
+    .map_err(thread_error)?;
 
     let engine = EngineTask {
         core,
@@ -572,6 +584,34 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
             next_listener: std::sync::atomic::AtomicU64::new(1),
         }),
     })
+}
+
+/// Starts thread `name` running `body`. A panic there (a broken invariant, or a
+/// delivery's sink that panicked on the writer thread) fails the engine
+/// (fail-stop) with a log line naming `what` and the panic: without it the server
+/// would go on answering `/readyz` with 200 while nothing it accepts is written.
+fn spawn_fail_stop(
+    name: &str,
+    what: &'static str,
+    state: watch::Sender<RunState>,
+    body: impl FnOnce() + Send + 'static,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || {
+            let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) else {
+                return;
+            };
+            let why = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "no message".to_owned());
+            let what = format!("the {what} thread panicked ({why}); stopped");
+            tracing::error!(error = %what, "fail-stop: nothing more will be acknowledged");
+            let _ = state.send(RunState::Failed(what));
+        })
+        .map(drop)
 }
 
 struct EngineTask {
