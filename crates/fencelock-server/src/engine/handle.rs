@@ -22,7 +22,9 @@ use crate::codec;
 use crate::error::{ApiError, ApiErrorKind};
 use crate::metrics::Metrics;
 
+/// What every clone of a [`Handle`] shares.
 pub(super) struct Shared {
+    /// The engine task's inbox (see [`EngineTx::send`]).
     pub(super) tx: EngineTx,
     /// Backups go through the writer (see [`WriterMsg::Backup`]); `None` in
     /// cluster mode, which has no writer thread.
@@ -41,6 +43,9 @@ pub(super) struct Shared {
 }
 
 /// A cheap, cloneable handle to the engine: what the HTTP and gRPC layers call.
+/// A request that finds [`ENGINE_QUEUE`](super::ENGINE_QUEUE) others waiting for
+/// the engine is refused at once with 503 `unavailable` ("the server is
+/// overloaded; retry").
 #[derive(Clone)]
 pub struct Handle {
     pub(super) shared: Arc<Shared>,
