@@ -21,35 +21,54 @@
 //! next batch's fdatasync, so that a client's next request does not find the writer
 //! busy syncing its release.
 //!
+//! A panic on the engine task, the writer thread or the replica thread (a delivery's
+//! sink included) fails the server (`RunState::Failed`, with a log line naming it):
+//! nothing more is acknowledged and nothing waits for an answer that cannot come.
+//! The engine's inbox holds at most [`ENGINE_QUEUE`] client requests; the next is
+//! refused at once (`queue`).
+//!
 //! Handing the deliveries back to the engine task instead (so the writer starts the
 //! next group sooner) measured +5 % at W2 but was reverted on W4 evidence that later
 //! proved to be noise; BENCHMARKS.md ("Afternoon work") has the figures.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencelock_core::{
     Acquire, Command, Config as CoreConfig, Core, Error as CoreError, ErrorKind, Event, EventKind,
-    Fence, Grant, GrantEnd, LockName, LockView, Outcome, Owner, OwnerToken, Quota, Reason, Reply,
-    RequestId, SessionId, SessionView, Tenant, WaitEnd,
+    Grant, GrantEnd, LockName, Outcome, Owner, OwnerToken, Quota, Reply, RequestId, SessionId,
+    SessionView, Tenant, WaitEnd,
 };
-use fencelock_log::{Log, LogOptions, Recovered};
-use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use fencelock_log::LogOptions;
+use tokio::sync::{broadcast, oneshot, watch};
 
-use crate::audit::{self, AuditConfig, AuditEntry, AuditIndex, AuditQuery, AuditStore};
+use crate::audit::{self, AuditConfig, AuditEntry};
 use crate::auth::{Principal, Role};
 use crate::codec::{self, RecordMeta};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::metrics::Metrics;
 
+mod handle;
+mod queue;
+mod recovery;
+mod replica;
 mod replicated;
+mod writer;
+
+pub use handle::Handle;
+use handle::Shared;
+pub use queue::ENGINE_QUEUE;
+use queue::{EngineRx, EngineTx};
+pub use recovery::{recover, Recovery, RecoveryReport, Replayed};
+use replica::{dir_id, Snapshotter};
 #[cfg(feature = "planted-bugs")]
 pub use replicated::ClusterBugs;
 pub use replicated::{
     start_cluster, start_member, storage_for_tests, ClusterRuntime, ClusterShared, MemberSpec,
 };
+use writer::{Writer, WriterMsg};
 
 /// Whether acknowledged changes survive power loss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,23 +139,6 @@ impl EngineConfig {
             cluster: None,
         }
     }
-}
-
-/// What recovery found at start.
-#[derive(Debug, Clone, Default)]
-pub struct RecoveryReport {
-    /// Whether a snapshot was loaded.
-    pub snapshot_loaded: bool,
-    /// Log records replayed after the snapshot.
-    pub records_replayed: usize,
-    /// Bytes of a torn (never acknowledged) record discarded at the log's tail.
-    pub truncated_tail_bytes: u64,
-    /// Locks held after recovery.
-    pub locks_held: usize,
-    /// The next fence.
-    pub next_fence: u64,
-    /// Time spent recovering.
-    pub duration: Duration,
 }
 
 /// Lifecycle of the engine, observable by the API layer.
@@ -345,55 +347,6 @@ enum Msg {
     Shutdown(oneshot::Sender<()>),
 }
 
-enum WriterMsg {
-    Batch {
-        records: Vec<Vec<u8>>,
-        /// The audit entries of those records (and of refused renews).
-        audit: Vec<AuditEntry>,
-        /// Replies that may go out once the records are written, before their
-        /// fdatasync: successful releases (see [`EngineTask::release`]).
-        written: Vec<Delivery>,
-        /// Watch events: after the fdatasync, but nobody's reply waits for them.
-        events: Vec<Delivery>,
-        /// Replies, grants and reads: after the fdatasync.
-        deliveries: Vec<Delivery>,
-    },
-    /// The snapshot of the state before segment `seq` is durable (and this many bytes
-    /// long): drop what it covers.
-    Forget {
-        seq: u64,
-        snapshot_bytes: u64,
-    },
-    /// Encode the state for a backup, once every change answered before this
-    /// message has reached the replica.
-    Backup(oneshot::Sender<Vec<u8>>),
-    Stop(oneshot::Sender<()>),
-}
-
-struct Shared {
-    tx: mpsc::UnboundedSender<Msg>,
-    /// Backups go through the writer (see [`WriterMsg::Backup`]); `None` in
-    /// cluster mode, which has no writer thread.
-    writer: Option<std::sync::mpsc::Sender<WriterMsg>>,
-    /// Cluster mode: the Raft handle and who leads.
-    cluster: Option<Arc<ClusterShared>>,
-    metrics: Arc<Metrics>,
-    events: broadcast::Sender<SharedEvent>,
-    state: watch::Receiver<RunState>,
-    started: Instant,
-    recovery: RecoveryReport,
-    audit: Arc<std::sync::Mutex<AuditIndex>>,
-    /// Numbers the acquire calls (their listeners); only ever compared, so a counter
-    /// (not a random draw, a system call) is enough.
-    next_listener: std::sync::atomic::AtomicU64,
-}
-
-/// A cheap, cloneable handle to the engine: what the HTTP and gRPC layers call.
-#[derive(Clone)]
-pub struct Handle {
-    shared: Arc<Shared>,
-}
-
 fn random_u128() -> u128 {
     let mut bytes = [0u8; 16];
     getrandom::fill(&mut bytes).expect("the operating system's random source failed");
@@ -418,177 +371,6 @@ impl ServiceClock {
     fn instant_of(&self, service_ms: u64) -> tokio::time::Instant {
         self.start + Duration::from_millis(service_ms.saturating_sub(self.base_ms))
     }
-}
-
-/// What [`recover`] loaded.
-pub struct Recovery {
-    /// The command log, open for appending.
-    pub log: Log,
-    /// The state.
-    pub core: Core,
-    /// What was found.
-    pub report: RecoveryReport,
-    /// The snapshot and records read.
-    pub recovered: Recovered,
-    /// The last sequence number and the rebuilt audit entries.
-    pub replayed: Replayed,
-    /// The audit store (`DATA_DIR/audit`), if asked for.
-    pub audit: Option<AuditStore>,
-}
-
-/// Loads the state from `dir` (snapshot + log replay) without starting anything.
-/// Used at start and by offline tools. With `audit`, also opens the audit store in
-/// `dir/audit` (after the command log, whose lock keeps other servers out) and
-/// rebuilds the entries of the records past its high-water mark
-/// (see [`AuditStore::high_water`]).
-pub fn recover(
-    log_opts: LogOptions,
-    dir: &Path,
-    config: &CoreConfig,
-    audit: Option<&AuditConfig>,
-) -> Result<Recovery, ApiError> {
-    let started = Instant::now();
-    let storage = |e: fencelock_log::LogError| match e.kind() {
-        fencelock_log::LogErrorKind::Locked => ApiError::new(
-            ApiErrorKind::Unavailable,
-            format!(
-                "data dir {} is in use by another fencelock server",
-                dir.display()
-            ),
-        ),
-        _ => ApiError::new(ApiErrorKind::Internal, format!("cannot open the log: {e}")),
-    };
-    let (log, recovered) = Log::open(dir, log_opts.clone()).map_err(storage)?;
-    let audit_dir = dir.join("audit");
-    if audit.is_some() {
-        std::fs::create_dir_all(&audit_dir).map_err(|e| {
-            ApiError::new(
-                ApiErrorKind::Internal,
-                format!("cannot create {}: {e}", audit_dir.display()),
-            )
-        })?;
-    }
-    let fsync = log_opts.fsync;
-    let open_audit = audit.map(|config| {
-        let config = config.clone();
-        move || AuditStore::open(&audit_dir, config.clone(), fsync)
-    });
-    let (core, replayed, audit) = replay(
-        config,
-        recovered.snapshot.as_deref(),
-        &recovered.records,
-        dir,
-        open_audit.as_ref().map(|f| f as &AuditOpener),
-    )?;
-    let stats = core.stats();
-    let report = RecoveryReport {
-        snapshot_loaded: recovered.snapshot.is_some(),
-        records_replayed: recovered.records.len(),
-        truncated_tail_bytes: recovered.truncated_tail_bytes,
-        locks_held: stats.holders,
-        next_fence: stats.next_fence,
-        duration: started.elapsed(),
-    };
-    Ok(Recovery {
-        log,
-        core,
-        report,
-        recovered,
-        replayed,
-        audit,
-    })
-}
-
-/// What a replay found besides the state.
-#[derive(Debug, Default)]
-pub struct Replayed {
-    /// The highest record sequence number replayed (0 if none).
-    pub last_seq: u64,
-    /// Audit entries rebuilt for records past the audit store's high-water mark.
-    pub audit: Vec<AuditEntry>,
-}
-
-/// Opens the audit store (on a thread of its own, beside the snapshot import).
-type AuditOpener = dyn Fn() -> Result<AuditStore, ApiError> + Sync;
-
-/// Rebuilds a core from a snapshot and the log records after it. With `open_audit`,
-/// also opens the audit store and rebuilds the entries of the records past its
-/// high-water mark.
-pub(crate) fn replay(
-    config: &CoreConfig,
-    snapshot: Option<&[u8]>,
-    records: &[Vec<u8>],
-    dir: &Path,
-    open_audit: Option<&AuditOpener>,
-) -> Result<(Core, Replayed, Option<AuditStore>), ApiError> {
-    let corrupt = |what: String| ApiError::new(ApiErrorKind::Internal, what);
-    // The log records are decoded, and the audit store is opened (its index is
-    // rebuilt from its own log), on other threads while this one decodes and
-    // imports the snapshot: the three are independent, and a restart with a
-    // million locks spends seconds on them.
-    let (core, decoded, audit) = std::thread::scope(|scope| {
-        let auditor = open_audit.map(|open| scope.spawn(open));
-        let decoder = scope.spawn(|| {
-            records
-                .iter()
-                .enumerate()
-                .map(|(i, record)| codec::decode_record(record).map_err(|e| (i, e)))
-                .collect::<Result<Vec<_>, _>>()
-        });
-        let core = match snapshot {
-            Some(bytes) => codec::decode_snapshot(bytes)
-                .map_err(|e| corrupt(format!("snapshot in {}: {e}", dir.display())))
-                .and_then(|image| {
-                    // Room for every record to be a grant: growing the tables
-                    // mid-replay rehashed a million entries.
-                    Core::import_with_room(config.clone(), image, records.len()).map_err(|e| {
-                        corrupt(format!(
-                            "snapshot in {} is inconsistent: {e}",
-                            dir.display()
-                        ))
-                    })
-                }),
-            None => {
-                let mut core = Core::new(config.clone());
-                core.reserve(records.len());
-                Ok(core)
-            }
-        };
-        let decoded = decoder.join().expect("the record decoder never panics");
-        let audit = auditor
-            .map(|auditor| {
-                auditor
-                    .join()
-                    .expect("opening the audit store never panics")
-            })
-            .transpose();
-        (core, decoded, audit)
-    });
-    // The audit store's errors first, as when it was opened before the replay.
-    let audit = audit?;
-    let audit_high_water = audit.as_ref().map(AuditStore::high_water);
-    let mut core = core?;
-    let decoded =
-        decoded.map_err(|(i, e)| corrupt(format!("log record {i} in {}: {e}", dir.display())))?;
-    let mut replayed = Replayed::default();
-    for (meta, command) in decoded {
-        replayed.last_seq = replayed.last_seq.max(meta.seq);
-        // Replies and outcomes were delivered before the crash; only the state (and
-        // the audit entries a crash may have lost) matters.
-        match audit_high_water {
-            Some(high_water) if meta.seq >= high_water.0 && meta.seq > 0 => {
-                let result = core.apply(meta.now_ms.max(core.now_ms()), command.clone());
-                let outcomes = core.take_outcomes();
-                let entries = audit::entries_for(&meta, &command, &result, &outcomes);
-                replayed.audit.extend(audit::missing(high_water, entries));
-            }
-            _ => {
-                let _ = core.apply(meta.now_ms.max(core.now_ms()), command);
-                core.discard_outcomes();
-            }
-        }
-    }
-    Ok((core, replayed, audit))
 }
 
 /// Opens the data directory, recovers, and starts the engine task and writer thread.
@@ -698,7 +480,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     metrics
         .audit_entries
         .store(audit_store.len() as u64, Ordering::Relaxed);
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = queue::queue();
     let (events, _) = broadcast::channel(EVENT_BUFFER);
     let (state_tx, state_rx) = watch::channel(RunState::Running);
     let (writer_tx, writer_rx) = std::sync::mpsc::channel();
@@ -723,10 +505,13 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         writer: writer_tx.clone(),
         state: state_tx.clone(),
     };
-    std::thread::Builder::new()
-        .name("fencelock-snapshot".into())
-        .spawn(move || snapshotter.run(recovered, snap_rx))
-        .map_err(thread_error)?;
+    spawn_fail_stop(
+        "fencelock-snapshot",
+        "replica",
+        state_tx.clone(),
+        move || snapshotter.run(recovered, snap_rx),
+    )
+    .map_err(thread_error)?;
     let writer = Writer {
         log,
         audit: audit_store,
@@ -740,14 +525,17 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         hold_unanswered: log_opts.fsync,
         writer_poll: config.writer_poll,
         #[cfg(test)]
-        sync_gate: tests::SYNC_GATE.with(|gate| gate.borrow_mut().take()),
+        sync_gate: writer::gate::SYNC_GATE.with(|gate| gate.borrow_mut().take()),
         #[cfg(test)]
-        replica_gate: tests::REPLICA_GATE.with(|gate| gate.borrow_mut().take()),
+        replica_gate: writer::gate::REPLICA_GATE.with(|gate| gate.borrow_mut().take()),
     };
-    std::thread::Builder::new()
-        .name("fencelock-writer".into())
-        .spawn(move || writer.run(writer_rx))
-        .map_err(thread_error)?;
+    spawn_fail_stop(
+        "fencelock-writer",
+        "log writer",
+        state_tx.clone(),
+        move || writer.run(writer_rx),
+    )
+    .map_err(thread_error)?;
 
     let engine = EngineTask {
         core,
@@ -798,11 +586,40 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     })
 }
 
+/// Starts thread `name` running `body`. A panic there (a broken invariant, or a
+/// delivery's sink that panicked on the writer thread) fails the engine
+/// (fail-stop) with a log line naming `what` and the panic: without it the server
+/// would go on answering `/readyz` with 200 while nothing it accepts is written.
+fn spawn_fail_stop(
+    name: &str,
+    what: &'static str,
+    state: watch::Sender<RunState>,
+    body: impl FnOnce() + Send + 'static,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || {
+            let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) else {
+                return;
+            };
+            let why = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "no message".to_owned());
+            let what = format!("the {what} thread panicked ({why}); stopped");
+            tracing::error!(error = %what, "fail-stop: nothing more will be acknowledged");
+            let _ = state.send(RunState::Failed(what));
+        })
+        .map(drop)
+}
+
 struct EngineTask {
     core: Core,
     clock: ServiceClock,
-    rx: mpsc::UnboundedReceiver<Msg>,
-    self_tx: mpsc::UnboundedSender<Msg>,
+    /// Client requests (bounded) and the engine's own messages, in one FIFO.
+    rx: EngineRx,
+    self_tx: EngineTx,
     writer: std::sync::mpsc::Sender<WriterMsg>,
     metrics: Arc<Metrics>,
     events: broadcast::Sender<SharedEvent>,
@@ -1265,578 +1082,6 @@ fn count_event(m: &Metrics, event: &Event) {
     }
 }
 
-/// What the writer has written and still has to sync and deliver.
-#[derive(Default)]
-struct Group {
-    durable: Vec<Vec<u8>>,
-    audit: Vec<AuditEntry>,
-    events: Vec<Delivery>,
-    deliveries: Vec<Delivery>,
-}
-
-/// How long the writer holds back the fdatasync of a group that answers nobody
-/// (see `Writer::run`). Bounds how much later than its holder's answer a lone
-/// release's event and audit entry appear.
-const HOLD_UNANSWERED_GROUP: Duration = Duration::from_millis(1);
-
-/// How often the writer checks that the data directory is still the one it
-/// opened (`Log::check_identity`: six `stat` calls). Checking before every
-/// fdatasync would cost each group commit; this bounds how long a deleted or
-/// replaced directory goes unnoticed (issue 19, item 5). Rolls, snapshots and the
-/// shutdown check too.
-const IDENTITY_CHECK_EVERY: Duration = Duration::from_millis(200);
-
-/// Whether the writer may hold `group`, held for `held_for` so far, back for the next
-/// batch's fdatasync: only if it has records to sync, nobody's reply waits for it,
-/// and it has not been held for [`HOLD_UNANSWERED_GROUP`] already (a stream of lone
-/// releases must not keep their events and audit entries back forever).
-fn may_hold(group: &Group, held_for: Duration) -> bool {
-    !group.durable.is_empty() && group.deliveries.is_empty() && held_for < HOLD_UNANSWERED_GROUP
-}
-
-/// The first poll window once batches are seen to follow each other closely (or
-/// the bound, if that is smaller).
-const SPIN_START: Duration = Duration::from_micros(50);
-/// The largest write (records) after which the writer still polls: a larger one
-/// means many clients at once, whose work needs the cores more than the writer
-/// needs a fast wake-up.
-const SPIN_MAX_RECORDS: usize = 2;
-
-/// How long the writer polls its channel before it sleeps (see
-/// [`DEFAULT_WRITER_POLL`]): the window grows while the next batch keeps arriving
-/// within `max` of the last write, shrinks to nothing when it does not, and is shut
-/// after writes of more than [`SPIN_MAX_RECORDS`] records.
-#[derive(Debug)]
-struct SpinPolicy {
-    window: Duration,
-    /// The bound of the window ([`EngineConfig::writer_poll`]).
-    max: Duration,
-    /// Records written since the last receive.
-    records: usize,
-}
-
-impl SpinPolicy {
-    fn new(max: Duration) -> SpinPolicy {
-        SpinPolicy {
-            window: Duration::ZERO,
-            max,
-            records: 0,
-        }
-    }
-
-    /// Receives the next message: polls for up to the window (never past
-    /// `deadline`), then blocks (until `deadline`, if any).
-    fn recv<T>(
-        &mut self,
-        rx: &std::sync::mpsc::Receiver<T>,
-        deadline: Option<Instant>,
-    ) -> Result<T, std::sync::mpsc::RecvTimeoutError> {
-        use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
-        let started = Instant::now();
-        let mut until = started + self.window();
-        if let Some(deadline) = deadline {
-            until = until.min(deadline);
-        }
-        loop {
-            match rx.try_recv() {
-                Ok(msg) => {
-                    self.observe(started.elapsed());
-                    return Ok(msg);
-                }
-                Err(TryRecvError::Disconnected) => return Err(RecvTimeoutError::Disconnected),
-                Err(TryRecvError::Empty) if Instant::now() < until => std::hint::spin_loop(),
-                Err(TryRecvError::Empty) => break,
-            }
-        }
-        let got = match deadline {
-            None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
-            Some(deadline) => rx.recv_timeout(deadline.saturating_duration_since(Instant::now())),
-        };
-        if got.is_ok() {
-            self.observe(started.elapsed());
-        }
-        got
-    }
-
-    /// The poll window for the next receive.
-    fn window(&self) -> Duration {
-        if self.records > SPIN_MAX_RECORDS {
-            Duration::ZERO
-        } else {
-            self.window
-        }
-    }
-
-    /// Adapts the window to a message that came `waited` after the receive began.
-    fn observe(&mut self, waited: Duration) {
-        if self.records > SPIN_MAX_RECORDS {
-            self.window = Duration::ZERO;
-        } else if waited <= self.window {
-            // Caught while polling: keep the window.
-        } else if waited <= self.max {
-            // A wider window would have caught it.
-            self.window = (self.window * 2).clamp(SPIN_START.min(self.max), self.max);
-        } else {
-            // Too far apart to poll for: halve, down to nothing.
-            self.window /= 2;
-            if self.window < SPIN_START / 4 {
-                self.window = Duration::ZERO;
-            }
-        }
-    }
-}
-
-/// The writer thread: appends batches, syncs once per group, feeds the replica,
-/// runs deliveries, and cuts the log for snapshots.
-struct Writer {
-    log: Log,
-    audit: AuditStore,
-    metrics: Arc<Metrics>,
-    state: watch::Sender<RunState>,
-    replica: std::sync::mpsc::Sender<ReplicaMsg>,
-    snapshot_after_bytes: u64,
-    last_snapshot_bytes: u64,
-    bytes_since_cut: u64,
-    cut_in_flight: bool,
-    /// Whether to hold back groups that answer nobody (only when syncing: without
-    /// fdatasync there is nothing to share).
-    hold_unanswered: bool,
-    /// The bound of the writer's polling for the next batch.
-    writer_poll: Duration,
-    /// Tests hold the fdatasync here to see what goes out before it.
-    #[cfg(test)]
-    sync_gate: Option<Arc<tests::SyncGate>>,
-    /// Tests hold the writer here, after a group's answers and before the replica
-    /// hears of its records.
-    #[cfg(test)]
-    replica_gate: Option<Arc<tests::SyncGate>>,
-}
-
-impl Writer {
-    fn fail(&self, what: String) {
-        tracing::error!(error = %what, "storage failed; stopping (fail-stop): nothing more will be acknowledged");
-        let _ = self.state.send(RunState::Failed(what));
-    }
-
-    /// False (and the engine failed) if the data directory is no longer the one
-    /// the log opened.
-    fn check_identity(&mut self) -> bool {
-        match self.log.check_identity() {
-            Ok(()) => true,
-            Err(e) => {
-                self.fail(format!(
-                    "data directory {} was deleted or replaced while serving; stopped \
-                     acknowledging (what was acknowledged since it went is gone with it; \
-                     restart with --fence-floor): {e}",
-                    self.log.dir().display()
-                ));
-                false
-            }
-        }
-    }
-
-    /// Makes a group durable (one fdatasync), appends its audit entries, feeds the
-    /// replica, runs its events and deliveries, and cuts the log for a snapshot when
-    /// due. False if storage failed (the writer has stopped).
-    fn commit(&mut self, group: Group) -> bool {
-        let Group {
-            durable,
-            audit: audit_entries,
-            events,
-            deliveries,
-        } = group;
-        if !durable.is_empty() {
-            #[cfg(test)]
-            if let Some(gate) = &self.sync_gate {
-                gate.pass();
-            }
-            let started = Instant::now();
-            if let Err(e) = self.log.sync() {
-                self.fail(format!("sync: {e}"));
-                return false;
-            }
-            self.metrics
-                .fsync
-                .observe(started.elapsed().as_micros() as u64);
-            self.metrics.batch_size.observe(durable.len() as u64);
-        }
-        // The audit entries of the records just made durable go to the audit
-        // log (and its index, for queries) before anyone hears of the change.
-        // They are synced before the records they derive from may be dropped
-        // (Forget, in `run`); until then a crash is repaired at start by replaying
-        // the records past the audit store's high-water mark.
-        if !audit_entries.is_empty() {
-            let started = Instant::now();
-            if let Err(e) = self.audit.append(audit_entries) {
-                self.fail(format!("audit log: {e}"));
-                return false;
-            }
-            self.metrics
-                .audit_write
-                .observe(started.elapsed().as_micros() as u64);
-            self.metrics
-                .audit_entries
-                .store(self.audit.len() as u64, Ordering::Relaxed);
-        }
-        // Events first: a watcher sees a change no later than the client it answers
-        // (releases excepted: they were answered once written).
-        for delivery in events.into_iter().chain(deliveries) {
-            delivery();
-        }
-        // The replica hears of the records after the clients do: waking its thread
-        // is a system call (and, on a VM, often a wake-up of an idle vCPU) that
-        // would otherwise sit between the fdatasync and every answer. A backup
-        // still includes every change answered before it was asked for: it is
-        // asked of the writer (`WriterMsg::Backup`), which passes it on only after
-        // this send, in the same channel.
-        if !durable.is_empty() {
-            #[cfg(test)]
-            if let Some(gate) = &self.replica_gate {
-                gate.pass();
-            }
-            let _ = self.replica.send(ReplicaMsg::Records(durable));
-        }
-        // Snapshot once the log since the last one is as large as the configured
-        // threshold or a quarter of the last snapshot, whichever is larger:
-        // recovery then replays at most that much log, and snapshots never write
-        // more than four times what the log did.
-        let threshold = self
-            .snapshot_after_bytes
-            .max(self.last_snapshot_bytes / SNAPSHOT_WRITE_AMPLIFICATION);
-        if self.bytes_since_cut >= threshold && !self.cut_in_flight {
-            match self.log.start_segment() {
-                Ok(seq) => {
-                    self.bytes_since_cut = 0;
-                    self.cut_in_flight = true;
-                    let _ = self.replica.send(ReplicaMsg::Cut(seq));
-                }
-                Err(e) => {
-                    self.fail(format!("start a segment: {e}"));
-                    return false;
-                }
-            }
-        }
-        true
-    }
-
-    fn run(mut self, rx: std::sync::mpsc::Receiver<WriterMsg>) {
-        // Written but not yet synced: a group whose every reply already went out
-        // (releases), held back for the next batch to share its fdatasync, and
-        // since when.
-        let mut held: Option<(Group, Instant)> = None;
-        let mut spin = SpinPolicy::new(self.writer_poll);
-        let mut next_check = Instant::now() + IDENTITY_CHECK_EVERY;
-        loop {
-            if Instant::now() >= next_check {
-                next_check = Instant::now() + IDENTITY_CHECK_EVERY;
-                if !self.check_identity() {
-                    return;
-                }
-            }
-            let first = match &held {
-                None => match spin.recv(&rx, Some(next_check)) {
-                    Ok(first) => first,
-                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
-                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
-                },
-                Some((_, since)) => match spin.recv(&rx, Some(*since + HOLD_UNANSWERED_GROUP)) {
-                    Ok(first) => first,
-                    Err(timeout_or_gone) => {
-                        let (group, _) = held.take().expect("matched Some");
-                        if !self.commit(group) {
-                            return;
-                        }
-                        match timeout_or_gone {
-                            std::sync::mpsc::RecvTimeoutError::Timeout => continue,
-                            std::sync::mpsc::RecvTimeoutError::Disconnected => return,
-                        }
-                    }
-                },
-            };
-            // Group commit: every batch that queued up while the last sync ran, up
-            // to (and including) the next control message, which must see them
-            // durable.
-            let mut pending = vec![first];
-            while matches!(pending.last(), Some(WriterMsg::Batch { .. })) {
-                match rx.try_recv() {
-                    Ok(more) => pending.push(more),
-                    Err(_) => break,
-                }
-            }
-            let (mut group, held_since) = match held.take() {
-                Some((group, since)) => (group, Some(since)),
-                None => (Group::default(), None),
-            };
-            let mut written = Vec::new();
-            let mut after = None;
-            spin.records = 0;
-            for msg in pending {
-                match msg {
-                    WriterMsg::Batch {
-                        records,
-                        audit,
-                        written: w,
-                        events,
-                        deliveries,
-                    } => {
-                        group.audit.extend(audit);
-                        spin.records += records.len();
-                        for record in &records {
-                            if let Err(e) = self.log.append(record) {
-                                return self.fail(format!("append: {e}"));
-                            }
-                            self.bytes_since_cut += record.len() as u64;
-                        }
-                        group.durable.extend(records);
-                        written.extend(w);
-                        group.events.extend(events);
-                        group.deliveries.extend(deliveries);
-                    }
-                    other => after = Some(other),
-                }
-            }
-            // Releases are answered once their records are written (see
-            // `EngineTask::release`); the rest waits for the fdatasync.
-            if !written.is_empty() {
-                if let Err(e) = self.log.write() {
-                    return self.fail(format!("write: {e}"));
-                }
-                for delivery in written {
-                    delivery();
-                }
-            }
-            // A group that answers nobody (a lone release: its holder has its
-            // answer; only its event and audit entry wait) is held for the next
-            // batch, HOLD_UNANSWERED_GROUP at most from when it was first held: a
-            // client that releases and then acquires would otherwise find the
-            // writer in the release's fdatasync and wait for it before its own
-            // could start.
-            if self.hold_unanswered && after.is_none() {
-                let since = held_since.unwrap_or_else(Instant::now);
-                if may_hold(&group, since.elapsed()) {
-                    held = Some((group, since));
-                    continue;
-                }
-            }
-            if !self.commit(group) {
-                return;
-            }
-            match after {
-                Some(WriterMsg::Forget {
-                    seq,
-                    snapshot_bytes,
-                }) => {
-                    self.cut_in_flight = false;
-                    self.last_snapshot_bytes = snapshot_bytes;
-                    // The audit entries of the records about to be dropped can no
-                    // longer be rebuilt from them: make them durable first.
-                    if let Err(e) = self.audit.sync() {
-                        return self.fail(format!("audit log sync: {e}"));
-                    }
-                    if let Err(e) = self.log.forget_before(seq) {
-                        return self.fail(format!("drop log covered by snapshot {seq}: {e}"));
-                    }
-                }
-                Some(WriterMsg::Backup(reply)) => {
-                    let _ = self.replica.send(ReplicaMsg::Backup(reply));
-                }
-                Some(WriterMsg::Stop(done)) => {
-                    // A directory that vanished is no clean stop: say so (the
-                    // engine then does not report `Stopped`).
-                    if !self.check_identity() {
-                        return;
-                    }
-                    // A clean stop leaves nothing to rebuild.
-                    if let Err(e) = self.audit.sync() {
-                        return self.fail(format!("audit log sync: {e}"));
-                    }
-                    // A snapshot the replica is writing must land while the data
-                    // directory is still ours; then close the logs (releasing their
-                    // directory locks) before saying we stopped: a server started
-                    // right after must find neither the directory in use nor a
-                    // snapshot appearing under its feet.
-                    let (replica_done, replica_stopped) = oneshot::channel();
-                    if self.replica.send(ReplicaMsg::Stop(replica_done)).is_ok() {
-                        let _ = replica_stopped.blocking_recv();
-                    }
-                    drop(self);
-                    let _ = done.send(());
-                    return;
-                }
-                Some(WriterMsg::Batch { .. }) | None => {}
-            }
-        }
-    }
-}
-
-/// What the replica thread is told.
-enum ReplicaMsg {
-    /// Durable records, in log order.
-    Records(Vec<Vec<u8>>),
-    /// The log was cut before segment `seq`: snapshot the state here.
-    Cut(u64),
-    /// Encode the current state for a backup.
-    Backup(oneshot::Sender<Vec<u8>>),
-    /// Finish what was asked before (a snapshot in progress) and stop.
-    Stop(oneshot::Sender<()>),
-}
-
-/// The replica thread: a second core that replays durable records, so snapshots
-/// (and backups) are taken without pausing the engine. It costs a second copy of
-/// the state in memory and about one more `apply` per command of CPU.
-struct Snapshotter {
-    config: CoreConfig,
-    dir: PathBuf,
-    /// Device and inode of `dir` at start: a snapshot is written by path, and
-    /// never into a directory that replaced ours.
-    dir_id: Option<(u64, u64)>,
-    fsync: bool,
-    writer: std::sync::mpsc::Sender<WriterMsg>,
-    state: watch::Sender<RunState>,
-}
-
-impl Snapshotter {
-    fn fail(&self, what: String) {
-        tracing::error!(error = %what, "snapshot failed; stopping (fail-stop)");
-        let _ = self.state.send(RunState::Failed(what));
-    }
-
-    fn run(self, recovered: Recovered, rx: std::sync::mpsc::Receiver<ReplicaMsg>) {
-        // Built here, off the start-up path: the engine already serves.
-        let mut replica = match replay(
-            &self.config,
-            recovered.snapshot.as_deref(),
-            &recovered.records,
-            &self.dir,
-            None,
-        ) {
-            Ok((core, _, _)) => core,
-            Err(e) => return self.fail(format!("replica: {e}")),
-        };
-        drop(recovered);
-        while let Ok(msg) = rx.recv() {
-            match msg {
-                ReplicaMsg::Records(records) => {
-                    for record in records {
-                        match codec::decode_record(&record) {
-                            Ok((meta, command)) => {
-                                let _ = replica.apply(meta.now_ms.max(replica.now_ms()), command);
-                                replica.discard_outcomes();
-                            }
-                            Err(e) => {
-                                return self.fail(format!("replica cannot decode a record: {e}"))
-                            }
-                        }
-                    }
-                }
-                ReplicaMsg::Cut(seq) => {
-                    if dir_id(&self.dir) != self.dir_id {
-                        return self.fail(format!(
-                            "data directory {} was deleted or replaced while serving; \
-                             snapshot {seq} not written",
-                            self.dir.display()
-                        ));
-                    }
-                    let started = Instant::now();
-                    let bytes = codec::encode_snapshot(&replica.export());
-                    if let Err(e) =
-                        fencelock_log::write_snapshot_at(&self.dir, seq, &bytes, self.fsync)
-                    {
-                        return self.fail(format!("write snapshot {seq}: {e}"));
-                    }
-                    tracing::info!(
-                        segment = seq,
-                        bytes = bytes.len(),
-                        took_ms = started.elapsed().as_millis() as u64,
-                        "snapshot written"
-                    );
-                    let forget = WriterMsg::Forget {
-                        seq,
-                        snapshot_bytes: bytes.len() as u64,
-                    };
-                    if self.writer.send(forget).is_err() {
-                        return; // the writer stopped; the next start recovers from the snapshot
-                    }
-                }
-                ReplicaMsg::Backup(reply) => {
-                    let _ = reply.send(codec::encode_snapshot(&replica.export()));
-                }
-                ReplicaMsg::Stop(done) => {
-                    let _ = done.send(());
-                    return;
-                }
-            }
-        }
-    }
-}
-
-/// Device and inode of `path`, if it exists.
-fn dir_id(path: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
-}
-
-/// The message of an acquire with a fresh owner token.
-fn acquire_msg(caller: &Requester, args: AcquireArgs, listener: u128, reply: AcquireReply) -> Msg {
-    Msg::Acquire {
-        caller: caller.clone(),
-        acquire: Acquire {
-            name: args.name,
-            token: OwnerToken::from_u128(random_u128()),
-            ttl_ms: args.ttl_ms,
-            wait_ms: args.wait_ms,
-            owner: args.owner,
-            request_id: args.request_id,
-            limit: args.limit,
-            lock_delay_ms: args.lock_delay_ms,
-            session: args.session,
-            tenant: caller.tenant.clone(),
-            quota: caller.quota,
-        },
-        listener,
-        reply,
-    }
-}
-
-/// Cancels a wait if the acquiring future is dropped before it finished; releases the
-/// grant if it arrived but was never read.
-struct AcquireGuard {
-    shared: Arc<Shared>,
-    listener: u128,
-    rx: Option<oneshot::Receiver<Result<Grant, ApiError>>>,
-}
-
-impl Drop for AcquireGuard {
-    fn drop(&mut self) {
-        let Some(mut rx) = self.rx.take() else {
-            return;
-        };
-        match rx.try_recv() {
-            Ok(Ok(grant)) => {
-                let _ = self.shared.tx.send(Msg::ReleaseOrphan {
-                    name: grant.name,
-                    token: grant.token,
-                });
-            }
-            Ok(Err(_)) | Err(oneshot::error::TryRecvError::Closed) => {}
-            Err(oneshot::error::TryRecvError::Empty) => {
-                let _ = self.shared.tx.send(Msg::CancelListener {
-                    listener: self.listener,
-                });
-            }
-        }
-    }
-}
-
-fn handle_missing(handle: &str) -> ApiError {
-    ApiError::new(
-        ApiErrorKind::SessionNotFound,
-        format!(
-            "no session with handle {handle} you may manage (expired, closed, never opened, or not within your prefixes)"
-        ),
-    )
-}
-
 fn session_missing(id: SessionId) -> CoreError {
     CoreError::new(
         ErrorKind::SessionNotFound,
@@ -1844,482 +1089,13 @@ fn session_missing(id: SessionId) -> CoreError {
     )
 }
 
-fn unavailable() -> ApiError {
-    ApiError::new(
-        ApiErrorKind::Unavailable,
-        "the lock engine is not running (shutting down or storage failed)",
-    )
-}
-
-impl Handle {
-    fn send(&self, msg: Msg) -> Result<(), ApiError> {
-        self.shared.tx.send(msg).map_err(|_| unavailable())
-    }
-
-    async fn command(&self, caller: &Requester, command: Command) -> Result<Reply, ApiError> {
-        let (tx, rx) = oneshot::channel();
-        self.send(Msg::Command {
-            command,
-            caller: caller.clone(),
-            reply: CommandReply::Channel(tx),
-        })?;
-        match rx.await {
-            Ok(result) => result,
-            Err(_) => Err(unavailable()),
-        }
-    }
-
-    /// Reads the core's state after everything before it is durable.
-    /// In cluster mode the read is linearizable: the leader confirms it still leads
-    /// (ReadIndex) and reads once everything committed before is applied; another
-    /// member answers `not_leader`.
-    pub async fn read<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&Core) -> T + Send + 'static,
-    ) -> Result<T, ApiError> {
-        self.read_at(move |core, _| f(core), false).await
-    }
-
-    /// Reads this member's state as applied so far, without asking the leader
-    /// (`?stale=true`): possibly behind the cluster. The same as
-    /// [`Handle::read`] on a single server.
-    pub async fn read_local<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&Core) -> T + Send + 'static,
-    ) -> Result<T, ApiError> {
-        self.read_at(move |core, _| f(core), true).await
-    }
-
-    /// [`Handle::read`] (or with `stale`, [`Handle::read_local`]), with the
-    /// service time of the read for `f`: on a single server the time of the tick
-    /// that precedes every read; on a cluster member its clock at the read (see
-    /// `EngineTask::read_time_ms`), so views do not stop at the last applied
-    /// command's time while the cluster is idle.
-    async fn read_at<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&Core, u64) -> T + Send + 'static,
-        stale: bool,
-    ) -> Result<T, ApiError> {
-        // A member importing a single server's state would show an empty one.
-        if self.shared.cluster().is_some_and(|c| c.importing()) {
-            return Err(replicated::importing_error());
-        }
-        if let (Some(cluster), false) = (self.shared.cluster(), stale) {
-            cluster.read_barrier().await?;
-        }
-        let (tx, rx) = oneshot::channel();
-        self.send(Msg::Read(Box::new(move |core, now_ms| {
-            let value = f(core, now_ms);
-            Box::new(move || {
-                let _ = tx.send(value);
-            })
-        })))?;
-        rx.await.map_err(|_| unavailable())
-    }
-
-    /// Acquires a lock, waiting up to `args.wait_ms`. Dropping the future cancels the
-    /// wait; a grant that arrives for a dropped future is released.
-    pub async fn acquire(&self, caller: &Requester, args: AcquireArgs) -> Result<Grant, ApiError> {
-        let listener = self.new_listener();
-        let (tx, rx) = oneshot::channel();
-        self.send(acquire_msg(
-            caller,
-            args,
-            listener,
-            AcquireReply::Channel(tx),
-        ))?;
-        let mut guard = AcquireGuard {
-            shared: self.shared.clone(),
-            listener,
-            rx: Some(rx),
-        };
-        let result = guard.rx.as_mut().expect("set above").await;
-        guard.rx = None;
-        result.unwrap_or_else(|_| Err(unavailable()))
-    }
-
-    /// A fresh listener id for [`Handle::acquire_to`].
-    pub(crate) fn new_listener(&self) -> u128 {
-        u128::from(self.shared.next_listener.fetch_add(1, Ordering::Relaxed))
-    }
-
-    /// Sends an acquire whose answer goes to `sink` (see [`GrantSink`]) rather than
-    /// to an awaiting future. `listener` (from [`Handle::new_listener`]) is what
-    /// [`Handle::cancel_listener`] takes to stop the wait.
-    pub(crate) fn acquire_to(
-        &self,
-        caller: &Requester,
-        args: AcquireArgs,
-        listener: u128,
-        sink: GrantSink,
-    ) -> Result<(), ApiError> {
-        self.send(acquire_msg(
-            caller,
-            args,
-            listener,
-            AcquireReply::Sink(sink),
-        ))
-    }
-
-    /// The client behind `listener` stopped waiting: its request leaves the queue (a
-    /// grant already on its way finds the sink refusing it and is released).
-    pub(crate) fn cancel_listener(&self, listener: u128) {
-        let _ = self.send(Msg::CancelListener { listener });
-    }
-
-    /// Sends a client's `command` (a renew or a release) whose answer goes to `sink`
-    /// (see [`ReplySink`]) rather than to an awaiting future.
-    pub(crate) fn command_to(
-        &self,
-        caller: &Requester,
-        command: Command,
-        sink: ReplySink,
-    ) -> Result<(), ApiError> {
-        self.send(Msg::Command {
-            command,
-            caller: caller.clone(),
-            reply: CommandReply::Sink(sink),
-        })
-    }
-
-    /// Extends a lease (or the holding session).
-    pub async fn renew(
-        &self,
-        caller: &Requester,
-        name: LockName,
-        token: OwnerToken,
-        ttl_ms: Option<u64>,
-    ) -> Result<Grant, ApiError> {
-        match self
-            .command(
-                caller,
-                Command::Renew {
-                    name,
-                    token,
-                    ttl_ms,
-                },
-            )
-            .await?
-        {
-            Reply::Renewed(grant) => Ok(grant),
-            other => unreachable!("renew replied {other:?}"),
-        }
-    }
-
-    /// Releases a grant. `Ok(false)`: this token had already released it.
-    pub async fn release(
-        &self,
-        caller: &Requester,
-        name: LockName,
-        token: OwnerToken,
-    ) -> Result<bool, ApiError> {
-        match self
-            .command(caller, Command::Release { name, token })
-            .await?
-        {
-            Reply::Released { released } => Ok(released),
-            other => unreachable!("release replied {other:?}"),
-        }
-    }
-
-    /// Operator action: takes a lock from its holder(s). Returns the fences taken.
-    /// The audit log records the caller as the actor, with the reason.
-    pub async fn force_release(
-        &self,
-        caller: &Requester,
-        name: LockName,
-        fence: Option<Fence>,
-        reason: Reason,
-    ) -> Result<Vec<Fence>, ApiError> {
-        tracing::warn!(lock = %name, ?fence, reason = reason.as_str(), actor = caller.actor(), "forced release requested");
-        match self
-            .command(
-                caller,
-                Command::ForceRelease {
-                    name,
-                    fence,
-                    reason,
-                },
-            )
-            .await?
-        {
-            Reply::ForceReleased { fences } => Ok(fences),
-            other => unreachable!("force release replied {other:?}"),
-        }
-    }
-
-    /// Opens a session owned by the caller's principal (within its quota); returns
-    /// its id, which only the caller learns.
-    pub async fn open_session(
-        &self,
-        caller: &Requester,
-        ttl_ms: u64,
-        owner: Owner,
-    ) -> Result<(SessionId, u64), ApiError> {
-        let id = SessionId::from_u128(random_u128());
-        let command = Command::OpenSession {
-            id,
-            ttl_ms,
-            owner,
-            tenant: caller.tenant.clone(),
-            quota: caller.quota,
-        };
-        match self.command(caller, command).await? {
-            Reply::SessionOpened { id, ttl_ms } => Ok((id, ttl_ms)),
-            other => unreachable!("open session replied {other:?}"),
-        }
-    }
-
-    /// Renews a session; returns its ttl. Another principal's session (see
-    /// [`Requester::may_manage`]) is `session_not_found`, like a missing one.
-    pub async fn keep_alive(&self, caller: &Requester, id: SessionId) -> Result<u64, ApiError> {
-        match self.command(caller, Command::KeepAlive { id }).await? {
-            Reply::KeptAlive { ttl_ms } => Ok(ttl_ms),
-            other => unreachable!("keepalive replied {other:?}"),
-        }
-    }
-
-    /// Closes a session; returns how many locks it released. Another principal's
-    /// session (see [`Requester::may_manage`]) is `session_not_found`.
-    pub async fn close_session(
-        &self,
-        caller: &Requester,
-        id: SessionId,
-    ) -> Result<usize, ApiError> {
-        match self.command(caller, Command::CloseSession { id }).await? {
-            Reply::SessionClosed { released } => Ok(released),
-            other => unreachable!("close session replied {other:?}"),
-        }
-    }
-
-    /// An admin closes the session with handle `handle` (see
-    /// `input::session_handle`) if [`Requester::may_manage`] allows; the audit
-    /// log names the admin. Returns how many locks it released.
-    ///
-    /// The handle is resolved off the engine (hashing every open session's id is
-    /// O(sessions): a million take a fraction of a second the engine must not
-    /// stall for), then the close goes through the same ownership check as by id.
-    pub async fn close_session_by_handle(
-        &self,
-        caller: &Requester,
-        handle: String,
-    ) -> Result<usize, ApiError> {
-        let ids = self.read(|core| core.session_ids()).await?;
-        let wanted = handle.clone();
-        let found: Vec<SessionId> = tokio::task::spawn_blocking(move || {
-            ids.into_iter()
-                .filter(|id| crate::input::session_handle(*id) == wanted)
-                .collect()
-        })
-        .await
-        .map_err(|_| unavailable())?;
-        match found.as_slice() {
-            [id] => self.close_session(caller, *id).await.map_err(|e| {
-                if e.kind() == ApiErrorKind::SessionNotFound {
-                    handle_missing(&handle)
-                } else {
-                    e
-                }
-            }),
-            [] => Err(handle_missing(&handle)),
-            _ => Err(ApiError::new(
-                ApiErrorKind::InvalidArgument,
-                format!(
-                    "{} open sessions share the handle {handle}: close by id, or wait for one to end",
-                    found.len()
-                ),
-            )),
-        }
-    }
-
-    /// The open sessions `caller` may manage ([`Requester::may_manage`]) whose locks all
-    /// start with `prefix`, in id order, at most `max`.
-    pub async fn sessions(
-        &self,
-        caller: &Requester,
-        prefix: String,
-        max: usize,
-    ) -> Result<Vec<SessionView>, ApiError> {
-        let caller = caller.clone();
-        self.read_at(
-            move |core, now_ms| {
-                let mut ids = core.session_ids();
-                ids.sort_unstable();
-                ids.into_iter()
-                    .filter_map(|id| core.session_at(id, now_ms))
-                    .filter(|s| caller.may_manage(s))
-                    .filter(|s| {
-                        s.holding
-                            .iter()
-                            .chain(&s.waiting)
-                            .all(|n| n.as_str().starts_with(&prefix))
-                    })
-                    .take(max)
-                    .collect()
-            },
-            false,
-        )
-        .await
-    }
-
-    /// The view of one lock, if it exists.
-    pub async fn lock(&self, name: LockName) -> Result<Option<LockView>, ApiError> {
-        self.lock_with(name, false).await
-    }
-
-    /// [`Handle::lock`], or with `stale` this member's view (see
-    /// [`Handle::read_local`]).
-    pub async fn lock_with(
-        &self,
-        name: LockName,
-        stale: bool,
-    ) -> Result<Option<LockView>, ApiError> {
-        self.read_at(move |core, now_ms| core.lock_at(&name, now_ms), stale)
-            .await
-    }
-
-    /// [`Handle::locks`], or with `stale` this member's view (see
-    /// [`Handle::read_local`]).
-    pub async fn locks_with(
-        &self,
-        prefix: String,
-        after: Option<LockName>,
-        max: usize,
-        stale: bool,
-    ) -> Result<Vec<LockView>, ApiError> {
-        self.read_at(
-            move |core, now_ms| core.locks_at(&prefix, after.as_ref(), max, now_ms),
-            stale,
-        )
-        .await
-    }
-
-    /// Locks by prefix, paginated by name.
-    pub async fn locks(
-        &self,
-        prefix: String,
-        after: Option<LockName>,
-        max: usize,
-    ) -> Result<Vec<LockView>, ApiError> {
-        self.locks_with(prefix, after, max, false).await
-    }
-
-    /// A consistent snapshot of the whole durable state (for `fencelock backup`). It
-    /// includes every change acknowledged before the call: the request goes through
-    /// the writer, after everything it has answered (a release answered before its
-    /// fdatasync included: the backup waits for that fdatasync). It is encoded by the
-    /// replica, so the engine does not pause for it.
-    pub async fn snapshot(&self) -> Result<Vec<u8>, ApiError> {
-        let Some(writer) = &self.shared.writer else {
-            // Cluster mode: everything committed before is applied once the barrier
-            // passes.
-            return self
-                .read(|core| codec::encode_snapshot(&core.export()))
-                .await;
-        };
-        let (tx, rx) = oneshot::channel();
-        writer
-            .send(WriterMsg::Backup(tx))
-            .map_err(|_| unavailable())?;
-        rx.await.map_err(|_| unavailable())
-    }
-
-    /// Cluster mode: the Raft handle and leadership; `None` on a single server.
-    pub fn cluster(&self) -> Option<&Arc<ClusterShared>> {
-        self.shared.cluster()
-    }
-
-    /// Durable lock events from now on. A slow watcher that falls behind by more
-    /// than the channel's capacity is told how many events it missed.
-    pub fn subscribe(&self) -> broadcast::Receiver<SharedEvent> {
-        self.shared.events.subscribe()
-    }
-
-    /// Audit entries matching `query`, newest last. Every change acknowledged
-    /// before the call is included (entries are durable and indexed before the
-    /// change is acknowledged; a release's once the fdatasync that follows its early
-    /// answer completes, see `EngineTask::release`), unless retention has dropped it.
-    pub fn audit(&self, query: &AuditQuery) -> Vec<AuditEntry> {
-        self.shared
-            .audit
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .query(query)
-    }
-
-    /// The server's metrics.
-    pub fn metrics(&self) -> &Metrics {
-        &self.shared.metrics
-    }
-
-    /// What recovery found at start.
-    pub fn recovery(&self) -> &RecoveryReport {
-        &self.shared.recovery
-    }
-
-    /// Time since the engine started.
-    pub fn uptime(&self) -> Duration {
-        self.shared.started.elapsed()
-    }
-
-    /// The current run state.
-    pub fn state(&self) -> RunState {
-        self.shared.state.borrow().clone()
-    }
-
-    /// A receiver that sees every run-state change (for shutdown and fail-stop).
-    pub fn watch_state(&self) -> watch::Receiver<RunState> {
-        self.shared.state.clone()
-    }
-
-    /// Starts shutting down: every wait ends with `unavailable`, new waits are
-    /// refused, everything else is still served.
-    pub fn drain(&self) {
-        let _ = self.send(Msg::Drain);
-    }
-
-    /// Stops the engine after making everything applied so far durable.
-    pub async fn shutdown(&self) {
-        let (tx, rx) = oneshot::channel();
-        if self.send(Msg::Shutdown(tx)).is_ok() {
-            let _ = rx.await;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::cell::RefCell;
-    use std::sync::{Condvar, Mutex};
+    use tokio::sync::mpsc;
 
+    use super::writer::gate::{SyncGate, REPLICA_GATE, SYNC_GATE};
     use super::*;
-
-    /// Holds the writer before its fdatasync while closed.
-    #[derive(Default)]
-    pub(super) struct SyncGate {
-        closed: Mutex<bool>,
-        opened: Condvar,
-    }
-
-    impl SyncGate {
-        pub(super) fn pass(&self) {
-            let closed = self.closed.lock().unwrap();
-            drop(self.opened.wait_while(closed, |closed| *closed).unwrap());
-        }
-
-        fn set(&self, closed: bool) {
-            *self.closed.lock().unwrap() = closed;
-            self.opened.notify_all();
-        }
-    }
-
-    thread_local! {
-        /// The gate for the next engine started on this thread.
-        pub(super) static SYNC_GATE: RefCell<Option<Arc<SyncGate>>> = const { RefCell::new(None) };
-        /// The replica gate (see `Writer::replica_gate`) of the next engine started
-        /// on this thread.
-        pub(super) static REPLICA_GATE: RefCell<Option<Arc<SyncGate>>> = const { RefCell::new(None) };
-    }
+    use crate::audit::AuditQuery;
 
     fn acquire_args(name: &LockName, wait_ms: u64) -> AcquireArgs {
         AcquireArgs {
@@ -2371,100 +1147,6 @@ mod tests {
             Some(audit::AuditKind::Release)
         );
         handle.shutdown().await;
-    }
-
-    #[test]
-    fn the_writer_polls_only_while_small_writes_follow_each_other_closely() {
-        const SPIN_MAX: Duration = DEFAULT_WRITER_POLL;
-        let mut spin = SpinPolicy::new(SPIN_MAX);
-        assert_eq!(
-            spin.window(),
-            Duration::ZERO,
-            "no polling before any traffic"
-        );
-        // Batches 80 µs apart (W1's rhythm): the window opens and grows to its bound.
-        spin.records = 2;
-        spin.observe(Duration::from_micros(80));
-        assert_eq!(spin.window(), SPIN_START);
-        spin.observe(Duration::from_micros(80));
-        assert_eq!(spin.window(), SPIN_START * 2);
-        spin.observe(Duration::from_micros(80));
-        assert_eq!(spin.window(), Duration::from_micros(100), "caught: kept");
-        spin.observe(Duration::from_micros(150));
-        spin.observe(Duration::from_micros(190));
-        assert_eq!(spin.window(), SPIN_MAX, "never past the bound");
-        // A busy server (large writes) does not poll, whatever the rhythm.
-        spin.records = SPIN_MAX_RECORDS + 1;
-        assert_eq!(spin.window(), Duration::ZERO);
-        spin.observe(Duration::from_micros(80));
-        spin.records = 2;
-        assert_eq!(spin.window(), Duration::ZERO, "closed after a large write");
-        // Sparse traffic closes the window again.
-        spin.observe(Duration::from_micros(80));
-        spin.observe(Duration::from_micros(80));
-        spin.observe(Duration::from_micros(80));
-        assert_eq!(spin.window(), SPIN_START * 2);
-        for _ in 0..4 {
-            spin.observe(Duration::from_millis(5));
-        }
-        assert_eq!(
-            spin.window(),
-            Duration::ZERO,
-            "batches 5 ms apart: no polling"
-        );
-        // A bound of zero turns polling off.
-        let mut off = SpinPolicy::new(Duration::ZERO);
-        off.records = 1;
-        for _ in 0..3 {
-            off.observe(Duration::from_micros(80));
-            assert_eq!(off.window(), Duration::ZERO);
-        }
-        off.observe(Duration::ZERO);
-        assert_eq!(off.window(), Duration::ZERO);
-    }
-
-    #[test]
-    fn a_polling_writer_still_takes_a_message_that_comes_after_its_window() {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let mut spin = SpinPolicy::new(DEFAULT_WRITER_POLL);
-        spin.window = DEFAULT_WRITER_POLL;
-        spin.records = 1;
-        let sender = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(20));
-            tx.send(7).unwrap();
-            tx
-        });
-        assert_eq!(spin.recv(&rx, None).unwrap(), 7);
-        // And a deadline ends the wait with a timeout, not a message.
-        let deadline = Instant::now() + Duration::from_millis(5);
-        assert!(matches!(
-            spin.recv(&rx, Some(deadline)),
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
-        ));
-        assert!(Instant::now() >= deadline);
-        drop(sender.join().unwrap());
-        assert!(matches!(
-            spin.recv(&rx, None),
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected)
-        ));
-    }
-
-    #[test]
-    fn only_a_group_that_answers_nobody_is_held_and_never_past_the_bound() {
-        let lone_release = || Group {
-            durable: vec![b"record".to_vec()],
-            events: vec![Box::new(|| {})],
-            ..Group::default()
-        };
-        assert!(may_hold(&lone_release(), Duration::ZERO));
-        assert!(!may_hold(&lone_release(), HOLD_UNANSWERED_GROUP));
-        let mut answers = lone_release();
-        answers.deliveries.push(Box::new(|| {}));
-        assert!(!may_hold(&answers, Duration::ZERO), "a reply waits for it");
-        assert!(
-            !may_hold(&Group::default(), Duration::ZERO),
-            "nothing to sync"
-        );
     }
 
     /// The replica hears of a group's records after its clients do, yet a backup
@@ -2644,6 +1326,79 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(!dir.exists(), "something was written at the deleted path");
+    }
+
+    /// Issue 20, item 2: with the engine's queue full, a client's request is
+    /// refused at once with 503 `unavailable` (and counted), the engine's own
+    /// messages still get in, and every request admitted is answered.
+    #[tokio::test]
+    async fn a_full_queue_refuses_requests_at_once_and_loses_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        queue::test_capacity::set(2);
+        let handle = start(EngineConfig::new(dir.path())).unwrap();
+        let anyone = Requester::anonymous();
+        let name = LockName::new("batch").unwrap();
+        // A current-thread runtime: the engine task takes nothing from its queue
+        // until this test awaits.
+        let (heard, mut answers) = mpsc::unbounded_channel();
+        let sink = |who: &'static str| -> GrantSink {
+            let heard = heard.clone();
+            Box::new(move |result| heard.send((who, result)).is_ok())
+        };
+        let holder = handle.new_listener();
+        handle
+            .acquire_to(&anyone, acquire_args(&name, 0), holder, sink("holder"))
+            .unwrap();
+        let waiter = handle.new_listener();
+        handle
+            .acquire_to(&anyone, acquire_args(&name, 30_000), waiter, sink("waiter"))
+            .unwrap();
+        let refused = handle
+            .acquire_to(
+                &anyone,
+                acquire_args(&name, 0),
+                handle.new_listener(),
+                sink("refused"),
+            )
+            .unwrap_err();
+        assert_eq!(refused.kind().http_status(), 503, "{refused}");
+        assert_eq!(refused.kind(), ApiErrorKind::Unavailable);
+        assert!(refused.message().contains("overloaded"), "{refused}");
+        assert_eq!(
+            handle.metrics().refused_overloaded.load(Ordering::Relaxed),
+            1
+        );
+        assert!(handle
+            .metrics()
+            .render()
+            .contains("fencelock_requests_refused_total{reason=\"overloaded\"} 1\n"));
+        // The waiter's cancellation is the engine's own business: it goes in
+        // behind the full queue, and after the acquire it cancels.
+        handle.cancel_listener(waiter);
+
+        let (who, granted) = tokio::time::timeout(Duration::from_secs(10), answers.recv())
+            .await
+            .expect("an admitted acquire was never answered")
+            .unwrap();
+        assert_eq!(who, "holder");
+        let granted = granted.unwrap();
+        // Reads are requests too: more of them than the bound, one after another,
+        // show the queue's room comes back as the engine takes them.
+        for _ in 0..5 {
+            let view = handle.lock(name.clone()).await.unwrap().unwrap();
+            assert_eq!(view.holders.len(), 1);
+            assert_eq!(view.waiters, 0, "the cancellation was lost");
+        }
+        assert!(handle
+            .release(&anyone, name.clone(), granted.token)
+            .await
+            .unwrap());
+        assert!(answers.try_recv().is_err(), "the refused acquire was run");
+        assert_eq!(
+            handle.metrics().refused_overloaded.load(Ordering::Relaxed),
+            1
+        );
+        handle.shutdown().await;
     }
 
     /// The fence floor is applied once, at start, and the gauges show the

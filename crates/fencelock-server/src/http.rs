@@ -605,4 +605,67 @@ mod tests {
         keys.sort();
         assert_eq!(keys, ["code", "message"]);
     }
+
+    /// Issue 20, item 2: a delivery that panics on the log writer's thread (here a
+    /// planted sink) fails the server: `RunState::Failed` naming the panic,
+    /// `/readyz` 503, requests answered 503 rather than left hanging, and a
+    /// shutdown that returns and does not call the stop clean.
+    #[tokio::test]
+    async fn a_panic_on_the_writer_thread_fails_the_server_and_nothing_hangs() {
+        use std::time::Duration;
+
+        use crate::engine::{start, EngineConfig, GrantSink};
+
+        let dir = tempfile::tempdir().unwrap();
+        let handle = start(EngineConfig::new(dir.path())).unwrap();
+        let anyone = Requester::anonymous();
+        let args = |name: &str| AcquireArgs {
+            name: LockName::new(name).unwrap(),
+            ttl_ms: Some(60_000),
+            wait_ms: 0,
+            owner: Default::default(),
+            request_id: None,
+            limit: 1,
+            lock_delay_ms: 0,
+            session: None,
+        };
+        let planted: GrantSink = Box::new(|_| panic!("planted: a sink that panics"));
+        handle
+            .acquire_to(&anyone, args("a"), handle.new_listener(), planted)
+            .unwrap();
+        let mut state = handle.watch_state();
+        // Only whether it came: the `Ref` that `wait_for` returns holds the lock.
+        let failed = tokio::time::timeout(
+            Duration::from_secs(10),
+            state.wait_for(|s| matches!(s, RunState::Failed(_))),
+        )
+        .await
+        .is_ok();
+        assert!(failed, "still {:?} 10 s after the panic", handle.state());
+        match handle.state() {
+            RunState::Failed(why) => assert!(
+                why.contains("log writer thread panicked") && why.contains("planted"),
+                "{why}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        let ready = readyz(State(handle.clone())).await;
+        assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE);
+        for name in ["b", "c"] {
+            let err =
+                tokio::time::timeout(Duration::from_secs(10), handle.acquire(&anyone, args(name)))
+                    .await
+                    .expect("a request hung after the writer panicked")
+                    .unwrap_err();
+            assert_eq!(err.kind().http_status(), 503, "{err}");
+        }
+        tokio::time::timeout(Duration::from_secs(10), handle.shutdown())
+            .await
+            .expect("the shutdown hung");
+        assert!(
+            matches!(handle.state(), RunState::Failed(_)),
+            "{:?}",
+            handle.state()
+        );
+    }
 }

@@ -139,6 +139,8 @@ pub struct Metrics {
     pub refused_permission_denied: AtomicU64,
     /// Acquires refused by a token's rate limit (429).
     pub refused_rate_limited: AtomicU64,
+    /// Client requests refused because the engine's queue was full (503).
+    pub refused_overloaded: AtomicU64,
     /// Connection admission (see `admission.rs`): refusals, closes, the
     /// unauthenticated pool. Shared with the accept loop.
     pub connections: Arc<ConnectionMetrics>,
@@ -238,6 +240,7 @@ impl Default for Metrics {
             refused_unauthenticated: AtomicU64::new(0),
             refused_permission_denied: AtomicU64::new(0),
             refused_rate_limited: AtomicU64::new(0),
+            refused_overloaded: AtomicU64::new(0),
             connections: Arc::default(),
             wire_connections: AtomicU64::new(0),
             dashboard_renders: AtomicU64::new(0),
@@ -396,6 +399,7 @@ impl Metrics {
             ("unauthenticated", &self.refused_unauthenticated),
             ("permission_denied", &self.refused_permission_denied),
             ("rate_limited", &self.refused_rate_limited),
+            ("overloaded", &self.refused_overloaded),
         ] {
             let _ = writeln!(out, "{name}{{reason=\"{reason}\"}} {}", load(value));
         }

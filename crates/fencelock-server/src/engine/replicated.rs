@@ -1206,7 +1206,7 @@ where
         ..Default::default()
     });
     metrics.set_state_gauges(&core.stats());
-    let (tx, rx) = mpsc::unbounded_channel::<Msg>();
+    let (tx, rx) = super::queue::queue();
     let (events, _) = tokio::sync::broadcast::channel(EVENT_BUFFER);
     let (state_tx, state_rx) = watch::channel(RunState::Running);
     let (sm_tx, sm_rx) = mpsc::channel(SM_QUEUE);
@@ -1497,7 +1497,7 @@ pub async fn storage_for_tests(
     let audit_store = AuditStore::open(&audit_dir, Default::default(), false)?;
     let audit_high_water = audit_store.high_water();
     let audit = AuditWriter::spawn(audit_store).map_err(internal)?;
-    let (tx, rx) = mpsc::unbounded_channel::<Msg>();
+    let (tx, rx) = super::queue::queue();
     let (events, _) = tokio::sync::broadcast::channel(EVENT_BUFFER);
     let (state_tx, _state_rx) = watch::channel(RunState::Running);
     let (sm_tx, sm_rx) = mpsc::channel(SM_QUEUE);
