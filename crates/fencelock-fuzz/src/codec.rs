@@ -3,7 +3,10 @@
 //! `Core::import` / `Core::apply`).
 
 use fencelock_core::{Command, Config, Core};
-use fencelock_server::codec::{decode_record, decode_snapshot, encode_record, encode_snapshot};
+use fencelock_server::codec::{
+    decode_record, decode_replicated, decode_snapshot, encode_import, encode_record,
+    encode_snapshot, Replicated,
+};
 
 use crate::{plant, MAX_INPUT_BYTES};
 
@@ -13,6 +16,7 @@ pub fn log_record(data: &[u8]) {
     if data.len() > MAX_INPUT_BYTES {
         return;
     }
+    raft_entry(data);
     let Ok((meta, command)) = decode_record(data) else {
         return;
     };
@@ -44,6 +48,33 @@ pub fn log_record(data: &[u8]) {
     core.take_outcomes();
     core.check_invariants()
         .unwrap_or_else(|e| panic!("invariant broken by one decoded record: {e}"));
+}
+
+/// Decodes `data` as a cluster member's Raft entry (a command record or a single
+/// server's imported state): an import must re-encode to the same bytes, and a
+/// command must decode exactly as a log record does.
+fn raft_entry(data: &[u8]) {
+    match decode_replicated(data) {
+        Ok(Replicated::Import { meta, snapshot }) => {
+            assert_eq!(
+                encode_import(&meta, &snapshot),
+                data,
+                "import does not round-trip"
+            );
+            // Applying it decodes the image: that must fail cleanly or import.
+            if let Ok(image) = decode_snapshot(&snapshot) {
+                let _ = Core::import(small_config(), image);
+            }
+        }
+        Ok(Replicated::Command(meta, command)) => {
+            assert_eq!(
+                decode_record(data),
+                Ok((meta, command)),
+                "a command entry decodes unlike a log record"
+            );
+        }
+        Err(_) => {}
+    }
 }
 
 /// Decodes `data` as a snapshot and imports it; an image the core accepts must keep
