@@ -46,7 +46,8 @@ pub enum LogDirOutcome {
 /// - undamaged: exactly the snapshot and every synced record come back;
 /// - damaged: either a `Corrupt` error naming a file of the directory, or the true
 ///   snapshot and a *prefix* of the synced records — never an altered, reordered,
-///   invented or skipped record. With every file deleted it is a new, empty log;
+///   invented or skipped record. With every file deleted (but `log.durable`,
+///   which is ignored without a manifest) it is a new, empty log;
 /// - after a clean close, the prefix is all of them: any loss of a synced record
 ///   is refused;
 /// - after a crash, if only bits were flipped, any synced record that is missing
@@ -142,7 +143,11 @@ pub fn log_dir_outcome(data: &[u8]) -> Option<LogDirOutcome> {
     }
 
     // With every file deleted there is nothing left to tell a log from a new one.
-    let all_deleted = files_in(&dir).is_empty();
+    // `log.durable` does not count: without a manifest the log ignores it as left
+    // over from a directory wiped to start over (crate docs, "The durable end").
+    let all_deleted = files_in(&dir)
+        .iter()
+        .all(|p| p.file_name().is_some_and(|n| n == "log.durable"));
     let (mut log, recovered) = match Log::open(&dir, opts.clone()) {
         Ok(opened) => opened,
         Err(e) => {

@@ -129,6 +129,37 @@ fn older_segment_zeroed_from_a_record_boundary_is_refused() {
     );
 }
 
+/// Harness bug (not the log's), found by `seeds.rs`'s proptest run: the manifest and
+/// the only segment deleted after a clean close leave just `log.durable`. The log
+/// ignores that file without a manifest (a directory wiped to start over may keep
+/// it; see the `fencelock-log` crate docs, "The durable end") and opens a new,
+/// empty log, as documented and tested in `fencelock-log`'s `corruption.rs`. The
+/// harness counted `log.durable` as a surviving file, so it expected the synced
+/// record and called the new log a silent loss.
+///
+/// Input: 96-byte segments; append an empty record, sync; a clean close; two
+/// damages: file 2 (`log.manifest`) deleted, then file 0 (`log-0`) deleted.
+#[test]
+fn only_log_durable_left_is_a_new_log() {
+    let input = [0, 0, 0, 0, 0, 0, 4, 7, 0, 2, 2, 0, 5, 0, 0, 5];
+    assert_eq!(
+        fencelock_fuzz::disk::log_dir_outcome(&input),
+        Some(fencelock_fuzz::disk::LogDirOutcome::Loaded {
+            records: 0,
+            synced: 0,
+            crashed: false
+        })
+    );
+    // Without the second deletion the segment proves the manifest existed.
+    let manifest_only = [0, 0, 0, 0, 0, 0, 4, 7, 0, 1, 2, 0, 5];
+    assert_eq!(
+        fencelock_fuzz::disk::log_dir_outcome(&manifest_only),
+        Some(fencelock_fuzz::disk::LogDirOutcome::Refused {
+            file: "log.manifest".into()
+        })
+    );
+}
+
 /// Harness bug (not the core's): an idempotent retry (same `request_id`) that arrives
 /// in the step whose due deadlines hand the lock to the very waiter it retries gets
 /// that grant as its reply, while the hand-off reports it as an outcome: one grant
