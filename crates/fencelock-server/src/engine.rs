@@ -4,7 +4,8 @@
 //! Two threads of control:
 //! - the **engine task** owns the [`Core`]. It takes requests in batches, stamps each
 //!   with the service clock, applies it, encodes it as a log record, and queues the
-//!   replies (and hand-off grants, and events) as *deliveries* of the current batch;
+//!   replies (and hand-off grants, and events) as *deliveries* of the current batch
+//!   (`Delivery`, in `delivery`: data saying what goes to whom);
 //! - the **writer thread** owns the [`Log`]. It takes whole batches, writes them, makes
 //!   them durable with one fdatasync for as many batches as have queued up (group
 //!   commit), and only then runs their deliveries. A delivery wakes the future that
@@ -50,6 +51,7 @@ use crate::codec::{self, RecordMeta};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::metrics::Metrics;
 
+mod delivery;
 mod handle;
 mod queue;
 mod recovery;
@@ -57,6 +59,7 @@ mod replica;
 mod replicated;
 mod writer;
 
+use delivery::Delivery;
 pub use handle::Handle;
 use handle::Shared;
 pub use queue::ENGINE_QUEUE;
@@ -254,10 +257,10 @@ pub const EVENT_BUFFER: usize = 4096;
 /// A lock event after it became durable, for watchers.
 pub type SharedEvent = Arc<Event>;
 
-type Delivery = Box<dyn FnOnce() + Send>;
 /// A read of the core, given the service time of the read (ms): what views count
-/// held and remaining time to.
-type Read = Box<dyn FnOnce(&Core, u64) -> Delivery + Send>;
+/// held and remaining time to. It returns the answer to send once durable
+/// ([`Delivery::Read`]).
+type Read = Box<dyn FnOnce(&Core, u64) -> Box<dyn FnOnce() + Send> + Send>;
 
 /// Where an acquire's answer goes, called on the thread that delivers it (the writer
 /// thread, once the grant is durable): the wire protocol writes it to the client's
@@ -292,15 +295,8 @@ enum CommandReply {
 }
 
 impl CommandReply {
-    fn send(self, result: Result<Reply, CoreError>) {
-        self.send_api_result(result.map_err(ApiError::from));
-    }
-
-    fn send_api(self, error: ApiError) {
-        self.send_api_result(Err(error));
-    }
-
-    fn send_api_result(self, result: Result<Reply, ApiError>) {
+    /// Delivers `result` (nobody hearing it is not an error: the asker went away).
+    fn send(self, result: Result<Reply, ApiError>) {
         match self {
             CommandReply::Channel(tx) => {
                 let _ = tx.send(result);
@@ -690,7 +686,7 @@ impl EngineTask {
             match first {
                 Some(Msg::Shutdown(done)) => stop = Some(done),
                 Some(msg) => self.handle(msg),
-                None => self.execute(Command::Tick, |_| {}),
+                None => self.execute(Command::Tick, None),
             }
             if stop.is_none() {
                 for _ in 1..MAX_BATCH {
@@ -744,20 +740,19 @@ impl EngineTask {
                 reply,
             } => {
                 if let Some(missing) = self.foreign_session(&command, &caller) {
-                    self.deliveries
-                        .push(Box::new(move || reply.send(Err(missing))));
+                    self.deliveries.push(Delivery::reply(reply, Err(missing)));
                     return;
                 }
-                self.execute_as(command, caller, move |result| reply.send(result));
+                self.execute_as(command, caller, Some(reply));
             }
             Msg::CancelListener { listener } => self.cancel_listener(listener),
             Msg::ReleaseOrphan { name, token } => {
-                self.execute(Command::Release { name, token }, |_| {});
+                self.execute(Command::Release { name, token }, None);
             }
             Msg::Read(read) => {
-                self.execute(Command::Tick, |_| {});
-                let delivery = read(&self.core, self.core.now_ms());
-                self.deliveries.push(delivery);
+                self.execute(Command::Tick, None);
+                let answer = read(&self.core, self.core.now_ms());
+                self.deliveries.push(Delivery::Read(answer));
             }
             Msg::Drain => self.drain(),
             Msg::Abandon { .. } | Msg::TickDone { .. } => {
@@ -835,28 +830,21 @@ impl EngineTask {
         result
     }
 
-    /// Applies and logs one command, and queues its reply (via `reply`) and its
-    /// outcomes as deliveries of the current batch.
-    fn execute(
-        &mut self,
-        command: Command,
-        reply: impl FnOnce(Result<Reply, CoreError>) + Send + 'static,
-    ) {
+    /// Applies and logs one command, and queues its reply (to `reply`, if anyone
+    /// asked) and its outcomes as deliveries of the current batch.
+    fn execute(&mut self, command: Command, reply: Option<CommandReply>) {
         self.execute_as(command, Requester::server(), reply);
     }
 
     /// [`Self::execute`] on behalf of `actor` (recorded in the audit log).
-    fn execute_as(
-        &mut self,
-        command: Command,
-        caller: Requester,
-        reply: impl FnOnce(Result<Reply, CoreError>) + Send + 'static,
-    ) {
+    fn execute_as(&mut self, command: Command, caller: Requester, reply: Option<CommandReply>) {
         let result = self.apply_logged(command, caller);
         // Events (and hand-offs) first: a watcher sees a change no later than the
         // client whose request made it hears back.
         self.route_outcomes();
-        self.deliveries.push(Box::new(move || reply(result)));
+        if let Some(reply) = reply {
+            self.deliveries.push(Delivery::reply(reply, result));
+        }
     }
 
     /// A holder's release. Its reply goes out once the record is *written* (in the
@@ -876,7 +864,7 @@ impl EngineTask {
         let result = self.apply_logged(command, caller);
         self.route_outcomes();
         let early = matches!(result, Ok(Reply::Released { .. }));
-        let delivery: Delivery = Box::new(move || reply.send(result));
+        let delivery = Delivery::reply(reply, result);
         if early {
             self.written.push(delivery);
         } else {
@@ -893,9 +881,8 @@ impl EngineTask {
     ) {
         if self.draining && acquire.wait_ms > 0 {
             let err = ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
-            self.deliveries.push(Box::new(move || {
-                let _ = reply.send(Err(err));
-            }));
+            self.deliveries
+                .push(Delivery::refused(listener, reply, err));
             return;
         }
         let name = acquire.name.clone();
@@ -913,9 +900,8 @@ impl EngineTask {
             Ok(other) => unreachable!("acquire replied {other:?}"),
             Err(e) => {
                 let err = ApiError::from(e);
-                self.deliveries.push(Box::new(move || {
-                    let _ = reply.send(Err(err));
-                }));
+                self.deliveries
+                    .push(Delivery::refused(listener, reply, err));
             }
         }
     }
@@ -923,19 +909,11 @@ impl EngineTask {
     /// Sends a grant to its listeners once durable; if none of them is still there,
     /// releases it (a lock granted to a departed client must not sit until expiry).
     fn deliver_grant(&mut self, grant: Grant, listeners: Vec<(u128, AcquireReply)>) {
-        let orphans = self.self_tx.clone();
-        self.deliveries.push(Box::new(move || {
-            let mut delivered = false;
-            for (_, reply) in listeners {
-                delivered |= reply.send(Ok(grant.clone()));
-            }
-            if !delivered {
-                let _ = orphans.send(Msg::ReleaseOrphan {
-                    name: grant.name,
-                    token: grant.token,
-                });
-            }
-        }));
+        self.deliveries.push(Delivery::Granted {
+            grant,
+            listeners,
+            orphans: Some(self.self_tx.clone()),
+        });
     }
 
     fn route_outcomes(&mut self) {
@@ -949,15 +927,11 @@ impl EngineTask {
             }
         }
         if !events.is_empty() {
-            let metrics = self.metrics.clone();
-            let sender = self.events.clone();
-            self.event_deliveries.push(Box::new(move || {
-                for event in events {
-                    count_event(&metrics, &event);
-                    // No watcher is not an error.
-                    let _ = sender.send(event);
-                }
-            }));
+            self.event_deliveries.push(Delivery::Events {
+                events,
+                metrics: self.metrics.clone(),
+                sender: self.events.clone(),
+            });
         }
         for outcome in outcomes {
             match outcome {
@@ -970,13 +944,14 @@ impl EngineTask {
                     name,
                     reason,
                 } => {
+                    // A wait cancelled by its client (or by a drain) answers nobody.
                     let listeners = self.take_listeners(token);
-                    let err = wait_end_error(&name, reason);
-                    self.deliveries.push(Box::new(move || {
-                        for (_, reply) in listeners {
-                            let _ = reply.send(Err(err.clone()));
-                        }
-                    }));
+                    if !listeners.is_empty() {
+                        self.deliveries.push(Delivery::Refused {
+                            listeners,
+                            error: wait_end_error(&name, reason),
+                        });
+                    }
                 }
                 Outcome::Event(_) => {}
             }
@@ -993,7 +968,7 @@ impl EngineTask {
 
     fn cancel_listener(&mut self, listener: u128) {
         if let Some((name, token)) = self.forget_listener(listener) {
-            self.execute(Command::CancelWait { name, token }, |_| {});
+            self.execute(Command::CancelWait { name, token }, None);
         }
     }
 
@@ -1006,13 +981,9 @@ impl EngineTask {
             self.listener_index.values().cloned().collect();
         for (name, token) in waiting {
             let listeners = self.take_listeners(token);
-            self.execute(Command::CancelWait { name, token }, |_| {});
-            let err = ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
-            self.deliveries.push(Box::new(move || {
-                for (_, reply) in listeners {
-                    let _ = reply.send(Err(err.clone()));
-                }
-            }));
+            self.execute(Command::CancelWait { name, token }, None);
+            let error = ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
+            self.deliveries.push(Delivery::Refused { listeners, error });
         }
     }
 
