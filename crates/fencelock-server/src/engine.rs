@@ -1081,6 +1081,221 @@ mod tests {
         }
     }
 
+    /// An engine task that is not running: the test hands it messages and takes
+    /// the batches it would give the writer.
+    fn idle_task() -> (EngineTask, std::sync::mpsc::Receiver<WriterMsg>) {
+        let (self_tx, rx) = queue::queue();
+        let (writer, batches) = std::sync::mpsc::channel();
+        let (events, _) = broadcast::channel(EVENT_BUFFER);
+        let (state, _) = watch::channel(RunState::Running);
+        let task = EngineTask {
+            core: Core::new(CoreConfig::default()),
+            clock: ServiceClock {
+                base_ms: 1,
+                start: tokio::time::Instant::now(),
+            },
+            rx,
+            self_tx,
+            writer,
+            metrics: Arc::new(Metrics::default()),
+            events,
+            state,
+            records: Vec::new(),
+            audit: Vec::new(),
+            outcomes: Vec::new(),
+            next_seq: 1,
+            written: Vec::new(),
+            event_deliveries: Vec::new(),
+            deliveries: Vec::new(),
+            listeners: std::collections::HashMap::new(),
+            listener_index: std::collections::HashMap::new(),
+            draining: false,
+            replicated: None,
+        };
+        (task, batches)
+    }
+
+    /// The batch the task hands the writer next (records, written, events,
+    /// deliveries).
+    type Taken = (Vec<Vec<u8>>, Vec<Delivery>, Vec<Delivery>, Vec<Delivery>);
+
+    fn flushed(task: &mut EngineTask, batches: &std::sync::mpsc::Receiver<WriterMsg>) -> Taken {
+        assert!(task.flush());
+        match batches.try_recv() {
+            Ok(WriterMsg::Batch {
+                records,
+                written,
+                events,
+                deliveries,
+                ..
+            }) => (records, written, events, deliveries),
+            Ok(_) => panic!("not a batch"),
+            Err(e) => panic!("no batch: {e}"),
+        }
+    }
+
+    fn acquire_to_channel(
+        task: &mut EngineTask,
+        name: &LockName,
+        wait_ms: u64,
+        listener: u128,
+    ) -> oneshot::Receiver<Result<Grant, ApiError>> {
+        let (tx, rx) = oneshot::channel();
+        let msg = handle::acquire_msg(
+            &Requester::anonymous(),
+            acquire_args(name, wait_ms),
+            listener,
+            AcquireReply::Channel(tx),
+        );
+        task.handle(msg);
+        rx
+    }
+
+    /// Issue 20, item 2 (deliveries as data): a command's reply is queued as a
+    /// `Reply` delivery of the batch that carries its record, to go out after that
+    /// batch's fdatasync; nothing reaches the client until it is delivered.
+    #[tokio::test]
+    async fn a_commands_reply_waits_in_its_batch_as_a_reply_delivery() {
+        let (mut task, batches) = idle_task();
+        let (tx, mut rx) = oneshot::channel();
+        task.handle(Msg::Command {
+            command: Command::OpenSession {
+                id: SessionId::from_u128(7),
+                ttl_ms: 60_000,
+                owner: Owner::default(),
+                tenant: None,
+                quota: None,
+            },
+            caller: Requester::anonymous(),
+            reply: CommandReply::Channel(tx),
+        });
+        let (records, written, events, deliveries) = flushed(&mut task, &batches);
+        assert_eq!(records.len(), 1, "the command's record rides in the batch");
+        assert!(
+            written.is_empty(),
+            "only a release goes out before the sync"
+        );
+        assert!(events.is_empty());
+        let [Delivery::Reply {
+            result: Ok(Reply::SessionOpened { .. }),
+            ..
+        }] = deliveries.as_slice()
+        else {
+            panic!(
+                "not one reply with the opened session: {}",
+                deliveries.len()
+            );
+        };
+        assert!(
+            matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty)),
+            "the client heard back before the delivery ran"
+        );
+        for delivery in deliveries {
+            delivery.deliver();
+        }
+        assert!(matches!(rx.try_recv(), Ok(Ok(Reply::SessionOpened { .. }))));
+    }
+
+    /// What a release hands on, as data: the holder's reply goes with the records
+    /// written (before the sync), while the hand-off grant to the waiter and the
+    /// watch events wait for the sync; a wait that times out is a refusal of the
+    /// waiter, also after the sync.
+    #[tokio::test]
+    async fn a_release_is_answered_on_write_and_its_hand_off_waits_for_the_sync() {
+        let (mut task, batches) = idle_task();
+        let name = LockName::new("ledger").unwrap();
+        let mut holder = acquire_to_channel(&mut task, &name, 0, 1);
+        let (_, _, _, deliveries) = flushed(&mut task, &batches);
+        let [Delivery::Granted {
+            grant, listeners, ..
+        }] = deliveries.as_slice()
+        else {
+            panic!("not one grant");
+        };
+        assert_eq!(listeners.iter().map(|(id, _)| *id).collect::<Vec<_>>(), [1]);
+        let token = grant.token;
+        deliveries.into_iter().for_each(Delivery::deliver);
+        let first = holder.try_recv().unwrap().unwrap();
+        assert_eq!(first.token, token);
+
+        let mut waiter = acquire_to_channel(&mut task, &name, 30_000, 2);
+        let (release_tx, mut released) = oneshot::channel();
+        task.handle(Msg::Command {
+            command: Command::Release {
+                name: name.clone(),
+                token,
+            },
+            caller: Requester::anonymous(),
+            reply: CommandReply::Channel(release_tx),
+        });
+        let (records, written, events, deliveries) = flushed(&mut task, &batches);
+        assert_eq!(records.len(), 2, "the waiter's acquire and the release");
+        assert!(matches!(
+            written.as_slice(),
+            [Delivery::Reply {
+                result: Ok(Reply::Released { released: true }),
+                ..
+            }]
+        ));
+        let [Delivery::Granted {
+            grant: handed,
+            listeners,
+            orphans: Some(_),
+        }] = deliveries.as_slice()
+        else {
+            panic!("not one hand-off grant (released if nobody takes it)");
+        };
+        let handed_fence = handed.fence;
+        assert!(handed_fence > first.fence);
+        assert_eq!(listeners.iter().map(|(id, _)| *id).collect::<Vec<_>>(), [2]);
+        let kinds: Vec<EventKind> = events
+            .iter()
+            .flat_map(|d| match d {
+                Delivery::Events { events, .. } => {
+                    events.iter().map(|e| e.kind).collect::<Vec<_>>()
+                }
+                _ => panic!("not an event delivery among the events"),
+            })
+            .collect();
+        assert!(
+            kinds.contains(&EventKind::Ended(GrantEnd::Released)),
+            "{kinds:?}"
+        );
+        assert!(kinds.contains(&EventKind::Granted), "{kinds:?}");
+        assert!(
+            matches!(waiter.try_recv(), Err(oneshot::error::TryRecvError::Empty)),
+            "the hand-off went out before its delivery ran"
+        );
+        written.into_iter().for_each(Delivery::deliver);
+        assert!(matches!(
+            released.try_recv(),
+            Ok(Ok(Reply::Released { released: true }))
+        ));
+        assert!(matches!(
+            waiter.try_recv(),
+            Err(oneshot::error::TryRecvError::Empty)
+        ));
+        events
+            .into_iter()
+            .chain(deliveries)
+            .for_each(Delivery::deliver);
+        assert_eq!(waiter.try_recv().unwrap().unwrap().fence, handed_fence);
+
+        // Draining ends the next wait: the waiter's refusal is data too.
+        let mut third = acquire_to_channel(&mut task, &name, 30_000, 3);
+        let _ = flushed(&mut task, &batches);
+        task.handle(Msg::Drain);
+        let (_, _, _, deliveries) = flushed(&mut task, &batches);
+        let [Delivery::Refused { listeners, error }] = deliveries.as_slice() else {
+            panic!("not one refusal");
+        };
+        assert_eq!(error.kind(), ApiErrorKind::Unavailable);
+        assert_eq!(listeners.iter().map(|(id, _)| *id).collect::<Vec<_>>(), [3]);
+        deliveries.into_iter().for_each(Delivery::deliver);
+        let refused = third.try_recv().unwrap().unwrap_err();
+        assert_eq!(refused.kind(), ApiErrorKind::Unavailable);
+    }
+
     /// A lone release (its group answers nobody, so the writer holds its fdatasync
     /// back for the next batch) still becomes durable, and its event and audit entry
     /// visible, when no next batch comes.
