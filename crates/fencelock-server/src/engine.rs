@@ -4,7 +4,8 @@
 //! Two threads of control:
 //! - the **engine task** owns the [`Core`]. It takes requests in batches, stamps each
 //!   with the service clock, applies it, encodes it as a log record, and queues the
-//!   replies (and hand-off grants, and events) as *deliveries* of the current batch;
+//!   replies (and hand-off grants, and events) as *deliveries* of the current batch
+//!   (`Delivery`, in `delivery`: data saying what goes to whom);
 //! - the **writer thread** owns the [`Log`]. It takes whole batches, writes them, makes
 //!   them durable with one fdatasync for as many batches as have queued up (group
 //!   commit), and only then runs their deliveries. A delivery wakes the future that
@@ -50,6 +51,7 @@ use crate::codec::{self, RecordMeta};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::metrics::Metrics;
 
+mod delivery;
 mod handle;
 mod queue;
 mod recovery;
@@ -57,6 +59,7 @@ mod replica;
 mod replicated;
 mod writer;
 
+use delivery::Delivery;
 pub use handle::Handle;
 use handle::Shared;
 pub use queue::ENGINE_QUEUE;
@@ -254,10 +257,10 @@ pub const EVENT_BUFFER: usize = 4096;
 /// A lock event after it became durable, for watchers.
 pub type SharedEvent = Arc<Event>;
 
-type Delivery = Box<dyn FnOnce() + Send>;
 /// A read of the core, given the service time of the read (ms): what views count
-/// held and remaining time to.
-type Read = Box<dyn FnOnce(&Core, u64) -> Delivery + Send>;
+/// held and remaining time to. It returns the answer to send once durable
+/// ([`Delivery::Read`]).
+type Read = Box<dyn FnOnce(&Core, u64) -> Box<dyn FnOnce() + Send> + Send>;
 
 /// Where an acquire's answer goes, called on the thread that delivers it (the writer
 /// thread, once the grant is durable): the wire protocol writes it to the client's
@@ -292,15 +295,8 @@ enum CommandReply {
 }
 
 impl CommandReply {
-    fn send(self, result: Result<Reply, CoreError>) {
-        self.send_api_result(result.map_err(ApiError::from));
-    }
-
-    fn send_api(self, error: ApiError) {
-        self.send_api_result(Err(error));
-    }
-
-    fn send_api_result(self, result: Result<Reply, ApiError>) {
+    /// Delivers `result` (nobody hearing it is not an error: the asker went away).
+    fn send(self, result: Result<Reply, ApiError>) {
         match self {
             CommandReply::Channel(tx) => {
                 let _ = tx.send(result);
@@ -690,7 +686,7 @@ impl EngineTask {
             match first {
                 Some(Msg::Shutdown(done)) => stop = Some(done),
                 Some(msg) => self.handle(msg),
-                None => self.execute(Command::Tick, |_| {}),
+                None => self.execute(Command::Tick, None),
             }
             if stop.is_none() {
                 for _ in 1..MAX_BATCH {
@@ -744,20 +740,19 @@ impl EngineTask {
                 reply,
             } => {
                 if let Some(missing) = self.foreign_session(&command, &caller) {
-                    self.deliveries
-                        .push(Box::new(move || reply.send(Err(missing))));
+                    self.deliveries.push(Delivery::reply(reply, Err(missing)));
                     return;
                 }
-                self.execute_as(command, caller, move |result| reply.send(result));
+                self.execute_as(command, caller, Some(reply));
             }
             Msg::CancelListener { listener } => self.cancel_listener(listener),
             Msg::ReleaseOrphan { name, token } => {
-                self.execute(Command::Release { name, token }, |_| {});
+                self.execute(Command::Release { name, token }, None);
             }
             Msg::Read(read) => {
-                self.execute(Command::Tick, |_| {});
-                let delivery = read(&self.core, self.core.now_ms());
-                self.deliveries.push(delivery);
+                self.execute(Command::Tick, None);
+                let answer = read(&self.core, self.core.now_ms());
+                self.deliveries.push(Delivery::Read(answer));
             }
             Msg::Drain => self.drain(),
             Msg::Abandon { .. } | Msg::TickDone { .. } => {
@@ -835,28 +830,21 @@ impl EngineTask {
         result
     }
 
-    /// Applies and logs one command, and queues its reply (via `reply`) and its
-    /// outcomes as deliveries of the current batch.
-    fn execute(
-        &mut self,
-        command: Command,
-        reply: impl FnOnce(Result<Reply, CoreError>) + Send + 'static,
-    ) {
+    /// Applies and logs one command, and queues its reply (to `reply`, if anyone
+    /// asked) and its outcomes as deliveries of the current batch.
+    fn execute(&mut self, command: Command, reply: Option<CommandReply>) {
         self.execute_as(command, Requester::server(), reply);
     }
 
     /// [`Self::execute`] on behalf of `actor` (recorded in the audit log).
-    fn execute_as(
-        &mut self,
-        command: Command,
-        caller: Requester,
-        reply: impl FnOnce(Result<Reply, CoreError>) + Send + 'static,
-    ) {
+    fn execute_as(&mut self, command: Command, caller: Requester, reply: Option<CommandReply>) {
         let result = self.apply_logged(command, caller);
         // Events (and hand-offs) first: a watcher sees a change no later than the
         // client whose request made it hears back.
         self.route_outcomes();
-        self.deliveries.push(Box::new(move || reply(result)));
+        if let Some(reply) = reply {
+            self.deliveries.push(Delivery::reply(reply, result));
+        }
     }
 
     /// A holder's release. Its reply goes out once the record is *written* (in the
@@ -876,7 +864,7 @@ impl EngineTask {
         let result = self.apply_logged(command, caller);
         self.route_outcomes();
         let early = matches!(result, Ok(Reply::Released { .. }));
-        let delivery: Delivery = Box::new(move || reply.send(result));
+        let delivery = Delivery::reply(reply, result);
         if early {
             self.written.push(delivery);
         } else {
@@ -893,9 +881,8 @@ impl EngineTask {
     ) {
         if self.draining && acquire.wait_ms > 0 {
             let err = ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
-            self.deliveries.push(Box::new(move || {
-                let _ = reply.send(Err(err));
-            }));
+            self.deliveries
+                .push(Delivery::refused(listener, reply, err));
             return;
         }
         let name = acquire.name.clone();
@@ -913,9 +900,8 @@ impl EngineTask {
             Ok(other) => unreachable!("acquire replied {other:?}"),
             Err(e) => {
                 let err = ApiError::from(e);
-                self.deliveries.push(Box::new(move || {
-                    let _ = reply.send(Err(err));
-                }));
+                self.deliveries
+                    .push(Delivery::refused(listener, reply, err));
             }
         }
     }
@@ -923,19 +909,11 @@ impl EngineTask {
     /// Sends a grant to its listeners once durable; if none of them is still there,
     /// releases it (a lock granted to a departed client must not sit until expiry).
     fn deliver_grant(&mut self, grant: Grant, listeners: Vec<(u128, AcquireReply)>) {
-        let orphans = self.self_tx.clone();
-        self.deliveries.push(Box::new(move || {
-            let mut delivered = false;
-            for (_, reply) in listeners {
-                delivered |= reply.send(Ok(grant.clone()));
-            }
-            if !delivered {
-                let _ = orphans.send(Msg::ReleaseOrphan {
-                    name: grant.name,
-                    token: grant.token,
-                });
-            }
-        }));
+        self.deliveries.push(Delivery::Granted {
+            grant,
+            listeners,
+            orphans: Some(self.self_tx.clone()),
+        });
     }
 
     fn route_outcomes(&mut self) {
@@ -949,15 +927,11 @@ impl EngineTask {
             }
         }
         if !events.is_empty() {
-            let metrics = self.metrics.clone();
-            let sender = self.events.clone();
-            self.event_deliveries.push(Box::new(move || {
-                for event in events {
-                    count_event(&metrics, &event);
-                    // No watcher is not an error.
-                    let _ = sender.send(event);
-                }
-            }));
+            self.event_deliveries.push(Delivery::Events {
+                events,
+                metrics: self.metrics.clone(),
+                sender: self.events.clone(),
+            });
         }
         for outcome in outcomes {
             match outcome {
@@ -970,13 +944,14 @@ impl EngineTask {
                     name,
                     reason,
                 } => {
+                    // A wait cancelled by its client (or by a drain) answers nobody.
                     let listeners = self.take_listeners(token);
-                    let err = wait_end_error(&name, reason);
-                    self.deliveries.push(Box::new(move || {
-                        for (_, reply) in listeners {
-                            let _ = reply.send(Err(err.clone()));
-                        }
-                    }));
+                    if !listeners.is_empty() {
+                        self.deliveries.push(Delivery::Refused {
+                            listeners,
+                            error: wait_end_error(&name, reason),
+                        });
+                    }
                 }
                 Outcome::Event(_) => {}
             }
@@ -993,7 +968,7 @@ impl EngineTask {
 
     fn cancel_listener(&mut self, listener: u128) {
         if let Some((name, token)) = self.forget_listener(listener) {
-            self.execute(Command::CancelWait { name, token }, |_| {});
+            self.execute(Command::CancelWait { name, token }, None);
         }
     }
 
@@ -1006,13 +981,9 @@ impl EngineTask {
             self.listener_index.values().cloned().collect();
         for (name, token) in waiting {
             let listeners = self.take_listeners(token);
-            self.execute(Command::CancelWait { name, token }, |_| {});
-            let err = ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
-            self.deliveries.push(Box::new(move || {
-                for (_, reply) in listeners {
-                    let _ = reply.send(Err(err.clone()));
-                }
-            }));
+            self.execute(Command::CancelWait { name, token }, None);
+            let error = ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
+            self.deliveries.push(Delivery::Refused { listeners, error });
         }
     }
 
@@ -1108,6 +1079,221 @@ mod tests {
             lock_delay_ms: 0,
             session: None,
         }
+    }
+
+    /// An engine task that is not running: the test hands it messages and takes
+    /// the batches it would give the writer.
+    fn idle_task() -> (EngineTask, std::sync::mpsc::Receiver<WriterMsg>) {
+        let (self_tx, rx) = queue::queue();
+        let (writer, batches) = std::sync::mpsc::channel();
+        let (events, _) = broadcast::channel(EVENT_BUFFER);
+        let (state, _) = watch::channel(RunState::Running);
+        let task = EngineTask {
+            core: Core::new(CoreConfig::default()),
+            clock: ServiceClock {
+                base_ms: 1,
+                start: tokio::time::Instant::now(),
+            },
+            rx,
+            self_tx,
+            writer,
+            metrics: Arc::new(Metrics::default()),
+            events,
+            state,
+            records: Vec::new(),
+            audit: Vec::new(),
+            outcomes: Vec::new(),
+            next_seq: 1,
+            written: Vec::new(),
+            event_deliveries: Vec::new(),
+            deliveries: Vec::new(),
+            listeners: std::collections::HashMap::new(),
+            listener_index: std::collections::HashMap::new(),
+            draining: false,
+            replicated: None,
+        };
+        (task, batches)
+    }
+
+    /// The batch the task hands the writer next (records, written, events,
+    /// deliveries).
+    type Taken = (Vec<Vec<u8>>, Vec<Delivery>, Vec<Delivery>, Vec<Delivery>);
+
+    fn flushed(task: &mut EngineTask, batches: &std::sync::mpsc::Receiver<WriterMsg>) -> Taken {
+        assert!(task.flush());
+        match batches.try_recv() {
+            Ok(WriterMsg::Batch {
+                records,
+                written,
+                events,
+                deliveries,
+                ..
+            }) => (records, written, events, deliveries),
+            Ok(_) => panic!("not a batch"),
+            Err(e) => panic!("no batch: {e}"),
+        }
+    }
+
+    fn acquire_to_channel(
+        task: &mut EngineTask,
+        name: &LockName,
+        wait_ms: u64,
+        listener: u128,
+    ) -> oneshot::Receiver<Result<Grant, ApiError>> {
+        let (tx, rx) = oneshot::channel();
+        let msg = handle::acquire_msg(
+            &Requester::anonymous(),
+            acquire_args(name, wait_ms),
+            listener,
+            AcquireReply::Channel(tx),
+        );
+        task.handle(msg);
+        rx
+    }
+
+    /// Issue 20, item 2 (deliveries as data): a command's reply is queued as a
+    /// `Reply` delivery of the batch that carries its record, to go out after that
+    /// batch's fdatasync; nothing reaches the client until it is delivered.
+    #[tokio::test]
+    async fn a_commands_reply_waits_in_its_batch_as_a_reply_delivery() {
+        let (mut task, batches) = idle_task();
+        let (tx, mut rx) = oneshot::channel();
+        task.handle(Msg::Command {
+            command: Command::OpenSession {
+                id: SessionId::from_u128(7),
+                ttl_ms: 60_000,
+                owner: Owner::default(),
+                tenant: None,
+                quota: None,
+            },
+            caller: Requester::anonymous(),
+            reply: CommandReply::Channel(tx),
+        });
+        let (records, written, events, deliveries) = flushed(&mut task, &batches);
+        assert_eq!(records.len(), 1, "the command's record rides in the batch");
+        assert!(
+            written.is_empty(),
+            "only a release goes out before the sync"
+        );
+        assert!(events.is_empty());
+        let [Delivery::Reply {
+            result: Ok(Reply::SessionOpened { .. }),
+            ..
+        }] = deliveries.as_slice()
+        else {
+            panic!(
+                "not one reply with the opened session: {}",
+                deliveries.len()
+            );
+        };
+        assert!(
+            matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty)),
+            "the client heard back before the delivery ran"
+        );
+        for delivery in deliveries {
+            delivery.deliver();
+        }
+        assert!(matches!(rx.try_recv(), Ok(Ok(Reply::SessionOpened { .. }))));
+    }
+
+    /// What a release hands on, as data: the holder's reply goes with the records
+    /// written (before the sync), while the hand-off grant to the waiter and the
+    /// watch events wait for the sync; a wait that times out is a refusal of the
+    /// waiter, also after the sync.
+    #[tokio::test]
+    async fn a_release_is_answered_on_write_and_its_hand_off_waits_for_the_sync() {
+        let (mut task, batches) = idle_task();
+        let name = LockName::new("ledger").unwrap();
+        let mut holder = acquire_to_channel(&mut task, &name, 0, 1);
+        let (_, _, _, deliveries) = flushed(&mut task, &batches);
+        let [Delivery::Granted {
+            grant, listeners, ..
+        }] = deliveries.as_slice()
+        else {
+            panic!("not one grant");
+        };
+        assert_eq!(listeners.iter().map(|(id, _)| *id).collect::<Vec<_>>(), [1]);
+        let token = grant.token;
+        deliveries.into_iter().for_each(Delivery::deliver);
+        let first = holder.try_recv().unwrap().unwrap();
+        assert_eq!(first.token, token);
+
+        let mut waiter = acquire_to_channel(&mut task, &name, 30_000, 2);
+        let (release_tx, mut released) = oneshot::channel();
+        task.handle(Msg::Command {
+            command: Command::Release {
+                name: name.clone(),
+                token,
+            },
+            caller: Requester::anonymous(),
+            reply: CommandReply::Channel(release_tx),
+        });
+        let (records, written, events, deliveries) = flushed(&mut task, &batches);
+        assert_eq!(records.len(), 2, "the waiter's acquire and the release");
+        assert!(matches!(
+            written.as_slice(),
+            [Delivery::Reply {
+                result: Ok(Reply::Released { released: true }),
+                ..
+            }]
+        ));
+        let [Delivery::Granted {
+            grant: handed,
+            listeners,
+            orphans: Some(_),
+        }] = deliveries.as_slice()
+        else {
+            panic!("not one hand-off grant (released if nobody takes it)");
+        };
+        let handed_fence = handed.fence;
+        assert!(handed_fence > first.fence);
+        assert_eq!(listeners.iter().map(|(id, _)| *id).collect::<Vec<_>>(), [2]);
+        let kinds: Vec<EventKind> = events
+            .iter()
+            .flat_map(|d| match d {
+                Delivery::Events { events, .. } => {
+                    events.iter().map(|e| e.kind).collect::<Vec<_>>()
+                }
+                _ => panic!("not an event delivery among the events"),
+            })
+            .collect();
+        assert!(
+            kinds.contains(&EventKind::Ended(GrantEnd::Released)),
+            "{kinds:?}"
+        );
+        assert!(kinds.contains(&EventKind::Granted), "{kinds:?}");
+        assert!(
+            matches!(waiter.try_recv(), Err(oneshot::error::TryRecvError::Empty)),
+            "the hand-off went out before its delivery ran"
+        );
+        written.into_iter().for_each(Delivery::deliver);
+        assert!(matches!(
+            released.try_recv(),
+            Ok(Ok(Reply::Released { released: true }))
+        ));
+        assert!(matches!(
+            waiter.try_recv(),
+            Err(oneshot::error::TryRecvError::Empty)
+        ));
+        events
+            .into_iter()
+            .chain(deliveries)
+            .for_each(Delivery::deliver);
+        assert_eq!(waiter.try_recv().unwrap().unwrap().fence, handed_fence);
+
+        // Draining ends the next wait: the waiter's refusal is data too.
+        let mut third = acquire_to_channel(&mut task, &name, 30_000, 3);
+        let _ = flushed(&mut task, &batches);
+        task.handle(Msg::Drain);
+        let (_, _, _, deliveries) = flushed(&mut task, &batches);
+        let [Delivery::Refused { listeners, error }] = deliveries.as_slice() else {
+            panic!("not one refusal");
+        };
+        assert_eq!(error.kind(), ApiErrorKind::Unavailable);
+        assert_eq!(listeners.iter().map(|(id, _)| *id).collect::<Vec<_>>(), [3]);
+        deliveries.into_iter().for_each(Delivery::deliver);
+        let refused = third.try_recv().unwrap().unwrap_err();
+        assert_eq!(refused.kind(), ApiErrorKind::Unavailable);
     }
 
     /// A lone release (its group answers nobody, so the writer holds its fdatasync

@@ -52,7 +52,12 @@ pub struct Handle {
 }
 
 /// The message of an acquire with a fresh owner token.
-fn acquire_msg(caller: &Requester, args: AcquireArgs, listener: u128, reply: AcquireReply) -> Msg {
+pub(super) fn acquire_msg(
+    caller: &Requester,
+    args: AcquireArgs,
+    listener: u128,
+    reply: AcquireReply,
+) -> Msg {
     Msg::Acquire {
         caller: caller.clone(),
         acquire: Acquire {

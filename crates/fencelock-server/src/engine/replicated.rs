@@ -23,8 +23,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 type MetricsRx = openraft::alias::WatchReceiverOf<TypeConfig, openraft::RaftMetrics<TypeConfig>>;
 
 use super::{
-    AcquireReply, CommandReply, EngineConfig, EngineTask, Handle, Msg, Requester, RunState,
-    ServiceClock, Shared, EVENT_BUFFER,
+    AcquireReply, CommandReply, Delivery, EngineConfig, EngineTask, Handle, Msg, Requester,
+    RunState, ServiceClock, Shared, EVENT_BUFFER,
 };
 use crate::audit::{self, AuditEntry, AuditStore};
 use crate::cluster::import::Staged;
@@ -558,9 +558,8 @@ impl EngineTask {
                 if self.draining && acquire.wait_ms > 0 {
                     let err =
                         ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
-                    self.deliveries.push(Box::new(move || {
-                        let _ = reply.send(Err(err));
-                    }));
+                    self.deliveries
+                        .push(Delivery::refused(listener, reply, err));
                     return;
                 }
                 let refused = self
@@ -569,9 +568,8 @@ impl EngineTask {
                     .or_else(|| self.refused_while_importing())
                     .or_else(|| self.replica().leading.is_none().then(|| self.not_leader()));
                 if let Some(err) = refused {
-                    self.deliveries.push(Box::new(move || {
-                        let _ = reply.send(Err(err));
-                    }));
+                    self.deliveries
+                        .push(Delivery::refused(listener, reply, err));
                     return;
                 }
                 #[cfg(feature = "planted-bugs")]
@@ -580,9 +578,11 @@ impl EngineTask {
                     let speculative = self.core.apply(now, Command::Acquire(acquire.clone()));
                     self.core.discard_outcomes();
                     if let Ok(Reply::Granted(grant)) = speculative {
-                        self.deliveries.push(Box::new(move || {
-                            let _ = reply.send(Ok(grant));
-                        }));
+                        self.deliveries.push(Delivery::Granted {
+                            grant,
+                            listeners: vec![(listener, reply)],
+                            orphans: None,
+                        });
                         self.propose(Command::Acquire(acquire), caller, None);
                         return;
                     }
@@ -609,12 +609,14 @@ impl EngineTask {
                     .or_else(|| self.refused_while_importing())
                     .or_else(|| self.replica().leading.is_none().then(|| self.not_leader()));
                 if let Some(err) = refused {
-                    self.deliveries.push(Box::new(move || reply.send_api(err)));
+                    self.deliveries.push(Delivery::Reply {
+                        reply,
+                        result: Err(err),
+                    });
                     return;
                 }
                 if let Some(missing) = self.foreign_session(&command, &caller) {
-                    self.deliveries
-                        .push(Box::new(move || reply.send(Err(missing))));
+                    self.deliveries.push(Delivery::reply(reply, Err(missing)));
                     return;
                 }
                 self.propose(command, caller, Some(Pending::Command(reply)));
@@ -638,8 +640,8 @@ impl EngineTask {
             Msg::Read(read) => {
                 // The handle passed the read barrier (or asked for a stale read).
                 let now_ms = self.read_time_ms();
-                let delivery = read(&self.core, now_ms);
-                self.deliveries.push(delivery);
+                let answer = read(&self.core, now_ms);
+                self.deliveries.push(Delivery::Read(answer));
             }
             Msg::Drain => {
                 self.draining = true;
@@ -655,13 +657,9 @@ impl EngineTask {
                             None,
                         );
                     }
-                    let err =
+                    let error =
                         ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
-                    self.deliveries.push(Box::new(move || {
-                        for (_, reply) in listeners {
-                            let _ = reply.send(Err(err.clone()));
-                        }
-                    }));
+                    self.deliveries.push(Delivery::Refused { listeners, error });
                 }
             }
             Msg::Abandon { seq, error } => {
@@ -687,10 +685,11 @@ impl EngineTask {
 
     fn answer_error(&mut self, pending: Pending, error: ApiError) {
         self.deliveries.push(match pending {
-            Pending::Acquire { reply, .. } => Box::new(move || {
-                let _ = reply.send(Err(error));
-            }),
-            Pending::Command(reply) => Box::new(move || reply.send_api(error)),
+            Pending::Acquire { listener, reply } => Delivery::refused(listener, reply, error),
+            Pending::Command(reply) => Delivery::Reply {
+                reply,
+                result: Err(error),
+            },
             Pending::Import => {
                 // Not committed (this member stopped leading, or is stopping): it
                 // is proposed again when this member leads.
@@ -897,7 +896,7 @@ impl EngineTask {
         match pending {
             None | Some(Pending::Import) => {}
             Some(Pending::Command(reply)) => {
-                self.deliveries.push(Box::new(move || reply.send(result)));
+                self.deliveries.push(Delivery::reply(reply, result));
             }
             Some(Pending::Acquire { listener, reply }) => match result {
                 Ok(Reply::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
@@ -915,15 +914,13 @@ impl EngineTask {
                 Ok(other) => {
                     let err =
                         ApiError::new(ApiErrorKind::Internal, format!("acquire replied {other:?}"));
-                    self.deliveries.push(Box::new(move || {
-                        let _ = reply.send(Err(err));
-                    }));
+                    self.deliveries
+                        .push(Delivery::refused(listener, reply, err));
                 }
                 Err(e) => {
                     let err = ApiError::from(e);
-                    self.deliveries.push(Box::new(move || {
-                        let _ = reply.send(Err(err));
-                    }));
+                    self.deliveries
+                        .push(Delivery::refused(listener, reply, err));
                 }
             },
         }
@@ -1048,13 +1045,13 @@ impl EngineTask {
     fn flush_replicated(&mut self) {
         self.metrics.set_state_gauges(&self.core.stats());
         for d in std::mem::take(&mut self.written) {
-            d();
+            d.deliver();
         }
         for d in std::mem::take(&mut self.event_deliveries) {
-            d();
+            d.deliver();
         }
         for d in std::mem::take(&mut self.deliveries) {
-            d();
+            d.deliver();
         }
         let entries = std::mem::take(&mut self.audit);
         if !entries.is_empty() {

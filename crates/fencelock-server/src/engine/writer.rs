@@ -257,7 +257,7 @@ impl Writer {
         // Events first: a watcher sees a change no later than the client it answers
         // (releases excepted: they were answered once written).
         for delivery in events.into_iter().chain(deliveries) {
-            delivery();
+            delivery.deliver();
         }
         // The replica hears of the records after the clients do: waking its thread
         // is a system call (and, on a VM, often a wake-up of an idle vCPU) that
@@ -378,7 +378,7 @@ impl Writer {
                     return self.fail(format!("write: {e}"));
                 }
                 for delivery in written {
-                    delivery();
+                    delivery.deliver();
                 }
             }
             // A group that answers nobody (a lone release: its holder has its
@@ -564,13 +564,13 @@ mod tests {
     fn only_a_group_that_answers_nobody_is_held_and_never_past_the_bound() {
         let lone_release = || Group {
             durable: vec![b"record".to_vec()],
-            events: vec![Box::new(|| {})],
+            events: vec![Delivery::Read(Box::new(|| {}))],
             ..Group::default()
         };
         assert!(may_hold(&lone_release(), Duration::ZERO));
         assert!(!may_hold(&lone_release(), HOLD_UNANSWERED_GROUP));
         let mut answers = lone_release();
-        answers.deliveries.push(Box::new(|| {}));
+        answers.deliveries.push(Delivery::Read(Box::new(|| {})));
         assert!(!may_hold(&answers, Duration::ZERO), "a reply waits for it");
         assert!(
             !may_hold(&Group::default(), Duration::ZERO),
