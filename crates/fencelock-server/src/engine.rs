@@ -6,7 +6,7 @@
 //!   with the service clock, applies it, encodes it as a log record, and queues the
 //!   replies (and hand-off grants, and events) as *deliveries* of the current batch
 //!   (`Delivery`, in `delivery`: data saying what goes to whom);
-//! - the **writer thread** owns the [`Log`]. It takes whole batches, writes them, makes
+//! - the **writer thread** owns the `Log`. It takes whole batches, writes them, makes
 //!   them durable with one fdatasync for as many batches as have queued up (group
 //!   commit), and only then runs their deliveries. A delivery wakes the future that
 //!   awaits it (HTTP, gRPC) or calls a sink (`GrantSink`, `ReplySink`: the wire

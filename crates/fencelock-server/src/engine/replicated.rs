@@ -182,7 +182,7 @@ impl ClusterShared {
     /// or why not: it is a voter, a leader is known, the leader was confirmed by a
     /// quorum (on the leader) or was heard from (on a follower) within
     /// [`ClusterShared::lease`], and the applied index is at most
-    /// [`READY_MAX_LAG`] entries behind the cluster's commit index.
+    /// `READY_MAX_LAG` entries behind the cluster's commit index.
     pub fn readiness(&self) -> Result<(), String> {
         let m = self.raft.metrics().borrow_watched().clone();
         let me = self.node_id;
