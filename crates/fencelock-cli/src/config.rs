@@ -131,6 +131,14 @@ pub struct ServeArgs {
     /// `fencelock cluster add` (instead of forming one; --peers not needed).
     #[arg(long, env = "FENCELOCK_JOIN")]
     pub join: bool,
+    /// Cluster mode: do not probe a silent leader's peer port. By default a
+    /// follower whose leader has been silent for two heartbeats tries a TCP
+    /// connection to it, and if it is refused (the leader's process is gone)
+    /// campaigns as soon as the other members would vote, not a random election
+    /// timeout later. Turn it off on networks that refuse connections during a
+    /// partition.
+    #[arg(long, env = "FENCELOCK_NO_LEADER_PROBE")]
+    pub no_leader_probe: bool,
 }
 
 /// `[cluster]` of the config file.
@@ -147,6 +155,7 @@ struct FileCluster {
     peer_tls_ca: Option<PathBuf>,
     heartbeat_ms: Option<u64>,
     join: Option<bool>,
+    leader_probe: Option<bool>,
 }
 
 /// Parses `1=127.0.0.1:7521,2=127.0.0.1:7522`.
@@ -252,6 +261,7 @@ fn cluster_config(
         secret,
         tls,
         heartbeat,
+        leader_probe: !args.no_leader_probe && file.leader_probe.unwrap_or(true),
     };
     config.validate().map_err(anyhow::Error::msg)?;
     Ok(Some(config))
@@ -720,6 +730,7 @@ mod tests {
             raft_heartbeat_ms: None,
             peer_dial: None,
             join: false,
+            no_leader_probe: false,
         }
     }
 
@@ -754,6 +765,33 @@ mod tests {
             let e = resolve(a).unwrap_err().to_string();
             assert!(e.contains(why), "{peers}: {e}");
         }
+    }
+
+    #[test]
+    fn the_leader_probe_is_on_unless_the_flag_or_the_file_turns_it_off() {
+        let member = |config: Option<PathBuf>, off: bool| {
+            let mut a = args();
+            a.node_id = Some(1);
+            a.peer_listen = Some("127.0.0.1:7521".parse().unwrap());
+            a.peers = Some("1=127.0.0.1:7521,2=127.0.0.1:7522".into());
+            a.config = config;
+            a.no_leader_probe = off;
+            resolve(a)
+                .unwrap()
+                .server
+                .engine
+                .cluster
+                .unwrap()
+                .leader_probe
+        };
+        assert!(member(None, false));
+        assert!(!member(None, true));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fencelock.toml");
+        std::fs::write(&path, "[cluster]\nleader_probe = false\n").unwrap();
+        assert!(!member(Some(path.clone()), false));
+        std::fs::write(&path, "[cluster]\nleader_probe = true\n").unwrap();
+        assert!(!member(Some(path), true), "the flag wins");
     }
 
     #[test]

@@ -44,7 +44,7 @@ use fencelock_server::ApiErrorKind;
 use fencelock_sim::Rng;
 use tokio::time::Instant;
 
-use crate::net::{Net, SimNetwork};
+use crate::net::{Net, SimNetwork, SimProbe};
 
 /// Lease of every simulated grant.
 const TTL_MS: u64 = 2_000;
@@ -133,6 +133,9 @@ pub struct Report {
     pub messages: (u64, u64),
     /// The first violation, if any.
     pub violation: Option<Violation>,
+    /// Pre-Vote elections the members' dead-leader watchdogs started (after a
+    /// leader crashed; `fencelock_server::cluster::watchdog`).
+    pub watchdog_elections: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -291,6 +294,7 @@ async fn start(id: u64, slot: &Slot, n: usize, net: &Arc<Net>, bugs: ClusterBugs
         tls: None,
         heartbeat: HEARTBEAT,
         dial: BTreeMap::new(),
+        leader_probe: true,
     });
     let (handle, runtime) = start_member(MemberSpec {
         config: engine,
@@ -302,12 +306,28 @@ async fn start(id: u64, slot: &Slot, n: usize, net: &Arc<Net>, bugs: ClusterBugs
         directory: Arc::new(Directory::default()),
         on_shutdown: None,
         import: None,
+        probe: Some(Arc::new(SimProbe {
+            from: id,
+            net: net.clone(),
+        })),
         bugs,
     })
     .await
     .expect("a simulated member starts");
-    net.up(id, runtime.shared.raft.clone());
+    net.up(
+        id,
+        runtime.shared.raft.clone(),
+        runtime.shared.contact.clone(),
+    );
     handle
+}
+
+/// How many elections member `h`'s dead-leader watchdog started.
+fn watchdog_elections(h: &Handle) -> u64 {
+    h.metrics()
+        .cluster
+        .watchdog_elections
+        .load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The member a `not_leader` answer points at (`http://sim-N`).
@@ -416,6 +436,7 @@ async fn run(seed: u64, options: Options) -> Report {
                 net.down(victim as u64 + 1);
                 let h = cluster.handles.lock().unwrap()[victim].take();
                 if let Some(h) = h {
+                    report.watchdog_elections += watchdog_elections(&h);
                     h.shutdown().await;
                 }
                 down.insert(victim, now + Duration::from_millis(rng.range(300, 2_500)));
@@ -515,6 +536,7 @@ async fn run(seed: u64, options: Options) -> Report {
     for i in 0..n {
         let h = cluster.handles.lock().unwrap()[i].take();
         if let Some(h) = h {
+            report.watchdog_elections += watchdog_elections(&h);
             h.shutdown().await;
         }
     }

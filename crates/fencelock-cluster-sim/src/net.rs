@@ -6,7 +6,8 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fencelock_server::cluster::{Member, Raft, TypeConfig, Vote};
+use fencelock_server::cluster::watchdog::{LeaderProbe, Probed};
+use fencelock_server::cluster::{LeaderContact, Member, Raft, TypeConfig, Vote};
 use fencelock_sim::Rng;
 use openraft::error::{NetworkError, RPCError, ReplicationClosed, StreamingError, Unreachable};
 use openraft::network::v2::RaftNetworkV2;
@@ -33,6 +34,9 @@ struct Faults {
 /// The network every member of one run shares.
 pub struct Net {
     rafts: Mutex<BTreeMap<u64, Raft>>,
+    /// Each member's record of its leader's replication, as the peer listener
+    /// keeps it on a real member (the dead-leader watchdog reads it).
+    contacts: Mutex<BTreeMap<u64, Arc<LeaderContact>>>,
     faults: Mutex<Faults>,
     rng: Mutex<Rng>,
     /// Messages delivered and dropped, for the report.
@@ -48,15 +52,31 @@ impl Net {
     pub fn new(rng: Rng) -> Arc<Net> {
         Arc::new(Net {
             rafts: Mutex::default(),
+            contacts: Mutex::default(),
             faults: Mutex::default(),
             rng: Mutex::new(rng),
             counts: Mutex::default(),
         })
     }
 
-    /// Member `id` is up with this `Raft`.
-    pub fn up(&self, id: u64, raft: Raft) {
+    /// Member `id` is up with this `Raft`, recording its leader's replication in
+    /// `contact`.
+    pub fn up(&self, id: u64, raft: Raft, contact: Arc<LeaderContact>) {
         self.rafts.lock().unwrap().insert(id, raft);
+        self.contacts.lock().unwrap().insert(id, contact);
+    }
+
+    /// What a TCP connect from `from` to `to`'s peer port would find now: refused
+    /// when `to` is down (its process is gone), nothing when the link is cut (a
+    /// partition), an answer otherwise.
+    pub fn probe(&self, from: u64, to: u64) -> Probed {
+        if !self.rafts.lock().unwrap().contains_key(&to) {
+            Probed::Refused
+        } else if self.faults.lock().unwrap().cut.contains(&(from, to)) {
+            Probed::Unknown
+        } else {
+            Probed::Answered
+        }
     }
 
     /// Member `id` is down: nothing reaches it.
@@ -205,6 +225,13 @@ impl RaftNetworkV2<TypeConfig> for SimPeer {
             Ok(a) => a,
             Err(e) => return Err(remote(e).await),
         };
+        // As the peer listener does: accepted unless refused for a higher vote.
+        if !matches!(answer, AppendEntriesResponse::HigherVote(_)) {
+            let contact = self.net.contacts.lock().unwrap().get(&self.to).cloned();
+            if let Some(contact) = contact {
+                contact.record();
+            }
+        }
         self.back().await?;
         Ok(answer)
     }
@@ -215,11 +242,16 @@ impl RaftNetworkV2<TypeConfig> for SimPeer {
         _option: RPCOption,
     ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
         let raft = self.deliver().await?;
+        let asked = rpc.last_log_id;
         let answer = raft.vote(rpc).await;
         let answer = match answer {
             Ok(a) => a,
             Err(e) => return Err(remote(e).await),
         };
+        // As the peer listener does: a refusal by log wakes the watchdog.
+        if let Some(contact) = self.net.contacts.lock().unwrap().get(&self.to) {
+            contact.record_vote_answer(asked.as_ref(), &answer);
+        }
         self.back().await?;
         Ok(answer)
     }
@@ -230,11 +262,16 @@ impl RaftNetworkV2<TypeConfig> for SimPeer {
         _option: RPCOption,
     ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
         let raft = self.deliver().await?;
+        let asked = rpc.last_log_id;
         let answer = raft.pre_vote(rpc).await;
         let answer = match answer {
             Ok(a) => a,
             Err(e) => return Err(remote(e).await),
         };
+        // As the peer listener does: a refusal by log wakes the watchdog.
+        if let Some(contact) = self.net.contacts.lock().unwrap().get(&self.to) {
+            contact.record_vote_answer(asked.as_ref(), &answer);
+        }
         self.back().await?;
         Ok(answer)
     }
@@ -274,5 +311,24 @@ impl RaftNetworkV2<TypeConfig> for SimPeer {
         };
         self.back().await?;
         Ok(answer)
+    }
+}
+
+/// The dead-leader watchdog's probe for one member: [`Net::probe`].
+pub struct SimProbe {
+    /// The member probing.
+    pub from: u64,
+    /// The shared network.
+    pub net: Arc<Net>,
+}
+
+impl LeaderProbe for SimProbe {
+    fn probe<'a>(
+        &'a self,
+        id: u64,
+        _member: &'a Member,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Probed> + Send + 'a>> {
+        let probed = self.net.probe(self.from, id);
+        Box::pin(async move { probed })
     }
 }

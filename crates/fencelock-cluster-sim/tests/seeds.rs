@@ -29,7 +29,14 @@ fn every_seed_keeps_every_invariant() {
     let seeds = env("FENCELOCK_CLUSTER_SIM_SEEDS", 1_000);
     let first = env("FENCELOCK_CLUSTER_SIM_FIRST_SEED", 0);
     let next = AtomicU64::new(first);
-    let totals = Mutex::new((0u64, 0u64, 0u64, 0u64, BTreeMap::<&'static str, u64>::new()));
+    let totals = Mutex::new((
+        0u64,
+        0u64,
+        0u64,
+        0u64,
+        BTreeMap::<&'static str, u64>::new(),
+        0u64,
+    ));
     let failures = Mutex::new(Vec::new());
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     std::thread::scope(|scope| {
@@ -45,6 +52,7 @@ fn every_seed_keeps_every_invariant() {
                 t.1 += report.grants;
                 t.3 += report.queued;
                 t.2 += report.reads;
+                t.5 += report.watchdog_elections;
                 for (k, v) in &report.faults {
                     *t.4.entry(k).or_default() += v;
                 }
@@ -54,9 +62,9 @@ fn every_seed_keeps_every_invariant() {
             });
         }
     });
-    let (runs, grants, reads, queued, faults) = totals.into_inner().unwrap();
+    let (runs, grants, reads, queued, faults, watchdog) = totals.into_inner().unwrap();
     println!(
-        "cluster sim: {runs} seeds from {first}, {grants} grants, {reads} linearizable reads, {queued} queued requests in complete event streams, faults {faults:?}"
+        "cluster sim: {runs} seeds from {first}, {grants} grants, {reads} linearizable reads, {queued} queued requests in complete event streams, faults {faults:?}, {watchdog} dead-leader watchdog elections"
     );
     assert!(
         queued > runs / 2,
@@ -65,6 +73,14 @@ fn every_seed_keeps_every_invariant() {
     assert!(
         grants > runs,
         "the clients hardly got anything: {grants} grants"
+    );
+    // The watchdog's early elections are among what the invariants were checked
+    // against: crashed leaders are common enough that a run of more than a few
+    // seeds without one means the watchdog is not running.
+    let crashed_leaders = faults.get("crash-leader").copied().unwrap_or(0);
+    assert!(
+        crashed_leaders < 20 || watchdog > 0,
+        "{crashed_leaders} leader crashes but no watchdog election"
     );
     let failures = failures.into_inner().unwrap();
     assert!(

@@ -50,6 +50,7 @@ pub fn config_file(data: &[u8]) {
         raft_heartbeat_ms: None,
         peer_dial: None,
         join: false,
+        no_leader_probe: false,
     };
     if let Ok(settings) = cli_config::resolve(args) {
         if settings.log_level.starts_with("warn") {

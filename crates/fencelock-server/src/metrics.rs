@@ -175,6 +175,9 @@ pub struct ClusterMetrics {
     /// Duration of each Raft log sync (write and fdatasync of a group), µs. Shared
     /// with the Raft log's writer thread (`LogStore::sync_histogram`).
     pub log_sync: Arc<Histogram>,
+    /// Pre-Vote elections the dead-leader watchdog started (`cluster::watchdog`).
+    /// Shared with the watchdog task.
+    pub watchdog_elections: Arc<AtomicU64>,
 }
 
 impl Default for ClusterMetrics {
@@ -188,6 +191,7 @@ impl Default for ClusterMetrics {
             leader_changes: AtomicU64::new(0),
             peer_lag: Default::default(),
             log_sync: Arc::new(Histogram::sync_micros()),
+            watchdog_elections: Arc::default(),
         }
     }
 }
@@ -201,6 +205,7 @@ pub const CLUSTER_METRIC_NAMES: &[&str] = &[
     "fencelock_raft_leader_changes_total",
     "fencelock_raft_peer_lag_entries",
     "fencelock_raft_log_sync_seconds",
+    "fencelock_raft_watchdog_elections_total",
 ];
 
 impl Metrics {
@@ -529,6 +534,12 @@ impl Metrics {
             out,
             CLUSTER_METRIC_NAMES[6],
             "Duration of a Raft log sync (write and fdatasync of a group of appends, votes and commits).",
+        );
+        let name = CLUSTER_METRIC_NAMES[7];
+        let _ = writeln!(
+            out,
+            "# HELP {name} Pre-Vote elections this member started because its silent leader's peer port refused connections (the leader's process was gone).\n# TYPE {name} counter\n{name} {}",
+            load(&c.watchdog_elections)
         );
     }
 

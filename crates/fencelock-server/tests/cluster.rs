@@ -74,6 +74,7 @@ fn config(
         tls: None,
         heartbeat: HEARTBEAT,
         dial: BTreeMap::new(),
+        leader_probe: true,
     });
     let mut config = ServerConfig::new(listen, engine);
     adjust(&mut config);

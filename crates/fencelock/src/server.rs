@@ -24,6 +24,16 @@ use crate::wire::WireClient;
 use crate::{Error, ErrorKind};
 use tokio_rustls::rustls::pki_types::ServerName;
 
+/// The pause between rounds of a call while the cluster is between leaders: 25–50 ms
+/// after the first round, then 50–100 ms. An election takes about half a second
+/// (the members' leader lease: 10 heartbeats), and a pause that grew like a general
+/// retry's (up to 2 s) would leave a client waiting long after the new leader
+/// serves; a round costs each member a `not_leader` answer.
+const BETWEEN_LEADERS: Backoff = Backoff {
+    initial: Duration::from_millis(50),
+    max: Duration::from_millis(100),
+};
+
 /// How to reach a fencelock server, or the members of a fencelock cluster.
 ///
 /// With several endpoints the client sends each request to the member that last
@@ -325,7 +335,7 @@ impl FencelockBackend {
         F: FnMut(Arc<Node>) -> Fut,
         Fut: Future<Output = Result<T, Error>>,
     {
-        let backoff = Backoff::default();
+        let backoff = BETWEEN_LEADERS;
         let mut round = 0u32;
         loop {
             let len = self.nodes().len();
@@ -899,6 +909,19 @@ mod tests {
         assert!(!e.is_not_leader());
         assert_eq!(e.leader(), None);
         assert_eq!(e.kind(), ErrorKind::Unavailable);
+    }
+
+    #[test]
+    fn between_leaders_a_call_asks_again_at_least_every_100_ms() {
+        // Regression: the general backoff (up to 2 s) left clients waiting up to a
+        // second after a half-second election had ended.
+        for round in 0..30 {
+            let delay = BETWEEN_LEADERS.delay(round);
+            assert!(
+                delay >= Duration::from_millis(25) && delay <= Duration::from_millis(100),
+                "round {round}: {delay:?}"
+            );
+        }
     }
 
     #[tokio::test]

@@ -16,6 +16,8 @@
 //!   differs.
 //! - `listener`: the peer port's accept loop: TLS, connection admission, timeouts.
 //! - [`import`]: a single server's data directory becomes the first member.
+//! - [`watchdog`]: a follower whose leader went silent probes the leader's peer
+//!   port and, when the process is gone, campaigns as soon as the voters allow.
 
 pub mod api;
 pub mod import;
@@ -23,6 +25,7 @@ pub(crate) mod listener;
 pub mod log_store;
 pub mod network;
 pub mod state_machine;
+pub mod watchdog;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -128,6 +131,12 @@ pub struct ClusterConfig {
     /// address): for fault-injection proxies between members, or address
     /// translation. Empty: dial what the membership records.
     pub dial: BTreeMap<u64, SocketAddr>,
+    /// Run the dead-leader watchdog ([`watchdog`]): a follower whose leader has been
+    /// silent for two heartbeats connects to the leader's peer port, and if the
+    /// connection is refused (the process is gone) campaigns as soon as the voters'
+    /// leader leases run out rather than a random election timeout later. Off: Raft's
+    /// timing alone (for networks that answer a partition with refused connections).
+    pub leader_probe: bool,
 }
 
 impl ClusterConfig {
@@ -224,23 +233,63 @@ impl Directory {
 /// When this member last accepted replication from a leader (an AppendEntries,
 /// heartbeats included, that openraft did not refuse for a higher vote). openraft
 /// reports no such time for a follower, and a follower whose leader is gone keeps
-/// naming it (Pre-Vote keeps its term), so readiness needs this to tell a follower
-/// cut off from its leader from a healthy one. Recorded by the peer listener.
+/// naming it (Pre-Vote keeps its term), so readiness and the dead-leader watchdog
+/// need this to tell a follower cut off from its leader from a healthy one.
+/// Recorded by the peer listener (by the simulated network in the simulation),
+/// after openraft handled the message, so never before openraft's own record of
+/// it. On tokio's clock, so the simulation's virtual time applies.
+///
+/// Also when this member last refused a (pre-)vote because the candidate's log was
+/// behind its own: the watchdog then campaigns without waiting its turn, since the
+/// member that asked cannot win without it.
 #[derive(Debug, Default)]
 pub struct LeaderContact {
-    last: std::sync::Mutex<Option<std::time::Instant>>,
+    last: std::sync::Mutex<Option<tokio::time::Instant>>,
+    outranked: std::sync::Mutex<Option<tokio::time::Instant>>,
+    wake: tokio::sync::Notify,
 }
 
 impl LeaderContact {
     /// Records a contact now.
     pub fn record(&self) {
         let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        *last = Some(std::time::Instant::now());
+        *last = Some(tokio::time::Instant::now());
+    }
+
+    /// When the last contact was; `None` if never.
+    pub fn last(&self) -> Option<tokio::time::Instant> {
+        *self.last.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// How long ago the last contact was; `None` if never.
     pub fn since(&self) -> Option<Duration> {
-        let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        last.map(|at| at.elapsed())
+        self.last().map(|at| at.elapsed())
+    }
+
+    /// Records the answer to a (pre-)vote request that asked with `asked` (the
+    /// candidate's last log id): a refusal because this member's log is longer
+    /// is noted, and wakes the watchdog.
+    pub fn record_vote_answer(
+        &self,
+        asked: Option<&LogId>,
+        answer: &openraft::raft::VoteResponse<TypeConfig>,
+    ) {
+        if !answer.vote_granted && answer.last_log_id.as_ref() > asked {
+            let mut outranked = self.outranked.lock().unwrap_or_else(|e| e.into_inner());
+            *outranked = Some(tokio::time::Instant::now());
+            drop(outranked);
+            self.wake.notify_one();
+        }
+    }
+
+    /// When this member last refused a candidate whose log was behind its own.
+    pub fn outranked(&self) -> Option<tokio::time::Instant> {
+        *self.outranked.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Resolves after the next [`LeaderContact::record_vote_answer`] that noted a
+    /// refusal (or at once if one came since the last call).
+    pub async fn outranked_changed(&self) {
+        self.wake.notified().await;
     }
 }

@@ -597,7 +597,11 @@ async fn vote(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -
         Ok(req) => req,
         Err(bad) => return *bad,
     };
+    let asked = req.last_log_id;
     let result = state.raft.vote(req).await;
+    if let Ok(answer) = &result {
+        state.contact.record_vote_answer(asked.as_ref(), answer);
+    }
     reply(&state, &result)
 }
 
@@ -609,7 +613,11 @@ async fn pre_vote(State(state): State<PeerState>, headers: HeaderMap, body: Byte
         Ok(req) => req,
         Err(bad) => return *bad,
     };
+    let asked = req.last_log_id;
     let result = state.raft.pre_vote(req).await;
+    if let Ok(answer) = &result {
+        state.contact.record_vote_answer(asked.as_ref(), answer);
+    }
     reply(&state, &result)
 }
 

@@ -29,6 +29,7 @@ use super::{
 use crate::audit::{self, AuditEntry, AuditStore};
 use crate::cluster::import::Staged;
 use crate::cluster::state_machine::SmRequest;
+use crate::cluster::watchdog::{LeaderProbe, TcpProbe, Timing};
 use crate::cluster::{
     Directory, LeaderContact, LeaderInfo, Proposal, Raft, StoredMembership, TypeConfig,
 };
@@ -1125,6 +1126,10 @@ pub struct MemberSpec<N> {
     /// A single server's state to import once this member leads
     /// (`cluster::import::prepare`); clients are refused until it is applied.
     pub import: Option<Staged>,
+    /// How the dead-leader watchdog probes a silent leader (`cluster::watchdog`):
+    /// a TCP connect on a real network, the simulated network's view in the
+    /// simulation. `None`, or `ClusterConfig::leader_probe` off: no watchdog.
+    pub probe: Option<Arc<dyn LeaderProbe>>,
     /// Protections switched off for the simulation's planted-bug tests.
     #[cfg(feature = "planted-bugs")]
     pub bugs: ClusterBugs,
@@ -1164,6 +1169,7 @@ where
         directory,
         on_shutdown,
         import,
+        probe,
         #[cfg(feature = "planted-bugs")]
         bugs,
     } = spec;
@@ -1313,12 +1319,25 @@ where
         tracing::info!("waiting to be added to a cluster (fencelock cluster add)");
     }
     let _ = attach_tx.send(raft.clone());
+    let contact = Arc::new(LeaderContact::default());
+    if let Some(probe) = probe.filter(|_| cluster.leader_probe) {
+        let (_, max) = cluster.election_timeout();
+        tokio::spawn(crate::cluster::watchdog::run(
+            raft.clone(),
+            cluster.node_id,
+            contact.clone(),
+            probe,
+            Timing::new(cluster.heartbeat, max),
+            metrics.cluster.watchdog_elections.clone(),
+            state_tx.subscribe(),
+        ));
+    }
     let shared = Arc::new(ClusterShared {
         raft,
         node_id: cluster.node_id,
         directory,
         url: cluster.advertise_url.clone(),
-        contact: Arc::new(LeaderContact::default()),
+        contact,
         lease: cluster.election_timeout().1,
         importing,
         #[cfg(feature = "planted-bugs")]
@@ -1446,6 +1465,10 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         peer_connector,
     );
     let (stop_peers, peers_stopped) = oneshot::channel::<()>();
+    let probe = TcpProbe {
+        dial: cluster.dial.clone(),
+        timeout: Timing::new(cluster.heartbeat, cluster.election_timeout().1).probe_timeout(),
+    };
     let (handle, runtime) = start_member(MemberSpec {
         config,
         network,
@@ -1453,6 +1476,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         directory,
         on_shutdown: Some(stop_peers),
         import,
+        probe: Some(Arc::new(probe)),
         #[cfg(feature = "planted-bugs")]
         bugs: ClusterBugs::default(),
     })
