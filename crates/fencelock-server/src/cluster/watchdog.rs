@@ -24,7 +24,7 @@
 //! logs often differ by an entry or two, and the one behind cannot win).
 //!
 //! The decision is [`Watchdog`], plain data driven by [`View`]s and probe results
-//! (tested alone); [`run`] is its driver on a member, with a [`LeaderProbe`] that a
+//! (tested alone); `run` is its driver on a member, with a [`LeaderProbe`] that a
 //! real member implements with TCP ([`TcpProbe`]) and the cluster simulation with
 //! its simulated network.
 
