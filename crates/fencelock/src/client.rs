@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::backend::{AcquireSpec, Capabilities, LockBackend};
-use crate::backoff::{request_id, Backoff};
 use crate::guard::{LockGuard, Timing};
 use crate::server::{FencelockBackend, ServerConfig};
 use crate::{Error, ErrorKind};
+use fencelock_backend::{request_id, Backoff};
+use fencelock_backend::{AcquireSpec, Capabilities, LockBackend};
 
 /// Options of one lock acquisition. Start from [`LockOptions::default`] and adjust.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -266,16 +266,13 @@ impl Client {
         let timing = options.validate()?;
         let budget_end = Instant::now() + options.wait;
         let mut attempt = 0u32;
-        let mut spec = AcquireSpec {
-            name,
-            ttl: options.ttl,
-            wait: options.wait,
-            owner: options.owner.clone(),
-            limit: options.limit,
-            lock_delay: options.lock_delay,
-            // One id for every attempt of this acquisition, whichever member gets it.
-            request_id: options.request_id.clone().unwrap_or_else(request_id),
-        };
+        let mut spec = AcquireSpec::new(name, options.ttl);
+        spec.wait = options.wait;
+        spec.owner = options.owner.clone();
+        spec.limit = options.limit;
+        spec.lock_delay = options.lock_delay;
+        // One id for every attempt of this acquisition, whichever member gets it.
+        spec.request_id = options.request_id.clone().unwrap_or_else(request_id);
         // The first send of this request id: a retry can return a grant made for an
         // earlier attempt, whose lease started no earlier than this.
         let mut first_sent: Option<Instant> = None;

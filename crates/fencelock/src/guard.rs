@@ -13,9 +13,9 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use crate::backend::{Lease, LockBackend};
-use crate::backoff::Backoff;
 use crate::{Error, ErrorKind};
+use fencelock_backend::Backoff;
+use fencelock_backend::{Lease, LockBackend};
 
 /// Renewal settings of one guard, validated by the client.
 #[derive(Debug, Clone, Copy)]
@@ -79,12 +79,6 @@ pub struct LockGuard {
     backend: Arc<dyn LockBackend>,
     renewer: tokio::task::JoinHandle<()>,
     timing: Timing,
-}
-
-impl std::fmt::Debug for dyn LockBackend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.capabilities().backend)
-    }
 }
 
 impl LockGuard {
@@ -364,7 +358,7 @@ mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
 
     use super::*;
-    use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee};
+    use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee};
 
     /// Renewals fail with `not_leader` while `failing` says so, then succeed.
     struct Electing {
@@ -374,16 +368,13 @@ mod tests {
 
     impl LockBackend for Electing {
         fn capabilities(&self) -> Capabilities {
-            Capabilities {
-                backend: "electing",
-                fences: FenceGuarantee::Durable,
-                fifo: true,
-                push_wakeups: true,
-                lock_delay: true,
-                sessions: false,
-                semaphores: true,
-                monotonic_leases: true,
-            }
+            let mut caps = Capabilities::new("electing", FenceGuarantee::Durable);
+            caps.fifo = true;
+            caps.push_wakeups = true;
+            caps.lock_delay = true;
+            caps.semaphores = true;
+            caps.monotonic_leases = true;
+            caps
         }
 
         fn acquire<'a>(&'a self, _: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {

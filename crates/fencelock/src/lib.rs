@@ -47,30 +47,30 @@
 
 #![deny(missing_docs)]
 
-mod backend;
-mod backoff;
 mod client;
-mod error;
-#[cfg(feature = "etcd")]
-pub mod etcd;
 mod guard;
-#[cfg(feature = "postgres")]
-pub mod postgres;
-#[cfg(feature = "redis")]
-pub mod redis;
 mod route;
 mod server;
 mod wire;
-#[cfg(feature = "zookeeper")]
-pub mod zookeeper;
 
-pub use backend::{
-    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, MAX_NAME_BYTES,
-    MAX_OWNER_BYTES, MAX_REQUEST_ID_BYTES, MAX_TTL,
-};
-pub use backoff::Backoff;
+/// etcd v3 (feature `etcd`): the `fencelock-etcd` crate.
+#[cfg(feature = "etcd")]
+pub use fencelock_etcd as etcd;
+/// PostgreSQL (feature `postgres`): the `fencelock-postgres` crate.
+#[cfg(feature = "postgres")]
+pub use fencelock_postgres as postgres;
+/// Redis and Redlock (feature `redis`): the `fencelock-redis` crate.
+#[cfg(feature = "redis")]
+pub use fencelock_redis as redis;
+/// ZooKeeper (feature `zookeeper`): the `fencelock-zookeeper` crate.
+#[cfg(feature = "zookeeper")]
+pub use fencelock_zookeeper as zookeeper;
+
 pub use client::{Client, LockOptions, LockRequest};
-pub use error::{Error, ErrorKind};
+pub use fencelock_backend::{
+    AcquireSpec, Backoff, BoxFuture, Capabilities, Error, ErrorKind, FenceGuarantee, Lease,
+    LockBackend, MAX_NAME_BYTES, MAX_OWNER_BYTES, MAX_REQUEST_ID_BYTES, MAX_TTL,
+};
 pub use guard::{LockGuard, LostReason};
 pub use server::{EventStream, FencelockBackend, ServerConfig, Transport};
 

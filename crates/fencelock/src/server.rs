@@ -17,11 +17,11 @@ use tonic::{Code, Request, Status};
 
 use fencelock_proto::wire::{Request as WireRequest, Response as WireResponse};
 
-use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
-use crate::backoff::Backoff;
 use crate::route::{self, Failure, Next, Route};
 use crate::wire::WireClient;
 use crate::{Error, ErrorKind};
+use fencelock_backend::Backoff;
+use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
 use tokio_rustls::rustls::pki_types::ServerName;
 
 /// The pause between rounds of a call while the cluster is between leaders: 25–50 ms
@@ -29,10 +29,8 @@ use tokio_rustls::rustls::pki_types::ServerName;
 /// (the members' leader lease: 10 heartbeats), and a pause that grew like a general
 /// retry's (up to 2 s) would leave a client waiting long after the new leader
 /// serves; a round costs each member a `not_leader` answer.
-const BETWEEN_LEADERS: Backoff = Backoff {
-    initial: Duration::from_millis(50),
-    max: Duration::from_millis(100),
-};
+const BETWEEN_LEADERS: Backoff =
+    Backoff::new(Duration::from_millis(50), Duration::from_millis(100));
 
 /// How to reach a fencelock server, or the members of a fencelock cluster.
 ///
@@ -601,16 +599,14 @@ fn ms(d: Duration) -> u64 {
 
 impl LockBackend for FencelockBackend {
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            backend: "fencelock",
-            fences: FenceGuarantee::Durable,
-            fifo: true,
-            push_wakeups: true,
-            lock_delay: true,
-            sessions: true,
-            semaphores: true,
-            monotonic_leases: true,
-        }
+        let mut caps = Capabilities::new("fencelock", FenceGuarantee::Durable);
+        caps.fifo = true;
+        caps.push_wakeups = true;
+        caps.lock_delay = true;
+        caps.sessions = true;
+        caps.semaphores = true;
+        caps.monotonic_leases = true;
+        caps
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
@@ -650,12 +646,12 @@ impl LockBackend for FencelockBackend {
                     }
                 })
                 .await?;
-            Ok(Lease {
-                name: grant.name,
-                fence: grant.fence,
-                owner_token: grant.owner_token,
-                ttl: Duration::from_millis(grant.ttl_ms),
-            })
+            Ok(Lease::new(
+                grant.name,
+                grant.fence,
+                grant.owner_token,
+                Duration::from_millis(grant.ttl_ms),
+            ))
         })
     }
 

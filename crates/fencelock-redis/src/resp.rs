@@ -12,7 +12,7 @@ use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufR
 use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
-use crate::{Error, ErrorKind};
+use fencelock_backend::{Error, ErrorKind};
 
 /// Longest status, error or length line accepted.
 const MAX_LINE_BYTES: usize = 64 * 1024;

@@ -8,7 +8,7 @@
 
 use std::fmt::Write as _;
 
-use crate::{Error, ErrorKind};
+use fencelock_backend::{Error, ErrorKind};
 
 /// `text` with every byte outside `[A-Za-z0-9-_.:~@+=,]` written as `%XX` (upper-case
 /// hex). Injective, and the result never contains `/`.

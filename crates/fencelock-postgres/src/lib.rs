@@ -15,7 +15,7 @@
 //! Both decide expiry on the database server, never on the client's clock, but on the
 //! server's *wall* clock (`now()`, or the session's idle timer): a jump of the
 //! server's clock can end leases early or late. So neither claims
-//! [`Capabilities::monotonic_leases`](crate::Capabilities::monotonic_leases).
+//! [`Capabilities::monotonic_leases`](fencelock_backend::Capabilities::monotonic_leases).
 //!
 //! Connections are made with `tokio-postgres` without TLS (`sslmode=disable`): reach
 //! the database over a trusted network or a local tunnel.
@@ -42,8 +42,8 @@ use std::time::Duration;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::Socket;
 
-use crate::backend::MAX_TTL;
-use crate::{Error, ErrorKind};
+use fencelock_backend::MAX_TTL;
+use fencelock_backend::{Error, ErrorKind};
 
 pub use advisory::{advisory_key, PostgresAdvisoryBackend};
 pub use table::PostgresBackend;
@@ -153,7 +153,7 @@ fn ttl_ms(ttl: Duration) -> Result<i64, Error> {
 }
 
 /// Refuses what neither PostgreSQL mode can do (semaphores, lock-delay).
-fn refuse_unsupported(spec: &crate::AcquireSpec, backend: &str) -> Result<(), Error> {
+fn refuse_unsupported(spec: &fencelock_backend::AcquireSpec, backend: &str) -> Result<(), Error> {
     if spec.limit > 1 {
         return Err(Error::new(
             ErrorKind::InvalidArgument,
@@ -174,7 +174,7 @@ fn refuse_unsupported(spec: &crate::AcquireSpec, backend: &str) -> Result<(), Er
 
 /// A fresh owner token: 32 hex digits from the OS RNG.
 fn new_owner_token() -> String {
-    crate::backoff::request_id()
+    fencelock_backend::request_id()
 }
 
 /// Opens a connection and drives it on a task. The returned receiver says how the

@@ -12,8 +12,8 @@ use super::pubsub::Subscription;
 use super::resp::Script;
 use super::RedisConfig;
 use super::{check_spec, check_ttl, gone, new_token, not_granted, Attempt, Instance};
-use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
-use crate::{Error, ErrorKind};
+use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use fencelock_backend::{Error, ErrorKind};
 
 /// Raises an instance's fence counter to the grant's fence and records it in the
 /// grant — only while the caller still holds the lock there, in the same script.
@@ -465,21 +465,14 @@ async fn any_message(subscriptions: &mut [Option<Subscription>]) {
 
 fn jitter(max: Duration) -> Duration {
     let nanos = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
-    Duration::from_nanos(crate::backoff::random_u64() % nanos.saturating_add(1))
+    Duration::from_nanos(fencelock_backend::random_u64() % nanos.saturating_add(1))
 }
 
 impl LockBackend for RedlockBackend {
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            backend: "redlock",
-            fences: self.fences,
-            fifo: false,
-            push_wakeups: true,
-            lock_delay: false,
-            sessions: false,
-            semaphores: false,
-            monotonic_leases: false,
-        }
+        let mut caps = Capabilities::new("redlock", self.fences);
+        caps.push_wakeups = true;
+        caps
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {

@@ -12,10 +12,10 @@ use super::{
     new_owner_token, open, pg_error, quote_identifier, refuse_unsupported, timed_out, ttl_ms,
     PostgresConfig,
 };
-use crate::backend::{
+use fencelock_backend::{
     AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, MAX_TTL,
 };
-use crate::{Backoff, Error, ErrorKind};
+use fencelock_backend::{Backoff, Error, ErrorKind};
 
 /// While the listening connection is down, waiters re-check this often (a release's
 /// notification may be lost meanwhile).
@@ -429,16 +429,9 @@ enum Attempt {
 
 impl LockBackend for PostgresBackend {
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            backend: "postgres",
-            fences: FenceGuarantee::Durable,
-            fifo: false,
-            push_wakeups: true,
-            lock_delay: false,
-            sessions: false,
-            semaphores: false,
-            monotonic_leases: false,
-        }
+        let mut caps = Capabilities::new("postgres", FenceGuarantee::Durable);
+        caps.push_wakeups = true;
+        caps
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {

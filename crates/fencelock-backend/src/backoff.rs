@@ -24,7 +24,7 @@ impl Default for Backoff {
 
 impl Backoff {
     /// A backoff from `initial` up to `max`.
-    pub fn new(initial: Duration, max: Duration) -> Backoff {
+    pub const fn new(initial: Duration, max: Duration) -> Backoff {
         Backoff { initial, max }
     }
 
@@ -41,7 +41,7 @@ impl Backoff {
 }
 
 /// A random `u64` from the operating system (jitter and request ids need no more).
-pub(crate) fn random_u64() -> u64 {
+pub fn random_u64() -> u64 {
     getrandom::u64().unwrap_or_else(|_| {
         // The OS RNG is not expected to fail; fall back to the clock's low bits.
         std::time::SystemTime::now()
@@ -52,7 +52,7 @@ pub(crate) fn random_u64() -> u64 {
 }
 
 /// A fresh idempotency key: 32 hex digits.
-pub(crate) fn request_id() -> String {
+pub fn request_id() -> String {
     let mut bytes = [0u8; 16];
     if getrandom::fill(&mut bytes).is_err() {
         bytes[..8].copy_from_slice(&random_u64().to_le_bytes());

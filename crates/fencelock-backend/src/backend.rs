@@ -1,10 +1,10 @@
 //! The seam between the lock API and a lock store: [`LockBackend`].
 //!
 //! The guard logic (renewal, the lost-lock signal, retries, release on drop) lives in
-//! [`Client`](crate::Client) and works the same over every backend. A backend only
+//! `fencelock::Client` and works the same over every backend. A backend only
 //! knows how to acquire, renew and release one grant on its store, and says what the
 //! store can guarantee in [`Capabilities`]. The fencelock server
-//! ([`FencelockBackend`](crate::FencelockBackend)) is the first implementation; other
+//! (`fencelock::FencelockBackend`) is the first implementation; other
 //! stores implement the same trait.
 
 use std::future::Future;
@@ -16,7 +16,7 @@ use crate::Error;
 /// A boxed future, as the object-safe [`LockBackend`] methods return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// What a backend is asked to acquire. Built by [`LockRequest`](crate::LockRequest).
+/// What a backend is asked to acquire. Built by `fencelock::LockRequest`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct AcquireSpec {
@@ -170,6 +170,24 @@ pub struct Capabilities {
     pub monotonic_leases: bool,
 }
 
+impl Capabilities {
+    /// A store named `backend` with fences of strength `fences` and none of the
+    /// optional features; a store crate sets the fields it supports:
+    /// `let mut caps = Capabilities::new("mystore", FenceGuarantee::Durable); caps.fifo = true;`
+    pub fn new(backend: &'static str, fences: FenceGuarantee) -> Capabilities {
+        Capabilities {
+            backend,
+            fences,
+            fifo: false,
+            push_wakeups: false,
+            lock_delay: false,
+            sessions: false,
+            semaphores: false,
+            monotonic_leases: false,
+        }
+    }
+}
+
 /// A lock store. Implementations must be cheap to share (`Arc`) and safe to call
 /// concurrently.
 ///
@@ -198,4 +216,10 @@ pub trait LockBackend: Send + Sync + 'static {
 
     /// Releases a held lease.
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>>;
+}
+
+impl std::fmt::Debug for dyn LockBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.capabilities().backend)
+    }
 }

@@ -76,8 +76,8 @@ use tokio::time::Instant;
 
 pub use redlock::{RedlockBackend, RedlockConfig};
 
-use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
-use crate::{Error, ErrorKind};
+use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use fencelock_backend::{Error, ErrorKind};
 use pubsub::{Subscriber, Subscription};
 use resp::{Endpoint, Pool, Reply, Script};
 
@@ -315,16 +315,10 @@ impl RedisBackend {
 
 impl LockBackend for RedisBackend {
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            backend: "redis",
-            fences: self.fences,
-            fifo: false,
-            push_wakeups: true,
-            lock_delay: false,
-            sessions: false,
-            semaphores: true,
-            monotonic_leases: false,
-        }
+        let mut caps = Capabilities::new("redis", self.fences);
+        caps.push_wakeups = true;
+        caps.semaphores = true;
+        caps
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
@@ -418,7 +412,7 @@ fn check_spec(spec: &AcquireSpec, max_limit: u32) -> Result<(), Error> {
 }
 
 fn check_ttl(ttl: Duration) -> Result<(), Error> {
-    if ttl < Duration::from_millis(1) || ttl > crate::MAX_TTL {
+    if ttl < Duration::from_millis(1) || ttl > fencelock_backend::MAX_TTL {
         return Err(Error::new(
             ErrorKind::InvalidArgument,
             format!("ttl must be between 1ms and 24h, got {ttl:?}"),
@@ -447,7 +441,7 @@ fn gone(name: &str) -> Error {
 
 /// A fresh owner token: 128 random bits, as 32 hex digits.
 fn new_token() -> String {
-    crate::backoff::request_id()
+    fencelock_backend::request_id()
 }
 
 fn ms(d: Duration) -> String {

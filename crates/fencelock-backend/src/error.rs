@@ -94,7 +94,7 @@ impl Error {
 
     /// A cluster member's `not_leader` answer: [`ErrorKind::Unavailable`] (another
     /// member can serve the request), naming the leader's URL when known.
-    pub(crate) fn not_leader(message: impl Into<String>, leader: Option<String>) -> Error {
+    pub fn not_leader(message: impl Into<String>, leader: Option<String>) -> Error {
         Error {
             kind: ErrorKind::Unavailable,
             message: message.into(),

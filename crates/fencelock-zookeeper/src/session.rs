@@ -365,7 +365,7 @@ impl Shared {
 /// A random index below `count` (0 when `count` is 0).
 fn random_index(count: usize) -> usize {
     let count = u64::try_from(count).unwrap_or(u64::MAX).max(1);
-    usize::try_from(crate::backoff::random_u64() % count).unwrap_or(0)
+    usize::try_from(fencelock_backend::random_u64() % count).unwrap_or(0)
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

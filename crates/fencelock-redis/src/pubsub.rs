@@ -21,7 +21,7 @@ use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
 use super::resp::{encode, read_reply, Endpoint, Reply};
-use crate::{Error, ErrorKind};
+use fencelock_backend::{Error, ErrorKind};
 
 /// The subscriber of one backend (stops its connection when dropped).
 #[derive(Debug)]
@@ -385,7 +385,7 @@ fn handle(shared: &Shared, epoch: u64, reply: Reply) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::redis::resp::Pool;
+    use crate::resp::Pool;
 
     fn endpoint(port: u16) -> Endpoint {
         Endpoint {

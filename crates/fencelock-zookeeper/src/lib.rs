@@ -104,8 +104,8 @@ use tokio::time::Instant;
 
 use self::jute::{code, mode, op, Reader};
 use self::session::{Dial, Fault, Session, State, Watcher};
-use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
-use crate::{Error, ErrorKind};
+use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use fencelock_backend::{Error, ErrorKind};
 
 /// How to reach a ZooKeeper ensemble.
 #[derive(Debug, Clone)]
@@ -228,7 +228,7 @@ impl ZooKeeperBackend {
         let started = Instant::now();
         let deadline = started
             .checked_add(spec.wait)
-            .unwrap_or(started + crate::MAX_TTL);
+            .unwrap_or(started + fencelock_backend::MAX_TTL);
         let session = self.inner.session(spec.ttl).await?;
         let parent = self.inner.parent_path(&spec.name);
         let prefix = node_prefix(session.id(), spec.limit, &spec.request_id);
@@ -661,12 +661,12 @@ impl Attempt<'_> {
         };
         let fence =
             u64::try_from(czxid).map_err(|_| Fault::Protocol(format!("negative czxid {czxid}")))?;
-        Ok(Step::Granted(Lease {
-            name: self.spec.name.clone(),
+        Ok(Step::Granted(Lease::new(
+            self.spec.name.clone(),
             fence,
-            owner_token: name,
-            ttl: self.session.timeout(),
-        }))
+            name,
+            self.session.timeout(),
+        )))
     }
 
     /// After a failed acquire: deletes our node now, or in the background once the
@@ -752,16 +752,12 @@ async fn retire_once(session: &Session, parent: &str, prefix: &str) -> Result<()
 
 impl LockBackend for ZooKeeperBackend {
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            backend: "zookeeper",
-            fences: FenceGuarantee::Durable,
-            fifo: true,
-            push_wakeups: true,
-            lock_delay: false,
-            sessions: false,
-            semaphores: true,
-            monotonic_leases: true,
-        }
+        let mut caps = Capabilities::new("zookeeper", FenceGuarantee::Durable);
+        caps.fifo = true;
+        caps.push_wakeups = true;
+        caps.semaphores = true;
+        caps.monotonic_leases = true;
+        caps
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {

@@ -11,8 +11,8 @@ use super::{
     new_owner_token, open, pg_error, refuse_unsupported, server_ended_session, timed_out, ttl_ms,
     Ended, PostgresConfig,
 };
-use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
-use crate::{Error, ErrorKind};
+use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use fencelock_backend::{Error, ErrorKind};
 
 /// How often a backend waiting for a lock checks that its client is still there
 /// (`client_connection_check_interval`), so an abandoned wait leaves the queue.
@@ -371,16 +371,9 @@ async fn failed_on_session(
 
 impl LockBackend for PostgresAdvisoryBackend {
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            backend: "postgres-advisory",
-            fences: FenceGuarantee::None,
-            fifo: false,
-            push_wakeups: true,
-            lock_delay: false,
-            sessions: false,
-            semaphores: false,
-            monotonic_leases: false,
-        }
+        let mut caps = Capabilities::new("postgres-advisory", FenceGuarantee::None);
+        caps.push_wakeups = true;
+        caps
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {

@@ -66,8 +66,8 @@ use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Status};
 
-use crate::backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
-use crate::{Error, ErrorKind};
+use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use fencelock_backend::{Error, ErrorKind};
 use keys::Token;
 
 /// The generated etcd v3 client (KV, Watch, Lease) from the vendored
@@ -452,12 +452,12 @@ impl EtcdBackend {
             escaped_request_id: place.escaped_request_id,
         };
         pending.keep();
-        Ok(Lease {
-            name: spec.name.clone(),
-            fence: revision_u64(queued.revision)?,
-            owner_token: token.encode(),
-            ttl: Duration::from_secs(u64::try_from(queued.ttl_s).unwrap_or(0)),
-        })
+        Ok(Lease::new(
+            spec.name.clone(),
+            revision_u64(queued.revision)?,
+            token.encode(),
+            Duration::from_secs(u64::try_from(queued.ttl_s).unwrap_or(0)),
+        ))
     }
 
     /// Puts the request's key in the lock's queue on the pending lease — or, for a
@@ -744,16 +744,12 @@ impl EtcdBackend {
 
 impl LockBackend for EtcdBackend {
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            backend: "etcd",
-            fences: FenceGuarantee::Durable,
-            fifo: true,
-            push_wakeups: true,
-            lock_delay: false,
-            sessions: false,
-            semaphores: true,
-            monotonic_leases: true,
-        }
+        let mut caps = Capabilities::new("etcd", FenceGuarantee::Durable);
+        caps.fifo = true;
+        caps.push_wakeups = true;
+        caps.semaphores = true;
+        caps.monotonic_leases = true;
+        caps
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
