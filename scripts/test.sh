@@ -36,7 +36,9 @@ if [ ! -d "$e2e/node_modules" ]; then
   (cd "$e2e" && npm ci --no-audit --no-fund)
 fi
 
+start=$SECONDS
 cargo test --workspace --locked "$@"
+echo "test.sh: cargo test took $((SECONDS - start)) s"
 
 # The benchmark harness against real peers, tiny and short (seconds): proves it works.
 # This and the fuzz run: only with no extra arguments (a filtered `cargo test` run skips it).
@@ -46,11 +48,14 @@ if [ $# -eq 0 ]; then
   smoke_out="$(mktemp -d)"
   "$target/debug/fencelock-bench" run --smoke --fencelock-bin "$target/debug/fencelock" --out "$smoke_out" >/dev/null
   rm -rf "$smoke_out"
+  echo "test.sh: benchmark smoke done at $SECONDS s"
 
   # A short fuzz run of every decoder and of the core (nightly + cargo-fuzz, installed
   # when missing); longer runs: scripts/fuzz.sh 3600. FENCELOCK_FUZZ_SECONDS=0 skips it.
   fuzz_seconds="${FENCELOCK_FUZZ_SECONDS:-10}"
   if [ "$fuzz_seconds" != 0 ]; then
+    start=$SECONDS
     ./scripts/fuzz.sh "$fuzz_seconds"
+    echo "test.sh: fuzz took $((SECONDS - start)) s"
   fi
 fi
