@@ -87,7 +87,16 @@ fn the_scan_catches_a_planted_enable() {
 
 /// The repository's root (this crate is `crates/fencelock-sim`).
 fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    root.canonicalize().unwrap_or(root)
+}
+
+/// `path` as the repository names it (relative to its root), for messages.
+fn shown(root: &Path, path: &Path) -> String {
+    path.strip_prefix(root)
+        .unwrap_or(path)
+        .display()
+        .to_string()
 }
 
 /// Folders never scanned: build output, installed packages, fuzzing output and data
@@ -263,7 +272,7 @@ fn broken_links(root: &Path, file: &Path, text: &str) -> Vec<String> {
         } else {
             file.parent().expect("a file has a folder").join(path)
         };
-        let at = format!("{}:{line}: ({target})", file.display());
+        let at = format!("{}:{line}: ({target})", shown(root, file));
         if !resolved.exists() {
             broken.push(format!("{at} names a file that does not exist"));
             continue;
@@ -367,7 +376,7 @@ fn nothing_points_outside_the_repository() {
             continue;
         };
         scanned += 1;
-        found.extend(outside_pointers(&file, &text));
+        found.extend(outside_pointers(Path::new(&shown(&root, &file)), &text));
     }
     assert!(
         scanned >= 100,
