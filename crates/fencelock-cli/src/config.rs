@@ -515,7 +515,7 @@ pub const MAX_WRITER_POLL_US: u64 = 10_000;
 /// also wakes the clients of each group commit, and the snapshot replica have threads
 /// of their own), at least one. On the 2-core benchmark machine one worker instead of
 /// two cut the W1 latency by 13 % for 3–6 % less W2 throughput at 64 clients
-/// (BENCHMARKS.md).
+/// (docs/benchmarks-history.md).
 pub fn default_workers(cores: usize) -> usize {
     cores.saturating_sub(1).max(1)
 }

@@ -30,7 +30,7 @@
 //!
 //! Handing the deliveries back to the engine task instead (so the writer starts the
 //! next group sooner) measured +5 % at W2 but was reverted on W4 evidence that later
-//! proved to be noise; BENCHMARKS.md ("Afternoon work") has the figures.
+//! proved to be noise; docs/benchmarks-history.md ("Afternoon work") has the figures.
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -119,7 +119,7 @@ pub struct EngineConfig {
 /// write, while the next batch keeps coming within it, the writer polls its channel
 /// instead of sleeping. A sleeping writer is woken by a system call, and on a VM
 /// often by the wake-up of a halted vCPU, which cost tens of µs on each request of
-/// a lone client (W1 p50 −22 to −29 %, BENCHMARKS.md). The window adapts like the
+/// a lone client (W1 p50 −22 to −29 %, docs/benchmarks-history.md). The window adapts like the
 /// kernel's guest halt-polling: it opens while batches come closer than this, closes
 /// when they do not (sparse traffic burns no CPU), and stays shut while writes are
 /// large (a busy server needs its cores for the work). Its price: with one client
