@@ -153,7 +153,7 @@ async fn an_application_channel_authenticates_once() {
 }
 
 /// etcd requires a client certificate: a client without one cannot connect, and the
-/// error says it is a connection failure, not a lock answer.
+/// error says it is a connection failure that a client certificate may cure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_without_a_certificate_is_refused() {
     let fixture = start(true).await;
@@ -164,6 +164,7 @@ async fn a_client_without_a_certificate_is_refused() {
         .await
         .expect_err("connected without a client certificate");
     assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert!(e.to_string().contains("client certificate"), "{e}");
 }
 
 /// A server whose certificate another CA signed is refused, and the error names the

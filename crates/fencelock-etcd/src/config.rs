@@ -117,6 +117,11 @@ impl EtcdTls {
         Ok(self)
     }
 
+    /// Whether a client certificate is configured.
+    pub(crate) fn has_client_certificate(&self) -> bool {
+        self.client.is_some()
+    }
+
     /// tonic's configuration for these settings.
     pub(crate) fn client_config(&self) -> ClientTlsConfig {
         let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&self.ca_pem));
@@ -204,4 +209,26 @@ fn certificates(pem: &[u8], what: &str) -> Result<usize, Error> {
 
 fn invalid(message: &str) -> Error {
     Error::new(ErrorKind::InvalidArgument, message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_need_a_user_and_a_password_and_hide_the_password() {
+        for (user, password) in [("", "secret"), ("app\n", "secret"), ("app", "")] {
+            let e = EtcdCredentials::new(user, password).expect_err("accepted");
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{user:?}: {e}");
+        }
+        let credentials = EtcdCredentials::new("app", "hunter2-secret").expect("valid");
+        assert_eq!(credentials.user(), "app");
+        let mut config = EtcdConfig::new("http://127.0.0.1:2379");
+        config.credentials = Some(credentials);
+        let shown = format!("{config:?}");
+        assert!(
+            shown.contains("\"app\"") && !shown.contains("hunter2"),
+            "{shown}"
+        );
+    }
 }

@@ -77,7 +77,7 @@
 //!   lock users only, no other etcd user can read, take, delete or forge a grant.
 //!   Among the lock users it protects nothing: each can delete any grant's key. Fences
 //!   stay the protection against a holder that lost its grant.
-//! - An application that already has a `tonic` [`Channel`](tonic::transport::Channel)
+//! - An application that already has a `tonic` [`Channel`]
 //!   to etcd (its own TLS setup, a proxy, a load balancer) hands it to
 //!   [`EtcdBackend::from_channel`]; credentials, prefix and request timeout still come
 //!   from an [`EtcdConfig`].
@@ -101,7 +101,7 @@ use tonic::metadata::AsciiMetadataValue;
 
 pub use config::{EtcdConfig, EtcdCredentials, EtcdTls, MAX_ENDPOINTS};
 /// The `tonic` this crate is built with, for [`EtcdBackend::from_channel`]'s
-/// [`Channel`](tonic::transport::Channel).
+/// [`Channel`].
 pub use tonic;
 
 /// The generated etcd v3 client (KV, Watch, Lease, Auth) from the vendored
@@ -156,6 +156,12 @@ impl EtcdBackend {
     /// Connects to the cluster, failing with [`ErrorKind::Unavailable`] if no member
     /// answers a linearizable read within `request_timeout`.
     pub async fn connect(config: EtcdConfig) -> Result<EtcdBackend, Error> {
+        // A server that wants a client certificate and gets none drops the connection
+        // after the handshake: the error alone does not say why.
+        let hint = config
+            .tls
+            .as_ref()
+            .is_some_and(|tls| !tls.has_client_certificate());
         let backend = EtcdBackend::connect_lazy(config)?;
         let (dir, _) = keys::lock_dir(&backend.prefix, "");
         // A member that cannot be reached passes the requests to the next one.
@@ -169,6 +175,16 @@ impl EtcdBackend {
             match backend.range(probe).await {
                 Ok(_) => return Ok(backend),
                 Err(e) if e.kind() == ErrorKind::Unavailable && tries > 1 => tries -= 1,
+                Err(e) if e.kind() == ErrorKind::Unavailable && hint => {
+                    return Err(Error::new(
+                        e.kind(),
+                        format!(
+                            "{} (if etcd requires client certificates, give \
+                             EtcdTls::with_client_certificate)",
+                            e.message()
+                        ),
+                    ));
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -872,7 +888,7 @@ impl EtcdBackend {
             };
             return Ok(match watch_outcome(first)? {
                 Some(woken) => Opened::Answered(woken),
-                None => Opened::Watching(watch),
+                None => Opened::Watching(Box::new(watch)),
             });
         }
     }
@@ -1079,7 +1095,7 @@ impl Watch<'_> {
 /// What opening a watch came to.
 enum Opened<'a> {
     /// etcd accepted it; wait for its events.
-    Watching(Watch<'a>),
+    Watching(Box<Watch<'a>>),
     /// Nothing to wait for: `true` to look at the queue again, `false` when the
     /// deadline passed.
     Answered(bool),
@@ -1367,12 +1383,16 @@ fn status_error(status: Status) -> Error {
         ),
         (_, text) => (kind, format!("etcd: {text}")),
     };
-    // Connection and TLS failures explain themselves only in the source chain.
+    // Connection and TLS failures explain themselves only in the source chain, whose
+    // links often repeat each other.
     let mut source = std::error::Error::source(&status);
     for _ in 0..8 {
         let Some(cause) = source else { break };
-        message.push_str(": ");
-        message.push_str(&cause.to_string());
+        let text = cause.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
         source = cause.source();
     }
     Error::new(kind, message)
