@@ -62,14 +62,14 @@
 //!   (`--client-cert-auth`), through rustls.
 //! - [`EtcdConfig::credentials`] ([`EtcdCredentials`]): etcd's own users. The backend
 //!   calls `Auth.Authenticate` on first use and sends the token it gets on every
-//!   request; when etcd no longer knows the token (simple tokens expire after
-//!   `--auth-token-ttl` unused, every token at a restart, and a token from before a
-//!   permission change is refused), it authenticates again and repeats the request
-//!   once — etcd refuses such a request before doing anything, so repeating it is
-//!   safe. A wrong user or password is [`ErrorKind::PermissionDenied`] at
-//!   [`EtcdBackend::connect`] (or at first use with
-//!   [`connect_lazy`](EtcdBackend::connect_lazy)); so is a user without read and
-//!   write permission on the prefix. The password is sent only to `Authenticate` and
+//!   request. When etcd refuses the token — simple tokens (etcd's default) expire
+//!   after `--auth-token-ttl` unused and all at a restart; JWT tokens also end with
+//!   their ttl, and are too old after a permission change — it authenticates again
+//!   and repeats the request once: etcd refuses such a request before doing
+//!   anything, so repeating it is safe. A wrong user or password is
+//!   [`ErrorKind::PermissionDenied`] at [`EtcdBackend::connect`] (or at first use
+//!   with [`connect_lazy`](EtcdBackend::connect_lazy)); so is a user without read
+//!   and write permission on the prefix. The password is sent only to `Authenticate` and
 //!   never shown. Without TLS it crosses the network in clear, like everything else.
 //!   A cluster without auth enabled accepts the credentials unused (as etcd's own
 //!   client does).
@@ -77,10 +77,9 @@
 //!   lock users only, no other etcd user can read, take, delete or forge a grant.
 //!   Among the lock users it protects nothing: each can delete any grant's key. Fences
 //!   stay the protection against a holder that lost its grant.
-//! - An application that already has a `tonic` [`Channel`]
-//!   to etcd (its own TLS setup, a proxy, a load balancer) hands it to
-//!   [`EtcdBackend::from_channel`]; credentials, prefix and request timeout still come
-//!   from an [`EtcdConfig`].
+//! - An application that already has a `tonic` [`Channel`] to etcd (its own TLS
+//!   setup, a proxy, a load balancer) hands it to [`EtcdBackend::from_channel`];
+//!   credentials, prefix and request timeout still come from an [`EtcdConfig`].
 
 mod config;
 mod keys;
@@ -1062,7 +1061,8 @@ impl From<Status> for Failure {
 
 /// Whether etcd refused the request's token (or its absence) before doing anything:
 /// it does not know the token (expired, or the member restarted), the request came
-/// without one although auth is on, or permissions changed since it was issued.
+/// without one although auth is on, or permissions changed since it was issued (JWT
+/// tokens carry the permissions' revision; simple tokens are always current).
 fn refused_token(status: &Status) -> bool {
     matches!(
         (status.code(), status.message()),
