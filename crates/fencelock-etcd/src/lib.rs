@@ -339,11 +339,12 @@ impl EtcdBackend {
             .map_or(0, |auth| auth.authentications.load(Ordering::Relaxed))
     }
 
-    /// `message` as a request with the request timeout and, if there is one, the token.
-    fn request<T>(&self, message: T, token: Option<&Session>) -> Request<T> {
+    /// `message` as a request with the request timeout and, if there is one, the
+    /// session's token.
+    fn request<T>(&self, message: T, session: Option<&Session>) -> Request<T> {
         let mut request = Request::new(message);
         request.set_timeout(self.request_timeout);
-        if let Some(value) = token.and_then(|session| session.token.as_ref()) {
+        if let Some(value) = session.and_then(|session| session.token.as_ref()) {
             request.metadata_mut().insert(TOKEN_METADATA, value.clone());
         }
         request
