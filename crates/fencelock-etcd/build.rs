@@ -1,4 +1,4 @@
-//! Generates the etcd v3 gRPC client (KV, Watch, Lease) from the vendored
+//! Generates the etcd v3 gRPC client (KV, Watch, Lease, Auth) from the vendored
 //! `proto/etcd/etcd.proto`, without a system `protoc` (`protox` parses,
 //! `tonic-prost-build` generates).
 

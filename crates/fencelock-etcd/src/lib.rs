@@ -52,9 +52,36 @@
 //! - A holder that stops without releasing, or a waiter whose cleanup cannot reach
 //!   etcd, blocks the lock until its lease runs out (at most its ttl, plus the lessor's
 //!   500 ms check interval).
-//! - Anyone with write access to the prefix can delete a grant's key; fencelock does
-//!   not use etcd's auth (no username/password, no TLS in this backend yet).
+//! - Anyone with write access to the prefix can delete a grant's key, ending that
+//!   grant early: see below for what auth protects.
+//!
+//! # TLS and auth
+//!
+//! - `https://` endpoints with [`EtcdConfig::tls`] ([`EtcdTls`]): the CA certificates
+//!   to trust, and a client certificate for clusters that require one
+//!   (`--client-cert-auth`), through rustls.
+//! - [`EtcdConfig::credentials`] ([`EtcdCredentials`]): etcd's own users. The backend
+//!   calls `Auth.Authenticate` on first use and sends the token it gets on every
+//!   request. When etcd refuses the token — simple tokens (etcd's default) expire
+//!   after `--auth-token-ttl` unused and all at a restart; JWT tokens also end with
+//!   their ttl, and are too old after a permission change — it authenticates again
+//!   and repeats the request once: etcd refuses such a request before doing
+//!   anything, so repeating it is safe. A wrong user or password is
+//!   [`ErrorKind::PermissionDenied`] at [`EtcdBackend::connect`] (or at first use
+//!   with [`connect_lazy`](EtcdBackend::connect_lazy)); so is a user without read
+//!   and write permission on the prefix. The password is sent only to `Authenticate` and
+//!   never shown. Without TLS it crosses the network in clear, like everything else.
+//!   A cluster without auth enabled accepts the credentials unused (as etcd's own
+//!   client does).
+//! - What auth protects: with a role granting read and write on `<prefix>/` to the
+//!   lock users only, no other etcd user can read, take, delete or forge a grant.
+//!   Among the lock users it protects nothing: each can delete any grant's key. Fences
+//!   stay the protection against a holder that lost its grant.
+//! - An application that already has a `tonic` [`Channel`] to etcd (its own TLS
+//!   setup, a proxy, a load balancer) hands it to [`EtcdBackend::from_channel`];
+//!   credentials, prefix and request timeout still come from an [`EtcdConfig`].
 
+mod config;
 mod keys;
 
 use std::future::Future;
@@ -69,8 +96,14 @@ use tonic::{Code, Request, Status};
 use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
 use fencelock_backend::{Error, ErrorKind};
 use keys::Token;
+use tonic::metadata::AsciiMetadataValue;
 
-/// The generated etcd v3 client (KV, Watch, Lease) from the vendored
+pub use config::{EtcdConfig, EtcdCredentials, EtcdTls, MAX_ENDPOINTS};
+/// The `tonic` this crate is built with, for [`EtcdBackend::from_channel`]'s
+/// [`Channel`].
+pub use tonic;
+
+/// The generated etcd v3 client (KV, Watch, Lease, Auth) from the vendored
 /// `proto/etcd/etcd.proto`.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
 mod pb {
@@ -82,40 +115,8 @@ use pb::range_request::{SortOrder, SortTarget};
 use pb::request_op::Request as Op;
 use pb::response_op::Response as OpResponse;
 
-/// Most cluster members one backend is configured with.
-pub const MAX_ENDPOINTS: usize = 16;
-
 /// Most keys [`EtcdBackend::queue`] lists.
 pub const MAX_QUEUE_LISTED: usize = 10_000;
-
-/// How to reach an etcd cluster, and where in its key space locks live.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct EtcdConfig {
-    /// Client URLs of the cluster's members (`http://127.0.0.1:2379`), 1 to
-    /// [`MAX_ENDPOINTS`]; requests are spread over them. Plain `http://` only.
-    pub endpoints: Vec<String>,
-    /// The key prefix of every lock: a grant is `<prefix>/<lock name>/<request id>`.
-    /// Default `fencelock`. Clients that share locks must share the prefix.
-    pub prefix: String,
-    /// How long to wait for a TCP connection. Default 5 s.
-    pub connect_timeout: Duration,
-    /// How long one request to etcd may take (waits on a lock are bounded by the
-    /// request's own wait instead). Default 10 s.
-    pub request_timeout: Duration,
-}
-
-impl EtcdConfig {
-    /// The defaults for one member at `endpoint`.
-    pub fn new(endpoint: impl Into<String>) -> EtcdConfig {
-        EtcdConfig {
-            endpoints: vec![endpoint.into()],
-            prefix: "fencelock".to_owned(),
-            connect_timeout: Duration::from_secs(5),
-            request_timeout: Duration::from_secs(10),
-        }
-    }
-}
 
 /// Locks in etcd v3 (see the [module docs](self) for the recipe and what etcd can and
 /// cannot promise): durable fences (create revisions), FIFO waiters woken by watches,
@@ -128,6 +129,8 @@ pub struct EtcdBackend {
     prefix: String,
     request_timeout: Duration,
     wakeups: Arc<AtomicU64>,
+    /// With credentials: the current token.
+    auth: Option<Arc<Auth>>,
 }
 
 /// One key under a lock, as [`EtcdBackend::queue`] lists it.
@@ -152,6 +155,12 @@ impl EtcdBackend {
     /// Connects to the cluster, failing with [`ErrorKind::Unavailable`] if no member
     /// answers a linearizable read within `request_timeout`.
     pub async fn connect(config: EtcdConfig) -> Result<EtcdBackend, Error> {
+        // A server that wants a client certificate and gets none drops the connection
+        // after the handshake: the error alone does not say why.
+        let hint = config
+            .tls
+            .as_ref()
+            .is_some_and(|tls| !tls.has_client_certificate());
         let backend = EtcdBackend::connect_lazy(config)?;
         let (dir, _) = keys::lock_dir(&backend.prefix, "");
         // A member that cannot be reached passes the requests to the next one.
@@ -165,13 +174,23 @@ impl EtcdBackend {
             match backend.range(probe).await {
                 Ok(_) => return Ok(backend),
                 Err(e) if e.kind() == ErrorKind::Unavailable && tries > 1 => tries -= 1,
+                Err(e) if e.kind() == ErrorKind::Unavailable && hint => {
+                    return Err(Error::new(
+                        e.kind(),
+                        format!(
+                            "{} (if etcd requires client certificates, give \
+                             EtcdTls::with_client_certificate)",
+                            e.message()
+                        ),
+                    ));
+                }
                 Err(e) => return Err(e),
             }
         }
     }
 
-    /// Like [`connect`](EtcdBackend::connect), but connects on first use (requests
-    /// fail instead). Must be called within a tokio runtime.
+    /// Like [`connect`](EtcdBackend::connect), but connects (and authenticates) on
+    /// first use: requests fail instead. Must be called within a tokio runtime.
     ///
     /// Requests go to one member at a time, the first endpoint to start with; a
     /// request that fails as [`ErrorKind::Unavailable`] (a member down, stalled or cut
@@ -183,37 +202,86 @@ impl EtcdBackend {
                 config.endpoints.len()
             )));
         }
+        let mut channels = Vec::with_capacity(config.endpoints.len());
+        for url in &config.endpoints {
+            let mut endpoint = Endpoint::from_shared(url.clone())
+                .map_err(|e| invalid(format!("invalid etcd endpoint {url:?}: {e}")))?;
+            match (endpoint.uri().scheme_str(), &config.tls) {
+                (Some("http"), None) => {}
+                (Some("https"), Some(tls)) => {
+                    endpoint = endpoint.tls_config(tls.client_config()).map_err(|e| {
+                        invalid(format!("TLS settings for etcd endpoint {url:?}: {e}"))
+                    })?;
+                }
+                (Some("https"), None) => {
+                    return Err(invalid(format!(
+                        "etcd endpoint {url:?} is https:// but no TLS settings \
+                         (EtcdConfig::tls) are given"
+                    )));
+                }
+                (Some("http"), Some(_)) => {
+                    return Err(invalid(format!(
+                        "etcd endpoint {url:?} is plain http:// although TLS settings are \
+                         given: use https://"
+                    )));
+                }
+                _ => {
+                    return Err(invalid(format!(
+                        "etcd endpoint {url:?}: give an http:// or https:// URL"
+                    )));
+                }
+            }
+            let endpoint = endpoint
+                .connect_timeout(config.connect_timeout)
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_secs(10))
+                .keep_alive_timeout(Duration::from_secs(5))
+                .keep_alive_while_idle(true);
+            channels.push(endpoint.connect_lazy());
+        }
+        EtcdBackend::with_channels(channels, config)
+    }
+
+    /// Locks over `channel`, a connection to etcd the application built and set up
+    /// itself (TLS, proxies, load balancing): the backend only sends requests on it.
+    /// Credentials, prefix and request timeout come from `config`, whose
+    /// `endpoints` and `tls` must be empty (start from [`EtcdConfig::default`]).
+    /// Connects on first use, like [`connect_lazy`](EtcdBackend::connect_lazy).
+    pub fn from_channel(
+        channel: tonic::transport::Channel,
+        config: EtcdConfig,
+    ) -> Result<EtcdBackend, Error> {
+        if !config.endpoints.is_empty() || config.tls.is_some() {
+            return Err(invalid(
+                "EtcdBackend::from_channel connects through the channel given: leave \
+                 EtcdConfig::endpoints and EtcdConfig::tls empty"
+                    .to_owned(),
+            ));
+        }
+        EtcdBackend::with_channels(vec![channel], config)
+    }
+
+    fn with_channels(channels: Vec<Channel>, config: EtcdConfig) -> Result<EtcdBackend, Error> {
         if config.prefix.chars().any(char::is_control) {
             return Err(invalid(
                 "the key prefix must not contain control characters".to_owned(),
             ));
         }
-        let mut endpoints = Vec::with_capacity(config.endpoints.len());
-        for url in &config.endpoints {
-            let endpoint = Endpoint::from_shared(url.clone())
-                .map_err(|e| invalid(format!("invalid etcd endpoint {url:?}: {e}")))?;
-            if endpoint.uri().scheme_str() != Some("http") {
-                return Err(invalid(format!(
-                    "etcd endpoint {url:?}: only http:// is supported (no TLS yet)"
-                )));
-            }
-            endpoints.push(
-                endpoint
-                    .connect_timeout(config.connect_timeout)
-                    .tcp_nodelay(true)
-                    .http2_keep_alive_interval(Duration::from_secs(10))
-                    .keep_alive_timeout(Duration::from_secs(5))
-                    .keep_alive_while_idle(true),
-            );
-        }
         Ok(EtcdBackend {
             members: Arc::new(Members {
-                channels: endpoints.iter().map(Endpoint::connect_lazy).collect(),
+                channels,
                 current: AtomicUsize::new(0),
             }),
             prefix: config.prefix.trim_end_matches('/').to_owned(),
             request_timeout: config.request_timeout,
             wakeups: Arc::new(AtomicU64::new(0)),
+            auth: config.credentials.map(|credentials| {
+                Arc::new(Auth {
+                    credentials,
+                    current: tokio::sync::Mutex::new(None),
+                    authentications: AtomicU64::new(0),
+                })
+            }),
         })
     }
 
@@ -263,60 +331,151 @@ impl EtcdBackend {
         self.wakeups.load(Ordering::Relaxed)
     }
 
-    fn request<T>(&self, message: T) -> Request<T> {
+    /// How many times this backend (and its clones) authenticated: once at first use,
+    /// then once each time etcd no longer knew the token. 0 without credentials.
+    pub fn authentications(&self) -> u64 {
+        self.auth
+            .as_ref()
+            .map_or(0, |auth| auth.authentications.load(Ordering::Relaxed))
+    }
+
+    /// `message` as a request with the request timeout and, if there is one, the
+    /// session's token.
+    fn request<T>(&self, message: T, session: Option<&Session>) -> Request<T> {
         let mut request = Request::new(message);
         request.set_timeout(self.request_timeout);
+        if let Some(value) = session.and_then(|session| session.token.as_ref()) {
+            request.metadata_mut().insert(TOKEN_METADATA, value.clone());
+        }
         request
     }
 
-    /// Runs one call on the current member; an `Unavailable` failure moves later
-    /// calls to the next member.
-    async fn call<T, F, Fut>(&self, call: F) -> Result<T, Error>
-    where
-        F: FnOnce(Channel) -> Fut,
-        Fut: Future<Output = Result<T, Error>>,
-    {
+    /// The session to send requests with (`None` without credentials), authenticating
+    /// first if there is none — or if the current one is `stale` (etcd refused its
+    /// token). Concurrent callers wait for one authentication.
+    async fn session(&self, stale: Option<u64>) -> Result<Option<Session>, Error> {
+        let Some(auth) = &self.auth else {
+            return Ok(None);
+        };
+        let mut current = auth.current.lock().await;
+        match &*current {
+            Some(session) if Some(session.generation) != stale => return Ok(Some(session.clone())),
+            _ => {}
+        }
+        let previous = current.as_ref().map_or(0, |session| session.generation);
+        let session = Session {
+            token: self.authenticate(&auth.credentials).await?,
+            generation: previous + 1,
+        };
+        auth.authentications.fetch_add(1, Ordering::Relaxed);
+        *current = Some(session.clone());
+        Ok(Some(session))
+    }
+
+    /// A token for `credentials`; `None` if the cluster has auth turned off.
+    async fn authenticate(
+        &self,
+        credentials: &EtcdCredentials,
+    ) -> Result<Option<AsciiMetadataValue>, Error> {
+        let request = self.request(
+            pb::AuthenticateRequest {
+                name: credentials.user().to_owned(),
+                password: credentials.password().to_owned(),
+            },
+            None,
+        );
         let (index, channel) = self.members.current();
-        call(channel)
-            .await
-            .map_err(|e| self.members.failed(index, e))
+        let reply = pb::auth_client::AuthClient::new(channel)
+            .authenticate(request)
+            .await;
+        match reply {
+            Ok(reply) => {
+                let token = AsciiMetadataValue::try_from(reply.into_inner().token)
+                    .map_err(|_| unexpected("auth token"))?;
+                Ok(Some(token))
+            }
+            Err(status)
+                if status.code() == Code::FailedPrecondition
+                    && status.message() == "etcdserver: authentication is not enabled" =>
+            {
+                Ok(None)
+            }
+            Err(status)
+                if status.code() == Code::InvalidArgument
+                    && status
+                        .message()
+                        .starts_with("etcdserver: authentication failed") =>
+            {
+                Err(Error::new(
+                    ErrorKind::PermissionDenied,
+                    format!(
+                        "etcd refused to authenticate user {:?}: wrong user name or password",
+                        credentials.user()
+                    ),
+                ))
+            }
+            Err(status) => Err(self.members.failed(index, status_error(status))),
+        }
+    }
+
+    /// Runs one request on the current member, with the token if there are
+    /// credentials. If etcd refuses the token (expired, or older than a permission
+    /// change), authenticates again and repeats the request once: etcd checks the
+    /// token before it does anything. An `Unavailable` failure moves later calls to
+    /// the next member.
+    async fn call<M, T, F, Fut>(&self, message: M, call: F) -> Result<T, Error>
+    where
+        M: Clone,
+        F: Fn(Channel, Request<M>) -> Fut,
+        Fut: Future<Output = Result<T, Failure>>,
+    {
+        let mut stale = None;
+        loop {
+            let session = self.session(stale).await?;
+            let request = self.request(message.clone(), session.as_ref());
+            let (index, channel) = self.members.current();
+            let error = match call(channel, request).await {
+                Ok(reply) => return Ok(reply),
+                Err(Failure::Status(status)) => match &session {
+                    Some(session) if stale.is_none() && refused_token(&status) => {
+                        stale = Some(session.generation);
+                        continue;
+                    }
+                    _ => status_error(status),
+                },
+                Err(Failure::Error(error)) => error,
+            };
+            return Err(self.members.failed(index, error));
+        }
     }
 
     async fn range(&self, request: pb::RangeRequest) -> Result<pb::RangeResponse, Error> {
-        let request = self.request(request);
-        self.call(|channel| async move {
+        self.call(request, |channel, request| async move {
             let reply = pb::kv_client::KvClient::new(channel).range(request).await;
-            Ok(reply.map_err(status_error)?.into_inner())
+            Ok(reply?.into_inner())
         })
         .await
     }
 
     async fn txn(&self, request: pb::TxnRequest) -> Result<pb::TxnResponse, Error> {
-        let request = self.request(request);
-        self.call(|channel| async move {
+        self.call(request, |channel, request| async move {
             let reply = pb::kv_client::KvClient::new(channel).txn(request).await;
-            Ok(reply.map_err(status_error)?.into_inner())
+            Ok(reply?.into_inner())
         })
         .await
     }
 
     /// A new lease of `ttl_s` seconds: its id and the ttl etcd granted.
     async fn grant_lease(&self, ttl_s: i64) -> Result<(i64, i64), Error> {
-        let request = self.request(pb::LeaseGrantRequest { ttl: ttl_s, id: 0 });
+        let request = pb::LeaseGrantRequest { ttl: ttl_s, id: 0 };
         let reply = self
-            .call(|channel| async move {
+            .call(request, |channel, request| async move {
                 let reply = pb::lease_client::LeaseClient::new(channel)
                     .lease_grant(request)
                     .await;
-                Ok(reply.map_err(status_error)?.into_inner())
+                Ok(reply?.into_inner())
             })
             .await?;
-        if !reply.error.is_empty() {
-            return Err(Error::new(
-                ErrorKind::Unavailable,
-                format!("etcd refused a lease: {}", reply.error),
-            ));
-        }
         if reply.id <= 0 || reply.ttl < ttl_s {
             return Err(Error::new(
                 ErrorKind::Protocol,
@@ -332,32 +491,34 @@ impl EtcdBackend {
     /// One `LeaseKeepAlive` round trip: the lease's ttl from now, in seconds, or
     /// `NotHeld` if it has expired or been revoked.
     async fn keep_alive(&self, lease_id: i64) -> Result<i64, Error> {
-        let request = self.request(tokio_stream::once(pb::LeaseKeepAliveRequest {
-            id: lease_id,
-        }));
-        let round_trip = |channel| async move {
+        let round_trip = |channel, request: Request<pb::LeaseKeepAliveRequest>| async move {
             let reply = pb::lease_client::LeaseClient::new(channel)
-                .lease_keep_alive(request)
+                .lease_keep_alive(request.map(tokio_stream::once))
                 .await;
-            let mut replies = reply.map_err(status_error)?.into_inner();
-            match replies.message().await.map_err(status_error)? {
+            match reply?.into_inner().message().await? {
                 Some(reply) if reply.id == lease_id => Ok(reply.ttl),
-                Some(reply) => Err(Error::new(
+                Some(reply) => Err(Failure::Error(Error::new(
                     ErrorKind::Protocol,
                     format!("keep-alive of lease {lease_id} answered for {}", reply.id),
-                )),
-                None => Err(Error::new(
+                ))),
+                None => Err(Failure::Error(Error::new(
                     ErrorKind::Unavailable,
                     "etcd ended a keep-alive without an answer",
-                )),
+                ))),
             }
         };
         let timeout = self.request_timeout;
+        let request = pb::LeaseKeepAliveRequest { id: lease_id };
         let ttl = self
-            .call(|channel| async move {
-                tokio::time::timeout(timeout, round_trip(channel))
+            .call(request, |channel, request| async move {
+                tokio::time::timeout(timeout, round_trip(channel, request))
                     .await
-                    .map_err(|_| Error::new(ErrorKind::Unavailable, "etcd keep-alive timed out"))?
+                    .map_err(|_| {
+                        Failure::Error(Error::new(
+                            ErrorKind::Unavailable,
+                            "etcd keep-alive timed out",
+                        ))
+                    })?
             })
             .await?;
         if ttl <= 0 {
@@ -371,13 +532,13 @@ impl EtcdBackend {
 
     /// Revokes a lease (deleting its keys); a lease already gone is fine.
     async fn revoke(&self, lease_id: i64) -> Result<(), Error> {
-        let request = self.request(pb::LeaseRevokeRequest { id: lease_id });
+        let request = pb::LeaseRevokeRequest { id: lease_id };
         let revoked = self
-            .call(|channel| async move {
+            .call(request, |channel, request| async move {
                 let reply = pb::lease_client::LeaseClient::new(channel)
                     .lease_revoke(request)
                     .await;
-                reply.map(drop).map_err(status_error)
+                Ok(reply.map(drop)?)
             })
             .await;
         match revoked {
@@ -615,30 +776,9 @@ impl EtcdBackend {
         keepalive_every: Duration,
         next_keepalive: &mut Instant,
     ) -> Result<bool, Error> {
-        let create = pb::WatchRequest {
-            request_union: Some(pb::watch_request::RequestUnion::CreateRequest(
-                pb::WatchCreateRequest {
-                    key: target.key.clone(),
-                    range_end: target.range_end.clone(),
-                    start_revision: target.after_revision + 1,
-                    filters: vec![pb::watch_create_request::FilterType::Noput as i32],
-                    ..Default::default()
-                },
-            )),
-        };
-        // The request side stays open while we wait: etcd ends the watch when it
-        // closes. Dropping both ends cancels the watch.
-        let (requests, receiver) = tokio::sync::mpsc::channel(1);
-        requests
-            .try_send(create)
-            .map_err(|_| unexpected("watch request queue"))?;
-        let (member, channel) = self.members.current();
-        let failed = |status| self.members.failed(member, status_error(status));
-        let mut client = pb::watch_client::WatchClient::new(channel);
-        let open = client.watch(tokio_stream::wrappers::ReceiverStream::new(receiver));
-        let mut events = match tokio::time::timeout_at(deadline, open).await {
-            Err(_) => return Ok(false),
-            Ok(reply) => reply.map_err(failed)?.into_inner(),
+        let mut watch = match self.open_watch(target, deadline).await? {
+            Opened::Watching(watch) => watch,
+            Opened::Answered(woken) => return Ok(woken),
         };
         loop {
             tokio::select! {
@@ -656,25 +796,100 @@ impl EtcdBackend {
                     };
                     *next_keepalive = Instant::now() + keepalive_every;
                 }
-                message = events.message() => match message.map_err(failed)? {
-                    None => {
-                        return Err(Error::new(ErrorKind::Unavailable, "etcd ended the watch"));
+                message = watch.events.message() => {
+                    let message = message.map_err(|status| watch.failed(status))?;
+                    if let Some(woken) = watch_outcome(message)? {
+                        return Ok(woken);
                     }
-                    // Its start revision was compacted away: look again (the next
-                    // watch starts at a newer revision).
-                    Some(reply) if reply.compact_revision != 0 => return Ok(true),
-                    Some(reply) if reply.canceled => {
-                        return Err(Error::new(
-                            ErrorKind::Unavailable,
-                            format!("etcd cancelled the watch: {}", reply.cancel_reason),
-                        ));
-                    }
-                    // Only deletions pass the filter.
-                    Some(reply) if !reply.events.is_empty() => return Ok(true),
-                    // Created, or progress.
-                    Some(_) => {}
-                },
+                }
             }
+        }
+    }
+
+    /// Opens a watch for deletions of `target` and reads etcd's answer to it (within
+    /// the request timeout). etcd checks a watch's token only then, and refuses a
+    /// token it no longer knows as `permission denied`: then this authenticates again
+    /// and tries once more.
+    async fn open_watch(
+        &self,
+        target: &WatchTarget,
+        deadline: Instant,
+    ) -> Result<Opened<'_>, Error> {
+        let create = pb::WatchRequest {
+            request_union: Some(pb::watch_request::RequestUnion::CreateRequest(
+                pb::WatchCreateRequest {
+                    key: target.key.clone(),
+                    range_end: target.range_end.clone(),
+                    start_revision: target.after_revision + 1,
+                    filters: vec![pb::watch_create_request::FilterType::Noput as i32],
+                    ..Default::default()
+                },
+            )),
+        };
+        let mut stale = None;
+        loop {
+            let session = self.session(stale).await?;
+            // The request side stays open while we wait: etcd ends the watch when it
+            // closes. Dropping both ends cancels the watch.
+            let (requests, receiver) = tokio::sync::mpsc::channel(1);
+            requests
+                .try_send(create.clone())
+                .map_err(|_| unexpected("watch request queue"))?;
+            let request = self.request(
+                tokio_stream::wrappers::ReceiverStream::new(receiver),
+                session.as_ref(),
+            );
+            let (member, channel) = self.members.current();
+            let retry = |status: &Status| match &session {
+                Some(session) if stale.is_none() && refused_token(status) => {
+                    Some(session.generation)
+                }
+                _ => None,
+            };
+            let failed = |status| self.members.failed(member, status_error(status));
+            let answer_by = deadline.min(Instant::now() + self.request_timeout);
+            let timed_out = || {
+                if answer_by == deadline {
+                    Ok(Opened::Answered(false))
+                } else {
+                    let e = Error::new(ErrorKind::Unavailable, "etcd did not answer a watch");
+                    Err(self.members.failed(member, e))
+                }
+            };
+            let mut client = pb::watch_client::WatchClient::new(channel);
+            let mut events = match tokio::time::timeout_at(answer_by, client.watch(request)).await {
+                Err(_) => return timed_out(),
+                Ok(Ok(reply)) => reply.into_inner(),
+                Ok(Err(status)) => match retry(&status) {
+                    Some(generation) => {
+                        stale = Some(generation);
+                        continue;
+                    }
+                    None => return Err(failed(status)),
+                },
+            };
+            let first = match tokio::time::timeout_at(answer_by, events.message()).await {
+                Err(_) => return timed_out(),
+                Ok(message) => message.map_err(failed)?,
+            };
+            if let Some(reply) = &first {
+                if reply.canceled && reply.cancel_reason == PERMISSION_DENIED {
+                    if let Some(session) = session.as_ref().filter(|_| stale.is_none()) {
+                        stale = Some(session.generation);
+                        continue;
+                    }
+                }
+            }
+            let watch = Watch {
+                events,
+                _requests: requests,
+                backend: self,
+                member,
+            };
+            return Ok(match watch_outcome(first)? {
+                Some(woken) => Opened::Answered(woken),
+                None => Opened::Watching(Box::new(watch)),
+            });
         }
     }
 
@@ -796,6 +1011,119 @@ impl Members {
                     .compare_exchange(index, next, Ordering::Relaxed, Ordering::Relaxed);
         }
         error
+    }
+}
+
+/// etcd's metadata key for the auth token.
+const TOKEN_METADATA: &str = "token";
+
+/// How etcd cancels a watch it does not permit (also for a token it does not know).
+const PERMISSION_DENIED: &str = "etcdserver: permission denied";
+
+/// The credentials, and the session they opened.
+struct Auth {
+    credentials: EtcdCredentials,
+    /// Locked while authenticating, so that concurrent requests wait for one
+    /// authentication instead of each making its own.
+    current: tokio::sync::Mutex<Option<Session>>,
+    authentications: AtomicU64,
+}
+
+/// Shows the user; hides the password and the token.
+impl std::fmt::Debug for Auth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Auth")
+            .field("user", &self.credentials.user())
+            .finish_non_exhaustive()
+    }
+}
+
+/// One authentication's outcome.
+#[derive(Clone)]
+struct Session {
+    /// The token to send; `None` if the cluster has auth turned off.
+    token: Option<AsciiMetadataValue>,
+    /// Counts authentications, so that a request refused with an old token does not
+    /// throw away a newer one that another request already fetched.
+    generation: u64,
+}
+
+/// Why a request failed: what etcd answered, or what the client made of it.
+enum Failure {
+    Status(Status),
+    Error(Error),
+}
+
+impl From<Status> for Failure {
+    fn from(status: Status) -> Failure {
+        Failure::Status(status)
+    }
+}
+
+/// Whether etcd refused the request's token (or its absence) before doing anything:
+/// it does not know the token (expired, or the member restarted), the request came
+/// without one although auth is on, or permissions changed since it was issued (JWT
+/// tokens carry the permissions' revision; simple tokens are always current).
+fn refused_token(status: &Status) -> bool {
+    matches!(
+        (status.code(), status.message()),
+        (Code::Unauthenticated, "etcdserver: invalid auth token")
+            | (Code::InvalidArgument, "etcdserver: user name is empty")
+            | (
+                Code::InvalidArgument,
+                "etcdserver: revision of auth store is old"
+            )
+    )
+}
+
+/// A watch etcd accepted.
+struct Watch<'a> {
+    events: tonic::Streaming<pb::WatchResponse>,
+    /// The request side: etcd ends the watch when it closes.
+    _requests: tokio::sync::mpsc::Sender<pb::WatchRequest>,
+    backend: &'a EtcdBackend,
+    member: usize,
+}
+
+impl Watch<'_> {
+    fn failed(&self, status: Status) -> Error {
+        self.backend
+            .members
+            .failed(self.member, status_error(status))
+    }
+}
+
+/// What opening a watch came to.
+enum Opened<'a> {
+    /// etcd accepted it; wait for its events.
+    Watching(Box<Watch<'a>>),
+    /// Nothing to wait for: `true` to look at the queue again, `false` when the
+    /// deadline passed.
+    Answered(bool),
+}
+
+/// What one watch message means for a waiter: `Some(true)` look at the queue again,
+/// `None` keep waiting.
+fn watch_outcome(message: Option<pb::WatchResponse>) -> Result<Option<bool>, Error> {
+    match message {
+        None => Err(Error::new(ErrorKind::Unavailable, "etcd ended the watch")),
+        // Its start revision was compacted away: look again (the next watch starts
+        // at a newer revision).
+        Some(reply) if reply.compact_revision != 0 => Ok(Some(true)),
+        Some(reply) if reply.canceled && reply.cancel_reason == PERMISSION_DENIED => {
+            Err(Error::new(
+                ErrorKind::PermissionDenied,
+                "etcd refused to watch the lock: the user needs read permission on the prefix",
+            ))
+        }
+        Some(reply) if reply.canceled => Err(Error::new(
+            ErrorKind::Unavailable,
+            format!("etcd cancelled the watch: {}", reply.cancel_reason),
+        )),
+        // Only deletions pass the filter.
+        Some(reply) if !reply.events.is_empty() => Ok(Some(true)),
+        // Created, or progress.
+        Some(_) => Ok(None),
     }
 }
 
@@ -1041,11 +1369,33 @@ fn status_error(status: Status) -> Error {
         Code::Internal | Code::DataLoss => ErrorKind::Internal,
         _ => ErrorKind::Protocol,
     };
-    let message = if status.message().is_empty() {
-        format!("etcd: {:?}", status.code())
-    } else {
-        format!("etcd: {}", status.message())
+    let (kind, mut message) = match (status.code(), status.message()) {
+        (_, "") => (kind, format!("etcd: {:?}", status.code())),
+        (Code::InvalidArgument, "etcdserver: user name is empty") => (
+            ErrorKind::PermissionDenied,
+            "etcd has auth enabled: give EtcdConfig::credentials".to_owned(),
+        ),
+        (Code::PermissionDenied, _) => (
+            kind,
+            format!(
+                "etcd: {} (the user needs read and write permission on the lock prefix)",
+                status.message()
+            ),
+        ),
+        (_, text) => (kind, format!("etcd: {text}")),
     };
+    // Connection and TLS failures explain themselves only in the source chain, whose
+    // links often repeat each other.
+    let mut source = std::error::Error::source(&status);
+    for _ in 0..8 {
+        let Some(cause) = source else { break };
+        let text = cause.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        source = cause.source();
+    }
     Error::new(kind, message)
 }
 

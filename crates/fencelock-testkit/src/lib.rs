@@ -41,7 +41,7 @@ mod redis;
 mod tls;
 mod zookeeper;
 
-pub use etcd::Etcd;
+pub use etcd::{Etcd, EtcdOptions, EtcdUser, ETCD_ROOT_PASSWORD};
 pub use postgres::{Postgres, PostgresOptions};
 pub use proxy::Proxy;
 pub use redis::Redis;

@@ -1,6 +1,7 @@
 //! Each server starts on its own port, serves, and is gone (process and directory)
 //! after drop.
 
+use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpStream};
 use std::path::Path;
 
@@ -102,4 +103,44 @@ fn zookeeper_serves_then_stops_on_drop() {
     assert!(!process_alive(pid), "zookeeper {pid} survived drop");
     assert!(!port_open(port), "port {port} still open after drop");
     assert!(!dir.exists(), "{} still exists after drop", dir.display());
+}
+
+/// With TLS and users: clients get an `https://` URL, the plain listener is another
+/// port, and auth is on (a request without a token is refused).
+#[test]
+fn etcd_with_tls_and_auth_starts_with_auth_on() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let ca = fencelock_testkit::TestCa::create(dir.path()).expect("a test CA");
+    let mut options = fencelock_testkit::EtcdOptions::default();
+    options.users = vec![fencelock_testkit::EtcdUser::new(
+        "app",
+        "app-password",
+        "app/",
+    )];
+    options.client_cert_auth = true;
+    let e = fencelock_testkit::Etcd::start_with(&options).expect_err("client certs without TLS");
+    assert_eq!(e.kind(), fencelock_testkit::ErrorKind::Failed, "{e}");
+    options.tls = Some(ca);
+    let etcd = fencelock_testkit::Etcd::start_with(&options).expect("etcd starts");
+    let (port, admin) = (etcd.port(), etcd.admin_port());
+    assert_ne!(port, admin);
+    assert_eq!(etcd.url(), format!("https://127.0.0.1:{port}"));
+    let body = r#"{"key":"YXBwL3g="}"#;
+    let request = format!(
+        "POST /v3/kv/range HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = TcpStream::connect((Ipv4Addr::LOCALHOST, admin)).expect("connect");
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("read timeout");
+    stream.write_all(request.as_bytes()).expect("send");
+    // The whole answer: etcd closes the connection after it.
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).expect("etcd answers");
+    assert!(reply.contains("user name is empty"), "{reply:?}");
+    let pid = etcd.pid();
+    drop(etcd);
+    assert!(!process_alive(pid), "etcd {pid} survived drop");
+    assert!(!port_open(admin), "port {admin} still open after drop");
 }
