@@ -9,7 +9,7 @@
 //! "recent events".
 //!
 //! Markup that is not escaped (`PreEscaped`) is only ever a constant of this file:
-//! the style sheet [`STYLE`] in the page head. (`maud::DOCTYPE` is maud's own.)
+//! the style sheet `STYLE` in the page head. (`maud::DOCTYPE` is maud's own.)
 //!
 //! Authorization: every page and stream calls [`auth::authorize`] (fails closed);
 //! with no tokens configured every caller is the anonymous admin. Browsers sign in
