@@ -1,4 +1,7 @@
 //! Exponential backoff with jitter for retrying transient errors.
+//!
+//! Ours on purpose: one formula, no timer and no runtime; backoff crates bring
+//! policies, clocks and async wrappers the backends do not use.
 
 use std::time::Duration;
 

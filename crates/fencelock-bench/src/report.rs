@@ -1,6 +1,7 @@
 //! Turns the JSON lines of one invocation into the tables of `BENCHMARKS.md` (ratios
 //! against each peer, the targets, the checker's findings) and an SVG chart
-//! (written by hand: no plotting dependency).
+//! (written by hand on purpose: a few bars of SVG do not need a plotting crate and
+//! its build time).
 
 use std::fmt::Write as _;
 

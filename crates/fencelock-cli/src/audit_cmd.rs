@@ -8,7 +8,7 @@ use clap::Args;
 use serde_json::Value;
 
 use crate::http_get;
-use crate::remote::Connection;
+use crate::remote::{self, Connection};
 
 /// Flags of `fencelock audit`.
 #[derive(Debug, Args)]
@@ -21,51 +21,18 @@ pub struct AuditArgs {
     #[arg(long)]
     pub lock: Option<String>,
     /// Only entries from this long ago until now, e.g. `90s`, `15m`, `1h`, `7d`.
-    #[arg(long, value_parser = parse_age)]
+    #[arg(long, value_parser = remote::parse_duration)]
     pub since: Option<Duration>,
     /// At most this many entries (the newest; 1..=1000).
     #[arg(long, default_value_t = 100)]
     pub limit: usize,
 }
 
-/// Parses `90s`, `15m`, `1h`, `7d` (a bare number is seconds).
-pub fn parse_age(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (digits, unit) = text.split_at(split);
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration like 90s, 15m, 1h or 7d"))?;
-    let secs = match unit {
-        "" | "s" => Some(n),
-        "m" => n.checked_mul(60),
-        "h" => n.checked_mul(3600),
-        "d" => n.checked_mul(86_400),
-        _ => None,
-    }
-    .ok_or_else(|| format!("{text:?} is not a duration like 90s, 15m, 1h or 7d"))?;
-    Ok(Duration::from_secs(secs))
-}
-
-fn pct(text: &str) -> String {
-    let mut out = String::new();
-    for b in text.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
 /// Runs the command.
 pub fn run(args: AuditArgs) -> Result<ExitCode> {
     let mut query = format!("/v1/audit?limit={}", args.limit);
     if let Some(lock) = &args.lock {
-        query.push_str(&format!("&lock={}", pct(lock)));
+        query.push_str(&format!("&lock={}", http_get::pct(lock)));
     }
     if let Some(age) = args.since {
         let now = std::time::SystemTime::now()
@@ -167,18 +134,6 @@ pub fn table(entries: &[Value]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn ages() {
-        assert_eq!(parse_age("90s"), Ok(Duration::from_secs(90)));
-        assert_eq!(parse_age("15m"), Ok(Duration::from_secs(900)));
-        assert_eq!(parse_age("1h"), Ok(Duration::from_secs(3600)));
-        assert_eq!(parse_age("7d"), Ok(Duration::from_secs(7 * 86_400)));
-        assert_eq!(parse_age("42"), Ok(Duration::from_secs(42)));
-        for bad in ["", "h", "1y", "-1h", "1.5h", "99999999999999999999d"] {
-            assert!(parse_age(bad).is_err(), "{bad:?}");
-        }
-    }
 
     #[test]
     fn table_lines_up_and_shows_details() {

@@ -1,18 +1,40 @@
-//! A minimal blocking HTTP/1.1 client for admin commands (`backup`, `audit`,
-//! `sessions`, `cluster`), over plain TCP for `http://` and rustls (ring provider) for
-//! `https://` URLs.
+//! The admin commands' HTTP requests (`backup`, `audit`, `sessions`, `cluster`): a
+//! blocking call around hyper's HTTP/1.1 client connection, over TCP for `http://`
+//! and rustls (ring provider) for `https://` URLs. hyper is already built for tonic
+//! and axum; its one-connection client is enough for one request per command (the
+//! pooled `hyper_util` client would want a TLS connector crate besides), and the
+//! client library has no call for these admin endpoints.
 //!
 //! The base URL may list a cluster's members, separated by commas: a request goes to
 //! the first that can be reached, and follows a `not_leader` answer to the leader it
 //! names (or moves on to the next member when none is named).
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HOST};
+use hyper::{Method, Request, Uri};
+use hyper_util::rt::TokioIo;
+use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+
+/// Bytes left as they are in a URL path segment or query value (RFC 3986's
+/// unreserved characters); every other byte is percent-encoded.
+const UNRESERVED: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// `text` percent-encoded for a URL path segment or query value.
+pub fn pct(text: &str) -> String {
+    utf8_percent_encode(text, UNRESERVED).to_string()
+}
 
 /// Fetches `path` from `base` (e.g. `http://127.0.0.1:7420` or `https://host:7420`),
 /// sending `token` (if any) as `Authorization: Bearer <token>`, and returns the body
@@ -88,6 +110,12 @@ impl std::error::Error for Unreachable {}
 
 /// Most members one request visits (configured ones plus leaders they name).
 const MAX_HOPS: usize = 16;
+/// Longest wait for a connection to a member; then it counts as unreachable.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest silence while waiting for the answer or the next part of its body.
+const READ_TIMEOUT: Duration = Duration::from_secs(60);
+/// Largest answer read (a snapshot of a big server is the largest there is).
+const MAX_ANSWER_BYTES: u64 = 4 << 30;
 
 /// Sends `method path` with an optional JSON `body` to `base` (one URL or a comma
 /// list of a cluster's members), following `not_leader` answers; see [`get_as`].
@@ -109,6 +137,10 @@ pub fn send(
     if pending.is_empty() {
         bail!("no server URL was given");
     }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
     let mut tried: Vec<String> = Vec::new();
     let mut last = None;
     while let Some(url) = pending.pop_front() {
@@ -119,7 +151,7 @@ pub fn send(
             break;
         }
         tried.push(url.clone());
-        let error = match send_once(method, &url, path, token, ca_cert, body) {
+        let error = match runtime.block_on(send_once(method, &url, path, token, ca_cert, body)) {
             Ok(answer) => return Ok(answer),
             Err(e) => e,
         };
@@ -157,7 +189,50 @@ fn next_hop(error: &anyhow::Error) -> Hop {
     }
 }
 
-fn send_once(
+/// Where a request goes: from a member's base URL.
+#[derive(Debug, PartialEq, Eq)]
+struct Target {
+    tls: bool,
+    /// The host to connect to and to check the certificate for (no brackets).
+    host: String,
+    port: u16,
+    /// The `Host` header: the URL's authority.
+    authority: String,
+}
+
+impl Target {
+    fn parse(base: &str, ca_cert: Option<&Path>) -> Result<Target> {
+        let uri: Uri = base
+            .parse()
+            .with_context(|| format!("{base:?} is not a server URL"))?;
+        let tls = match uri.scheme_str() {
+            Some("https") => true,
+            Some("http") if ca_cert.is_some() => {
+                bail!("a CA certificate was given, but {base:?} is not an https:// URL")
+            }
+            Some("http") => false,
+            _ => bail!("the server URL must start with http:// or https://, not {base:?}"),
+        };
+        let Some(authority) = uri.authority() else {
+            bail!("the server URL {base:?} names no host");
+        };
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            bail!("the server URL {base:?} must be scheme://host:port, without a path");
+        }
+        Ok(Target {
+            tls,
+            host: authority
+                .host()
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned(),
+            port: authority.port_u16().unwrap_or(if tls { 443 } else { 80 }),
+            authority: authority.as_str().to_owned(),
+        })
+    }
+}
+
+async fn send_once(
     method: &str,
     base: &str,
     path: &str,
@@ -165,86 +240,102 @@ fn send_once(
     ca_cert: Option<&Path>,
     body: Option<&[u8]>,
 ) -> Result<Vec<u8>> {
-    let auth = match token {
-        Some(t) if t.bytes().any(|b| b.is_ascii_control() || b == b' ') => {
-            bail!("the token contains spaces or control characters")
-        }
-        Some(t) => format!("Authorization: Bearer {t}\r\n"),
-        None => String::new(),
-    };
-    let (tls, authority) = if let Some(rest) = base.strip_prefix("https://") {
-        (true, rest)
-    } else if let Some(rest) = base.strip_prefix("http://") {
-        if ca_cert.is_some() {
-            bail!("a CA certificate was given, but {base:?} is not an https:// URL");
-        }
-        (false, rest)
-    } else {
-        bail!("the server URL must start with http:// or https://, not {base:?}");
-    };
-    let authority = authority.trim_end_matches('/');
-    let tcp = TcpStream::connect(authority)
-        .map_err(|e| Unreachable(format!("cannot connect to {authority}: {e}")))?;
-    tcp.set_read_timeout(Some(Duration::from_secs(60)))?;
-    let body_headers = match (method, body) {
-        ("GET", None) => String::new(),
-        (_, body) => format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            body.map_or(0, <[u8]>::len)
-        ),
-    };
-    let mut request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {authority}\r\n{auth}{body_headers}Connection: close\r\n\r\n"
-    )
-    .into_bytes();
-    request.extend_from_slice(body.unwrap_or_default());
-    let mut response = Vec::new();
-    if tls {
-        let mut stream = tls_stream(tcp, authority, ca_cert)?;
-        stream.write_all(&request)?;
-        read_all(&mut stream, &mut response)?;
-    } else {
-        let mut stream = tcp;
-        stream.write_all(&request)?;
-        stream.read_to_end(&mut response)?;
+    if token.is_some_and(|t| t.bytes().any(|b| b.is_ascii_control() || b == b' ')) {
+        bail!("the token contains spaces or control characters");
     }
-    let split = response
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .context("malformed HTTP response")?;
-    let head = std::str::from_utf8(&response[..split]).context("malformed HTTP headers")?;
-    let body = &response[split + 4..];
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .context("malformed HTTP status line")?;
-    let chunked = head.lines().any(|l| {
-        l.to_ascii_lowercase()
-            .starts_with("transfer-encoding: chunked")
-    });
-    let body = if chunked {
-        dechunk(body)?
+    let target = Target::parse(base, ca_cert)?;
+    let method = Method::from_bytes(method.as_bytes())
+        .with_context(|| format!("{method:?} is not an HTTP method"))?;
+    let mut request = Request::builder()
+        .method(method.clone())
+        .uri(path)
+        .header(HOST, &target.authority);
+    if let Some(t) = token {
+        request = request.header(AUTHORIZATION, format!("Bearer {t}"));
+    }
+    // State-changing requests say JSON, as the server asks of them.
+    if method != Method::GET || body.is_some() {
+        request = request.header(CONTENT_TYPE, "application/json");
+    }
+    let request = request
+        .body(Full::new(Bytes::copy_from_slice(body.unwrap_or_default())))
+        .with_context(|| format!("cannot make a request for {path:?}"))?;
+
+    let connect = TcpStream::connect((target.host.as_str(), target.port));
+    let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
+        Ok(Ok(tcp)) => tcp,
+        Ok(Err(e)) => {
+            return Err(Unreachable(format!("cannot connect to {}: {e}", target.authority)).into())
+        }
+        Err(_) => {
+            return Err(Unreachable(format!(
+                "cannot connect to {}: no answer within {CONNECT_TIMEOUT:?}",
+                target.authority
+            ))
+            .into())
+        }
+    };
+    let (status, answer) = if target.tls {
+        let connector = tokio_rustls::TlsConnector::from(tls_config(ca_cert)?);
+        let name = rustls::pki_types::ServerName::try_from(target.host.clone())
+            .with_context(|| format!("{:?} is not a valid server name", target.host))?;
+        let stream = tokio::time::timeout(READ_TIMEOUT, connector.connect(name, tcp))
+            .await
+            .map_err(|_| anyhow::anyhow!("TLS handshake with {}: no answer", target.authority))?
+            .with_context(|| format!("TLS handshake with {} failed", target.authority))?;
+        exchange(stream, request).await?
     } else {
-        body.to_vec()
+        exchange(tcp, request).await?
     };
     if status != 200 {
         return Err(HttpStatus {
             status,
-            body: String::from_utf8_lossy(&body).into_owned(),
+            body: String::from_utf8_lossy(&answer).into_owned(),
         }
         .into());
     }
-    Ok(body)
+    Ok(answer)
 }
 
-fn tls_stream(
-    tcp: TcpStream,
-    authority: &str,
-    ca_cert: Option<&Path>,
-) -> Result<rustls::StreamOwned<rustls::ClientConnection, TcpStream>> {
+/// Sends `request` over `io` and reads the whole answer: its status and body.
+async fn exchange<S>(io: S, request: Request<Full<Bytes>>) -> Result<(u16, Vec<u8>)>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+        .await
+        .context("HTTP handshake failed")?;
+    // The connection does the I/O of the exchange; it ends with it.
+    let connection = tokio::spawn(connection);
+    let response = tokio::time::timeout(READ_TIMEOUT, sender.send_request(request))
+        .await
+        .map_err(|_| anyhow::anyhow!("no answer within {READ_TIMEOUT:?}"))?
+        .context("the request failed")?;
+    let status = response.status().as_u16();
+    let mut body = response.into_body();
+    let mut answer = Vec::new();
+    // Bounded: each turn waits at most READ_TIMEOUT and adds data, up to the cap.
+    loop {
+        let frame = tokio::time::timeout(READ_TIMEOUT, body.frame())
+            .await
+            .map_err(|_| anyhow::anyhow!("the answer stalled for {READ_TIMEOUT:?}"))?;
+        let Some(frame) = frame else { break };
+        let frame = frame.context("reading the answer failed")?;
+        if let Ok(data) = frame.into_data() {
+            answer.extend_from_slice(&data);
+        }
+        if answer.len() as u64 > MAX_ANSWER_BYTES {
+            bail!("the answer is larger than {MAX_ANSWER_BYTES} bytes");
+        }
+    }
+    connection.abort();
+    Ok((status, answer))
+}
+
+/// The TLS client config: the CA in `ca_cert` (PEM) if given, else the system's roots.
+fn tls_config(ca_cert: Option<&Path>) -> Result<Arc<rustls::ClientConfig>> {
     use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, ServerName};
+    use rustls::pki_types::CertificateDer;
     let mut roots = rustls::RootCertStore::empty();
     match ca_cert {
         Some(path) => {
@@ -267,47 +358,7 @@ fn tls_stream(
         .context("TLS setup")?
         .with_root_certificates(roots)
         .with_no_client_auth();
-    let host = match authority.rsplit_once(':') {
-        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
-        _ => authority,
-    };
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    let name = ServerName::try_from(host.to_owned())
-        .with_context(|| format!("{host:?} is not a valid server name"))?;
-    let connection = rustls::ClientConnection::new(Arc::new(config), name).context("TLS setup")?;
-    Ok(rustls::StreamOwned::new(connection, tcp))
-}
-
-/// Reads to the end of a TLS stream; a peer that closes without close_notify after a
-/// complete `Connection: close` response is not an error.
-fn read_all(stream: &mut impl Read, out: &mut Vec<u8>) -> Result<()> {
-    match stream.read_to_end(out) {
-        Ok(_) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !out.is_empty() => Ok(()),
-        Err(e) => Err(e).context("TLS read failed"),
-    }
-}
-
-fn dechunk(mut input: &[u8]) -> Result<Vec<u8>> {
-    let mut out = Vec::new();
-    loop {
-        let line_end = input
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .context("malformed chunk")?;
-        let size_text = std::str::from_utf8(&input[..line_end])?;
-        let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
-            .context("malformed chunk size")?;
-        input = &input[line_end + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        if input.len() < size + 2 {
-            bail!("truncated chunk");
-        }
-        out.extend_from_slice(&input[..size]);
-        input = &input[size + 2..];
-    }
+    Ok(Arc::new(config))
 }
 
 #[cfg(test)]
@@ -347,6 +398,37 @@ mod tests {
         assert_eq!(next_hop(&denied), Hop::Stop);
         let io = anyhow::Error::from(std::io::Error::other("reset"));
         assert_eq!(next_hop(&io), Hop::Stop);
+    }
+
+    #[test]
+    fn server_urls_are_checked() {
+        let t = Target::parse("https://[::1]:7420", None).unwrap();
+        assert_eq!(
+            t,
+            Target {
+                tls: true,
+                host: "::1".into(),
+                port: 7420,
+                authority: "[::1]:7420".into()
+            }
+        );
+        let t = Target::parse("http://locks.example/", None).unwrap();
+        assert_eq!(
+            (t.tls, t.port, t.host.as_str()),
+            (false, 80, "locks.example")
+        );
+        assert_eq!(Target::parse("https://h", None).unwrap().port, 443);
+        let ca = Path::new("ca.pem");
+        for (bad, ca, says) in [
+            ("ftp://h:1", None, "http:// or https://"),
+            ("h:1", None, "http:// or https://"),
+            ("http://h:1/v1", None, "without a path"),
+            ("http://h:1", Some(ca), "not an https:// URL"),
+            ("http://", None, "not a server URL"),
+        ] {
+            let e = Target::parse(bad, ca).unwrap_err();
+            assert!(e.to_string().contains(says), "{bad}: {e:#}");
+        }
     }
 
     #[test]

@@ -82,31 +82,58 @@ pub fn finish(result: Result<(), Failure>) -> ExitCode {
     }
 }
 
-/// Parses durations like `500ms`, `30s`, `1m`, `2h`, or a bare number of seconds.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration (examples: 500ms, 30s, 1m, 2h)"))?;
-    let seconds = match unit.trim() {
-        "ms" => value / 1000.0,
-        "" | "s" => value,
-        "m" => value * 60.0,
-        "h" => value * 3600.0,
-        other => {
-            return Err(format!(
-                "unknown unit {other:?} in {text:?} (use ms, s, m or h)"
-            ))
-        }
-    };
-    if !seconds.is_finite() || !(0.0..=1e9).contains(&seconds) {
-        return Err(format!("{text:?} is out of range"));
+/// A duration flag that is not a duration (clap names the flag in front of it).
+#[derive(Debug)]
+pub struct BadDuration {
+    text: String,
+    problem: String,
+}
+
+impl std::fmt::Display for BadDuration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} is not a duration: {} (examples: 500ms, 30s, 1m 30s, 2h, 7d; a bare \
+             number is seconds)",
+            self.text, self.problem
+        )
     }
-    Ok(Duration::from_secs_f64(seconds))
+}
+
+impl std::error::Error for BadDuration {}
+
+/// Parses durations like `500ms`, `30s`, `1m 30s`, `2h`, `7d` ([`humantime`]'s
+/// syntax), or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, BadDuration> {
+    let text = text.trim();
+    let bad = |problem: String| BadDuration {
+        text: text.to_owned(),
+        problem,
+    };
+    if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+        let seconds = text
+            .parse()
+            .map_err(|_| bad("too many seconds".to_owned()))?;
+        return Ok(Duration::from_secs(seconds));
+    }
+    humantime::parse_duration(text).map_err(|e| bad(e.to_string()))
+}
+
+/// A duration for people, as precise as a glance needs: `250ms`, `1s 500ms`,
+/// `1m 1s`, `1h 1m`.
+pub fn human(d: Duration) -> String {
+    human_ms(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// [`human`] of a number of milliseconds.
+pub fn human_ms(ms: u64) -> String {
+    let step = match ms {
+        0..=999 => 1,
+        1_000..=59_999 => 100,
+        60_000..=3_599_999 => 1_000,
+        _ => 60_000,
+    };
+    humantime::format_duration(Duration::from_millis(ms - ms % step)).to_string()
 }
 
 /// `fencelock acquire`.
@@ -489,19 +516,6 @@ fn event_line(e: &proto::LockEvent) -> String {
     line
 }
 
-fn human(d: Duration) -> String {
-    human_ms(d.as_millis() as u64)
-}
-
-fn human_ms(ms: u64) -> String {
-    match ms {
-        0..=999 => format!("{ms}ms"),
-        1000..=59_999 => format!("{:.1}s", ms as f64 / 1000.0),
-        60_000..=3_599_999 => format!("{}m{:02}s", ms / 60_000, ms / 1000 % 60),
-        _ => format!("{}h{:02}m", ms / 3_600_000, ms / 60_000 % 60),
-    }
-}
-
 /// A "waiting for …" spinner on stderr, shown only when stderr is a terminal.
 pub struct Spinner {
     task: Option<tokio::task::JoinHandle<()>>,
@@ -554,9 +568,12 @@ mod tests {
             ("500ms", 500),
             ("30s", 30_000),
             ("30", 30_000),
+            (" 30 ", 30_000),
             ("1m", 60_000),
-            ("1.5s", 1500),
+            ("1m 30s", 90_000),
+            ("1s 500ms", 1500),
             ("2h", 7_200_000),
+            ("7d", 7 * 86_400_000),
             ("0s", 0),
         ];
         for (text, ms) in ok {
@@ -566,16 +583,29 @@ mod tests {
                 "{text}"
             );
         }
-        for bad in ["", "s", "10x", "-1s", "1e400s", "ms5", "1.2.3s"] {
-            assert!(parse_duration(bad).is_err(), "{bad:?} should be refused");
+        for bad in [
+            "",
+            "s",
+            "10x",
+            "-1s",
+            "ms5",
+            "1.2.3s",
+            "99999999999999999999",
+        ] {
+            let e = parse_duration(bad).expect_err(bad);
+            assert!(e.to_string().contains("is not a duration"), "{e}");
         }
+        let e = parse_duration("10x").unwrap_err().to_string();
+        assert!(e.contains("\"10x\"") && e.contains("examples"), "{e}");
     }
 
     #[test]
     fn human_durations() {
         assert_eq!(human_ms(250), "250ms");
-        assert_eq!(human_ms(1500), "1.5s");
-        assert_eq!(human_ms(61_000), "1m01s");
-        assert_eq!(human_ms(3_660_000), "1h01m");
+        assert_eq!(human_ms(1500), "1s 500ms");
+        assert_eq!(human_ms(1549), "1s 500ms");
+        assert_eq!(human_ms(61_000), "1m 1s");
+        assert_eq!(human_ms(3_660_000), "1h 1m");
+        assert_eq!(human(Duration::from_secs(30)), "30s");
     }
 }

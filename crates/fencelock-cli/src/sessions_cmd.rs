@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use serde_json::Value;
 
-use crate::http_get;
+use crate::http_get::{self, pct};
 use crate::remote::Connection;
 
 /// `fencelock sessions …`.
@@ -113,18 +113,6 @@ fn table(sessions: &[Value]) -> String {
         );
     }
     out
-}
-
-fn pct(text: &str) -> String {
-    text.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
 }
 
 #[cfg(test)]

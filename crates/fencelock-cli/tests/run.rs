@@ -382,7 +382,11 @@ async fn acquire_renew_release_ls_show_and_json_output() {
     assert_eq!(out.status.code(), Some(2), "invalid input is a usage error");
     let out = finish(fencelock(&url).args(["acquire", "x", "--ttl", "soon"])).await;
     assert_eq!(out.status.code(), Some(2));
-    assert!(text(&out.stderr).contains("not a duration"));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("not a duration") && stderr.contains("--ttl"),
+        "the error names the flag: {stderr}"
+    );
 }
 
 #[tokio::test]

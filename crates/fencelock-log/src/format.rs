@@ -1,5 +1,8 @@
 //! Byte layout of segment headers, record frames and snapshot files.
 //! Pure functions over byte slices; no I/O. See the crate docs for the format.
+//!
+//! Hand-written on purpose: the bytes on disk are a format this crate must read
+//! forever, so this file fixes them, not a serialization crate's choices.
 
 /// The largest record payload [`Log::append`](crate::Log::append) accepts: 16 MiB.
 pub const MAX_RECORD_BYTES: usize = 16 << 20;

@@ -1,4 +1,8 @@
 //! The [`Log`]: opening (recovery), appending, group commit, snapshots.
+//!
+//! Ours on purpose: one `fdatasync` per batch, preallocated segments and
+//! snapshot-bounded recovery are the server's durability contract; embedded
+//! databases (sled, redb) offer transactions instead, at a cost per write.
 
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::{FileExt, MetadataExt};

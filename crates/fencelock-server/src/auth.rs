@@ -196,7 +196,7 @@ impl AuthConfig {
 
 /// SHA-256 of `token`, as 64 lower-case hex digits: what the config stores.
 pub fn hash_token(token: &str) -> String {
-    hex(&sha256(token.as_bytes()))
+    hex::encode(sha256(token.as_bytes()))
 }
 
 /// A fresh random token (256 bits from the OS, hex, with the prefix
@@ -204,7 +204,7 @@ pub fn hash_token(token: &str) -> String {
 pub fn new_token() -> std::io::Result<String> {
     let mut bytes = [0u8; 32];
     getrandom::fill(&mut bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
-    Ok(format!("{TOKEN_PREFIX}{}", hex(&bytes)))
+    Ok(format!("{TOKEN_PREFIX}{}", hex::encode(bytes)))
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -214,32 +214,17 @@ fn sha256(bytes: &[u8]) -> [u8; 32] {
     out
 }
 
-fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write;
-    bytes.iter().fold(String::new(), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
-}
-
+/// 64 hex digits (either case) as a SHA-256 digest.
 fn parse_hash(s: &str) -> Option<[u8; 32]> {
-    if s.len() != 64 || !s.is_ascii() {
-        return None;
-    }
     let mut out = [0u8; 32];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
-    }
+    hex::decode_to_slice(s, &mut out).ok()?;
     Some(out)
 }
 
 /// Equality of two digests in time independent of where they differ.
 fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    let mut diff = 0u8;
-    for (x, y) in a.iter().zip(b) {
-        diff |= std::hint::black_box(x ^ y);
-    }
-    std::hint::black_box(diff) == 0
+    use subtle::ConstantTimeEq;
+    a[..].ct_eq(&b[..]).into()
 }
 
 /// Equality of two secrets in time independent of their content: both are hashed
@@ -752,7 +737,7 @@ fn same_origin(uri: &Uri, headers: &HeaderMap) -> bool {
 }
 
 /// The token of a request and whether it came from the cookie. The `Authorization`
-/// header wins over the cookie.
+/// header wins over the cookie; the first [`TOKEN_COOKIE`] counts.
 fn credentials(headers: &HeaderMap) -> Result<Option<(&str, bool)>, ApiError> {
     if let Some(value) = headers.get(header::AUTHORIZATION) {
         let value = value
@@ -765,14 +750,17 @@ fn credentials(headers: &HeaderMap) -> Result<Option<(&str, bool)>, ApiError> {
             .ok_or_else(|| unauthenticated("expected `Authorization: Bearer <token>`"))?;
         return checked(token).map(|t| Some((t, false)));
     }
-    for value in headers.get_all(header::COOKIE) {
-        let Ok(value) = value.to_str() else { continue };
-        for pair in value.split(';') {
-            if let Some((name, token)) = pair.trim().split_once('=') {
-                if name == TOKEN_COOKIE {
-                    return checked(token.trim_matches('"')).map(|t| Some((t, true)));
-                }
-            }
+    let cookies = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(cookie::Cookie::split_parse)
+        .filter_map(Result::ok);
+    for c in cookies {
+        if c.name() == TOKEN_COOKIE {
+            // A cookie parsed from borrowed text borrows its value from it too.
+            let Some(token) = c.value_raw() else { continue };
+            return checked(token.trim_matches('"')).map(|t| Some((t, true)));
         }
     }
     Ok(None)

@@ -1,8 +1,10 @@
 //! Binary encoding of log records (`(now_ms, Command)`) and snapshots (`StateImage`).
 //!
-//! Hand-written, little-endian, versioned by a leading byte. Decoding never panics:
-//! bad input is a [`DecodeError`]. The log layer checksums every record and snapshot,
-//! so a decode error here means a bug or a format from the future, never a torn write.
+//! Hand-written on purpose (the log must read old records forever, so this file, not
+//! a serialization crate, fixes the bytes), little-endian, versioned by a leading
+//! byte. Decoding never panics: bad input is a [`DecodeError`]. The log layer
+//! checksums every record and snapshot, so a decode error here means a bug or a
+//! format from the future, never a torn write.
 
 use fencelock_core::{
     Acquire, Command, Fence, GrantEnd, HolderImage, LeaseImage, LockImage, LockName, Owner,

@@ -1,11 +1,15 @@
 //! The operator dashboard at `/` and the audit query API `GET /v1/audit`.
 //!
-//! Server-rendered HTML (hand-written templates: every value that comes from a
-//! user, such as lock names, owners and reasons, goes through [`esc`]), made live
-//! with the vendored htmx and its SSE extension (`assets/`, served from
-//! `/ui/assets/`; no build step, nothing from a CDN). One SSE stream per page
-//! (`/ui/stream`) pushes the lock table and the health panel every second and at
-//! once after each durable lock event, and each event as a row of "recent events".
+//! Server-rendered HTML from [`maud`] templates, which escape every value they
+//! insert (lock names, owners, reasons, prefixes, error messages: everything that
+//! comes from a user), made live with the vendored htmx and its SSE extension
+//! (`assets/`, served from `/ui/assets/`; no build step, nothing from a CDN). One SSE
+//! stream per page (`/ui/stream`) pushes the lock table and the health panel every
+//! second and at once after each durable lock event, and each event as a row of
+//! "recent events".
+//!
+//! Markup that is not escaped (`PreEscaped`) is only ever a constant of this file:
+//! the style sheet `STYLE` in the page head. (`maud::DOCTYPE` is maud's own.)
 //!
 //! Authorization: every page and stream calls [`auth::authorize`] (fails closed);
 //! with no tokens configured every caller is the anonymous admin. Browsers sign in
@@ -17,7 +21,6 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::fmt::Write as _;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -29,8 +32,11 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use cookie::{Cookie, SameSite};
 use fencelock_core::{Event, EventKind, Fence, GrantEnd, LockName, LockView, Reason};
 use futures_util::StreamExt;
+use maud::{html, Markup, PreEscaped, DOCTYPE};
+use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::RecvError;
@@ -62,88 +68,95 @@ th{background:#f4f4f4}td.num{text-align:right;font-variant-numeric:tabular-nums}
 input[type=text],input[type=password]{padding:.3em;min-width:18em}button{padding:.3em .8em}\
 .kind-forced_release{color:#b00;font-weight:bold}.kind-expiry{color:#a60}";
 
-/// HTML-escapes text for element content and quoted attribute values.
-pub fn esc(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
-    }
-    out
-}
+/// Bytes left as they are in a URL path segment or query value; every other byte
+/// is percent-encoded.
+const URL_SAFE: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~')
+    .remove(b':');
 
 /// Percent-encodes text for a URL path segment or query value.
 fn url(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for b in text.bytes() {
-        if b.is_ascii_alphanumeric() || b"-_.~:".contains(&b) {
-            out.push(b as char);
-        } else {
-            let _ = write!(out, "%{b:02X}");
-        }
-    }
-    out
+    utf8_percent_encode(text, URL_SAFE).to_string()
 }
 
-/// A duration in ms as short text: `850 ms`, `12.3 s`, `4 m 05 s`, `2 h 03 m`.
+/// A duration in ms as short text, as precise as a glance needs: `850ms`,
+/// `12s 300ms`, `4m 5s`, `2h 3m`.
 fn dur(ms: u64) -> String {
-    match ms {
-        0..=999 => format!("{ms} ms"),
-        1_000..=59_999 => format!("{:.1} s", ms as f64 / 1000.0),
-        60_000..=3_599_999 => format!("{} m {:02} s", ms / 60_000, ms / 1000 % 60),
-        _ => format!("{} h {:02} m", ms / 3_600_000, ms / 60_000 % 60),
-    }
+    let step = match ms {
+        0..=999 => 1,
+        1_000..=59_999 => 100,
+        60_000..=3_599_999 => 1_000,
+        _ => 60_000,
+    };
+    humantime::format_duration(Duration::from_millis(ms - ms % step)).to_string()
+}
+
+/// Milliseconds since the Unix epoch as a UTC date and time (`None` past year 9999).
+fn civil(wall_ms: u64) -> Option<time::OffsetDateTime> {
+    time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(wall_ms) * 1_000_000).ok()
 }
 
 /// Milliseconds since the Unix epoch as `YYYY-MM-DD HH:MM:SS.mmm` UTC.
-pub fn utc(wall_ms: u64) -> String {
-    let secs = wall_ms / 1000;
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}.{:03}",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60,
-        wall_ms % 1000
-    )
+fn utc(wall_ms: u64) -> String {
+    match civil(wall_ms) {
+        Some(t) => format!(
+            "{:04}-{:02}-{:02} {:02}:{:02}:{:02}.{:03}",
+            t.year(),
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second(),
+            t.millisecond()
+        ),
+        None => format!("{wall_ms} ms after 1970"),
+    }
 }
 
-fn page(title: &str, who: Option<&Principal>, body: &str) -> Html<String> {
-    let user = match who {
-        Some(p) if !p.is_anonymous() => format!(
-            "<span>signed in as <b>{}</b> ({}) <form class=\"inline\" method=\"post\" action=\"/ui/logout\"><button>sign out</button></form></span>",
-            esc(p.name()),
-            esc(p.role().as_str())
-        ),
-        Some(_) => "<span class=\"muted\">authentication off (loopback only)</span>".to_owned(),
-        None => String::new(),
+/// Milliseconds since the Unix epoch as RFC 3339 UTC with milliseconds
+/// (`2026-03-02T12:30:45.123Z`; always three digits, so the text sorts).
+fn rfc3339(wall_ms: u64) -> String {
+    utc(wall_ms).replacen(' ', "T", 1) + "Z"
+}
+
+fn page(title: &str, who: Option<&Principal>, body: Markup) -> Html<String> {
+    let markup = html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width";
+                title { (title) " · fencelock" }
+                // A constant of this file, not user data.
+                style { (PreEscaped(STYLE)) }
+                script src="/ui/assets/htmx.min.js" {}
+                script src="/ui/assets/htmx-ext-sse.min.js" {}
+            }
+            body hx-ext="sse" {
+                header {
+                    h1 { a href="/" { "fencelock" } " · " (title) }
+                    @match who {
+                        Some(p) if !p.is_anonymous() => span {
+                            "signed in as " b { (p.name()) } " (" (p.role().as_str()) ") "
+                            form.inline method="post" action="/ui/logout" { button { "sign out" } }
+                        },
+                        Some(_) => span.muted { "authentication off (loopback only)" },
+                        None => {},
+                    }
+                }
+                (body)
+            }
+        }
     };
-    Html(format!(
-        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
-<meta name=\"viewport\" content=\"width=device-width\"><title>{} · fencelock</title>\
-<style>{STYLE}</style><script src=\"/ui/assets/htmx.min.js\"></script>\
-<script src=\"/ui/assets/htmx-ext-sse.min.js\"></script></head>\
-<body hx-ext=\"sse\"><header><h1><a href=\"/\">fencelock</a> · {}</h1>{user}</header>\n{body}\n</body></html>",
-        esc(title),
-        esc(title)
-    ))
+    Html(markup.into_string())
+}
+
+/// An error message as a paragraph.
+fn error_p(message: &str) -> Markup {
+    html! { p.error { (message) } }
 }
 
 /// The caller if it may do `action`; a page answer (login form or error) if not.
@@ -163,8 +176,7 @@ fn page_caller(
                 r
             }
             _ => {
-                let body = format!("<p class=\"error\">{}</p>", esc(e.message()));
-                let mut r = page("not allowed", None, &body).into_response();
+                let mut r = page("not allowed", None, error_p(e.message())).into_response();
                 *r.status_mut() = StatusCode::FORBIDDEN;
                 r
             }
@@ -173,25 +185,32 @@ fn page_caller(
 }
 
 fn has_token_cookie(headers: &HeaderMap) -> bool {
-    headers.get_all(header::COOKIE).iter().any(|v| {
-        v.to_str().is_ok_and(|v| {
-            v.split(';')
-                .any(|p| p.trim().starts_with(&format!("{}=", auth::TOKEN_COOKIE)))
-        })
-    })
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(Cookie::split_parse)
+        .any(|c| c.is_ok_and(|c| c.name() == auth::TOKEN_COOKIE))
 }
 
 fn login_page(message: Option<&str>) -> Html<String> {
-    let message = message
-        .map(|m| format!("<p class=\"error\">{}</p>", esc(m)))
-        .unwrap_or_default();
     page(
         "sign in",
         None,
-        &format!(
-            "{message}<form method=\"post\" action=\"/ui/login\"><p><label>Token <input type=\"password\" name=\"token\" autocomplete=\"off\" required></label> \
-<button>Sign in</button></p><p class=\"muted\">A token from the server's config (<code>fencelock token new</code>). It is kept in an HttpOnly cookie.</p></form>"
-        ),
+        html! {
+            @if let Some(m) = message { (error_p(m)) }
+            form method="post" action="/ui/login" {
+                p {
+                    label { "Token " input type="password" name="token" autocomplete="off" required; }
+                    " "
+                    button { "Sign in" }
+                }
+                p.muted {
+                    "A token from the server's config (" code { "fencelock token new" }
+                    "). It is kept in an HttpOnly cookie."
+                }
+            }
+        },
     )
 }
 
@@ -213,6 +232,17 @@ fn cookie_safe(token: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"-_.~+/=".contains(&b))
 }
 
+/// The token cookie's `Set-Cookie` value: HttpOnly, SameSite=Strict, the whole
+/// site, and `Secure` when the page came over https.
+fn token_cookie(value: &str, https: bool) -> Cookie<'_> {
+    Cookie::build((auth::TOKEN_COOKIE, value))
+        .path("/")
+        .http_only(true)
+        .same_site(SameSite::Strict)
+        .secure(https)
+        .build()
+}
+
 async fn login(headers: HeaderMap, form: Result<Form<LoginForm>, FormRejection>) -> Response {
     let Ok(Form(form)) = form else {
         return (StatusCode::BAD_REQUEST, login_page(Some("Send a token."))).into_response();
@@ -230,13 +260,8 @@ async fn login(headers: HeaderMap, form: Result<Form<LoginForm>, FormRejection>)
     let https = headers
         .get(header::ORIGIN)
         .is_some_and(|o| o.as_bytes().starts_with(b"https://"));
-    let cookie = format!(
-        "{}={token}; Path=/; HttpOnly; SameSite=Strict{}",
-        auth::TOKEN_COOKIE,
-        if https { "; Secure" } else { "" }
-    );
     let mut r = Redirect::to("/").into_response();
-    if let Ok(v) = HeaderValue::from_str(&cookie) {
+    if let Ok(v) = HeaderValue::from_str(&token_cookie(token, https).to_string()) {
         r.headers_mut().insert(header::SET_COOKIE, v);
     }
     r
@@ -244,14 +269,11 @@ async fn login(headers: HeaderMap, form: Result<Form<LoginForm>, FormRejection>)
 
 async fn logout() -> Response {
     let mut r = Redirect::to("/ui/login").into_response();
-    r.headers_mut().insert(
-        header::SET_COOKIE,
-        HeaderValue::from_str(&format!(
-            "{}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0",
-            auth::TOKEN_COOKIE
-        ))
-        .expect("a valid header"),
-    );
+    let mut gone = token_cookie("", false);
+    gone.set_max_age(cookie::time::Duration::ZERO);
+    if let Ok(v) = HeaderValue::from_str(&gone.to_string()) {
+        r.headers_mut().insert(header::SET_COOKIE, v);
+    }
     r
 }
 
@@ -295,74 +317,73 @@ async fn visible_locks(
     Ok(out)
 }
 
-fn lock_link(name: &str) -> String {
-    format!(
-        "<a class=\"lock\" href=\"/ui/lock/{}\">{}</a>",
-        url(name),
-        esc(name)
-    )
+fn lock_link(name: &str) -> Markup {
+    html! { a.lock href={ "/ui/lock/" (url(name)) } { (name) } }
 }
 
-fn locks_table(views: &[LockView]) -> String {
-    let mut s = String::from(
-        "<table id=\"lock-table\"><thead><tr><th>Lock</th><th>Owner</th><th>Fence</th><th>Held</th>\
-<th>Lease left</th><th>Waiters</th><th>Lock-delay left</th></tr></thead><tbody>",
-    );
-    if views.is_empty() {
-        s.push_str("<tr><td colspan=\"7\" class=\"muted\">no locks held, queued for or in lock-delay</td></tr>");
-    }
-    for v in views {
-        let name = v.name.as_str();
-        let delay = if v.lock_delay_remaining_ms > 0 {
-            dur(v.lock_delay_remaining_ms)
-        } else {
-            "—".to_owned()
-        };
-        if v.holders.is_empty() {
-            let _ = write!(
-                s,
-                "<tr data-lock=\"{}\"><td>{}</td><td class=\"muted\">free</td><td></td><td></td><td></td><td class=\"num\">{}</td><td>{}</td></tr>",
-                esc(name),
-                lock_link(name),
-                v.waiters,
-                delay
-            );
+fn locks_table(views: &[LockView]) -> Markup {
+    html! {
+        table #lock-table {
+            thead { tr {
+                th { "Lock" } th { "Owner" } th { "Fence" } th { "Held" }
+                th { "Lease left" } th { "Waiters" } th { "Lock-delay left" }
+            } }
+            tbody {
+                @if views.is_empty() {
+                    tr { td.muted colspan="7" { "no locks held, queued for or in lock-delay" } }
+                }
+                @for v in views {
+                    @let name = v.name.as_str();
+                    @let delay = if v.lock_delay_remaining_ms > 0 {
+                        dur(v.lock_delay_remaining_ms)
+                    } else {
+                        "—".to_owned()
+                    };
+                    @if v.holders.is_empty() {
+                        tr data-lock=(name) {
+                            td { (lock_link(name)) } td.muted { "free" } td {} td {} td {}
+                            td.num { (v.waiters) } td { (delay) }
+                        }
+                    }
+                    @for h in &v.holders {
+                        tr data-lock=(name) {
+                            td {
+                                (lock_link(name))
+                                @if v.limit > 1 { " " span.muted { "(limit " (v.limit) ")" } }
+                            }
+                            td.owner { (h.owner.as_str()) }
+                            td.num.fence { (h.fence.get()) }
+                            td.num { (dur(h.held_ms)) }
+                            td.num { (dur(h.ttl_remaining_ms)) }
+                            td.num { (v.waiters) }
+                            td { (delay) }
+                        }
+                    }
+                }
+            }
         }
-        for h in &v.holders {
-            let _ = write!(
-                s,
-                "<tr data-lock=\"{}\"><td>{}{}</td><td class=\"owner\">{}</td><td class=\"num fence\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td>{}</td></tr>",
-                esc(name),
-                lock_link(name),
-                if v.limit > 1 { format!(" <span class=\"muted\">(limit {})</span>", v.limit) } else { String::new() },
-                esc(h.owner.as_str()),
-                h.fence.get(),
-                dur(h.held_ms),
-                dur(h.ttl_remaining_ms),
-                v.waiters,
-                delay
-            );
-        }
     }
-    s.push_str("</tbody></table>");
-    s
 }
 
 /// The health panel. The counts are the whole server's, so a token limited to some
 /// prefixes sees only the state and uptime (issue 19: a tenant must not learn how
 /// many locks, sessions and waiters the others have).
-fn health(h: &Handle, who: &Principal) -> String {
+fn health(h: &Handle, who: &Principal) -> Markup {
     let state = match h.state() {
         RunState::Running => "running".to_owned(),
         other => format!("{other:?}"),
     };
+    let uptime = dur(h.uptime().as_millis() as u64);
     if !who.covers_everything() {
-        return format!(
-            "<div class=\"health\" id=\"health-panel\"><div>state<b>{}</b></div><div>uptime<b>{}</b></div>\
-<div class=\"muted\">Counts cover every lock; they need a token whose prefixes include every lock.</div></div>",
-            esc(&state),
-            dur(h.uptime().as_millis() as u64),
-        );
+        return html! {
+            div.health #health-panel {
+                div { "state" b { (state) } }
+                div { "uptime" b { (uptime) } }
+                div.muted {
+                    "Counts cover every lock; they need a token whose prefixes include every lock."
+                }
+            }
+        };
     }
     let m = h.metrics();
     // A cluster member syncs the Raft log instead of the command log.
@@ -371,129 +392,153 @@ fn health(h: &Handle, who: &Principal) -> String {
     } else {
         &m.fsync
     };
+    let ms = |us: f64| format!("{:.2} ms", us / 1000.0);
     let fsync = match (sync.mean(), sync.quantile_bound(0.99)) {
-        (Some(mean), Some(p99)) => format!(
-            "{:.2} ms <span class=\"muted\">(p99 ≤ {:.2} ms)</span>",
-            mean / 1000.0,
-            p99 as f64 / 1000.0
-        ),
-        (Some(mean), None) => format!("{:.2} ms", mean / 1000.0),
-        _ => "—".to_owned(),
+        (Some(mean), Some(p99)) => html! {
+            (ms(mean)) " " span.muted { "(p99 ≤ " (ms(p99 as f64)) ")" }
+        },
+        (Some(mean), None) => html! { (ms(mean)) },
+        _ => html! { "—" },
     };
-    let audit = m
-        .audit_write
-        .mean()
-        .map_or("—".to_owned(), |us| format!("{:.2} ms", us / 1000.0));
+    let audit = m.audit_write.mean().map_or("—".to_owned(), ms);
     let batch = m
         .batch_size
         .mean()
         .map_or("—".to_owned(), |b| format!("{b:.1}"));
-    format!(
-        "<div class=\"health\" id=\"health-panel\">\
-<div>state<b>{}</b></div><div>uptime<b>{}</b></div><div>held<b>{}</b></div><div>waiters<b>{}</b></div>\
-<div>sessions<b>{}</b></div><div>locks<b>{}</b></div><div>next fence<b>{}</b></div>\
-<div>log sync (mean)<b>{fsync}</b></div><div>audit write (mean)<b>{audit}</b></div>\
-<div>records per sync (mean)<b>{batch}</b></div><div>syncs<b>{}</b></div><div>audit entries<b>{}</b></div></div>",
-        esc(&state),
-        dur(h.uptime().as_millis() as u64),
-        m.held.load(Relaxed),
-        m.waiters.load(Relaxed),
-        m.sessions.load(Relaxed),
-        m.locks.load(Relaxed),
-        m.next_fence.load(Relaxed),
-        sync.count(),
-        m.audit_entries.load(Relaxed),
-    )
+    html! {
+        div.health #health-panel {
+            div { "state" b { (state) } }
+            div { "uptime" b { (uptime) } }
+            div { "held" b { (m.held.load(Relaxed)) } }
+            div { "waiters" b { (m.waiters.load(Relaxed)) } }
+            div { "sessions" b { (m.sessions.load(Relaxed)) } }
+            div { "locks" b { (m.locks.load(Relaxed)) } }
+            div { "next fence" b { (m.next_fence.load(Relaxed)) } }
+            div { "log sync (mean)" b { (fsync) } }
+            div { "audit write (mean)" b { (audit) } }
+            div { "records per sync (mean)" b { (batch) } }
+            div { "syncs" b { (sync.count()) } }
+            div { "audit entries" b { (m.audit_entries.load(Relaxed)) } }
+        }
+    }
 }
 
 /// A member's URL as a link, if it is an http(s) URL (anything else, such as a
 /// `javascript:` URL, is shown as text), or `—` if unknown.
-fn member_link(url: Option<&str>) -> String {
-    match url {
-        Some(u) if u.starts_with("http://") || u.starts_with("https://") => {
-            format!("<a href=\"{}\">{}</a>", esc(u), esc(u))
+fn member_link(url: Option<&str>) -> Markup {
+    html! {
+        @match url {
+            Some(u) if u.starts_with("http://") || u.starts_with("https://") => {
+                a href=(u) { (u) }
+            }
+            Some(u) => (u),
+            None => "—",
         }
-        Some(u) => esc(u),
-        None => "—".to_owned(),
     }
 }
 
 /// The "Cluster" section (cluster mode only): this member, the term and the leader,
 /// then one row per member with its replication progress (known on the leader).
-fn cluster_section(v: &crate::cluster::api::ClusterView) -> String {
-    let leader = match &v.leader {
-        Some(l) => format!(
-            "member <b>{}</b> ({})",
-            l.id,
-            member_link(Some(l.url.as_str()))
-        ),
-        None => "<span class=\"error\">none known</span>".to_owned(),
-    };
-    let mut s = format!(
-        "<p id=\"cluster-self\">This is member <b>{}</b>, <b>{}</b>, term <b>{}</b>. Leader: {leader}.</p>\
-<table id=\"cluster-table\"><thead><tr><th>Member</th><th>URL</th><th>Role</th><th>Matched index</th>\
-<th>Lag (entries)</th></tr></thead><tbody>",
-        v.node_id,
-        esc(v.role),
-        v.term
-    );
+fn cluster_section(v: &crate::cluster::api::ClusterView) -> Markup {
     let num = |n: Option<u64>| n.map_or("—".to_owned(), |n| n.to_string());
-    for m in &v.members {
-        let _ = write!(
-            s,
-            "<tr data-member=\"{}\"><td class=\"num\">{}{}</td><td>{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
-            m.id,
-            m.id,
-            if m.id == v.node_id { " <span class=\"muted\">(this)</span>" } else { "" },
-            member_link(m.url.as_deref()),
-            esc(m.role),
-            num(m.matched_index),
-            num(m.lag),
-        );
+    html! {
+        p #cluster-self {
+            "This is member " b { (v.node_id) } ", " b { (v.role) } ", term " b { (v.term) }
+            ". Leader: "
+            @match &v.leader {
+                Some(l) => { "member " b { (l.id) } " (" (member_link(Some(l.url.as_str()))) ")" }
+                None => span.error { "none known" },
+            }
+            "."
+        }
+        table #cluster-table {
+            thead { tr {
+                th { "Member" } th { "URL" } th { "Role" } th { "Matched index" }
+                th { "Lag (entries)" }
+            } }
+            tbody {
+                @for m in &v.members {
+                    tr data-member=(m.id) {
+                        td.num {
+                            (m.id)
+                            @if m.id == v.node_id { " " span.muted { "(this)" } }
+                        }
+                        td { (member_link(m.url.as_deref())) }
+                        td { (m.role) }
+                        td.num { (num(m.matched_index)) }
+                        td.num { (num(m.lag)) }
+                    }
+                }
+            }
+        }
+        @if v.last_log_index.is_none() {
+            p.muted { "Replication progress is known on the leader only." }
+        }
     }
-    s.push_str("</tbody></table>");
-    if v.last_log_index.is_none() {
-        s.push_str("<p class=\"muted\">Replication progress is known on the leader only.</p>");
-    }
-    s
 }
 
 /// The cluster section of `h`'s dashboard, `None` on a single server.
-fn cluster_html(h: &Handle) -> Option<String> {
+fn cluster_html(h: &Handle) -> Option<Markup> {
     h.cluster()
         .map(|c| cluster_section(&crate::cluster::api::view(c)))
 }
 
-fn audit_row(e: &AuditEntry) -> String {
+/// A row of "recent events" or of a lock's history.
+struct EventRow<'a> {
+    wall_ms: u64,
+    /// The audit kind (`forced_release`), also the row's CSS class.
+    kind: &'a str,
+    lock: Option<&'a str>,
+    fence: Option<u64>,
+    owner: &'a str,
+    /// Plain text; escaped when rendered.
+    detail: String,
+}
+
+impl EventRow<'_> {
+    fn render(&self) -> Markup {
+        html! {
+            tr {
+                td { (utc(self.wall_ms)) }
+                td class={ "kind-" (self.kind) } { (self.kind.replace('_', " ")) }
+                td { @if let Some(l) = self.lock { (lock_link(l)) } }
+                td.num { @if let Some(f) = self.fence { (f) } }
+                td { (self.owner) }
+                td { (self.detail) }
+            }
+        }
+    }
+}
+
+fn audit_row(e: &AuditEntry) -> Markup {
     let mut detail = Vec::new();
     if let Some(r) = &e.reason {
-        detail.push(format!("reason: {}", esc(r)));
+        detail.push(format!("reason: {r}"));
     }
     if let Some(a) = &e.actor {
-        detail.push(format!("by {}", esc(a)));
+        detail.push(format!("by {a}"));
     }
     if let Some(d) = &e.detail {
-        detail.push(esc(d));
+        detail.push(d.clone());
     }
     if let Some(r) = &e.request_id {
-        detail.push(format!("request {}", esc(r)));
+        detail.push(format!("request {r}"));
     }
     if e.duration_ms > 0 {
         detail.push(dur(e.duration_ms));
     }
-    format!(
-        "<tr><td>{}</td><td class=\"kind-{}\">{}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td></tr>",
-        utc(e.wall_ms),
-        e.kind.as_str(),
-        e.kind.as_str().replace('_', " "),
-        e.lock.as_deref().map(lock_link).unwrap_or_default(),
-        e.fence.map(|f| f.to_string()).unwrap_or_default(),
-        esc(e.owner.as_deref().unwrap_or("")),
-        detail.join(", ")
-    )
+    EventRow {
+        wall_ms: e.wall_ms,
+        kind: e.kind.as_str(),
+        lock: e.lock.as_deref(),
+        fence: e.fence,
+        owner: e.owner.as_deref().unwrap_or(""),
+        detail: detail.join(", "),
+    }
+    .render()
 }
 
-fn event_row(e: &Event) -> Option<String> {
+fn event_row(e: &Event) -> Option<Markup> {
     let kind = match e.kind {
         EventKind::Granted => "grant",
         EventKind::Ended(GrantEnd::Released) => "release",
@@ -501,22 +546,30 @@ fn event_row(e: &Event) -> Option<String> {
         EventKind::Ended(GrantEnd::ForceReleased) => "forced_release",
         EventKind::Queued | EventKind::WaitEnded(_) => return None,
     };
-    let detail = e
-        .reason
-        .as_ref()
-        .map(|r| format!("reason: {}", esc(r.as_str())))
-        .unwrap_or_default();
-    Some(format!(
-        "<tr><td>{}</td><td class=\"kind-{kind}\">{}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td><td>{detail}</td></tr>",
-        utc(crate::audit::wall_ms()),
-        kind.replace('_', " "),
-        lock_link(e.name.as_str()),
-        e.fence.map(|f| f.get().to_string()).unwrap_or_default(),
-        esc(e.owner.as_str()),
-    ))
+    let row = EventRow {
+        wall_ms: crate::audit::wall_ms(),
+        kind,
+        lock: Some(e.name.as_str()),
+        fence: e.fence.map(|f| f.get()),
+        owner: e.owner.as_str(),
+        detail: e
+            .reason
+            .as_ref()
+            .map(|r| format!("reason: {}", r.as_str()))
+            .unwrap_or_default(),
+    };
+    Some(row.render())
 }
 
-const EVENTS_HEAD: &str = "<table><thead><tr><th>Time (UTC)</th><th>Event</th><th>Lock</th><th>Fence</th><th>Owner</th><th>Detail</th></tr></thead>";
+/// The head of the "recent events" and history tables.
+fn events_head() -> Markup {
+    html! {
+        thead { tr {
+            th { "Time (UTC)" } th { "Event" } th { "Lock" } th { "Fence" } th { "Owner" }
+            th { "Detail" }
+        } }
+    }
+}
 
 /// Audit entries the caller may see (lock-less entries only with every prefix).
 fn visible_audit(h: &Handle, who: &Principal, query: &AuditQuery) -> Vec<AuditEntry> {
@@ -541,9 +594,8 @@ async fn index(
     let prefix = params.map(|Query(p)| p.prefix).unwrap_or_default();
     let table = match visible_locks(&h, &who, &prefix).await {
         Ok(views) => locks_table(&views),
-        Err(e) => format!("<p class=\"error\">{}</p>", esc(e.message())),
+        Err(e) => error_p(e.message()),
     };
-    let mut events = String::new();
     let recent = visible_audit(
         &h,
         &who,
@@ -553,31 +605,39 @@ async fn index(
             limit: RECENT_EVENTS * 4,
         },
     );
-    for e in recent
+    let events = recent
         .iter()
         .rev()
         .filter(|e| e.lock.as_deref().is_some_and(|l| l.starts_with(&prefix)))
-        .take(RECENT_EVENTS)
-    {
-        events.push_str(&audit_row(e));
-    }
-    let cluster = cluster_html(&h)
-        .map(|c| format!("<h2>Cluster</h2><div id=\"cluster\" sse-swap=\"cluster\">{c}</div>"))
-        .unwrap_or_default();
-    let body = format!(
-        "<form method=\"get\" action=\"/\"><label>Prefix <input type=\"text\" name=\"prefix\" value=\"{}\" placeholder=\"tenant:kind:\"></label> <button>Show</button></form>\
-<div sse-connect=\"/ui/stream?prefix={}\">\
-<h2>Health</h2><div id=\"health\" sse-swap=\"health\">{}</div>{cluster}\
-<h2>Locks <span class=\"muted\" id=\"live\">(live)</span></h2><div id=\"locks\" sse-swap=\"locks\">{}</div>\
-<h2>Recent events</h2>{EVENTS_HEAD}<tbody id=\"events\" sse-swap=\"event\" hx-swap=\"afterbegin\">{}</tbody></table>\
-</div>",
-        esc(&prefix),
-        url(&prefix),
-        health(&h, &who),
-        table,
-        events
-    );
-    page("locks", Some(&who), &body).into_response()
+        .take(RECENT_EVENTS);
+    let body = html! {
+        form method="get" action="/" {
+            label {
+                "Prefix "
+                input type="text" name="prefix" value=(prefix) placeholder="tenant:kind:";
+            }
+            " "
+            button { "Show" }
+        }
+        div sse-connect={ "/ui/stream?prefix=" (url(&prefix)) } {
+            h2 { "Health" }
+            div #health sse-swap="health" { (health(&h, &who)) }
+            @if let Some(cluster) = cluster_html(&h) {
+                h2 { "Cluster" }
+                div #cluster sse-swap="cluster" { (cluster) }
+            }
+            h2 { "Locks " span.muted #live { "(live)" } }
+            div #locks sse-swap="locks" { (table) }
+            h2 { "Recent events" }
+            table {
+                (events_head())
+                tbody #events sse-swap="event" hx-swap="afterbegin" {
+                    @for e in events { (audit_row(e)) }
+                }
+            }
+        }
+    };
+    page("locks", Some(&who), body).into_response()
 }
 
 /// The live stream of a page: `locks` and `health` every [`REFRESH`] and after
@@ -756,7 +816,7 @@ async fn render_view(
     let take = |got: Result<SharedEvent, RecvError>, rows: &mut Vec<String>| match got {
         Ok(e) => {
             if e.name.as_str().starts_with(&key.prefix) && who.covers(e.name.as_str()) {
-                rows.extend(event_row(&e));
+                rows.extend(event_row(&e).map(Markup::into_string));
                 if rows.len() > RECENT_EVENTS {
                     rows.remove(0);
                 }
@@ -803,12 +863,12 @@ async fn render_view(
         }
         let table = match visible_locks(&h, &who, &key.prefix).await {
             Ok(locks) => locks_table(&locks),
-            Err(e) => format!("<p class=\"error\">{}</p>", esc(e.message())),
+            Err(e) => error_p(e.message()),
         };
         let frame = Frame {
-            table,
-            health: health(&h, &who),
-            cluster: cluster_html(&h),
+            table: table.into_string(),
+            health: health(&h, &who).into_string(),
+            cluster: cluster_html(&h).map(Markup::into_string),
             rows: std::mem::take(&mut rows),
         };
         h.metrics().dashboard_renders.fetch_add(1, Relaxed);
@@ -836,8 +896,8 @@ async fn lock_page(
     let name = match input::lock_name("name", &raw) {
         Ok(n) => n,
         Err(e) => {
-            let body = format!("<p class=\"error\">{}</p>", esc(e.message()));
-            return (StatusCode::BAD_REQUEST, page("bad lock name", None, &body)).into_response();
+            let body = error_p(e.message());
+            return (StatusCode::BAD_REQUEST, page("bad lock name", None, body)).into_response();
         }
     };
     let who = match page_caller(&ext, &headers, Action::Read, Some(name.as_str())) {
@@ -848,51 +908,62 @@ async fn lock_page(
     let admin = who
         .authorize(Action::ForceRelease, Some(name.as_str()))
         .is_ok();
-    let force = if admin {
-        format!(
-            "<h2>Force release</h2><form id=\"force-release\" hx-post=\"/ui/force-release\" hx-target=\"#force-result\" \
-hx-confirm=\"Force-release {}? Its holders lose it; the next grant gets a larger fence.\">\
-<input type=\"hidden\" name=\"name\" value=\"{}\"><label>Reason <input type=\"text\" name=\"reason\" required maxlength=\"1024\" placeholder=\"why (recorded in the audit log)\"></label> \
-<button type=\"submit\">Force release</button></form><div id=\"force-result\"></div>",
-            esc(name.as_str()),
-            esc(name.as_str())
-        )
-    } else {
-        String::new()
+    let body = html! {
+        p { a href="/" { "← all locks" } }
+        h2 { "Now" }
+        div #lock-now { (current) }
+        @if admin {
+            h2 { "Force release" }
+            form #force-release hx-post="/ui/force-release" hx-target="#force-result"
+                hx-confirm={
+                    "Force-release " (name.as_str())
+                    "? Its holders lose it; the next grant gets a larger fence."
+                } {
+                input type="hidden" name="name" value=(name.as_str());
+                label {
+                    "Reason "
+                    input type="text" name="reason" required maxlength="1024"
+                        placeholder="why (recorded in the audit log)";
+                }
+                " "
+                button type="submit" { "Force release" }
+            }
+            div #force-result {}
+        }
+        h2 { "History " span.muted { "(audit log, newest first)" } }
+        div #history { (history) }
     };
-    let body = format!(
-        "<p><a href=\"/\">← all locks</a></p><h2>Now</h2><div id=\"lock-now\">{current}</div>{force}\
-<h2>History <span class=\"muted\">(audit log, newest first)</span></h2><div id=\"history\">{history}</div>"
-    );
-    page(name.as_str(), Some(&who), &body).into_response()
+    page(name.as_str(), Some(&who), body).into_response()
 }
 
 /// The "now" table and the history table of a lock's page.
-async fn lock_sections(h: &Handle, name: &LockName) -> (String, String) {
+async fn lock_sections(h: &Handle, name: &LockName) -> (Markup, Markup) {
     let current = match h.lock(name.clone()).await {
         Ok(Some(view)) => locks_table(&[view]),
-        Ok(None) => "<p class=\"muted\">Not held, queued for or in lock-delay.</p>".to_owned(),
-        Err(e) => format!("<p class=\"error\">{}</p>", esc(e.message())),
+        Ok(None) => html! { p.muted { "Not held, queued for or in lock-delay." } },
+        Err(e) => error_p(e.message()),
     };
-    let rows: String = h
-        .audit(&AuditQuery {
-            lock: Some(name.as_str().to_owned()),
-            since_wall_ms: 0,
-            limit: MAX_AUDIT_PAGE,
-        })
-        .iter()
-        .rev()
-        .map(audit_row)
-        .collect();
-    let rows = if rows.is_empty() {
-        "<tr><td colspan=\"6\" class=\"muted\">no audit entries (retention may have dropped them)</td></tr>".to_owned()
-    } else {
-        rows
+    let entries = h.audit(&AuditQuery {
+        lock: Some(name.as_str().to_owned()),
+        since_wall_ms: 0,
+        limit: MAX_AUDIT_PAGE,
+    });
+    let history = html! {
+        table {
+            (events_head())
+            tbody {
+                @for e in entries.iter().rev() { (audit_row(e)) }
+                @if entries.is_empty() {
+                    tr {
+                        td.muted colspan="6" {
+                            "no audit entries (retention may have dropped them)"
+                        }
+                    }
+                }
+            }
+        }
     };
-    (
-        current,
-        format!("{EVENTS_HEAD}<tbody>{rows}</tbody></table>"),
-    )
+    (current, history)
 }
 
 #[derive(Deserialize)]
@@ -911,7 +982,7 @@ async fn force_release_form(
     let fragment = |status: StatusCode, class: &str, text: &str| {
         (
             status,
-            Html(format!("<p class=\"{class}\">{}</p>", esc(text))),
+            Html(html! { p class=(class) { (text) } }.into_string()),
         )
             .into_response()
     };
@@ -972,11 +1043,12 @@ async fn force_release_form(
             // The lock page's "now" and history sections are replaced too (htmx
             // out-of-band swaps), so the page shows the result of the action.
             let (current, history) = lock_sections(&h, &name).await;
-            Html(format!(
-                "<p class=\"ok\">{}</p><div id=\"lock-now\" hx-swap-oob=\"true\">{current}</div><div id=\"history\" hx-swap-oob=\"true\">{history}</div>",
-                esc(&format!("Force-released {name} (fence {}).", list.join(", ")))
-            ))
-            .into_response()
+            let markup = html! {
+                p.ok { "Force-released " (name.as_str()) " (fence " (list.join(", ")) ")." }
+                div #lock-now hx-swap-oob="true" { (current) }
+                div #history hx-swap-oob="true" { (history) }
+            };
+            Html(markup.into_string()).into_response()
         }
         Err(e) => {
             let status =
@@ -1025,7 +1097,7 @@ impl From<AuditEntry> for AuditJson {
         AuditJson {
             seq: e.seq,
             time_ms: e.wall_ms,
-            time: utc(e.wall_ms).replace(' ', "T") + "Z",
+            time: rfc3339(e.wall_ms),
             kind: e.kind.as_str(),
             lock: e.lock,
             fence: e.fence,
@@ -1080,7 +1152,8 @@ pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'
 style-src 'self' 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; \
 form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
 
-/// Security headers on every dashboard answer (defence in depth behind [`esc`]).
+/// Security headers on every dashboard answer (defence in depth behind the
+/// templates' escaping).
 async fn security_headers(mut response: Response) -> Response {
     let h = response.headers_mut();
     h.insert(
@@ -1122,22 +1195,62 @@ mod tests {
     use super::*;
 
     #[test]
-    fn escapes_markup_and_quotes() {
+    fn templates_escape_markup_and_quotes() {
+        let evil = "<script>alert('x')</script>&\"";
         assert_eq!(
-            esc("<script>alert('x')</script>&\""),
-            "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;&amp;&quot;"
+            lock_link(evil).into_string(),
+            "<a class=\"lock\" href=\"/ui/lock/%3Cscript%3Ealert%28%27x%27%29%3C%2Fscript%3E%26%22\">\
+&lt;script&gt;alert('x')&lt;/script&gt;&amp;&quot;</a>"
         );
         assert_eq!(url("a b/<c>"), "a%20b%2F%3Cc%3E");
+        assert_eq!(url("tenant:job-1_x.y~z"), "tenant:job-1_x.y~z");
+        let page = page(evil, None, error_p(evil)).0;
+        assert!(!page.contains("<script>alert"), "{page}");
+        assert!(
+            page.contains(
+                "<p class=\"error\">&lt;script&gt;alert('x')&lt;/script&gt;&amp;&quot;</p>"
+            ),
+            "{page}"
+        );
     }
 
     #[test]
     fn formats_times_and_durations() {
         assert_eq!(utc(0), "1970-01-01 00:00:00.000");
         assert_eq!(utc(1_772_454_645_123), "2026-03-02 12:30:45.123");
-        assert_eq!(dur(850), "850 ms");
-        assert_eq!(dur(12_345), "12.3 s");
-        assert_eq!(dur(245_000), "4 m 05 s");
-        assert_eq!(dur(7_380_000), "2 h 03 m");
+        assert_eq!(utc(951_782_400_007), "2000-02-29 00:00:00.007");
+        assert_eq!(rfc3339(1_772_454_645_120), "2026-03-02T12:30:45.120Z");
+        // Past year 9999: text, not a panic.
+        assert_eq!(utc(u64::MAX), format!("{} ms after 1970", u64::MAX));
+        assert_eq!(dur(0), "0s");
+        assert_eq!(dur(850), "850ms");
+        assert_eq!(dur(12_345), "12s 300ms");
+        assert_eq!(dur(245_999), "4m 5s");
+        assert_eq!(dur(7_380_000), "2h 3m");
+    }
+
+    #[test]
+    fn the_token_cookie_is_http_only_strict_and_secure_over_https() {
+        let plain = token_cookie("flk_abc", false).to_string();
+        assert!(plain.starts_with("fencelock_token=flk_abc;"), "{plain}");
+        for attribute in ["; HttpOnly", "; SameSite=Strict", "; Path=/"] {
+            assert!(plain.contains(attribute), "{plain}");
+        }
+        assert!(!plain.contains("Secure"), "{plain}");
+        assert!(token_cookie("flk_abc", true)
+            .to_string()
+            .contains("; Secure"));
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::COOKIE,
+            HeaderValue::from_static("a=1; fencelock_token=x"),
+        );
+        assert!(has_token_cookie(&headers));
+        headers.insert(
+            header::COOKIE,
+            HeaderValue::from_static("fencelock_tokenx=1; b"),
+        );
+        assert!(!has_token_cookie(&headers));
     }
 
     #[test]
@@ -1178,7 +1291,7 @@ mod tests {
                 member(3, None, "learner", Some(0), Some(42)),
             ],
         };
-        let html = cluster_section(&leader_view);
+        let html = cluster_section(&leader_view).into_string();
         assert!(
             html.contains("member <b>1</b>, <b>leader</b>, term <b>7</b>"),
             "{html}"
@@ -1221,7 +1334,7 @@ mod tests {
                 .collect(),
             ..leader_view
         };
-        let html = cluster_section(&follower_view);
+        let html = cluster_section(&follower_view).into_string();
         assert!(
             html.contains("Leader: <span class=\"error\">none known</span>"),
             "{html}"
@@ -1233,7 +1346,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_single_server_has_no_cluster_section() {
         let (h, _dir) = engine();
-        assert_eq!(cluster_html(&h), None);
+        assert!(cluster_html(&h).is_none());
         let page = index(
             State(h.clone()),
             anonymous_admin(),

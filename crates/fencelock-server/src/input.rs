@@ -43,10 +43,7 @@ const HANDLE_BYTES: usize = 8;
 /// then refuses, naming both; see [`crate::engine::Handle::close_session_by_handle`]).
 pub fn session_handle(id: SessionId) -> String {
     let digest = ring::digest::digest(&ring::digest::SHA256, id.to_string().as_bytes());
-    digest.as_ref()[..HANDLE_BYTES]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex::encode(&digest.as_ref()[..HANDLE_BYTES])
 }
 
 /// A session handle from a client: 16 lowercase hex digits.

@@ -133,21 +133,21 @@ fn time(tag: u8, text: &[u8]) -> Option<(i64, String)> {
     }
     let [month, day, hour, minute, second] =
         [0, 2, 4, 6, 8].map(|at| digits(&rest[at..at + 2]).unwrap_or(-1));
-    if !(1..=12).contains(&month) || !(1..=31).contains(&day) || hour > 23 || minute > 59 {
-        return None;
-    }
-    if !(0..=60).contains(&second) || hour < 0 || minute < 0 {
-        return None;
-    }
-    // Days from the civil date (Howard Hinnant's algorithm).
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (month + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let seconds = days * 86_400 + hour * 3600 + minute * 60 + second;
+    let date = time::Date::from_calendar_date(
+        i32::try_from(year).ok()?,
+        time::Month::try_from(u8::try_from(month).ok()?).ok()?,
+        u8::try_from(day).ok()?,
+    )
+    .ok()?;
+    // A leap second (`60`) is the last second of its minute plus one.
+    let leap = i64::from(second == 60);
+    let clock = time::Time::from_hms(
+        u8::try_from(hour).ok()?,
+        u8::try_from(minute).ok()?,
+        u8::try_from(second - leap).ok()?,
+    )
+    .ok()?;
+    let seconds = date.with_time(clock).assume_utc().unix_timestamp() + leap;
     let text = format!("{year:04}-{month:02}-{day:02}T{hour:02}:{minute:02}:{second:02}Z");
     Some((seconds, text))
 }
@@ -344,6 +344,14 @@ mod tests {
         }
         let bad_time = cert((0x17, "24013100000Z"), (0x17, "251301000000Z"), true);
         assert_eq!(Validity::of(&bad_time), None);
+        // A day its month does not have.
+        let no_such_day = cert((0x17, "240101000000Z"), (0x17, "250230000000Z"), true);
+        assert_eq!(Validity::of(&no_such_day), None);
+        let leap_second = cert((0x18, "20161231235960Z"), (0x17, "250101000000Z"), true);
+        assert_eq!(
+            Validity::of(&leap_second).unwrap().not_before,
+            1_483_228_800
+        );
         assert_eq!(Validity::of(&[0x30, 0x84, 0xff, 0xff, 0xff, 0xff]), None);
     }
 }
