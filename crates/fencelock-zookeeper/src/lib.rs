@@ -274,6 +274,9 @@ pub const MAX_LIMIT: u32 = 1024;
 /// The default and the largest `max_in_flight`.
 const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
 const MAX_IN_FLIGHT: usize = 1 << 20;
+/// Most attempts to open one session, and the pause between two.
+const OPEN_ATTEMPTS: u32 = 64;
+const OPEN_PAUSE: Duration = Duration::from_millis(100);
 /// Most servers in a connect string.
 const MAX_SERVERS: usize = 256;
 /// The most rounds (list, watch, wake) one acquire makes before giving up.
@@ -600,37 +603,63 @@ impl Inner {
 }
 
 impl Dial {
-    /// Opens a new session asking for `timeout`, trying each server once.
+    /// Opens a new session asking for `timeout`: each attempt tries every server once
+    /// (a server that is down is skipped at once); attempts repeat until
+    /// `connect_timeout` runs out, since the first TLS handshake with a cold server can
+    /// outlast the client's connection timeout (2/5 of a short session timeout).
     async fn open(&self, timeout: Duration) -> Result<zk::Client, Error> {
+        let deadline = Instant::now() + self.connect_timeout;
+        let mut last_error = None;
+        for _ in 0..OPEN_ATTEMPTS {
+            match tokio::time::timeout_at(deadline, self.open_once(timeout)).await {
+                Ok(Ok(client)) => return Ok(client),
+                Ok(Err(e)) if retry_open(&e) => last_error = Some(e),
+                Ok(Err(e)) => return Err(zk_error(e)),
+                Err(_) => break,
+            }
+            if Instant::now() + OPEN_PAUSE >= deadline {
+                break;
+            }
+            tokio::time::sleep(OPEN_PAUSE).await;
+        }
+        let why = last_error.map_or_else(|| "no answer".to_owned(), |e| e.to_string());
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            format!(
+                "no ZooKeeper session from {} within {:?}: {why}",
+                self.connect_string, self.connect_timeout
+            ),
+        ))
+    }
+
+    async fn open_once(&self, timeout: Duration) -> Result<zk::Client, zk::Error> {
         let connector = self
             .connector
             .clone()
             .with_session_timeout(timeout)
             .with_fail_eagerly();
         #[cfg(feature = "tls")]
-        install_crypto_provider();
-        #[cfg(feature = "tls")]
-        let connecting = async {
+        {
+            install_crypto_provider();
             if self.secure {
-                connector.secure_connect(&self.connect_string).await
-            } else {
-                connector.connect(&self.connect_string).await
+                return connector.secure_connect(&self.connect_string).await;
             }
-        };
-        #[cfg(not(feature = "tls"))]
-        let connecting = connector.connect(&self.connect_string);
-        match tokio::time::timeout(self.connect_timeout, connecting).await {
-            Ok(Ok(client)) => Ok(client),
-            Ok(Err(e)) => Err(connect_error(e)),
-            Err(_) => Err(Error::new(
-                ErrorKind::Unavailable,
-                format!(
-                    "no ZooKeeper session within {:?} from {}",
-                    self.connect_timeout, self.connect_string
-                ),
-            )),
         }
+        connector.connect(&self.connect_string).await
     }
+}
+
+/// Whether opening a session may work on another attempt: the servers could not be
+/// reached or did not finish the handshake in time.
+fn retry_open(e: &zk::Error) -> bool {
+    matches!(
+        e,
+        zk::Error::NoHosts
+            | zk::Error::Timeout
+            | zk::Error::ConnectionLoss
+            | zk::Error::Custom(_)
+            | zk::Error::UnexpectedError(_)
+    )
 }
 
 /// Makes ring rustls's process-wide default, unless one is installed: with the `tls`
@@ -1177,15 +1206,4 @@ fn zk_error(e: zk::Error) -> Error {
         _ => ErrorKind::Internal,
     };
     Error::new(kind, format!("ZooKeeper: {e}"))
-}
-
-/// The error for a failed session opening.
-fn connect_error(e: zk::Error) -> Error {
-    match e {
-        zk::Error::NoHosts | zk::Error::Timeout | zk::Error::ConnectionLoss => Error::new(
-            ErrorKind::Unavailable,
-            format!("cannot open a ZooKeeper session: {e}"),
-        ),
-        other => zk_error(other),
-    }
 }
