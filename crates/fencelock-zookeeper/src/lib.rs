@@ -7,7 +7,7 @@
 //! - a connect string, chroot included (`10.0.0.1:2181,10.0.0.2:2181/app`), with
 //!   [`ZooKeeperConfig::new`];
 //! - a connector configuration: digest auth ([`ZooKeeperConfig::digest`], ZooKeeper's
-//!   `addauth digest user:password`), TLS ([`ZooKeeperConfig::tls`], cargo feature
+//!   `addauth digest user:password`), TLS (`ZooKeeperConfig::tls`, cargo feature
 //!   `tls`), or any [`zookeeper_client::Connector`] put in
 //!   [`ZooKeeperConfig::connector`] (SASL: enable `zookeeper-client`'s `sasl` feature
 //!   in your own `Cargo.toml` and call `Connector::with_sasl`);
