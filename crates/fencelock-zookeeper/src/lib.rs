@@ -10,7 +10,8 @@
 //!   `addauth digest user:password`), TLS (`ZooKeeperConfig::tls`, cargo feature
 //!   `tls`), or any [`zookeeper_client::Connector`] put in
 //!   [`ZooKeeperConfig::connector`] (SASL: enable `zookeeper-client`'s `sasl` feature
-//!   in your own `Cargo.toml` and call `Connector::with_sasl`);
+//!   in your own `Cargo.toml` and call `Connector::with_sasl`; fencelock's tests do
+//!   not exercise SASL);
 //! - a [`zookeeper_client::Client`] the application built and keeps using, with
 //!   [`ZooKeeperBackend::from_client`]: its session carries the locks, no second
 //!   session is opened.
@@ -110,7 +111,8 @@
 //! of fencelock uses; before connecting, the backend installs ring as rustls's process
 //! default unless the application installed a provider first (rustls cannot choose one
 //! by itself when both are compiled in — a TLS client the application builds itself
-//! needs a provider installed the same way).
+//! needs a provider installed the same way). Tested against Debian's ZooKeeper 3.8
+//! (Netty `secureClientPort`, PEM key store, no client certificate).
 //!
 //! # What it cannot promise
 //! - No lock-delay: a freed lock goes to the next waiter at once (`lock_delay > 0` is
