@@ -46,7 +46,7 @@ pub use postgres::{Postgres, PostgresOptions};
 pub use proxy::Proxy;
 pub use redis::Redis;
 pub use tls::TestCa;
-pub use zookeeper::ZooKeeper;
+pub use zookeeper::{ZooKeeper, ZooKeeperOptions, ZOOKEEPER_SUPER_USER};
 
 /// How long a server may take to become ready before [`ServerProcess::spawn`] gives up.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(60);

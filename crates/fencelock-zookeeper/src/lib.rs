@@ -1,15 +1,29 @@
 //! ZooKeeper as a [`LockBackend`] (cargo feature `zookeeper`): the ephemeral-sequential
-//! lock recipe over this crate's own implementation of the ZooKeeper protocol (jute
-//! over tokio; no client library, no JVM).
+//! lock recipe over the [`zookeeper_client`] crate, which speaks the protocol, keeps
+//! the session alive, reconnects and re-registers watches.
+//!
+//! The backend takes what the application already has:
+//!
+//! - a connect string, chroot included (`10.0.0.1:2181,10.0.0.2:2181/app`), with
+//!   [`ZooKeeperConfig::new`];
+//! - a connector configuration: digest auth ([`ZooKeeperConfig::digest`], ZooKeeper's
+//!   `addauth digest user:password`), TLS (`ZooKeeperConfig::tls`, cargo feature
+//!   `tls`), or any [`zookeeper_client::Connector`] put in
+//!   [`ZooKeeperConfig::connector`] (SASL: enable `zookeeper-client`'s `sasl` feature
+//!   in your own `Cargo.toml` and call `Connector::with_sasl`; fencelock's tests do
+//!   not exercise SASL);
+//! - a [`zookeeper_client::Client`] the application built and keeps using, with
+//!   [`ZooKeeperBackend::from_client`]: its session carries the locks, no second
+//!   session is opened.
 //!
 //! ```no_run
-//! use std::sync::Arc;
-//! use fencelock::zookeeper::{ZooKeeperBackend, ZooKeeperConfig};
+//! use fencelock_zookeeper::{ZooKeeperBackend, ZooKeeperConfig};
 //!
-//! # fn demo() -> Result<(), fencelock::Error> {
-//! let backend = ZooKeeperBackend::new(ZooKeeperConfig::new("10.0.0.1:2181,10.0.0.2:2181"))?;
-//! let client = fencelock::Client::from_backend(Arc::new(backend));
-//! # let _ = client; Ok(()) }
+//! # fn demo() -> Result<(), fencelock_backend::Error> {
+//! let config = ZooKeeperConfig::new("10.0.0.1:2181,10.0.0.2:2181/app").digest("locks", "s3cret")?;
+//! let backend = ZooKeeperBackend::new(config)?;
+//! // fencelock::Client::from_backend(Arc::new(backend)) puts guards on top.
+//! # let _ = backend; Ok(()) }
 //! ```
 //!
 //! Needs ZooKeeper 3.5.3 or later (container nodes, `create2`); tested against 3.8.
@@ -33,31 +47,45 @@
 //!
 //! # Leases are sessions
 //! ZooKeeper has no per-node TTL: an ephemeral node lives as long as the session that
-//! created it. So a lease **is** a session: the backend keeps one session per distinct
-//! requested `ttl`, whose session timeout is that ttl, shared by every grant and
-//! waiter of that ttl. The session is kept alive by pings every third of its timeout
-//! while the backend runs; the server expires it (deleting its nodes, which frees the
-//! locks and wakes the next waiters) once it has heard nothing from the client for the
-//! timeout — a crashed, paused or partitioned holder loses its locks after at most
-//! `ttl` plus one server tick (`tickTime`; expiries are rounded up to a tick).
+//! created it, and the server expires a session once it has heard nothing from it for
+//! the negotiated **session timeout** (rounded up to a server tick, `tickTime`). So a
+//! lease **is** a session, and a grant's [`Lease::ttl`] is its session's timeout:
 //!
-//! - The server negotiates the timeout into `[minSessionTimeout, maxSessionTimeout]`
-//!   (by default 2 and 20 ticks). A ttl above the maximum is refused with
-//!   `InvalidArgument` (the lease could not be kept); a ttl below the minimum is
-//!   granted as the minimum, and [`Lease::ttl`] reports what was granted.
-//! - `renew` does not extend anything by itself: it is an `exists` round trip that
-//!   proves the session is alive and the node still ours, and returns the session
-//!   timeout (a lease runs at least that long from the moment the server answered).
-//!   While the connection is down (**suspended**: the session may still live) renew
-//!   fails with `Unavailable`, so the guard's conservative deadline decides; once the
-//!   session is **lost** (the server says it expired, or no server answered for a
-//!   whole timeout since the last reply, as Curator assumes) renew says `NotHeld`.
-//! - A grant that is neither released nor lost stays held for as long as the backend
-//!   runs (its session is pinged whether or not anybody renews). Dropping the
-//!   [`ZooKeeperBackend`] closes its sessions, deleting every node it holds.
+//! - From a connect string ([`ZooKeeperBackend::new`]) the backend keeps one session
+//!   per distinct requested `ttl`, asking for that ttl as its timeout, shared by every
+//!   grant and waiter of that ttl. The server negotiates the timeout into
+//!   `[minSessionTimeout, maxSessionTimeout]` (by default 2 and 20 ticks): a ttl above
+//!   the maximum is refused with `InvalidArgument` (the lease could not be kept), a
+//!   ttl below the minimum is granted as the minimum and reported so.
+//! - On the application's own client ([`ZooKeeperBackend::from_client`]) there is one
+//!   session: every grant's ttl is that session's timeout, whatever ttl was asked.
+//!   A long-lived application session (say 30 s) makes every lock outlive a crashed
+//!   holder by that long; give locks their own backend when that matters.
+//!
+//! `zookeeper-client` pings every 3/20 of the timeout, declares a connection dead
+//! after 2/5 of it without a byte from the server, and reconnects with the same
+//! session. A holder that is crashed, paused or partitioned loses its locks at most
+//! one timeout plus one tick after the server last heard from it; the server frees
+//! them by deleting the session's nodes, which wakes the next waiters.
+//!
+//! - `renew` does not extend anything by itself (the session is pinged whether or not
+//!   anybody renews): it is an `exists` round trip that proves the session is alive
+//!   and the node still ours, and returns the session timeout (a lease runs at least
+//!   that long from the moment the server answered). While the connection is down
+//!   (**suspended**: the session may still live) renew fails with `Unavailable`, so
+//!   the guard's conservative deadline decides; once the session is **lost** (the
+//!   server says it expired on a reconnect, or `zookeeper-client` gave up reconnecting
+//!   7/5 of the timeout after it last heard from the server) renew says `NotHeld`.
+//! - A grant that is neither released nor lost stays held for as long as its session
+//!   lives. Dropping a [`ZooKeeperBackend`] built from a connect string closes its
+//!   sessions, deleting every node it holds; one built on the application's client
+//!   leaves the session to the application.
 //! - A release while disconnected fails with `Unavailable` at once and deletes the
 //!   node in the background as soon as the session reconnects (if it expires instead,
 //!   the node goes with it).
+//! - A lost session is replaced: the next acquire of that ttl opens a new one. The
+//!   application's own session cannot be replaced: once it has ended, acquires fail
+//!   with `Unavailable` until the backend is built on a new client.
 //!
 //! # Fences
 //! The fence is the node's creation zxid (`czxid`): the zxid of the transaction that
@@ -67,31 +95,43 @@
 //! acknowledging a write (`forceSync=yes`, the default): fences are
 //! [`FenceGuarantee::Durable`]. A server run with `forceSync=no` weakens this.
 //!
+//! # Access control
+//! Every node the backend creates (the root, each lock's container, each lock node)
+//! gets [`LockTree::acls`]: open (`world:anyone`) by default, **creator-only** after
+//! [`ZooKeeperConfig::digest`] or [`LockTree::creator_only`], so that only sessions
+//! authenticated as the same user can create, read or delete lock nodes. With open
+//! ACLs anyone who can reach the ensemble can delete a holder's node (the holder then
+//! sees `NotHeld` on its next renewal, after another client may already hold the lock).
+//! A chroot that does not exist yet is created, with the same ACLs.
+//!
+//! # TLS
+//! Cargo feature `tls` turns on `zookeeper-client`'s TLS (rustls) for servers with a
+//! `secureClientPort`. That crate asks for rustls with its default crypto provider
+//! (aws-lc-rs), so the feature compiles aws-lc-rs next to the ring provider the rest
+//! of fencelock uses; before connecting, the backend installs ring as rustls's process
+//! default unless the application installed a provider first (rustls cannot choose one
+//! by itself when both are compiled in — a TLS client the application builds itself
+//! needs a provider installed the same way). Tested against Debian's ZooKeeper 3.8
+//! (Netty `secureClientPort`, PEM key store, no client certificate).
+//!
 //! # What it cannot promise
 //! - No lock-delay: a freed lock goes to the next waiter at once (`lock_delay > 0` is
 //!   refused). No sessions API beyond the per-ttl session described above.
 //! - Expiry is decided on the ZooKeeper leader's monotonic clock (`System.nanoTime`
 //!   in 3.5+), but only to a tick: a lost holder's lock is freed up to one `tickTime`
 //!   after its ttl.
-//! - Every grant on one backend with the same ttl shares one session: when it expires,
-//!   all of them are lost together.
-//! - The lock tree is created with the open ACL (`world:anyone`); anyone who can write
-//!   to the ensemble can delete a lock node (the holder then sees `NotHeld` on its next
-//!   renewal, after another client may already hold the lock).
+//! - Every grant on one session shares its fate: when it expires, all of them are
+//!   lost together.
 //! - A lock used with different `limit`s at once is refused with `LimitMismatch` for
 //!   the later arrivals while a node with another limit is ahead of them.
-//! - `acquire` can overrun its wait by up to two thirds of the ttl when the connection
-//!   dies silently mid-request (that is when the backend declares it dead), and
-//!   opening a session may take up to `connect_timeout` per server.
+//! - `acquire` can overrun its wait by up to 2/5 of the ttl when the connection dies
+//!   silently mid-request (that is when the client declares it dead), and opening a
+//!   session may take up to `connect_timeout` per server.
 //! - `renew` cannot change a session's timeout: it returns the session's, whatever
 //!   ttl it is asked for.
-//! - No ZooKeeper authentication (`addauth`, SASL) and no TLS: use it on a trusted
-//!   network, or put the ensemble's own access control in front.
-//! - After a reconnect, server-side watches are not re-registered (no `SetWatches`):
-//!   every waiter simply lists its queue again.
+#![deny(missing_docs)]
 
-mod jute;
-mod session;
+mod client;
 #[cfg(test)]
 mod tests;
 
@@ -100,52 +140,131 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures_util::future::select_all;
 use tokio::time::Instant;
+pub use zookeeper_client;
+use zookeeper_client::{self as zk, Acl, Acls, CreateMode};
 
-use self::jute::{code, mode, op, Reader};
-use self::session::{Dial, Fault, Session, State, Watcher};
+use self::client::{Fault, Session, State};
 use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
 use fencelock_backend::{Error, ErrorKind};
 
-/// How to reach a ZooKeeper ensemble.
+/// Where the locks live in the tree and who may touch them.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct LockTree {
+    /// The node under which every lock lives, e.g. `/fencelock` (the default), inside
+    /// the connection's chroot if it has one. Created (persistent) on first use.
+    pub root: String,
+    /// The ACL of every node the backend creates; must not be empty. Default: open
+    /// (`world:anyone` may do anything).
+    pub acls: Vec<Acl>,
+}
+
+impl Default for LockTree {
+    fn default() -> LockTree {
+        LockTree {
+            root: "/fencelock".to_owned(),
+            acls: Acls::anyone_all().to_vec(),
+        }
+    }
+}
+
+impl LockTree {
+    /// Locks under `root`, with open ACLs.
+    pub fn new(root: &str) -> LockTree {
+        LockTree {
+            root: root.to_owned(),
+            ..LockTree::default()
+        }
+    }
+
+    /// Makes the nodes the backend creates accessible only to sessions authenticated
+    /// as the creator (ZooKeeper's `CREATOR_ALL_ACL`, scheme `auth`). The session must
+    /// be authenticated (digest, SASL or a TLS client certificate), or every create
+    /// fails with `PermissionDenied`.
+    pub fn creator_only(mut self) -> LockTree {
+        self.acls = Acls::creator_all().to_vec();
+        self
+    }
+}
+
+/// How to reach a ZooKeeper ensemble and open sessions on it.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ZooKeeperConfig {
-    /// `host:port` of each server, tried in turn.
-    pub servers: Vec<String>,
-    /// The node under which every lock lives, e.g. `/fencelock` (the default). Created
-    /// (persistent) on first use.
-    pub root: String,
+    /// `host:port[,host:port...][/chroot]`, as every ZooKeeper client takes it; a
+    /// server may be prefixed `tcp://` or (feature `tls`) `tcp+tls://`.
+    pub connect_string: String,
+    /// How sessions are opened: auth, TLS, SASL. The backend sets the session timeout
+    /// (one session per ttl) and fails over to the next server at once
+    /// (`with_fail_eagerly`) itself.
+    pub connector: zk::Connector,
+    /// Where the locks live and their ACLs.
+    pub tree: LockTree,
     /// Longest wait for a connection and session handshake with one server. Default 5 s.
     pub connect_timeout: Duration,
     /// Most sessions one backend opens (one per distinct ttl in use). Default 16.
     pub max_sessions: usize,
     /// Most requests in flight on one session. Default 1024.
     pub max_in_flight: usize,
+    /// Every server speaks TLS (set by [`ZooKeeperConfig::tls`]).
+    #[cfg(feature = "tls")]
+    secure: bool,
 }
 
 impl ZooKeeperConfig {
-    /// The defaults for a ZooKeeper connect string, `host:port[,host:port...]` (no
-    /// chroot suffix: use [`root`](ZooKeeperConfig::root)).
+    /// The defaults for a ZooKeeper connect string (checked by
+    /// [`ZooKeeperBackend::new`]).
     pub fn new(connect_string: &str) -> ZooKeeperConfig {
         ZooKeeperConfig {
-            servers: connect_string
-                .split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(str::to_owned)
-                .collect(),
-            root: "/fencelock".to_owned(),
+            connect_string: connect_string.to_owned(),
+            connector: zk::Client::connector(),
+            tree: LockTree::default(),
             connect_timeout: Duration::from_secs(5),
             max_sessions: 16,
-            max_in_flight: 1024,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            #[cfg(feature = "tls")]
+            secure: false,
         }
+    }
+
+    /// Authenticates every session as `user` (ZooKeeper's `addauth digest
+    /// user:password`) and makes the nodes the backend creates accessible to that
+    /// user only ([`LockTree::creator_only`]). `InvalidArgument` for an empty user or
+    /// password, a `:` in the user, or control characters.
+    pub fn digest(mut self, user: &str, password: &str) -> Result<ZooKeeperConfig, Error> {
+        if user.is_empty() || password.is_empty() {
+            return Err(invalid("digest user and password must not be empty"));
+        }
+        if user.contains(':') {
+            return Err(invalid("a digest user must not contain ':'"));
+        }
+        if user.chars().chain(password.chars()).any(char::is_control) {
+            return Err(invalid(
+                "digest user and password must not contain control characters",
+            ));
+        }
+        self.connector = self
+            .connector
+            .with_auth("digest", format!("{user}:{password}").as_bytes());
+        self.tree = self.tree.creator_only();
+        Ok(self)
+    }
+
+    /// Connects to every server with TLS (ZooKeeper's `secureClientPort`), verifying
+    /// it with `options` (e.g. `TlsOptions::new().with_pem_ca(..)`; add
+    /// `with_pem_identity` for servers that want a client certificate).
+    #[cfg(feature = "tls")]
+    pub fn tls(mut self, options: zk::TlsOptions) -> ZooKeeperConfig {
+        self.connector = self.connector.with_tls(options);
+        self.secure = true;
+        self
     }
 }
 
 /// Locks on a ZooKeeper ensemble (see the [module docs](self) for the recipe and what
-/// it promises). Cheap to share behind an `Arc`; dropping the last handle closes its
-/// sessions, releasing everything it holds.
+/// it promises). Cheap to share behind an `Arc`.
 #[derive(Debug)]
 pub struct ZooKeeperBackend {
     inner: Arc<Inner>,
@@ -154,8 +273,14 @@ pub struct ZooKeeperBackend {
 /// The largest `limit` accepted (the fencelock server's default bound; a waiter
 /// watches `limit` nodes).
 pub const MAX_LIMIT: u32 = 1024;
-/// The largest `max_in_flight` accepted.
+/// The default and the largest `max_in_flight`.
+const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
 const MAX_IN_FLIGHT: usize = 1 << 20;
+/// Most attempts to open one session, and the pause between two.
+const OPEN_ATTEMPTS: u32 = 64;
+const OPEN_PAUSE: Duration = Duration::from_millis(100);
+/// Most servers in a connect string.
+const MAX_SERVERS: usize = 256;
 /// The most rounds (list, watch, wake) one acquire makes before giving up.
 const MAX_ROUNDS: u32 = 100_000;
 /// How often a background clean-up retries before it gives up on a node.
@@ -167,10 +292,9 @@ const NODE_PREFIX: &str = "lock-";
 
 #[derive(Debug)]
 struct Inner {
-    dial: Arc<Dial>,
-    root: String,
-    max_sessions: usize,
-    /// Live sessions by requested timeout in milliseconds.
+    source: Source,
+    tree: LockTree,
+    /// Live sessions by requested timeout in milliseconds (connect-string backends).
     sessions: Mutex<HashMap<u32, Arc<Session>>>,
     /// Serializes session opening, so one ttl never gets two sessions.
     opening: tokio::sync::Mutex<()>,
@@ -178,19 +302,34 @@ struct Inner {
     parents: Mutex<HashSet<String>>,
 }
 
+/// Where sessions come from.
+#[derive(Debug)]
+enum Source {
+    /// Opened by the backend, one per ttl.
+    Connect(Box<Dial>),
+    /// The application's client: its one session.
+    Shared(Arc<Session>),
+}
+
+#[derive(Debug)]
+struct Dial {
+    connect_string: String,
+    connector: zk::Connector,
+    #[cfg(feature = "tls")]
+    secure: bool,
+    /// For the whole connect string (per server times servers).
+    connect_timeout: Duration,
+    max_sessions: usize,
+    max_in_flight: usize,
+}
+
 impl ZooKeeperBackend {
-    /// A backend for `config`. Sessions are opened on first use, so this does not
-    /// touch the network; it fails only on a bad configuration.
+    /// A backend that opens its own sessions as `config` says. Sessions are opened on
+    /// first use, so this does not touch the network; it fails only on a bad
+    /// configuration.
     pub fn new(config: ZooKeeperConfig) -> Result<ZooKeeperBackend, Error> {
-        if config.servers.is_empty() {
-            return Err(invalid("no ZooKeeper servers given"));
-        }
-        if config.servers.iter().any(|s| s.contains('/')) {
-            return Err(invalid(
-                "a chroot suffix in the connect string is not supported: set root instead",
-            ));
-        }
-        check_root(&config.root)?;
+        let servers = check_connect_string(&config.connect_string)?;
+        check_tree(&config.tree)?;
         if config.connect_timeout.is_zero() || config.max_sessions == 0 {
             return Err(invalid("connect_timeout and max_sessions must be positive"));
         }
@@ -199,20 +338,42 @@ impl ZooKeeperBackend {
                 "max_in_flight must be between 1 and {MAX_IN_FLIGHT}"
             )));
         }
-        Ok(ZooKeeperBackend {
+        let per_server = u32::try_from(servers).unwrap_or(u32::MAX);
+        let dial = Dial {
+            connect_string: config.connect_string,
+            connector: config.connector,
+            #[cfg(feature = "tls")]
+            secure: config.secure,
+            connect_timeout: config.connect_timeout.saturating_mul(per_server),
+            max_sessions: config.max_sessions,
+            max_in_flight: config.max_in_flight,
+        };
+        Ok(ZooKeeperBackend::with_source(
+            Source::Connect(Box::new(dial)),
+            config.tree,
+        ))
+    }
+
+    /// A backend on the application's own client: every lock node lives in its session
+    /// (no second session is opened), inside its chroot, under `tree`. Every grant's
+    /// ttl is the session's timeout (see the [module docs](self)). The session stays
+    /// the application's: dropping the backend does not close it.
+    pub fn from_client(client: zk::Client, tree: LockTree) -> Result<ZooKeeperBackend, Error> {
+        check_tree(&tree)?;
+        let session = Arc::new(Session::new(client, DEFAULT_MAX_IN_FLIGHT));
+        Ok(ZooKeeperBackend::with_source(Source::Shared(session), tree))
+    }
+
+    fn with_source(source: Source, tree: LockTree) -> ZooKeeperBackend {
+        ZooKeeperBackend {
             inner: Arc::new(Inner {
-                dial: Arc::new(Dial {
-                    servers: config.servers,
-                    connect_timeout: config.connect_timeout,
-                    max_in_flight: config.max_in_flight,
-                }),
-                root: config.root,
-                max_sessions: config.max_sessions,
+                source,
+                tree,
                 sessions: Mutex::new(HashMap::new()),
                 opening: tokio::sync::Mutex::new(()),
                 parents: Mutex::new(HashSet::new()),
             }),
-        })
+        }
     }
 
     async fn acquire_lock(&self, spec: &AcquireSpec) -> Result<Lease, Error> {
@@ -265,17 +426,11 @@ impl ZooKeeperBackend {
             ));
         };
         let connect_by = Instant::now() + session.timeout() / 3;
-        let body = jute::path_watch(&path, false);
-        match session.call(op::EXISTS, body, connect_by).await {
-            Ok(body) => {
-                let stat = Reader(&body).stat().map_err(malformed)?;
-                if stat.ephemeral_owner != session.id() {
-                    return Err(not_held(lease, "its node belongs to another session"));
-                }
-                Ok(session.timeout())
-            }
-            Err(Fault::Server(code::NO_NODE)) => Err(not_held(lease, "its node is gone")),
-            Err(Fault::Lost | Fault::Closed) => Err(not_held(lease, "its session expired")),
+        match session.run(connect_by, |c| c.check_stat(&path)).await {
+            Ok(Some(stat)) if stat.ephemeral_owner == session.id() => Ok(session.timeout()),
+            Ok(Some(_)) => Err(not_held(lease, "its node belongs to another session")),
+            Ok(None) => Err(not_held(lease, "its node is gone")),
+            Err(Fault::Lost | Fault::Closed) => Err(not_held(lease, "its session ended")),
             Err(fault) => Err(error(fault)),
         }
     }
@@ -287,14 +442,10 @@ impl ZooKeeperBackend {
         // No waiting for a reconnect: while disconnected the node is deleted in the
         // background as soon as the session is back (see below).
         let connect_by = Instant::now();
-        match session
-            .call(op::DELETE, jute::delete(&path), connect_by)
-            .await
-        {
-            Ok(_) => Ok(true),
-            Err(Fault::Server(code::NO_NODE) | Fault::Lost | Fault::Closed) => Ok(false),
+        match session.run(connect_by, |c| c.delete(&path, None)).await {
+            Ok(()) => Ok(true),
+            Err(Fault::Server(zk::Error::NoNode) | Fault::Lost | Fault::Closed) => Ok(false),
             Err(Fault::Disconnected) => {
-                // Delete it as soon as the session is back (or it dies with it).
                 let prefix = lease
                     .owner_token
                     .trim_end_matches(|c: char| c.is_ascii_digit());
@@ -308,8 +459,20 @@ impl ZooKeeperBackend {
 }
 
 impl Inner {
-    /// The live session for `ttl`, opened if needed.
+    /// The live session for `ttl`: the application's, or one opened for the ttl.
     async fn session(&self, ttl: Duration) -> Result<Arc<Session>, Error> {
+        let dial = match &self.source {
+            Source::Shared(session) => {
+                return match session.state() {
+                    State::Connected | State::Suspended => Ok(session.clone()),
+                    State::Lost | State::Closed => Err(Error::new(
+                        ErrorKind::Unavailable,
+                        "the application's ZooKeeper session has ended: build the backend on a new client",
+                    )),
+                };
+            }
+            Source::Connect(dial) => dial,
+        };
         // Whole milliseconds, rounded up; validate() bounds ttl to 24 h.
         let timeout_ms = u32::try_from(ttl.as_nanos().div_ceil(1_000_000)).unwrap_or(u32::MAX);
         if let Some(session) = self.live_session(timeout_ms) {
@@ -321,8 +484,8 @@ impl Inner {
         }
         {
             let mut sessions = lock(&self.sessions);
-            sessions.retain(|_, s| !matches!(s.state(), State::Lost | State::Closed));
-            if sessions.len() >= self.max_sessions {
+            sessions.retain(|_, s| matches!(s.state(), State::Connected | State::Suspended));
+            if sessions.len() >= dial.max_sessions {
                 return Err(Error::new(
                     ErrorKind::ResourceExhausted,
                     format!(
@@ -332,17 +495,15 @@ impl Inner {
                 ));
             }
         }
-        let requested = i32::try_from(timeout_ms).unwrap_or(i32::MAX);
-        let session = Session::open(self.dial.clone(), requested)
-            .await
-            .map_err(error)?;
-        if session.timeout() < Duration::from_millis(u64::from(timeout_ms)) {
+        let asked = Duration::from_millis(u64::from(timeout_ms));
+        let client = dial.open(asked).await?;
+        if client.session_timeout() < asked {
             return Err(invalid(format!(
                 "ttl {ttl:?} is longer than this ZooKeeper server allows (it granted a {:?} session: see maxSessionTimeout)",
-                session.timeout()
+                client.session_timeout()
             )));
         }
-        let session = Arc::new(session);
+        let session = Arc::new(Session::new(client, dial.max_in_flight));
         lock(&self.sessions).insert(timeout_ms, session.clone());
         Ok(session)
     }
@@ -358,19 +519,23 @@ impl Inner {
     /// still one of ours. Nothing else is ever renewed or deleted.
     fn grant(&self, lease: &Lease) -> Option<(Arc<Session>, String)> {
         let node = parse_node(&lease.owner_token)?;
-        let session = lock(&self.sessions)
-            .values()
-            .find(|s| s.id() == node.session)
-            .cloned()?;
+        let session = match &self.source {
+            Source::Shared(session) => Some(session.clone()).filter(|s| s.id() == node.session),
+            Source::Connect(_) => lock(&self.sessions)
+                .values()
+                .find(|s| s.id() == node.session)
+                .cloned(),
+        }?;
         let path = format!("{}/{}", self.parent_path(&lease.name), lease.owner_token);
         Some((session, path))
     }
 
     fn parent_path(&self, name: &str) -> String {
-        format!("{}/{}", self.root, encode(name))
+        format!("{}/{}", self.tree.root, encode(name))
     }
 
-    /// Creates the root's nodes (persistent) and `parent` (a container) if missing.
+    /// Creates the root (persistent, and the chroot if missing) and `parent` (a
+    /// container) if missing.
     async fn ensure_parent(
         &self,
         session: &Session,
@@ -380,55 +545,131 @@ impl Inner {
         if lock(&self.parents).contains(parent) {
             return Ok(());
         }
-        let mut path = String::new();
-        let root_known = lock(&self.parents).contains(&self.root);
+        let root_known = lock(&self.parents).contains(&self.tree.root);
         if !root_known {
-            for component in self.root.split('/').skip(1) {
-                path.push('/');
-                path.push_str(component);
-                create_if_missing(session, op::CREATE2, &path, mode::PERSISTENT, connect_by)
-                    .await?;
-            }
+            self.ensure_root(session, connect_by).await?;
         }
-        create_if_missing(
-            session,
-            op::CREATE_CONTAINER,
-            parent,
-            mode::CONTAINER,
-            connect_by,
-        )
-        .await?;
+        let acls = Acls::new(&self.tree.acls);
+        let container = CreateMode::Container.with_acls(acls);
+        match session
+            .run(connect_by, |c| c.create(parent, &[], &container))
+            .await
+        {
+            Ok(_) | Err(Fault::Server(zk::Error::NodeExists)) => {}
+            Err(fault) => return Err(fault),
+        }
         let mut parents = lock(&self.parents);
         if parents.len() >= MAX_KNOWN_PARENTS {
             parents.clear();
         }
-        parents.insert(self.root.clone());
+        parents.insert(self.tree.root.clone());
         parents.insert(parent.to_owned());
         Ok(())
+    }
+
+    async fn ensure_root(&self, session: &Session, connect_by: Instant) -> Result<(), Fault> {
+        let persistent = CreateMode::Persistent.with_acls(Acls::new(&self.tree.acls));
+        let root = self.tree.root.as_str();
+        match session
+            .run(connect_by, |c| c.mkdir(root, &persistent))
+            .await
+        {
+            // ZooKeeper answers NoNode for anything under a chroot that does not exist.
+            Err(Fault::Server(zk::Error::NoNode)) => {}
+            other => return other,
+        }
+        session
+            .run(connect_by, |c| {
+                let chroot = c.path().to_owned();
+                let top = c.clone().chroot("/").unwrap_or_else(|same| same);
+                let persistent = persistent.clone();
+                async move {
+                    if chroot == "/" {
+                        return Err(zk::Error::NoNode);
+                    }
+                    top.mkdir(&chroot, &persistent).await
+                }
+            })
+            .await?;
+        session
+            .run(connect_by, |c| c.mkdir(root, &persistent))
+            .await
     }
 
     /// Forgets that `parent` (and the root) exist, after a create found it missing.
     fn forget_parent(&self, parent: &str) {
         let mut parents = lock(&self.parents);
         parents.remove(parent);
-        parents.remove(&self.root);
+        parents.remove(&self.tree.root);
     }
 }
 
-async fn create_if_missing(
-    session: &Session,
-    opcode: i32,
-    path: &str,
-    node_mode: i32,
-    connect_by: Instant,
-) -> Result<(), Fault> {
-    match session
-        .call(opcode, jute::create(path, node_mode), connect_by)
-        .await
-    {
-        Ok(_) | Err(Fault::Server(code::NODE_EXISTS)) => Ok(()),
-        Err(fault) => Err(fault),
+impl Dial {
+    /// Opens a new session asking for `timeout`: each attempt tries every server once
+    /// (a server that is down is skipped at once); attempts repeat until
+    /// `connect_timeout` runs out, since the first TLS handshake with a cold server can
+    /// outlast the client's connection timeout (2/5 of a short session timeout).
+    async fn open(&self, timeout: Duration) -> Result<zk::Client, Error> {
+        let deadline = Instant::now() + self.connect_timeout;
+        let mut last_error = None;
+        for _ in 0..OPEN_ATTEMPTS {
+            match tokio::time::timeout_at(deadline, self.open_once(timeout)).await {
+                Ok(Ok(client)) => return Ok(client),
+                Ok(Err(e)) if retry_open(&e) => last_error = Some(e),
+                Ok(Err(e)) => return Err(zk_error(e)),
+                Err(_) => break,
+            }
+            if Instant::now() + OPEN_PAUSE >= deadline {
+                break;
+            }
+            tokio::time::sleep(OPEN_PAUSE).await;
+        }
+        let why = last_error.map_or_else(|| "no answer".to_owned(), |e| e.to_string());
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            format!(
+                "no ZooKeeper session from {} within {:?}: {why}",
+                self.connect_string, self.connect_timeout
+            ),
+        ))
     }
+
+    async fn open_once(&self, timeout: Duration) -> Result<zk::Client, zk::Error> {
+        let connector = self
+            .connector
+            .clone()
+            .with_session_timeout(timeout)
+            .with_fail_eagerly();
+        #[cfg(feature = "tls")]
+        {
+            install_crypto_provider();
+            if self.secure {
+                return connector.secure_connect(&self.connect_string).await;
+            }
+        }
+        connector.connect(&self.connect_string).await
+    }
+}
+
+/// Whether opening a session may work on another attempt: the servers could not be
+/// reached or did not finish the handshake in time.
+fn retry_open(e: &zk::Error) -> bool {
+    matches!(
+        e,
+        zk::Error::NoHosts
+            | zk::Error::Timeout
+            | zk::Error::ConnectionLoss
+            | zk::Error::Custom(_)
+            | zk::Error::UnexpectedError(_)
+    )
+}
+
+/// Makes ring rustls's process-wide default, unless one is installed: with the `tls`
+/// feature rustls has two providers compiled in and would not pick one.
+#[cfg(feature = "tls")]
+fn install_crypto_provider() {
+    // An error means a provider is already installed, which is as good.
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 /// One acquire on one session.
@@ -452,8 +693,8 @@ enum Step {
     Refused(Error),
     /// Something changed: look again at once.
     Again,
-    /// Watches are set: wait for a change.
-    Wait,
+    /// These nodes are watched: wait for one of them to change.
+    Wait(Vec<zk::OneshotWatcher>),
 }
 
 /// A lock node's name, parsed.
@@ -467,15 +708,22 @@ struct Node<'a> {
 
 impl Attempt<'_> {
     async fn run(&mut self) -> Result<Lease, Error> {
-        let mut watcher = self.session.watcher();
         for _ in 0..MAX_ROUNDS {
-            match self.round(&mut watcher).await {
+            match self.round().await {
                 Ok(Step::Granted(lease)) => return Ok(lease),
                 Ok(Step::Refused(e)) => return Err(e),
                 Ok(Step::Again) => {}
-                Ok(Step::Wait) => {
+                Ok(Step::Wait(watchers)) => {
+                    // Watches survive a reconnect (the client sets them again), so
+                    // only a node event, the session's end or the deadline wakes us.
+                    let _watching = self.session.watching(watchers.len());
+                    let changed = select_all(watchers.into_iter().map(|w| Box::pin(w.changed())));
                     tokio::select! {
-                        _ = watcher.changed() => {}
+                        (event, _, _) = changed => {
+                            if event.event_type != zk::EventType::Session {
+                                self.session.woken();
+                            }
+                        }
                         _ = tokio::time::sleep_until(self.deadline) => {}
                     }
                 }
@@ -515,19 +763,16 @@ impl Attempt<'_> {
             .max(Instant::now() + self.session.timeout() / 3)
     }
 
-    async fn round(&mut self, watcher: &mut Watcher) -> Result<Step, Fault> {
+    async fn round(&mut self) -> Result<Step, Fault> {
         let connect_by = self.connect_by();
-        let listing = self
+        let parent = self.parent.as_str();
+        let children = match self
             .session
-            .call(
-                op::GET_CHILDREN,
-                jute::path_watch(&self.parent, false),
-                connect_by,
-            )
-            .await;
-        let children = match listing {
-            Ok(body) => Reader(&body).strings().map_err(malformed_fault)?,
-            Err(Fault::Server(code::NO_NODE)) => Vec::new(),
+            .run(connect_by, |c| c.list_children(parent))
+            .await
+        {
+            Ok(children) => children,
+            Err(Fault::Server(zk::Error::NoNode)) => Vec::new(),
             Err(fault) => return Err(fault),
         };
         let mut queue: Vec<Node<'_>> = children.iter().filter_map(|c| parse_node(c)).collect();
@@ -559,10 +804,10 @@ impl Attempt<'_> {
             let path = format!("{}/{extra}", self.parent);
             match self
                 .session
-                .call(op::DELETE, jute::delete(&path), connect_by)
+                .run(connect_by, |c| c.delete(&path, None))
                 .await
             {
-                Ok(_) | Err(Fault::Server(code::NO_NODE)) => {}
+                Ok(()) | Err(Fault::Server(zk::Error::NoNode)) => {}
                 Err(fault) => return Err(fault),
             }
         }
@@ -594,73 +839,81 @@ impl Attempt<'_> {
         }
         // Watch only the `limit` nodes just ahead: our turn can only come when one of
         // them goes (a node further ahead going shifts them all, and is seen then).
-        watcher.reset();
+        let mut watchers = Vec::new();
         for node in &ahead[position - limit as usize..] {
             let path = format!("{}/{}", self.parent, node.name);
-            watcher.watch(&path)?;
-            let body = jute::path_watch(&path, true);
-            match self.session.call(op::GET_DATA, body, connect_by).await {
-                Ok(_) => {}
-                Err(Fault::Server(code::NO_NODE)) => return Ok(Step::Again),
+            match self
+                .session
+                .run(connect_by, |c| c.get_and_watch_data(&path))
+                .await
+            {
+                Ok((_, _, watcher)) => watchers.push(watcher),
+                Err(Fault::Server(zk::Error::NoNode)) => return Ok(Step::Again),
                 Err(fault) => return Err(fault),
             }
         }
-        Ok(Step::Wait)
+        if watchers.is_empty() {
+            return Ok(Step::Again);
+        }
+        Ok(Step::Wait(watchers))
     }
 
     /// Creates our node (and its parents), retrying when a parent vanishes.
     async fn create(&mut self, connect_by: Instant) -> Result<(), Fault> {
         let path = format!("{}/{}", self.parent, self.prefix);
+        let options = CreateMode::EphemeralSequential.with_acls(Acls::new(&self.inner.tree.acls));
         for _ in 0..3 {
             self.inner
                 .ensure_parent(&self.session, &self.parent, connect_by)
                 .await?;
-            let body = jute::create(&path, mode::EPHEMERAL_SEQUENTIAL);
-            match self.session.call(op::CREATE2, body, connect_by).await {
-                Ok(body) => {
-                    let mut r = Reader(&body);
-                    let created = r.string().map_err(malformed_fault)?;
-                    let stat = r.stat().map_err(malformed_fault)?;
-                    let name = created.rsplit('/').next().unwrap_or_default().to_owned();
+            match self
+                .session
+                .run(connect_by, |c| c.create(&path, &[], &options))
+                .await
+            {
+                Ok((stat, sequence)) => {
+                    let name = format!("{}{sequence}", self.prefix);
                     self.node = Some((name, Some(stat.czxid)));
                     return Ok(());
                 }
                 // The parent container was deleted (empty) in between: make it again.
-                Err(Fault::Server(code::NO_NODE)) => self.inner.forget_parent(&self.parent),
+                Err(Fault::Server(zk::Error::NoNode)) => self.inner.forget_parent(&self.parent),
                 Err(fault) => {
                     self.uncertain = matches!(fault, Fault::Disconnected);
                     return Err(fault);
                 }
             }
         }
-        Err(Fault::Server(code::NO_NODE))
+        Err(Fault::Server(zk::Error::NoNode))
     }
 
     async fn granted(&mut self) -> Result<Step, Fault> {
         let Some((name, czxid)) = self.node.clone() else {
-            return Err(Fault::Protocol("granted without a node".to_owned()));
+            return Err(Fault::Server(zk::Error::UnexpectedError(
+                "granted without a node".to_owned(),
+            )));
         };
         let czxid = match czxid {
             Some(czxid) => czxid,
             None => {
                 // Adopted from an earlier attempt: read (and check) its Stat.
                 let path = format!("{}/{name}", self.parent);
-                let body = jute::path_watch(&path, false);
-                let body = self
+                let stat = self
                     .session
-                    .call(op::EXISTS, body, self.connect_by())
+                    .run(self.connect_by(), |c| c.check_stat(&path))
                     .await?;
-                let stat = Reader(&body).stat().map_err(malformed_fault)?;
-                if stat.ephemeral_owner != self.session.id() {
-                    return Err(Fault::Protocol(format!(
-                        "{path} is not owned by this session"
-                    )));
+                match stat {
+                    Some(stat) if stat.ephemeral_owner == self.session.id() => stat.czxid,
+                    // Gone or not ours after all: look again.
+                    _ => return Ok(Step::Again),
                 }
-                stat.czxid
             }
         };
-        let fence =
-            u64::try_from(czxid).map_err(|_| Fault::Protocol(format!("negative czxid {czxid}")))?;
+        let fence = u64::try_from(czxid).map_err(|_| {
+            Fault::Server(zk::Error::UnexpectedError(format!(
+                "negative czxid {czxid}"
+            )))
+        })?;
         Ok(Step::Granted(Lease::new(
             self.spec.name.clone(),
             fence,
@@ -686,13 +939,14 @@ impl Attempt<'_> {
         }
         if let (Some((name, _)), false) = (&self.node, self.uncertain) {
             let path = format!("{}/{name}", self.parent);
-            let now = Instant::now();
             match self
                 .session
-                .call(op::DELETE, jute::delete(&path), now)
+                .run(Instant::now(), |c| c.delete(&path, None))
                 .await
             {
-                Ok(_) | Err(Fault::Server(code::NO_NODE) | Fault::Lost | Fault::Closed) => return,
+                Ok(()) | Err(Fault::Server(zk::Error::NoNode) | Fault::Lost | Fault::Closed) => {
+                    return
+                }
                 Err(_) => {}
             }
         }
@@ -707,6 +961,8 @@ impl Attempt<'_> {
 /// Deletes, in the background, every node of `parent` whose name starts with
 /// `prefix`, as soon as the session is connected; an acquire with the same prefix
 /// waits for it (so it can never adopt a node that is about to be deleted).
+/// `zookeeper-client` sends requests in the order they are made, so the listing also
+/// sees a node whose `create` was still queued when its acquire gave up.
 fn retire(session: Arc<Session>, parent: String, prefix: String) {
     let key = format!("{parent}/{prefix}");
     if !session.begin_retire(&key) {
@@ -725,25 +981,15 @@ fn retire(session: Arc<Session>, parent: String, prefix: String) {
 
 async fn retire_once(session: &Session, parent: &str, prefix: &str) -> Result<(), Fault> {
     let connect_by = Instant::now() + session.timeout();
-    let listing = session
-        .call(
-            op::GET_CHILDREN,
-            jute::path_watch(parent, false),
-            connect_by,
-        )
-        .await;
-    let children = match listing {
-        Ok(body) => Reader(&body).strings().map_err(malformed_fault)?,
-        Err(Fault::Server(code::NO_NODE)) => return Ok(()),
+    let children = match session.run(connect_by, |c| c.list_children(parent)).await {
+        Ok(children) => children,
+        Err(Fault::Server(zk::Error::NoNode)) => return Ok(()),
         Err(fault) => return Err(fault),
     };
     for child in children.iter().filter(|c| c.starts_with(prefix)) {
         let path = format!("{parent}/{child}");
-        match session
-            .call(op::DELETE, jute::delete(&path), connect_by)
-            .await
-        {
-            Ok(_) | Err(Fault::Server(code::NO_NODE)) => {}
+        match session.run(connect_by, |c| c.delete(&path, None)).await {
+            Ok(()) | Err(Fault::Server(zk::Error::NoNode)) => {}
             Err(fault) => return Err(fault),
         }
     }
@@ -793,7 +1039,7 @@ fn encode(text: &str) -> String {
 }
 
 /// `lock-<session id, 16 hex digits>-<limit>-<encoded request id>-`; ZooKeeper
-/// appends a 10-digit sequence number.
+/// appends the sequence number.
 fn node_prefix(session: i64, limit: u32, request_id: &str) -> String {
     format!(
         "{NODE_PREFIX}{:016x}-{limit}-{}-",
@@ -813,7 +1059,8 @@ fn parse_node(name: &str) -> Option<Node<'_>> {
             && s.bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'~' || b == b'%')
     };
-    let digits = |s: &str| s.len() == 10 && s.bytes().all(|b| b.is_ascii_digit());
+    // Ten digits, or nineteen once a parent's counter passes 2^31 (ZOOKEEPER-4706).
+    let digits = |s: &str| matches!(s.len(), 10 | 19) && s.bytes().all(|b| b.is_ascii_digit());
     if parts.next().is_some() || !hex(session) || !encoded(request) || !digits(sequence) {
         return None;
     }
@@ -826,22 +1073,82 @@ fn parse_node(name: &str) -> Option<Node<'_>> {
 }
 
 fn check_root(root: &str) -> Result<(), Error> {
-    let bad = |why: &str| Err(invalid(format!("root {root:?} {why}")));
-    if !root.starts_with('/') || root.len() < 2 || root.ends_with('/') {
-        return bad("must be an absolute node path like /fencelock");
+    check_path(root).map_err(|why| invalid(format!("root {root:?} {why}")))?;
+    if root == "/zookeeper" || root.starts_with("/zookeeper/") {
+        return Err(invalid(format!(
+            "root {root:?} is inside ZooKeeper's reserved /zookeeper tree"
+        )));
     }
-    if root
+    Ok(())
+}
+
+/// Checks `host:port[,host:port...][/chroot]` (optionally `tcp://` or `tcp+tls://`
+/// per server) and returns the number of servers.
+fn check_connect_string(connect_string: &str) -> Result<usize, Error> {
+    let bad = |why: String| invalid(format!("connect string {connect_string:?}: {why}"));
+    if connect_string.is_empty() {
+        return Err(bad("no ZooKeeper servers given".to_owned()));
+    }
+    if connect_string
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control())
+    {
+        return Err(bad("contains spaces or control characters".to_owned()));
+    }
+    let servers: Vec<&str> = connect_string.split(',').collect();
+    if servers.len() > MAX_SERVERS {
+        return Err(bad(format!("more than {MAX_SERVERS} servers")));
+    }
+    let last = servers.len() - 1;
+    for (index, server) in servers.iter().enumerate() {
+        let server = server
+            .strip_prefix("tcp://")
+            .or_else(|| server.strip_prefix("tcp+tls://"))
+            .unwrap_or(server);
+        let address = match server.find('/') {
+            // The chroot follows the last server only.
+            Some(at) if index == last => {
+                let chroot = &server[at..];
+                if chroot != "/" {
+                    check_path(chroot).map_err(|why| bad(format!("chroot {chroot:?} {why}")))?;
+                }
+                &server[..at]
+            }
+            Some(_) => return Err(bad("a chroot may only follow the last server".to_owned())),
+            None => server,
+        };
+        let port = address
+            .rsplit_once(':')
+            .filter(|(host, _)| !host.is_empty());
+        if !port.is_some_and(|(_, port)| port.parse::<u16>().is_ok_and(|p| p > 0)) {
+            return Err(bad(format!("{address:?} is not host:port")));
+        }
+    }
+    Ok(servers.len())
+}
+
+/// Why `path` is not an absolute znode path without empty, `.` or `..` components.
+fn check_path(path: &str) -> Result<(), String> {
+    if !path.starts_with('/') || path.len() < 2 || path.ends_with('/') {
+        return Err("must be an absolute node path like /fencelock".to_owned());
+    }
+    if path
         .split('/')
         .skip(1)
         .any(|c| c.is_empty() || c == "." || c == "..")
     {
-        return bad("has an empty, . or .. component");
+        return Err("has an empty, . or .. component".to_owned());
     }
-    if root.chars().any(char::is_control) {
-        return bad("contains control characters");
+    if path.chars().any(char::is_control) {
+        return Err("contains control characters".to_owned());
     }
-    if root == "/zookeeper" || root.starts_with("/zookeeper/") {
-        return bad("is inside ZooKeeper's reserved /zookeeper tree");
+    Ok(())
+}
+
+fn check_tree(tree: &LockTree) -> Result<(), Error> {
+    check_root(&tree.root)?;
+    if tree.acls.is_empty() {
+        return Err(invalid("the lock tree's ACL list must not be empty"));
     }
     Ok(())
 }
@@ -864,57 +1171,41 @@ fn not_held(lease: &Lease, why: &str) -> Error {
     )
 }
 
-fn malformed(e: jute::Malformed) -> Error {
-    Error::new(
-        ErrorKind::Protocol,
-        format!("malformed ZooKeeper reply: {}", e.0),
-    )
-}
-
-fn malformed_fault(e: jute::Malformed) -> Fault {
-    Fault::Protocol(format!("malformed ZooKeeper reply: {}", e.0))
-}
-
 /// The error for a fault (callers map `Lost` themselves where it means `NotHeld`).
 fn error(fault: Fault) -> Error {
-    let (kind, message) = match fault {
-        Fault::Disconnected => (
+    match fault {
+        Fault::Disconnected => Error::new(
             ErrorKind::Unavailable,
-            "connection to ZooKeeper lost (the session may still be alive)".to_owned(),
+            "connection to ZooKeeper lost (the session may still be alive)",
         ),
-        Fault::Lost => (
-            ErrorKind::Unavailable,
-            "the ZooKeeper session expired".to_owned(),
-        ),
-        Fault::Closed => (
-            ErrorKind::Unavailable,
-            "the ZooKeeper backend is closed".to_owned(),
-        ),
-        Fault::Busy => (
+        Fault::Lost => Error::new(ErrorKind::Unavailable, "the ZooKeeper session expired"),
+        Fault::Closed => Error::new(ErrorKind::Unavailable, "the ZooKeeper client is closed"),
+        Fault::Busy => Error::new(
             ErrorKind::ResourceExhausted,
-            "too many ZooKeeper requests or watches in flight".to_owned(),
+            "too many ZooKeeper requests in flight on one session",
         ),
-        Fault::Unreachable(why) => (
-            ErrorKind::Unavailable,
-            format!("cannot reach ZooKeeper: {why}"),
-        ),
-        Fault::Protocol(why) => (ErrorKind::Protocol, why),
-        Fault::Server(err) => {
-            let kind = match err {
-                code::NO_AUTH | code::AUTH_FAILED | code::INVALID_ACL => {
-                    ErrorKind::PermissionDenied
-                }
-                code::BAD_ARGUMENTS => ErrorKind::InvalidArgument,
-                code::OPERATION_TIMEOUT
-                | code::NEW_CONFIG_NO_QUORUM
-                | code::THROTTLED
-                | code::SESSION_MOVED
-                | code::NOT_READ_ONLY
-                | code::CONNECTION_LOSS => ErrorKind::Unavailable,
-                _ => ErrorKind::Internal,
-            };
-            (kind, format!("ZooKeeper answered {}", jute::code_name(err)))
+        Fault::Server(e) => zk_error(e),
+    }
+}
+
+fn zk_error(e: zk::Error) -> Error {
+    let kind = match e {
+        zk::Error::NoAuth | zk::Error::AuthFailed | zk::Error::InvalidAcl => {
+            ErrorKind::PermissionDenied
         }
+        zk::Error::BadArguments(_) => ErrorKind::InvalidArgument,
+        zk::Error::ConnectionLoss
+        | zk::Error::Timeout
+        | zk::Error::NoHosts
+        | zk::Error::Throttled
+        | zk::Error::NotReadOnly
+        | zk::Error::SessionExpired
+        | zk::Error::SessionMoved
+        | zk::Error::ClientClosed => ErrorKind::Unavailable,
+        zk::Error::UnmarshalError { .. }
+        | zk::Error::UnexpectedErrorCode(_)
+        | zk::Error::MarshallingError => ErrorKind::Protocol,
+        _ => ErrorKind::Internal,
     };
-    Error::new(kind, message)
+    Error::new(kind, format!("ZooKeeper: {e}"))
 }

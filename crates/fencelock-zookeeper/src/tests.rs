@@ -43,27 +43,19 @@ fn session_of(backend: &ZooKeeperBackend) -> Arc<Session> {
         .expect("a session for TTL")
 }
 
-fn soon() -> Instant {
-    Instant::now() + STEP
-}
-
 async fn children(session: &Session, parent: &str) -> Vec<String> {
-    match session
-        .call(op::GET_CHILDREN, jute::path_watch(parent, false), soon())
-        .await
-    {
-        Ok(body) => Reader(&body).strings().expect("children"),
-        Err(Fault::Server(code::NO_NODE)) => Vec::new(),
-        Err(fault) => panic!("list {parent}: {fault:?}"),
+    match step(session.client().list_children(parent)).await {
+        Ok(children) => children,
+        Err(zk::Error::NoNode) => Vec::new(),
+        Err(e) => panic!("list {parent}: {e}"),
     }
 }
 
-async fn stat(session: &Session, path: &str) -> jute::Stat {
-    let body = session
-        .call(op::EXISTS, jute::path_watch(path, false), soon())
+async fn stat(session: &Session, path: &str) -> zk::Stat {
+    step(session.client().check_stat(path))
         .await
-        .unwrap_or_else(|f| panic!("exists {path}: {f:?}"));
-    Reader(&body).stat().expect("stat")
+        .unwrap_or_else(|e| panic!("exists {path}: {e}"))
+        .unwrap_or_else(|| panic!("{path} exists"))
 }
 
 /// Polls until `check` holds (bounded by [`STEP`]).
@@ -116,23 +108,22 @@ async fn a_lost_create_answer_is_recovered_by_the_retry() {
     let request = spec(name, Duration::ZERO);
     let session = step(backend.inner.session(TTL)).await.expect("session");
     let parent = backend.inner.parent_path(name);
-    step(backend.inner.ensure_parent(&session, &parent, soon()))
-        .await
-        .expect("parents");
+    step(
+        backend
+            .inner
+            .ensure_parent(&session, &parent, Instant::now() + STEP),
+    )
+    .await
+    .expect("parents");
     let prefix = node_prefix(session.id(), 1, &request.request_id);
     let mut created = Vec::new();
+    let options = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
     for _ in 0..2 {
-        let body = jute::create(&format!("{parent}/{prefix}"), mode::EPHEMERAL_SEQUENTIAL);
-        let body = step(session.call(op::CREATE2, body, soon()))
+        let path = format!("{parent}/{prefix}");
+        let (stat, sequence) = step(session.client().create(&path, &[], &options))
             .await
             .expect("create");
-        let mut r = Reader(&body);
-        let path = r.string().expect("path");
-        let stat = r.stat().expect("stat");
-        created.push((
-            path.rsplit('/').next().expect("name").to_owned(),
-            stat.czxid,
-        ));
+        created.push((format!("{prefix}{sequence}"), stat.czxid));
     }
     let lease = step(backend.acquire(&request))
         .await
@@ -191,8 +182,6 @@ async fn a_waiter_watches_only_its_predecessor() {
         .await;
         waiters.push((waiter, task));
     }
-    // Let the last waiter's watch reach the server before anything is released.
-    tokio::time::sleep(Duration::from_millis(200)).await;
     let (backends, mut tasks): (Vec<_>, Vec<_>) = waiters.into_iter().unzip();
     let events = |i: usize| session_of(&backends[i]).watch_events();
     assert!(step(holder.release(&held)).await.expect("release"));
@@ -322,6 +311,9 @@ fn node_names_round_trip() {
     let name = format!("{}0000000001", node_prefix(-2, 1, "r"));
     let node = parse_node(&name).expect("parses");
     assert_eq!(node.session, -2);
+    // Past 2^31 children ZooKeeper writes nineteen digits.
+    let name = format!("{prefix}0000000002147483648");
+    assert_eq!(parse_node(&name).expect("parses").sequence, 1 << 31);
     for foreign in [
         "lock-",
         "other-0123456789abcdef-1-r-0000000001",
@@ -347,15 +339,44 @@ fn bad_configs_are_refused() {
         "/zookeeper/x",
     ] {
         let mut config = ZooKeeperConfig::new("127.0.0.1:2181");
-        config.root = root.to_owned();
+        config.tree.root = root.to_owned();
         let e = ZooKeeperBackend::new(config).expect_err(root);
         assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{root}: {e}");
     }
-    for servers in [" , ", "127.0.0.1:2181/chroot"] {
+    for servers in [
+        "",
+        " , ",
+        "127.0.0.1",
+        "127.0.0.1:0",
+        "127.0.0.1:99999",
+        ":2181",
+        "a:1,,b:2",
+        "a:1/x,b:2",
+        "a:1/x/",
+        "a:1/x/../y",
+        "a:1 /x",
+    ] {
         let e = ZooKeeperBackend::new(ZooKeeperConfig::new(servers)).expect_err(servers);
         assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{servers}: {e}");
     }
+    for servers in [
+        "127.0.0.1:2181/chroot",
+        "a:1,tcp://b:2,[::1]:3/app/locks",
+        "a:1/",
+    ] {
+        ZooKeeperBackend::new(ZooKeeperConfig::new(servers)).expect(servers);
+    }
     let mut config = ZooKeeperConfig::new("127.0.0.1:2181");
-    config.root = "/a/b-c".to_owned();
+    config.tree.acls.clear();
+    let e = ZooKeeperBackend::new(config).expect_err("no acls");
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    for (user, password) in [("", "pw"), ("u", ""), ("a:b", "pw"), ("u", "p\nw")] {
+        let e = ZooKeeperConfig::new("127.0.0.1:2181")
+            .digest(user, password)
+            .expect_err(user);
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{user:?}: {e}");
+    }
+    let mut config = ZooKeeperConfig::new("127.0.0.1:2181");
+    config.tree.root = "/a/b-c".to_owned();
     ZooKeeperBackend::new(config).expect("a nested root");
 }

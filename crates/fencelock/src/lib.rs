@@ -43,7 +43,8 @@
 //!   `postgres::PostgresAdvisoryBackend` (advisory locks, no fences).
 //! - `etcd`: `etcd::EtcdBackend`, etcd v3 (durable fences, FIFO, watches, semaphores).
 //! - `zookeeper`: `zookeeper::ZooKeeperBackend` (durable fences, FIFO, watches,
-//!   semaphores).
+//!   semaphores; chroot, digest auth, or the application's own ZooKeeper client);
+//!   `zookeeper-tls` adds TLS.
 
 #![deny(missing_docs)]
 
