@@ -41,7 +41,7 @@ impl Fixture for Redis {
 fn config(addr: SocketAddr) -> RedisConfig {
     let mut config = RedisConfig::new(addr.to_string());
     // Short enough that a stalled connection fails a call well within a case.
-    config.request_timeout = Duration::from_secs(1);
+    config.options.request_timeout = Duration::from_secs(1);
     config
 }
 
