@@ -299,6 +299,7 @@ impl RedisCluster {
     pub fn start() -> Result<RedisCluster, Error> {
         const SLOTS: u16 = 16384;
         let mut nodes = Vec::new();
+        let mut buses = Vec::new();
         for _ in 0..3 {
             // The cluster bus needs a second port; the default (port + 10000) may be
             // taken or out of range.
@@ -317,6 +318,7 @@ impl RedisCluster {
             .map(OsString::from)
             .collect();
             nodes.push(Redis::start_with(None, &extra)?);
+            buses.push(bus);
         }
         let share = SLOTS / 3;
         for (index, node) in nodes.iter().enumerate() {
@@ -333,8 +335,14 @@ impl RedisCluster {
                 &last.to_string(),
             ])?;
         }
-        for node in &nodes[1..] {
-            nodes[0].cli(&["CLUSTER", "MEET", "127.0.0.1", &node.port().to_string()])?;
+        for (node, bus) in nodes.iter().zip(&buses).skip(1) {
+            nodes[0].cli(&[
+                "CLUSTER",
+                "MEET",
+                "127.0.0.1",
+                &node.port().to_string(),
+                &bus.to_string(),
+            ])?;
         }
         await_condition("the cluster did not come up", || {
             nodes.iter().all(|node| {

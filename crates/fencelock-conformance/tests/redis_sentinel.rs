@@ -1,0 +1,122 @@
+//! The conformance suite against a master found through Redis Sentinel, plus: the
+//! backend talks to the master the sentinel names and calls its fences best-effort.
+//!
+//! Partitions: the fixture's address is the master's; a client given a proxy in its
+//! place still asks the (real) sentinel, which names the real master, and reaches that
+//! address through a DNS resolver mapping it to the proxy — so cutting the proxy cuts
+//! the client's commands, as a partition between it and the master would.
+
+#[path = "support/raw_redis.rs"]
+mod raw_redis;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fencelock::redis::redis::io::AsyncDNSResolver;
+use fencelock::redis::redis::RedisFuture;
+use fencelock::redis::{RedisBackend, SentinelConfig};
+use fencelock::{AcquireSpec, BoxFuture, Error, FenceGuarantee, LockBackend};
+use fencelock_conformance::{step, Fixture};
+use fencelock_testkit::RedisSentinel;
+
+struct Sentinel {
+    deployment: RedisSentinel,
+}
+
+/// Resolves 127.0.0.1:`from` to `to`, every other address as given.
+struct Remap {
+    from: u16,
+    to: SocketAddr,
+}
+
+impl AsyncDNSResolver for Remap {
+    fn resolve<'a, 'b: 'a>(
+        &'a self,
+        host: &'b str,
+        port: u16,
+    ) -> RedisFuture<'a, Box<dyn Iterator<Item = SocketAddr> + Send + 'a>> {
+        let addr = if port == self.from {
+            self.to
+        } else {
+            let ip = host.parse().unwrap_or([127, 0, 0, 1].into());
+            SocketAddr::new(ip, port)
+        };
+        Box::pin(async move { Ok(Box::new(std::iter::once(addr)) as Box<_>) })
+    }
+}
+
+impl Fixture for Sentinel {
+    fn addrs(&self) -> Vec<SocketAddr> {
+        vec![SocketAddr::from((
+            [127, 0, 0, 1],
+            self.deployment.master().port(),
+        ))]
+    }
+
+    fn connect<'a>(
+        &'a self,
+        addrs: &'a [SocketAddr],
+    ) -> BoxFuture<'a, Result<Arc<dyn LockBackend>, Error>> {
+        Box::pin(async move {
+            let backend = RedisBackend::sentinel(self.config(addrs[0])).await?;
+            Ok(Arc::new(backend) as Arc<dyn LockBackend>)
+        })
+    }
+}
+
+impl Sentinel {
+    fn config(&self, master: SocketAddr) -> SentinelConfig {
+        let mut config = SentinelConfig::new(
+            RedisSentinel::MASTER_NAME,
+            vec![format!("127.0.0.1:{}", self.deployment.port())],
+        );
+        config.options.request_timeout = Duration::from_secs(1);
+        config.connection = config.connection.set_dns_resolver(Remap {
+            from: self.deployment.master().port(),
+            to: master,
+        });
+        config
+    }
+}
+
+async fn start() -> Sentinel {
+    let deployment = tokio::task::spawn_blocking(RedisSentinel::start)
+        .await
+        .expect("start task")
+        .expect("redis-server and redis-sentinel start");
+    Sentinel { deployment }
+}
+
+fencelock_conformance::conformance_suite!(start());
+
+/// The grant lands on the master the sentinel names; fences are best-effort (a
+/// failover may lose the last grants), whatever the master's persistence settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_live_on_the_named_master_and_fences_are_best_effort() {
+    let sentinel = start().await;
+    let port = sentinel.deployment.master().port();
+    for (parameter, value) in [("appendonly", "yes"), ("appendfsync", "always")] {
+        let reply = raw_redis::command(port, &["CONFIG", "SET", parameter, value]);
+        assert_eq!(reply.text(), Some("OK"), "{reply:?}");
+    }
+    let backend = step(RedisBackend::sentinel(sentinel.config(sentinel.addrs()[0])))
+        .await
+        .expect("connect through the sentinel");
+    let caps = backend.capabilities();
+    assert_eq!(caps.fences, FenceGuarantee::BestEffort);
+    assert_eq!(caps.backend, "redis-sentinel");
+    let lease = step(backend.acquire(&AcquireSpec::new("named", Duration::from_secs(60))))
+        .await
+        .expect("acquire");
+    assert!(raw_redis::exists(port, "fencelock:lock:named"));
+    assert!(step(backend.release(&lease)).await.expect("release"));
+    assert!(!raw_redis::exists(port, "fencelock:lock:named"));
+
+    let mut unknown = sentinel.config(sentinel.addrs()[0]);
+    unknown.master_name = "nobody".to_owned();
+    let e = step(RedisBackend::sentinel(unknown))
+        .await
+        .expect_err("a master the sentinel does not know");
+    assert!(e.is_transient(), "{e}");
+}
