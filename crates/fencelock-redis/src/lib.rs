@@ -4,19 +4,20 @@
 //! `redis`.
 //!
 //! ```no_run
-//! use std::sync::Arc;
 //! use std::time::Duration;
-//! use fencelock::redis::{RedisBackend, RedisConfig};
-//! use fencelock::Client;
+//! use fencelock_backend::{AcquireSpec, LockBackend};
+//! use fencelock_redis::{RedisBackend, RedisConfig};
 //!
-//! # async fn demo() -> Result<(), fencelock::Error> {
+//! # async fn demo() -> Result<(), fencelock_backend::Error> {
 //! let backend = RedisBackend::connect(RedisConfig::new("redis://127.0.0.1:6379/")).await?;
-//! let client = Client::from_backend(Arc::new(backend));
-//! let guard = client.lock("job:nightly").ttl(Duration::from_secs(30)).acquire().await?;
-//! println!("fence {}", guard.fence());
-//! guard.release().await?;
+//! let lease = backend.acquire(&AcquireSpec::new("job:nightly", Duration::from_secs(30))).await?;
+//! println!("fence {}", lease.fence);
+//! backend.release(&lease).await?;
 //! # Ok(()) }
 //! ```
+//!
+//! Applications usually take locks through `fencelock::Client::from_backend`, which
+//! adds guards, renewal and the lost-lock signal on top.
 //!
 //! # Connecting
 //!
@@ -580,7 +581,7 @@ impl RedisBackend {
     ) -> Result<RedisBackend, Error> {
         options.check(false)?;
         let source = match wakeups {
-            Some(client) if options.wakeups => WakeSource::Client(client),
+            Some(client) if options.wakeups => WakeSource::Client(Box::new(client)),
             _ => WakeSource::Off,
         };
         let instance = Instance::new(
@@ -679,7 +680,7 @@ impl RedisBackend {
         let connection =
             bounded_connect(options.connect_timeout, client.get_async_connection()).await?;
         let source = match wakeups {
-            Some(client) if options.wakeups => WakeSource::Client(client),
+            Some(client) if options.wakeups => WakeSource::Client(Box::new(client)),
             _ => WakeSource::Off,
         };
         let instance = Instance::new(
@@ -962,7 +963,7 @@ impl Instance {
         )
         .map_err(map_error)?;
         let source = if config.options.wakeups {
-            WakeSource::Client(client)
+            WakeSource::Client(Box::new(client))
         } else {
             WakeSource::Off
         };
@@ -1106,5 +1107,42 @@ impl Instance {
         } else {
             FenceGuarantee::BestEffort
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Keys, RedisOptions};
+
+    /// Cluster keys: every key of a lock carries the same non-empty hash tag, and
+    /// names that differ only in braces or `%` get different tags.
+    #[test]
+    fn cluster_keys_share_one_tag_per_name() {
+        let keys = Keys::tagged(&RedisOptions::default());
+        let tag = |key: &str| {
+            let start = key.find('{').expect("a tag") + 1;
+            let end = start + key[start..].find('}').expect("a closed tag");
+            key[start..end].to_owned()
+        };
+        let names = ["job", "}", "a}b", "a%7Db", "{x}", "%", "a%b"];
+        let mut tags = Vec::new();
+        for name in names {
+            let lock = tag(&keys.lock(name));
+            assert!(!lock.is_empty(), "{name:?}: empty tag");
+            for other in [
+                keys.fence(name),
+                keys.holders(name),
+                keys.holders_data(name),
+            ] {
+                assert_eq!(tag(&other), lock, "{name:?}: keys in different slots");
+            }
+            tags.push(lock);
+        }
+        tags.sort_unstable();
+        tags.dedup();
+        assert_eq!(tags.len(), names.len(), "two names share a tag: {tags:?}");
+        let plain = Keys::plain(&RedisOptions::default());
+        assert_eq!(plain.lock("job"), "fencelock:lock:job");
+        assert_eq!(keys.lock("job"), "fencelock:lock:{job}");
     }
 }

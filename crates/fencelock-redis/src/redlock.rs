@@ -109,7 +109,7 @@ impl RedlockConfig {
 ///   `appendfsync always`.
 /// - **Pauses.** A holder paused (GC, SIGSTOP, swap) past its validity still believes
 ///   it holds the lock; nothing in Redis can stop its late writes. Only fencing
-///   protects the resource. (The [`Client`](crate::Client)'s lost-lock signal fires at
+///   protects the resource. (`fencelock::Client`'s lost-lock signal fires at
 ///   the conservative deadline, which a paused process notices only when it runs.)
 /// - **Idempotent retries are per backend object.** A retry of the same `request_id`
 ///   through this `RedlockBackend` returns the same grant (it remembers the owner

@@ -30,7 +30,7 @@ pub(crate) enum WakeSource {
     /// by the poll interval.
     Off,
     /// This server (for a cluster: any node; a `PUBLISH` reaches every node).
-    Client(redis::Client),
+    Client(Box<redis::Client>),
     /// The master Sentinel names at connect time.
     Sentinel(Arc<SentinelMaster>),
 }
@@ -239,7 +239,7 @@ async fn connect(shared: &Arc<Shared>, generation: u64) -> Result<Connection, Er
                 "wake-ups are off for this backend",
             ))
         }
-        WakeSource::Client(client) => client.clone(),
+        WakeSource::Client(client) => (**client).clone(),
         WakeSource::Sentinel(master) => master.master_client().await?,
     };
     let pubsub = client.get_async_pubsub().await.map_err(map_error)?;
