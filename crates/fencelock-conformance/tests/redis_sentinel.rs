@@ -1,5 +1,6 @@
 //! The conformance suite against a master found through Redis Sentinel, plus: the
-//! backend talks to the master the sentinel names and calls its fences best-effort.
+//! backend talks to the master the sentinel names, calls its fences best-effort, and
+//! follows a failover to the promoted replica.
 //!
 //! Partitions: the fixture's address is the master's; a client given a proxy in its
 //! place still asks the (real) sentinel, which names the real master, and reaches that
@@ -16,7 +17,7 @@ use std::time::Duration;
 use fencelock::redis::redis::io::AsyncDNSResolver;
 use fencelock::redis::redis::RedisFuture;
 use fencelock::redis::{RedisBackend, SentinelConfig};
-use fencelock::{AcquireSpec, BoxFuture, Error, FenceGuarantee, LockBackend};
+use fencelock::{AcquireSpec, BoxFuture, Error, ErrorKind, FenceGuarantee, LockBackend};
 use fencelock_conformance::{step, Fixture};
 use fencelock_testkit::RedisSentinel;
 
@@ -119,4 +120,65 @@ async fn locks_live_on_the_named_master_and_fences_are_best_effort() {
         .await
         .expect_err("a master the sentinel does not know");
     assert!(e.is_transient(), "{e}");
+}
+
+/// After a failover the old master is a replica (writes fail with `READONLY`) or gone:
+/// calls fail as `Unavailable` until the backend asks the sentinel again, and then
+/// grants land on the promoted replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backend_follows_a_failover() {
+    let deployment = tokio::task::spawn_blocking(RedisSentinel::start_with_replica)
+        .await
+        .expect("start task")
+        .expect("a master, a replica and a sentinel");
+    let mut config = SentinelConfig::new(
+        RedisSentinel::MASTER_NAME,
+        vec![format!("127.0.0.1:{}", deployment.port())],
+    );
+    config.options.request_timeout = Duration::from_secs(1);
+    let backend = step(RedisBackend::sentinel(config))
+        .await
+        .expect("connect through the sentinel");
+    let before = step(backend.acquire(&AcquireSpec::new("before", Duration::from_secs(60))))
+        .await
+        .expect("acquire on the first master");
+    // The grant reached the replica before the failover (replication is asynchronous).
+    let acked = raw_redis::command(deployment.master().port(), &["WAIT", "1", "10000"]);
+    assert_eq!(acked, raw_redis::Value::Int(1));
+    let deployment = tokio::task::spawn_blocking(move || {
+        deployment.failover().expect("failover");
+        deployment
+    })
+    .await
+    .expect("failover task");
+    let promoted = deployment.replica().expect("a replica").port();
+    // Bounded: each attempt takes at most the request timeout (plus asking the
+    // sentinel), and the loop gives up after 30 s.
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    let after = loop {
+        match step(backend.acquire(&AcquireSpec::new("after", Duration::from_secs(60)))).await {
+            Ok(lease) => break lease,
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+                assert!(
+                    tokio::time::Instant::now() < until,
+                    "still failing after the failover: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let role = raw_redis::command(promoted, &["ROLE"]);
+    assert!(
+        matches!(&role, raw_redis::Value::Array(items) if items.first().and_then(raw_redis::Value::text) == Some("master")),
+        "{role:?}"
+    );
+    assert!(raw_redis::exists(promoted, "fencelock:lock:after"));
+    assert!(after.fence > 0);
+    // The grant made before the failover was replicated, so it is still held there.
+    let e = step(backend.acquire(&AcquireSpec::new("before", Duration::from_secs(60))))
+        .await
+        .expect_err("the earlier grant survived the failover");
+    assert_eq!(e.kind(), ErrorKind::Held, "{e}");
+    assert!(step(backend.release(&before)).await.expect("release"));
 }

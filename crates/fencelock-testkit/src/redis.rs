@@ -200,6 +200,7 @@ pub struct RedisSentinel {
     sentinel: ServerProcess,
     dir: tempfile::TempDir,
     master: Redis,
+    replica: Option<Redis>,
 }
 
 impl RedisSentinel {
@@ -266,6 +267,79 @@ impl RedisSentinel {
             sentinel,
             dir,
             master,
+            replica: None,
+        })
+    }
+
+    /// Like [`RedisSentinel::start`], with one replica of the master (in sync before
+    /// the sentinel starts, so the sentinel knows it at once): what a failover needs.
+    pub fn start_with_replica() -> Result<RedisSentinel, Error> {
+        let master = Redis::start()?;
+        let replica = Redis::start_with(
+            None,
+            &[
+                OsString::from("--replicaof"),
+                OsString::from("127.0.0.1"),
+                OsString::from(master.port().to_string()),
+            ],
+        )?;
+        await_condition("the replica did not sync", || {
+            replica
+                .cli(&["INFO", "replication"])
+                .is_ok_and(|info| info.lines().any(|l| l.trim() == "master_link_status:up"))
+        })?;
+        let announced = master.port();
+        let mut deployment = RedisSentinel::start_announcing(master, announced)?;
+        let sentinel_port = deployment.port();
+        await_condition("the sentinel did not see the replica", || {
+            cli(
+                sentinel_port,
+                &["SENTINEL", "replicas", RedisSentinel::MASTER_NAME],
+            )
+            .is_ok_and(|out| out.lines().any(|l| l.trim() == replica.port().to_string()))
+        })?;
+        deployment.replica = Some(replica);
+        Ok(deployment)
+    }
+
+    /// The replica, if started with one.
+    pub fn replica(&self) -> Option<&Redis> {
+        self.replica.as_ref()
+    }
+
+    /// Makes the sentinel fail the master over to the replica (`SENTINEL FAILOVER`)
+    /// and waits until it names the replica as master and the old master follows it.
+    pub fn failover(&self) -> Result<(), Error> {
+        let replica = self
+            .replica
+            .as_ref()
+            .ok_or_else(|| Error::new(ErrorKind::Failed, "no replica to fail over to"))?;
+        // Refused (NOGOODSLAVE) until the sentinel has heard from the replica itself.
+        await_condition("the sentinel refused to fail over", || {
+            cli(
+                self.port(),
+                &["SENTINEL", "FAILOVER", RedisSentinel::MASTER_NAME],
+            )
+            .is_ok_and(|out| out.trim() == "OK")
+        })?;
+        let promoted = replica.port().to_string();
+        await_condition("the sentinel did not promote the replica", || {
+            cli(
+                self.port(),
+                &[
+                    "SENTINEL",
+                    "get-master-addr-by-name",
+                    RedisSentinel::MASTER_NAME,
+                ],
+            )
+            .is_ok_and(|out| out.lines().any(|l| l.trim() == promoted))
+        })?;
+        // The failover ends when the old master is a replica (the sentinel then closes
+        // its clients' connections); until then it still takes writes.
+        await_condition("the old master was not turned into a replica", || {
+            self.master
+                .cli(&["INFO", "replication"])
+                .is_ok_and(|info| info.lines().any(|l| l.trim() == "role:slave"))
         })
     }
 
