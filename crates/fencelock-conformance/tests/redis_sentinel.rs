@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fencelock::redis::redis::io::AsyncDNSResolver;
-use fencelock::redis::redis::RedisFuture;
+use fencelock::redis::redis::{RedisFuture, TlsCertificates};
 use fencelock::redis::{RedisBackend, SentinelConfig};
 use fencelock::{AcquireSpec, BoxFuture, Error, ErrorKind, FenceGuarantee, LockBackend};
 use fencelock_conformance::{step, Fixture};
@@ -181,4 +181,63 @@ async fn the_backend_follows_a_failover() {
         .expect_err("the earlier grant survived the failover");
     assert_eq!(e.kind(), ErrorKind::Held, "{e}");
     assert!(step(backend.release(&before)).await.expect("release"));
+}
+
+/// Sentinel and master over TLS only (both ports TLS, trusting the test CA): locks,
+/// and a waiter woken by the release through the TLS pub/sub connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_and_master_over_tls() {
+    let (deployment, ca_pem, _dir) = tokio::task::spawn_blocking(|| {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let ca = fencelock_testkit::TestCa::create(dir.path()).expect("a test CA");
+        let ca_pem = std::fs::read(&ca.ca_cert).expect("the CA certificate");
+        let deployment = RedisSentinel::start_tls(&ca).expect("TLS master and sentinel");
+        (deployment, ca_pem, dir)
+    })
+    .await
+    .expect("start task");
+    let mut config = SentinelConfig::new(
+        RedisSentinel::MASTER_NAME,
+        vec![format!("127.0.0.1:{}", deployment.port())],
+    );
+    config.tls = Some(TlsCertificates {
+        client_tls: None,
+        root_cert: Some(ca_pem),
+    });
+    let backend = Arc::new(
+        step(RedisBackend::sentinel(config))
+            .await
+            .expect("connect through the sentinel over TLS"),
+    );
+    let held = step(backend.acquire(&AcquireSpec::new("tls", Duration::from_secs(60))))
+        .await
+        .expect("acquire");
+    let waiter = {
+        let backend = backend.clone();
+        tokio::spawn(async move {
+            let mut spec = AcquireSpec::new("tls", Duration::from_secs(60));
+            spec.wait = Duration::from_secs(25);
+            backend.acquire(&spec).await
+        })
+    };
+    // The waiter holds a subscription on the master before the release.
+    let subscribed_by = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !deployment
+        .master()
+        .cli(&["PUBSUB", "NUMSUB", "fencelock:wake:tls"])
+        .is_ok_and(|out| out.lines().nth(1).map(str::trim) == Some("1"))
+    {
+        assert!(
+            tokio::time::Instant::now() < subscribed_by,
+            "the waiter never subscribed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(step(backend.release(&held)).await.expect("release"));
+    let lease = step(waiter)
+        .await
+        .expect("waiter")
+        .expect("woken by the release");
+    assert!(lease.fence > held.fence);
+    assert!(step(backend.release(&lease)).await.expect("release"));
 }

@@ -18,7 +18,8 @@ pub struct Redis {
     // Field order matters: the process stops before its directory is removed.
     process: ServerProcess,
     dir: tempfile::TempDir,
-    tls: bool,
+    /// The CA certificate, for a TLS server (what `redis-cli --tls` must trust).
+    tls_ca: Option<PathBuf>,
 }
 
 fn redis_program(name: &str, package: &str) -> Result<PathBuf, Error> {
@@ -124,7 +125,7 @@ impl Redis {
         Ok(Redis {
             process,
             dir,
-            tls: with_tls,
+            tls_ca: ca.map(|ca| ca.ca_cert.clone()),
         })
     }
 
@@ -136,7 +137,7 @@ impl Redis {
     /// `redis://127.0.0.1:PORT/`, or `rediss://localhost:PORT/` for a TLS server (the
     /// name its certificate carries).
     pub fn url(&self) -> String {
-        if self.tls {
+        if self.tls_ca.is_some() {
             format!("rediss://localhost:{}/", self.port())
         } else {
             format!("redis://127.0.0.1:{}/", self.port())
@@ -148,18 +149,23 @@ impl Redis {
         self.dir.path()
     }
 
-    /// Runs `redis-cli` against it with `args` and returns what it printed; fails if
-    /// it exits with an error. (Plain servers only.)
+    /// Runs `redis-cli` against it with `args` (over TLS for a TLS server) and
+    /// returns what it printed; fails if it exits with an error.
     pub fn cli(&self, args: &[&str]) -> Result<String, Error> {
-        cli(self.port(), args)
+        cli(self.port(), self.tls_ca.as_deref(), args)
     }
 }
 
-/// `redis-cli -p PORT ARGS…` on 127.0.0.1: what it printed.
-fn cli(port: u16, args: &[&str]) -> Result<String, Error> {
+/// `redis-cli -p PORT ARGS…` on 127.0.0.1 (with `--tls`, trusting `tls_ca`, if
+/// given): what it printed.
+fn cli(port: u16, tls_ca: Option<&Path>, args: &[&str]) -> Result<String, Error> {
     let program = redis_program("redis-cli", "redis-tools")?;
-    let out = Command::new(program)
-        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+    let mut command = Command::new(program);
+    command.args(["-h", "127.0.0.1", "-p", &port.to_string()]);
+    if let Some(ca) = tls_ca {
+        command.arg("--tls").arg("--cacert").arg(ca);
+    }
+    let out = command
         .args(args)
         .output()
         .map_err(|e| Error::io("run redis-cli", e))?;
@@ -201,6 +207,7 @@ pub struct RedisSentinel {
     dir: tempfile::TempDir,
     master: Redis,
     replica: Option<Redis>,
+    tls_ca: Option<PathBuf>,
 }
 
 impl RedisSentinel {
@@ -217,15 +224,45 @@ impl RedisSentinel {
     /// Starts a sentinel monitoring `master` as if it were at 127.0.0.1:`port` (a
     /// proxy in front of it, say): what the sentinel tells clients.
     pub fn start_announcing(master: Redis, port: u16) -> Result<RedisSentinel, Error> {
+        RedisSentinel::start_sentinel(master, port, None)
+    }
+
+    /// A TLS-only master watched by a TLS-only sentinel (which reaches the master over
+    /// TLS too), both with `ca`'s server certificate.
+    pub fn start_tls(ca: &TestCa) -> Result<RedisSentinel, Error> {
+        let master = Redis::start_tls(ca)?;
+        let announced = master.port();
+        RedisSentinel::start_sentinel(master, announced, Some(ca))
+    }
+
+    fn start_sentinel(
+        master: Redis,
+        port: u16,
+        ca: Option<&TestCa>,
+    ) -> Result<RedisSentinel, Error> {
         let program = redis_program("redis-sentinel", "redis-sentinel")?;
         let dir = temp_dir("fencelock-sentinel-")?;
         let config = dir.path().join("sentinel.conf");
         let master_port = port;
         let dir_path = dir.path().to_owned();
+        let log_dir = dir.path().to_owned();
+        let tls = ca.map(|ca| {
+            format!(
+                "port 0\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
+                 tls-auth-clients no\ntls-replication yes\n",
+                ca.server_cert.display(),
+                ca.server_key.display(),
+                ca.ca_cert.display(),
+            )
+        });
         let args = move |port: u16| -> Vec<OsString> {
             // The sentinel rewrites its configuration file: a fresh one per attempt.
+            let listen = match &tls {
+                Some(tls) => format!("{tls}tls-port {port}\n"),
+                None => format!("port {port}\n"),
+            };
             let text = format!(
-                "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {}\n\
+                "{listen}bind 127.0.0.1\ndaemonize no\ndir {}\n\
                  sentinel monitor {} 127.0.0.1 {master_port} 1\n\
                  sentinel down-after-milliseconds {} 5000\n",
                 dir_path.display(),
@@ -242,13 +279,23 @@ impl RedisSentinel {
             dir: dir.path(),
             run_as: None,
             stop_signal: libc::SIGTERM,
-            ready: &|port| probe(port, b"PING\r\n", 64).is_some_and(|r| r.starts_with(b"+PONG")),
+            ready: &|port| {
+                if ca.is_some() {
+                    // A sentinel logs no "Ready to accept connections".
+                    std::fs::read_to_string(log_dir.join("server.log"))
+                        .is_ok_and(|log| log.contains("+monitor master"))
+                } else {
+                    probe(port, b"PING\r\n", 64).is_some_and(|r| r.starts_with(b"+PONG"))
+                }
+            },
         })?;
         let sentinel_port = sentinel.port();
+        let tls_ca = ca.map(|ca| ca.ca_cert.clone());
         let announced = format!("{port}");
         await_condition("the sentinel did not name its master", || {
             cli(
                 sentinel_port,
+                tls_ca.as_deref(),
                 &[
                     "SENTINEL",
                     "get-master-addr-by-name",
@@ -268,6 +315,7 @@ impl RedisSentinel {
             dir,
             master,
             replica: None,
+            tls_ca,
         })
     }
 
@@ -294,6 +342,7 @@ impl RedisSentinel {
         await_condition("the sentinel did not see the replica", || {
             cli(
                 sentinel_port,
+                None,
                 &["SENTINEL", "replicas", RedisSentinel::MASTER_NAME],
             )
             .is_ok_and(|out| out.lines().any(|l| l.trim() == replica.port().to_string()))
@@ -318,6 +367,7 @@ impl RedisSentinel {
         await_condition("the sentinel refused to fail over", || {
             cli(
                 self.port(),
+                self.tls_ca.as_deref(),
                 &["SENTINEL", "FAILOVER", RedisSentinel::MASTER_NAME],
             )
             .is_ok_and(|out| out.trim() == "OK")
@@ -326,6 +376,7 @@ impl RedisSentinel {
         await_condition("the sentinel did not promote the replica", || {
             cli(
                 self.port(),
+                self.tls_ca.as_deref(),
                 &[
                     "SENTINEL",
                     "get-master-addr-by-name",
