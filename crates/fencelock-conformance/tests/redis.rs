@@ -623,3 +623,54 @@ async fn wakeups_open_one_pubsub_connection_on_the_first_wait() {
     let open = raw_redis::clients(port, "pubsub").len() + raw_redis::clients(port, "normal").len();
     assert_eq!(open, 2);
 }
+
+/// A pub/sub server that cannot be reached (a cluster's wake-up node down, say) does
+/// not fail waits: the waiter polls and is served once the lock is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_poll_while_the_pubsub_connection_cannot_be_opened() {
+    let redis = start().await;
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.local_addr().expect("address").port()
+    };
+    let client = redis::Client::open(redis.server.url()).expect("url");
+    let manager = step(client.get_connection_manager())
+        .await
+        .expect("manager");
+    let nowhere = redis::Client::open(format!("redis://127.0.0.1:{closed}/")).expect("url");
+    let backend = Arc::new(
+        step(RedisBackend::from_connection_manager(
+            manager,
+            Some(nowhere),
+            RedisOptions::default(),
+        ))
+        .await
+        .expect("backend"),
+    );
+    let held = step(backend.acquire(&AcquireSpec::new("deaf", Duration::from_secs(60))))
+        .await
+        .expect("acquire");
+    let waiter = {
+        let backend = backend.clone();
+        tokio::spawn(async move {
+            backend
+                .acquire(&waiting(
+                    "deaf",
+                    Duration::from_secs(60),
+                    Duration::from_secs(25),
+                ))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the waiter gave up while the lock was held"
+    );
+    assert!(step(backend.release(&held)).await.expect("release"));
+    let lease = step(waiter)
+        .await
+        .expect("waiter")
+        .expect("served by polling");
+    assert!(lease.fence > held.fence);
+}

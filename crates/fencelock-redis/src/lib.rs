@@ -49,7 +49,8 @@
 //! between all waits. Built from a bare `ConnectionManager` (no client to open it
 //! from) or with [`RedisOptions::wakeups`] off, the backend opens none: waiters then
 //! try again every [`RedisOptions::poll_interval`] (or at the holder's expiry, if
-//! sooner), and `push_wakeups` is false.
+//! sooner), and `push_wakeups` is false. While the pub/sub connection cannot be
+//! opened, waiters poll the same way and try to subscribe again on each turn.
 //!
 //! # How a lock is kept
 //!
@@ -741,6 +742,10 @@ impl LockBackend for RedisBackend {
                         Err(_) if Instant::now() >= deadline => {
                             return Err(not_granted(spec));
                         }
+                        // The pub/sub server may be down while the one holding the
+                        // lock is not (a cluster node): poll this turn, subscribe
+                        // again on the next.
+                        Err(e) if e.kind() == ErrorKind::Unavailable => {}
                         Err(e) => return Err(e),
                     }
                 }
