@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use fencelock::redis::{RedisBackend, RedisConfig};
+use fencelock::redis::{redis, RedisBackend, RedisConfig, RedisOptions};
 use fencelock::{AcquireSpec, BoxFuture, Error, ErrorKind, FenceGuarantee, LockBackend};
 use fencelock_conformance::{step, Fixture, Proxy};
 use tokio::time::Instant;
@@ -41,7 +41,7 @@ impl Fixture for Redis {
 fn config(addr: SocketAddr) -> RedisConfig {
     let mut config = RedisConfig::new(addr.to_string());
     // Short enough that a stalled connection fails a call well within a case.
-    config.request_timeout = Duration::from_secs(1);
+    config.options.request_timeout = Duration::from_secs(1);
     config
 }
 
@@ -467,4 +467,210 @@ async fn killed_connections_fail_one_call_and_the_next_reconnects() {
         .expect("a fresh connection");
     assert_eq!(granted, Duration::from_secs(60));
     assert!(step(backend.release(&lease)).await.expect("release"));
+}
+
+/// The application's own `ConnectionManager` carries every command: no other
+/// connection appears on the server (no pub/sub one either, given no client to open
+/// it from), and the manager's connection is the one that ran the scripts. Waiters
+/// then poll and are still served. The same count sees a second connection (planted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_applications_connection_manager_carries_every_command() {
+    let redis = start().await;
+    let port = redis.server.port();
+    let client = redis::Client::open(redis.server.url()).expect("url");
+    let mut manager = step(client.get_connection_manager())
+        .await
+        .expect("the application's manager");
+    let _: () = step(
+        redis::cmd("CLIENT")
+            .arg("SETNAME")
+            .arg("app")
+            .query_async(&mut manager),
+    )
+    .await
+    .expect("name it");
+    let before = raw_redis::clients(port, "normal");
+    assert_eq!(before.len(), 1, "{before:?}");
+    let mut options = RedisOptions::default();
+    options.request_timeout = Duration::from_secs(5);
+    let backend = step(RedisBackend::from_connection_manager(
+        manager.clone(),
+        None,
+        options,
+    ))
+    .await
+    .expect("a backend on the manager");
+    assert!(!backend.capabilities().push_wakeups);
+    let lease = step(backend.acquire(&AcquireSpec::new("app", Duration::from_secs(60))))
+        .await
+        .expect("acquire");
+    let waiter = {
+        let backend = Arc::new(
+            step(RedisBackend::from_connection_manager(
+                manager.clone(),
+                None,
+                RedisOptions::default(),
+            ))
+            .await
+            .expect("a second backend on the manager"),
+        );
+        tokio::spawn(async move {
+            backend
+                .acquire(&waiting(
+                    "app",
+                    Duration::from_secs(60),
+                    Duration::from_secs(25),
+                ))
+                .await
+        })
+    };
+    step(backend.renew(&lease, Duration::from_secs(60)))
+        .await
+        .expect("renew");
+    assert!(step(backend.release(&lease)).await.expect("release"));
+    let next = step(waiter)
+        .await
+        .expect("waiter")
+        .expect("a polling waiter is served");
+    assert!(next.fence > lease.fence);
+    let after = raw_redis::clients(port, "normal");
+    assert_eq!(after.len(), 1, "another connection appeared: {after:?}");
+    assert!(
+        after[0].contains("name=app") && after[0].contains("cmd=evalsha"),
+        "the application's connection did not run the scripts: {after:?}"
+    );
+    assert!(raw_redis::clients(port, "pubsub").is_empty());
+
+    // The planted bug: a backend that opens its own connection. The count sees it.
+    let _own = step(RedisBackend::from_client(client, RedisOptions::default()))
+        .await
+        .expect("a backend with its own manager");
+    assert_eq!(raw_redis::clients(port, "normal").len(), 2);
+}
+
+/// Given a client for wake-ups, the backend on the application's manager opens the
+/// pub/sub connection only when a waiter needs it, and just one for every wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wakeups_open_one_pubsub_connection_on_the_first_wait() {
+    let redis = start().await;
+    let port = redis.server.port();
+    let client = redis::Client::open(redis.server.url()).expect("url");
+    let manager = step(client.get_connection_manager())
+        .await
+        .expect("the application's manager");
+    let backend = Arc::new(
+        step(RedisBackend::from_connection_manager(
+            manager,
+            Some(client),
+            RedisOptions::default(),
+        ))
+        .await
+        .expect("backend"),
+    );
+    assert!(backend.capabilities().push_wakeups);
+    let held = step(backend.acquire(&AcquireSpec::new("one", Duration::from_secs(60))))
+        .await
+        .expect("acquire");
+    let other = step(backend.acquire(&AcquireSpec::new("two", Duration::from_secs(60))))
+        .await
+        .expect("acquire");
+    assert!(
+        raw_redis::clients(port, "pubsub").is_empty(),
+        "a pub/sub connection before any wait"
+    );
+    let waiters: Vec<_> = ["one", "two"]
+        .into_iter()
+        .map(|name| {
+            let backend = backend.clone();
+            tokio::spawn(async move {
+                backend
+                    .acquire(&waiting(
+                        name,
+                        Duration::from_secs(60),
+                        Duration::from_secs(25),
+                    ))
+                    .await
+            })
+        })
+        .collect();
+    // Both waiters subscribed: Redis lists one pub/sub client with two channels.
+    let subscribed_by = Instant::now() + Duration::from_secs(10);
+    loop {
+        let pubsub = raw_redis::clients(port, "pubsub");
+        if pubsub.len() == 1 && pubsub[0].contains("sub=2") {
+            break;
+        }
+        assert!(
+            pubsub.len() <= 1,
+            "more than one pub/sub connection: {pubsub:?}"
+        );
+        assert!(
+            Instant::now() < subscribed_by,
+            "never subscribed: {pubsub:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(raw_redis::clients(port, "normal").len(), 1);
+    for lease in [&held, &other] {
+        assert!(step(backend.release(lease)).await.expect("release"));
+    }
+    for waiter in waiters {
+        let lease = step(waiter).await.expect("waiter").expect("woken");
+        assert!(step(backend.release(&lease)).await.expect("release"));
+    }
+    // The pub/sub connection stays open for later waits (listed as `normal` once it
+    // has unsubscribed from every channel).
+    let open = raw_redis::clients(port, "pubsub").len() + raw_redis::clients(port, "normal").len();
+    assert_eq!(open, 2);
+}
+
+/// A pub/sub server that cannot be reached (a cluster's wake-up node down, say) does
+/// not fail waits: the waiter polls and is served once the lock is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_poll_while_the_pubsub_connection_cannot_be_opened() {
+    let redis = start().await;
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.local_addr().expect("address").port()
+    };
+    let client = redis::Client::open(redis.server.url()).expect("url");
+    let manager = step(client.get_connection_manager())
+        .await
+        .expect("manager");
+    let nowhere = redis::Client::open(format!("redis://127.0.0.1:{closed}/")).expect("url");
+    let backend = Arc::new(
+        step(RedisBackend::from_connection_manager(
+            manager,
+            Some(nowhere),
+            RedisOptions::default(),
+        ))
+        .await
+        .expect("backend"),
+    );
+    let held = step(backend.acquire(&AcquireSpec::new("deaf", Duration::from_secs(60))))
+        .await
+        .expect("acquire");
+    let waiter = {
+        let backend = backend.clone();
+        tokio::spawn(async move {
+            backend
+                .acquire(&waiting(
+                    "deaf",
+                    Duration::from_secs(60),
+                    Duration::from_secs(25),
+                ))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the waiter gave up while the lock was held"
+    );
+    assert!(step(backend.release(&held)).await.expect("release"));
+    let lease = step(waiter)
+        .await
+        .expect("waiter")
+        .expect("served by polling");
+    assert!(lease.fence > held.fence);
 }

@@ -44,8 +44,8 @@ fn config(addrs: &[SocketAddr]) -> RedlockConfig {
         .iter()
         .map(|addr| {
             let mut instance = RedisConfig::new(addr.to_string());
-            instance.connect_timeout = Duration::from_secs(1);
-            instance.request_timeout = Duration::from_secs(1);
+            instance.options.connect_timeout = Duration::from_secs(1);
+            instance.options.request_timeout = Duration::from_secs(1);
             instance
         })
         .collect();

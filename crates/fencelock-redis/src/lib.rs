@@ -1,24 +1,56 @@
-//! Locks on Redis: a single instance ([`RedisBackend`]) or Redlock over several
-//! independent instances ([`RedlockBackend`]). Behind the cargo feature `redis`.
+//! Locks on Redis, through the [`redis`] crate: one server ([`RedisBackend`], plain or
+//! TLS, found directly or through Sentinel), a Redis Cluster, or Redlock over several
+//! independent servers ([`RedlockBackend`]). Behind the `fencelock` cargo feature
+//! `redis`.
 //!
 //! ```no_run
-//! use std::sync::Arc;
 //! use std::time::Duration;
-//! use fencelock::redis::{RedisBackend, RedisConfig};
-//! use fencelock::Client;
+//! use fencelock_backend::{AcquireSpec, LockBackend};
+//! use fencelock_redis::{RedisBackend, RedisConfig};
 //!
-//! # async fn demo() -> Result<(), fencelock::Error> {
-//! let backend = RedisBackend::connect(RedisConfig::new("127.0.0.1:6379")).await?;
-//! let client = Client::from_backend(Arc::new(backend));
-//! let guard = client.lock("job:nightly").ttl(Duration::from_secs(30)).acquire().await?;
-//! println!("fence {}", guard.fence());
-//! guard.release().await?;
+//! # async fn demo() -> Result<(), fencelock_backend::Error> {
+//! let backend = RedisBackend::connect(RedisConfig::new("redis://127.0.0.1:6379/")).await?;
+//! let lease = backend.acquire(&AcquireSpec::new("job:nightly", Duration::from_secs(30))).await?;
+//! println!("fence {}", lease.fence);
+//! backend.release(&lease).await?;
 //! # Ok(()) }
 //! ```
 //!
-//! The client speaks RESP2 itself (no Redis crate): plain TCP, optional `AUTH` and
-//! `SELECT`; no TLS, and no Redis Cluster (a lock's keys may live in different
-//! slots) or Sentinel discovery.
+//! Applications usually take locks through `fencelock::Client::from_backend`, which
+//! adds guards, renewal and the lost-lock signal on top.
+//!
+//! # Connecting
+//!
+//! Every mode speaks through the `redis` crate (re-exported as [`redis`], so an
+//! application hands over values of the same version):
+//!
+//! - [`RedisBackend::connect`]: a URL, `redis://[user:password@]host:port/db`, or
+//!   `rediss://…` for TLS (the system's roots, or the CA in [`RedisConfig::tls`]).
+//!   One `ConnectionManager`: one multiplexed connection that reconnects by itself.
+//! - [`RedisBackend::from_client`]: the application's `redis::Client`; the backend
+//!   opens one `ConnectionManager` from it.
+//! - [`RedisBackend::from_connection_manager`]: the application's own
+//!   `ConnectionManager`. Every command goes through it; the backend opens no
+//!   connection for commands.
+//! - [`RedisBackend::sentinel`] / [`RedisBackend::from_sentinel_client`]: a master
+//!   name and the sentinels' addresses (optionally TLS). The backend asks the
+//!   sentinels for the master, keeps one multiplexed connection to it, and asks again
+//!   after a call fails on a connection error or a `READONLY` (the master was
+//!   demoted).
+//! - [`RedisBackend::cluster`] / [`RedisBackend::from_cluster_client`]: a Redis
+//!   Cluster through `redis::cluster_async`, which routes each script to the node
+//!   owning its keys and follows `MOVED`/`ASK` and failovers.
+//!
+//! **Wake-ups need their own connection.** A waiter sleeps until a release is
+//! published on the lock's channel; subscribing takes a connection in pub/sub mode,
+//! which cannot carry commands. The backend opens it lazily, on the first acquire
+//! with a non-zero `wait`, from the same client (Sentinel: the master; Cluster: the
+//! node given for it — a `PUBLISH` reaches every node of a cluster), and shares it
+//! between all waits. Built from a bare `ConnectionManager` (no client to open it
+//! from) or with [`RedisOptions::wakeups`] off, the backend opens none: waiters then
+//! try again every [`RedisOptions::poll_interval`] (or at the holder's expiry, if
+//! sooner), and `push_wakeups` is false. While the pub/sub connection cannot be
+//! opened, waiters poll the same way and try to subscribe again on each turn.
 //!
 //! # How a lock is kept
 //!
@@ -40,46 +72,60 @@
 //! from the same counter. A lock held as a mutex refuses a semaphore request and vice
 //! versa, as does a semaphore held with another `limit` (`LimitMismatch`).
 //!
-//! A waiter subscribes to that channel *before* each attempt (on one pub/sub
-//! connection per backend, shared by all its waits), then sleeps until a release is
-//! published or the holder's remaining `PTTL` runs out (an expiry publishes nothing),
-//! and tries again — all within the request's `wait`. Waiters are not queued: whoever
-//! tries first after a release wins (no FIFO).
+//! **In a cluster** a script may only touch keys of one hash slot, so the name goes
+//! into a hash tag: `{prefix}lock:{NAME}`, `{prefix}fence:{NAME}`, `{prefix}sem:{NAME}`,
+//! `{prefix}sem-data:{NAME}` (with `%` and `}` in the name written `%25` and `%7D`, so
+//! the tag always ends where the name does). All keys of one lock live on one node;
+//! different locks spread over the cluster. The prefix must not contain `{` or `}`.
+//!
+//! Waiters are not queued: whoever tries first after a release wins (no FIFO).
 //!
 //! # What Redis cannot promise
 //!
-//! - **Fences are best-effort.** A restart without the data (no persistence, or
-//!   `appendfsync everysec`/`no` losing the last second), a failover to a replica that
-//!   had not received the last writes (replication is asynchronous), or an eviction of
-//!   the counter (`maxmemory-policy allkeys-*`) can hand out a fence again. The backend
-//!   reports [`FenceGuarantee::Durable`] only if, when it connected, the server said
+//! - **Fences are best-effort** unless one server keeps every write. A restart without
+//!   the data (no persistence, or `appendfsync everysec`/`no` losing the last second),
+//!   a failover to a replica that had not received the last writes (replication is
+//!   asynchronous), or an eviction of the counter (`maxmemory-policy allkeys-*`) can
+//!   hand out a fence again. A single server (URL, client or connection manager) is
+//!   reported [`FenceGuarantee::Durable`] only if, when the backend was built, it said
 //!   `appendonly yes`, `appendfsync always`, a `maxmemory-policy` that cannot evict a
 //!   key without expiry, and that it is a primary without replicas; if `CONFIG` is
 //!   unavailable (renamed, forbidden) it reports `BestEffort`. Settings changed later
 //!   are not noticed.
+//! - **Sentinel and Cluster are always `BestEffort`.** Their point is failover, and a
+//!   failover promotes a replica that may have missed the last grants: the lock can
+//!   have two holders for a moment and a fence can be handed out twice. Use them for
+//!   availability, not for fences you must trust.
 //! - **Leases follow the Redis server's wall clock.** Redis stores expiries as absolute
 //!   Unix times, so a clock step on the Redis host (NTP, an operator) expires leases
 //!   early or late (`monotonic_leases: false`). Only fences protect the resource then.
 //! - **No FIFO, no lock-delay, no sessions:** a non-zero `lock_delay` is refused with
 //!   `InvalidArgument`.
-//! - Single instance means a single point of failure: while Redis is unreachable every
-//!   call fails with `Unavailable` (each call reconnects), and holders lose their locks
-//!   when their leases run out.
+//! - While Redis is unreachable every call fails with `Unavailable` (the connection
+//!   reconnects in the background), and holders lose their locks when their leases
+//!   run out.
+#![deny(missing_docs)]
 
-mod pubsub;
+mod conn;
 mod redlock;
-mod resp;
+mod wake;
 
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
+use redis::{AsyncConnectionConfig, ConnectionAddr, Script, TlsCertificates, TlsMode, Value};
 use tokio::time::Instant;
 
+pub use redis;
 pub use redlock::{RedlockBackend, RedlockConfig};
 
+use conn::{map_error, Commands, SentinelMaster};
 use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
 use fencelock_backend::{Error, ErrorKind};
-use pubsub::{Subscriber, Subscription};
-use resp::{Endpoint, Pool, Reply, Script};
+use wake::{Subscriber, Subscription, WakeSource};
 
 /// Lua: `now` in milliseconds on the Redis server's clock (scripts may read `TIME`:
 /// Redis 7 replicates a script's effects, not the script).
@@ -102,8 +148,8 @@ macro_rules! concat_script {
 /// counter, semaphore holders. Returns `{status, token, fence, pttl}` with status
 /// 2 = new grant, 1 = this request's grant, 0 = held by another, 3 = the lock is held
 /// as a semaphore.
-static ACQUIRE: Script = Script {
-    source: concat_script!(
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat_script!(
         r#"
 if redis.call('ZCOUNT', KEYS[3], '(' .. now, '+inf') > 0 then
   return {3, '', '0', 0}
@@ -122,8 +168,8 @@ redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'request', ARGV[3]
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {2, ARGV[1], fence, tonumber(ARGV[2])}
 "#
-    ),
-};
+    ))
+});
 
 /// Drops a semaphore's holders whose lease ran out (at most `limit` of them), then
 /// (`keep`) makes the holders set and its data live exactly as long as the last holder.
@@ -159,8 +205,8 @@ end
 
 /// A semaphore slot: like `ACQUIRE`, for `limit` holders. KEYS: holders, data, fence
 /// counter, mutex lock hash. ARGV: token, ttl ms, request id, owner, limit.
-static SEMAPHORE_ACQUIRE: Script = Script {
-    source: concat_script!(
+static SEMAPHORE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat_script!(
         semaphore_expire_lua!(),
         r#"
 if redis.call('EXISTS', KEYS[4]) == 1 then
@@ -189,13 +235,13 @@ redis.call('HSET', KEYS[2], 'limit', ARGV[5], 'f:' .. ARGV[1], fence, 'q:' .. AR
 keep()
 return {2, ARGV[1], fence, tonumber(ARGV[2])}
 "#
-    ),
-};
+    ))
+});
 
 /// Extends the lease if the grant (mutex or semaphore slot) is still the caller's.
 /// KEYS: holders, data, lock hash. ARGV: token, ttl ms.
-static RENEW: Script = Script {
-    source: concat_script!(
+static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat_script!(
         semaphore_expire_lua!(),
         r#"
 if redis.call('HGET', KEYS[3], 'token') == ARGV[1] then
@@ -209,13 +255,13 @@ if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
 end
 return 0
 "#
-    ),
-};
+    ))
+});
 
 /// Deletes the grant (mutex or semaphore slot) if it is still the caller's, and wakes
 /// the lock's waiters. KEYS: holders, data, lock hash. ARGV: token, channel.
-static RELEASE: Script = Script {
-    source: concat_script!(
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat_script!(
         semaphore_expire_lua!(),
         r#"
 if redis.call('HGET', KEYS[3], 'token') == ARGV[1] then
@@ -231,92 +277,445 @@ if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
 end
 return 0
 "#
-    ),
-};
+    ))
+});
 
 /// Most holders of one semaphore (as the fencelock server).
 pub const MAX_SEMAPHORE_LIMIT: u32 = 1024;
+
+/// What every mode shares: key names, timeouts, wake-ups.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct RedisOptions {
+    /// Prefix of every key and channel this backend uses. Default `fencelock:`.
+    pub key_prefix: String,
+    /// How long opening a connection may take. Default 5 s.
+    pub connect_timeout: Duration,
+    /// How long one call to Redis may take before it fails as `Unavailable`.
+    /// Default 5 s.
+    pub request_timeout: Duration,
+    /// Whether waiters subscribe to releases (one extra pub/sub connection, opened on
+    /// the first wait). Default on.
+    pub wakeups: bool,
+    /// How often a waiter tries again when it has no wake-ups. Default 100 ms.
+    pub poll_interval: Duration,
+    /// Most locks this backend waits on at once (pub/sub channels). Default 10 000.
+    pub max_waited_locks: usize,
+}
+
+impl Default for RedisOptions {
+    fn default() -> RedisOptions {
+        RedisOptions {
+            key_prefix: "fencelock:".to_owned(),
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(5),
+            wakeups: true,
+            poll_interval: Duration::from_millis(100),
+            max_waited_locks: 10_000,
+        }
+    }
+}
+
+impl RedisOptions {
+    fn check(&self, cluster: bool) -> Result<(), Error> {
+        if self.request_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "connect_timeout and request_timeout must be positive",
+            ));
+        }
+        if self.poll_interval.is_zero() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "poll_interval must be positive",
+            ));
+        }
+        if cluster && self.key_prefix.contains(['{', '}']) {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "in a cluster the key prefix must not contain '{' or '}' (the lock name is the hash tag)",
+            ));
+        }
+        Ok(())
+    }
+
+    fn manager_config(&self) -> ConnectionManagerConfig {
+        ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(self.connect_timeout))
+            .set_response_timeout(Some(self.request_timeout))
+            // Reconnecting is retried by the next call; a short burst here is enough.
+            .set_number_of_retries(2)
+    }
+
+    fn connection_config(&self) -> AsyncConnectionConfig {
+        AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.connect_timeout))
+            .set_response_timeout(Some(self.request_timeout))
+    }
+}
 
 /// How to reach one Redis server.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct RedisConfig {
-    /// `host:port` of the server.
-    pub addr: String,
-    /// ACL user name (`AUTH user password`); `None` for the default user.
-    pub username: Option<String>,
-    /// Password, if the server requires one.
-    pub password: Option<String>,
-    /// Database number (`SELECT`). Default 0.
-    pub database: u32,
-    /// Prefix of every key and channel this backend uses. Default `fencelock:`.
-    pub key_prefix: String,
-    /// How long a TCP connection (and its `AUTH`/`SELECT`) may take. Default 5 s.
-    pub connect_timeout: Duration,
-    /// How long one command may take before the call fails as `Unavailable` and its
-    /// connection is dropped. Default 5 s.
-    pub request_timeout: Duration,
-    /// Most connections open at once for commands (the pub/sub connection aside).
-    /// Default 32.
-    pub max_connections: usize,
-    /// Most locks this backend waits on at once (pub/sub channels). Default 10 000.
-    pub max_waited_locks: usize,
+    /// `redis://[user:password@]host:port[/db]`, `rediss://…` for TLS, or a bare
+    /// `host:port` (plain TCP).
+    pub url: String,
+    /// For `rediss://`: the CA to trust instead of the system's roots, and a client
+    /// certificate for mutual TLS. `None`: the system's roots.
+    pub tls: Option<TlsCertificates>,
+    /// Key names, timeouts, wake-ups.
+    pub options: RedisOptions,
 }
 
 impl RedisConfig {
-    /// The defaults for the server at `addr` (`host:port`).
-    pub fn new(addr: impl Into<String>) -> RedisConfig {
+    /// The defaults for the server at `url` (or `host:port`).
+    pub fn new(url: impl Into<String>) -> RedisConfig {
         RedisConfig {
-            addr: addr.into(),
-            username: None,
-            password: None,
-            database: 0,
-            key_prefix: "fencelock:".to_owned(),
-            connect_timeout: Duration::from_secs(5),
-            request_timeout: Duration::from_secs(5),
-            max_connections: 32,
-            max_waited_locks: 10_000,
+            url: url.into(),
+            tls: None,
+            options: RedisOptions::default(),
         }
     }
 
-    fn endpoint(&self) -> Endpoint {
-        Endpoint {
-            addr: self.addr.clone(),
-            username: self.username.clone(),
-            password: self.password.clone(),
-            database: self.database,
-            connect_timeout: self.connect_timeout,
-            request_timeout: self.request_timeout,
+    /// The `redis::Client` for this server (no connection yet).
+    pub fn client(&self) -> Result<redis::Client, Error> {
+        if self.url.is_empty() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "the redis address must not be empty",
+            ));
+        }
+        let url = if self.url.contains("://") {
+            self.url.clone()
+        } else {
+            format!("redis://{}", self.url)
+        };
+        let client = match &self.tls {
+            Some(certificates) => redis::Client::build_with_tls(url, certificates.clone()),
+            None => redis::Client::open(url),
+        };
+        client.map_err(|e| Error::new(ErrorKind::InvalidArgument, format!("redis url: {e}")))
+    }
+}
+
+/// How to find a master through Redis Sentinel.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct SentinelConfig {
+    /// The name the sentinels monitor the master under.
+    pub master_name: String,
+    /// The sentinels, as `host:port`.
+    pub sentinels: Vec<String>,
+    /// TLS for the connections to the sentinels and to the master (`None`: plain TCP).
+    pub tls: Option<TlsCertificates>,
+    /// ACL user on the master (`None`: the default user).
+    pub username: Option<String>,
+    /// Password on the master.
+    pub password: Option<String>,
+    /// Database number on the master. Default 0.
+    pub database: i64,
+    /// How connections to the master are opened (timeouts, DNS resolver). Default:
+    /// the timeouts of `options`.
+    pub connection: AsyncConnectionConfig,
+    /// Key names, timeouts, wake-ups.
+    pub options: RedisOptions,
+}
+
+impl std::fmt::Debug for SentinelConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SentinelConfig")
+            .field("master_name", &self.master_name)
+            .field("sentinels", &self.sentinels)
+            .field("tls", &self.tls.is_some())
+            .field("database", &self.database)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SentinelConfig {
+    /// The defaults for master `master_name` known to `sentinels` (`host:port`).
+    pub fn new(master_name: impl Into<String>, sentinels: Vec<String>) -> SentinelConfig {
+        let options = RedisOptions::default();
+        SentinelConfig {
+            master_name: master_name.into(),
+            sentinels,
+            tls: None,
+            username: None,
+            password: None,
+            database: 0,
+            connection: options.connection_config(),
+            options,
+        }
+    }
+
+    fn client(&self) -> Result<SentinelClient, Error> {
+        if self.master_name.is_empty() || self.sentinels.is_empty() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "sentinel mode needs a master name and at least one sentinel",
+            ));
+        }
+        let mut addrs = Vec::new();
+        for sentinel in &self.sentinels {
+            let (host, port) = sentinel
+                .rsplit_once(':')
+                .and_then(|(host, port)| Some((host, port.parse::<u16>().ok()?)))
+                .filter(|(host, _)| !host.is_empty())
+                .ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::InvalidArgument,
+                        format!("a sentinel address must be host:port, got {sentinel:?}"),
+                    )
+                })?;
+            let host = host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned();
+            addrs.push(match self.tls {
+                Some(_) => ConnectionAddr::TcpTls {
+                    host,
+                    port,
+                    insecure: false,
+                    tls_params: None,
+                },
+                None => ConnectionAddr::Tcp(host, port),
+            });
+        }
+        let invalid =
+            |e: redis::RedisError| Error::new(ErrorKind::InvalidArgument, format!("sentinel: {e}"));
+        let mut builder =
+            SentinelClientBuilder::new(addrs, &self.master_name, SentinelServerType::Master)
+                .map_err(invalid)?
+                .set_client_to_redis_db(self.database);
+        if let Some(username) = &self.username {
+            builder = builder.set_client_to_redis_username(username);
+        }
+        if let Some(password) = &self.password {
+            builder = builder.set_client_to_redis_password(password);
+        }
+        if let Some(certificates) = &self.tls {
+            builder = builder
+                .set_client_to_sentinel_tls_mode(TlsMode::Secure)
+                .set_client_to_sentinel_certificates(certificates.clone())
+                .set_client_to_redis_tls_mode(TlsMode::Secure)
+                .set_client_to_redis_certificates(certificates.clone());
+        }
+        builder.build().map_err(invalid)
+    }
+}
+
+/// How to reach a Redis Cluster.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ClusterConfig {
+    /// Some of its nodes, as URLs (`redis://host:port`, `rediss://…`) or `host:port`;
+    /// the rest is discovered. The first also carries the wake-up subscription.
+    pub nodes: Vec<String>,
+    /// For `rediss://`: the CA to trust and an optional client certificate.
+    pub tls: Option<TlsCertificates>,
+    /// Key names, timeouts, wake-ups.
+    pub options: RedisOptions,
+}
+
+impl ClusterConfig {
+    /// The defaults for the cluster reached through `nodes`.
+    pub fn new(nodes: Vec<String>) -> ClusterConfig {
+        ClusterConfig {
+            nodes,
+            tls: None,
+            options: RedisOptions::default(),
         }
     }
 }
 
-/// One Redis server as a [`LockBackend`] (see the [module docs](self) for the
-/// guarantees).
+/// Redis as a [`LockBackend`]: one server, the master of a Sentinel deployment, or a
+/// Redis Cluster (see the [crate docs](crate) for what each guarantees).
 ///
-/// Cheap to share behind an `Arc`; calls from many tasks use a bounded pool of
-/// connections. A failed connection is dropped (the call fails as `Unavailable`) and
-/// the next call connects again.
+/// Cheap to share behind an `Arc`: every call goes over the same multiplexed
+/// connection(s). A failed connection fails the call as `Unavailable` and is opened
+/// again for the next.
 #[derive(Debug)]
 pub struct RedisBackend {
     instance: Instance,
     fences: FenceGuarantee,
+    mode: &'static str,
 }
 
 impl RedisBackend {
-    /// Connects to the server (failing as `Unavailable` if it cannot be reached) and
-    /// reads its persistence settings to decide how strong its fences are.
+    /// Connects to the server at `config.url` (failing as `Unavailable` if it cannot be
+    /// reached) and reads its persistence settings to decide how strong its fences are.
     pub async fn connect(config: RedisConfig) -> Result<RedisBackend, Error> {
-        let instance = Instance::new(&config)?;
+        let instance = Instance::lazy(&config)?;
         let fences = instance.fence_guarantee().await?;
-        Ok(RedisBackend { instance, fences })
+        Ok(RedisBackend {
+            instance,
+            fences,
+            mode: "redis",
+        })
+    }
+
+    /// Uses the application's `client`: opens one `ConnectionManager` from it for
+    /// commands and, when needed, one pub/sub connection for wake-ups.
+    pub async fn from_client(
+        client: redis::Client,
+        options: RedisOptions,
+    ) -> Result<RedisBackend, Error> {
+        options.check(false)?;
+        let manager = bounded_connect(
+            options.connect_timeout,
+            ConnectionManager::new_with_config(client.clone(), options.manager_config()),
+        )
+        .await?;
+        RedisBackend::from_connection_manager(manager, Some(client), options).await
+    }
+
+    /// Uses the application's `manager` for every command (the backend opens no
+    /// connection for commands). `wakeups`: a client of the same server to open the
+    /// pub/sub connection from; `None` opens none, and waiters poll (see the
+    /// [crate docs](crate)).
+    pub async fn from_connection_manager(
+        manager: ConnectionManager,
+        wakeups: Option<redis::Client>,
+        options: RedisOptions,
+    ) -> Result<RedisBackend, Error> {
+        options.check(false)?;
+        let source = match wakeups {
+            Some(client) if options.wakeups => WakeSource::Client(Box::new(client)),
+            _ => WakeSource::Off,
+        };
+        let instance = Instance::new(
+            Commands::Manager(manager),
+            source,
+            Keys::plain(&options),
+            &options,
+        );
+        let fences = instance.fence_guarantee().await?;
+        Ok(RedisBackend {
+            instance,
+            fences,
+            mode: "redis",
+        })
+    }
+
+    /// Finds the master through the sentinels in `config` and connects to it. Fences
+    /// are best-effort: a failover can lose the last grants.
+    pub async fn sentinel(config: SentinelConfig) -> Result<RedisBackend, Error> {
+        let client = config.client()?;
+        RedisBackend::from_sentinel_client(client, config.connection, config.options).await
+    }
+
+    /// Uses the application's `SentinelClient` (which must name the master, not a
+    /// replica) to find the master; connections to it are opened with `connection`.
+    pub async fn from_sentinel_client(
+        sentinel: SentinelClient,
+        connection: AsyncConnectionConfig,
+        options: RedisOptions,
+    ) -> Result<RedisBackend, Error> {
+        options.check(false)?;
+        let master = Arc::new(SentinelMaster::new(sentinel, connection));
+        let source = if options.wakeups {
+            WakeSource::Sentinel(master.clone())
+        } else {
+            WakeSource::Off
+        };
+        let instance = Instance::new(
+            Commands::Sentinel(master),
+            source,
+            Keys::plain(&options),
+            &options,
+        );
+        instance.ping().await?;
+        Ok(RedisBackend {
+            instance,
+            fences: FenceGuarantee::BestEffort,
+            mode: "redis-sentinel",
+        })
+    }
+
+    /// Connects to the Redis Cluster reached through `config.nodes`. Fences are
+    /// best-effort: a failover can lose the last grants.
+    pub async fn cluster(config: ClusterConfig) -> Result<RedisBackend, Error> {
+        let first = config.nodes.first().ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidArgument,
+                "cluster mode needs at least one node",
+            )
+        })?;
+        let urls: Vec<String> = config
+            .nodes
+            .iter()
+            .map(|n| {
+                if n.contains("://") {
+                    n.clone()
+                } else {
+                    format!("redis://{n}")
+                }
+            })
+            .collect();
+        let invalid =
+            |e: redis::RedisError| Error::new(ErrorKind::InvalidArgument, format!("cluster: {e}"));
+        let mut builder = ClusterClientBuilder::new(urls)
+            .connection_timeout(config.options.connect_timeout)
+            .response_timeout(config.options.request_timeout);
+        if let Some(certificates) = &config.tls {
+            builder = builder.certs(certificates.clone());
+        }
+        let client = builder.build().map_err(invalid)?;
+        let mut first = RedisConfig::new(first.clone());
+        first.tls = config.tls.clone();
+        let wakeups = first.client()?;
+        RedisBackend::from_cluster_client(client, Some(wakeups), config.options).await
+    }
+
+    /// Uses the application's `ClusterClient`. `wakeups`: a client of any one node to
+    /// open the pub/sub connection from (a `PUBLISH` reaches every node); `None` opens
+    /// none, and waiters poll.
+    pub async fn from_cluster_client(
+        client: ClusterClient,
+        wakeups: Option<redis::Client>,
+        options: RedisOptions,
+    ) -> Result<RedisBackend, Error> {
+        options.check(true)?;
+        let connection =
+            bounded_connect(options.connect_timeout, client.get_async_connection()).await?;
+        let source = match wakeups {
+            Some(client) if options.wakeups => WakeSource::Client(Box::new(client)),
+            _ => WakeSource::Off,
+        };
+        let instance = Instance::new(
+            Commands::Cluster(connection),
+            source,
+            Keys::tagged(&options),
+            &options,
+        );
+        instance.ping().await?;
+        Ok(RedisBackend {
+            instance,
+            fences: FenceGuarantee::BestEffort,
+            mode: "redis-cluster",
+        })
+    }
+}
+
+async fn bounded_connect<T>(
+    timeout: Duration,
+    connecting: impl std::future::Future<Output = Result<T, redis::RedisError>>,
+) -> Result<T, Error> {
+    match tokio::time::timeout(timeout, connecting).await {
+        Ok(result) => result.map_err(map_error),
+        Err(_) => Err(Error::new(
+            ErrorKind::Unavailable,
+            format!("could not connect to redis within {timeout:?}"),
+        )),
     }
 }
 
 impl LockBackend for RedisBackend {
     fn capabilities(&self) -> Capabilities {
-        let mut caps = Capabilities::new("redis", self.fences);
-        caps.push_wakeups = true;
+        let mut caps = Capabilities::new(self.mode, self.fences);
+        caps.push_wakeups = self.instance.subscriber.enabled();
         caps.semaphores = true;
         caps
     }
@@ -326,25 +725,31 @@ impl LockBackend for RedisBackend {
             check_spec(spec, MAX_SEMAPHORE_LIMIT)?;
             let deadline = Instant::now() + spec.wait;
             let token = new_token();
-            let channel = self.instance.channel(&spec.name);
+            let instance = &self.instance;
+            let channel = instance.keys.channel(&spec.name);
+            let wakeups = instance.subscriber.enabled() && !spec.wait.is_zero();
             let mut subscription: Option<Subscription> = None;
             // Bounded by the deadline: every turn either returns or sleeps until a
-            // release, the holder's expiry, or the deadline.
+            // release, the holder's expiry, a poll, or the deadline.
             loop {
-                if !spec.wait.is_zero() && subscription.as_ref().is_none_or(Subscription::is_dead) {
+                if wakeups && subscription.as_ref().is_none_or(Subscription::is_dead) {
                     // A dead subscription is given back before subscribing again.
                     drop(subscription.take());
                     let left = deadline.saturating_duration_since(Instant::now());
-                    let timeout = left.min(self.instance.pool.endpoint().request_timeout);
-                    match self.instance.subscriber.subscribe(&channel, timeout).await {
+                    let timeout = left.min(instance.request_timeout);
+                    match instance.subscriber.subscribe(&channel, timeout).await {
                         Ok(s) => subscription = Some(s),
                         Err(_) if Instant::now() >= deadline => {
                             return Err(not_granted(spec));
                         }
+                        // The pub/sub server may be down while the one holding the
+                        // lock is not (a cluster node): poll this turn, subscribe
+                        // again on the next.
+                        Err(e) if e.kind() == ErrorKind::Unavailable => {}
                         Err(e) => return Err(e),
                     }
                 }
-                let pttl = match self.instance.try_acquire(spec, &token).await? {
+                let pttl = match instance.try_acquire(spec, &token).await? {
                     Attempt::Granted(grant) => return Ok(grant.into_lease(spec)),
                     Attempt::Held { pttl } => pttl,
                 };
@@ -353,7 +758,7 @@ impl LockBackend for RedisBackend {
                     return Err(not_granted(spec));
                 }
                 let left = deadline - now;
-                let nap = pttl.map_or(left, |p| p.min(left));
+                let mut nap = pttl.map_or(left, |p| p.min(left));
                 match subscription.as_mut() {
                     Some(s) => {
                         tokio::select! {
@@ -361,7 +766,10 @@ impl LockBackend for RedisBackend {
                             _ = s.changed() => {}
                         }
                     }
-                    None => tokio::time::sleep(nap).await,
+                    None => {
+                        nap = nap.min(instance.poll_interval);
+                        tokio::time::sleep(nap).await;
+                    }
                 }
             }
         })
@@ -444,8 +852,8 @@ fn new_token() -> String {
     fencelock_backend::request_id()
 }
 
-fn ms(d: Duration) -> String {
-    d.as_millis().to_string()
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// A grant as one instance reported it.
@@ -473,82 +881,142 @@ enum Attempt {
     },
 }
 
-/// One Redis server: its command pool, its pub/sub connection and key names.
+/// The names of a lock's keys and channel.
+#[derive(Debug, Clone)]
+struct Keys {
+    prefix: String,
+    /// Cluster: the name is a hash tag, so all keys of a lock share a slot.
+    tagged: bool,
+}
+
+impl Keys {
+    fn plain(options: &RedisOptions) -> Keys {
+        Keys {
+            prefix: options.key_prefix.clone(),
+            tagged: false,
+        }
+    }
+
+    fn tagged(options: &RedisOptions) -> Keys {
+        Keys {
+            prefix: options.key_prefix.clone(),
+            tagged: true,
+        }
+    }
+
+    fn key(&self, kind: &str, name: &str) -> String {
+        if self.tagged {
+            // `}` would end the tag inside the name, and an empty tag hashes the whole
+            // key; escaping keeps the tag exactly the (non-empty) name, injectively.
+            let tag = name.replace('%', "%25").replace('}', "%7D");
+            format!("{}{kind}:{{{tag}}}", self.prefix)
+        } else {
+            format!("{}{kind}:{name}", self.prefix)
+        }
+    }
+
+    fn lock(&self, name: &str) -> String {
+        self.key("lock", name)
+    }
+
+    fn fence(&self, name: &str) -> String {
+        self.key("fence", name)
+    }
+
+    fn holders(&self, name: &str) -> String {
+        self.key("sem", name)
+    }
+
+    fn holders_data(&self, name: &str) -> String {
+        self.key("sem-data", name)
+    }
+
+    fn channel(&self, name: &str) -> String {
+        format!("{}wake:{name}", self.prefix)
+    }
+}
+
+/// One Redis deployment: its command path, its wake-ups and key names.
 #[derive(Debug)]
 struct Instance {
-    pool: Pool,
+    commands: Commands,
     subscriber: Subscriber,
-    prefix: String,
+    keys: Keys,
+    request_timeout: Duration,
+    poll_interval: Duration,
 }
 
 impl Instance {
-    fn new(config: &RedisConfig) -> Result<Instance, Error> {
-        if config.addr.is_empty() {
-            return Err(Error::new(
-                ErrorKind::InvalidArgument,
-                "the redis address must not be empty",
-            ));
+    fn new(commands: Commands, source: WakeSource, keys: Keys, options: &RedisOptions) -> Instance {
+        Instance {
+            commands,
+            subscriber: Subscriber::new(source, options.max_waited_locks),
+            keys,
+            request_timeout: options.request_timeout,
+            poll_interval: options.poll_interval,
         }
-        Ok(Instance {
-            pool: Pool::new(config.endpoint(), config.max_connections),
-            subscriber: Subscriber::new(config.endpoint(), config.max_waited_locks.max(1)),
-            prefix: config.key_prefix.clone(),
-        })
     }
 
-    fn lock_key(&self, name: &str) -> Vec<u8> {
-        format!("{}lock:{name}", self.prefix).into_bytes()
+    /// A server from its URL, connected on first use (a Redlock instance may be down
+    /// when the Redlock is built).
+    fn lazy(config: &RedisConfig) -> Result<Instance, Error> {
+        config.options.check(false)?;
+        let client = config.client()?;
+        let manager = ConnectionManager::new_lazy_with_config(
+            client.clone(),
+            config.options.manager_config(),
+        )
+        .map_err(map_error)?;
+        let source = if config.options.wakeups {
+            WakeSource::Client(Box::new(client))
+        } else {
+            WakeSource::Off
+        };
+        Ok(Instance::new(
+            Commands::Manager(manager),
+            source,
+            Keys::plain(&config.options),
+            &config.options,
+        ))
     }
 
-    fn fence_key(&self, name: &str) -> Vec<u8> {
-        format!("{}fence:{name}", self.prefix).into_bytes()
-    }
-
-    fn holders_key(&self, name: &str) -> Vec<u8> {
-        format!("{}sem:{name}", self.prefix).into_bytes()
-    }
-
-    fn holders_data_key(&self, name: &str) -> Vec<u8> {
-        format!("{}sem-data:{name}", self.prefix).into_bytes()
-    }
-
-    fn channel(&self, name: &str) -> Vec<u8> {
-        format!("{}wake:{name}", self.prefix).into_bytes()
+    async fn ping(&self) -> Result<(), Error> {
+        let _: String = self
+            .commands
+            .command(&redis::cmd("PING"), self.request_timeout)
+            .await?;
+        Ok(())
     }
 
     /// One attempt: a grant (new, or this request's earlier one) or the holder's PTTL.
     async fn try_acquire(&self, spec: &AcquireSpec, token: &str) -> Result<Attempt, Error> {
-        let ttl_ms = ms(spec.ttl);
-        let limit = spec.limit.to_string();
-        let (lock, fence) = (self.lock_key(&spec.name), self.fence_key(&spec.name));
-        let holders = self.holders_key(&spec.name);
-        let args: [&[u8]; 5] = [
-            token.as_bytes(),
-            ttl_ms.as_bytes(),
-            spec.request_id.as_bytes(),
-            spec.owner.as_bytes(),
-            limit.as_bytes(),
-        ];
-        let reply = if spec.limit == 1 {
-            let keys: [&[u8]; 3] = [&lock, &fence, &holders];
-            self.pool.eval(&ACQUIRE, &keys, &args[..4]).await?
+        let keys = &self.keys;
+        let (lock, fence) = (keys.lock(&spec.name), keys.fence(&spec.name));
+        let holders = keys.holders(&spec.name);
+        let reply: (i64, String, String, i64) = if spec.limit == 1 {
+            let mut call = ACQUIRE.prepare_invoke();
+            call.key(&lock).key(&fence).key(&holders);
+            call.arg(token)
+                .arg(ms(spec.ttl))
+                .arg(&spec.request_id)
+                .arg(&spec.owner);
+            self.commands.script(&call, self.request_timeout).await?
         } else {
-            let data = self.holders_data_key(&spec.name);
-            let keys: [&[u8]; 4] = [&holders, &data, &fence, &lock];
-            self.pool.eval(&SEMAPHORE_ACQUIRE, &keys, &args).await?
+            let data = keys.holders_data(&spec.name);
+            let mut call = SEMAPHORE_ACQUIRE.prepare_invoke();
+            call.key(&holders).key(&data).key(&fence).key(&lock);
+            call.arg(token)
+                .arg(ms(spec.ttl))
+                .arg(&spec.request_id)
+                .arg(&spec.owner)
+                .arg(spec.limit);
+            self.commands.script(&call, self.request_timeout).await?
         };
-        let items = reply.into_array()?;
-        let [status, token, fence, pttl] = items.as_slice() else {
-            return Err(Error::new(
-                ErrorKind::Protocol,
-                "the acquire script answered the wrong number of values",
-            ));
-        };
-        let pttl = pttl.as_int()?;
+        let (status, token, fence, pttl) = reply;
         // PTTL: -2 no key (cannot happen inside the script), -1 no expiry (someone
         // else's PERSIST): then only a release or the wait's end wakes a waiter.
         let remaining = u64::try_from(pttl).ok().map(Duration::from_millis);
-        match status.as_int()? {
+        match status {
             3 => Err(Error::new(
                 ErrorKind::LimitMismatch,
                 format!(
@@ -560,81 +1028,77 @@ impl Instance {
                 pttl: remaining.map(|p| p.max(Duration::from_millis(1))),
             }),
             1 | 2 => {
-                let fence = fence.as_text()?.parse::<u64>().map_err(|_| {
+                let fence = fence.parse::<u64>().map_err(|_| {
                     Error::new(
                         ErrorKind::Protocol,
                         "a fence stored in redis is not a number",
                     )
                 })?;
                 Ok(Attempt::Granted(Grant {
-                    token: token.as_text()?.to_owned(),
+                    token,
                     fence,
                     remaining: remaining.unwrap_or(spec.ttl).min(spec.ttl),
                 }))
             }
-            _ => Err(resp::unexpected("status 0, 1, 2 or 3", status)),
+            other => Err(Error::new(
+                ErrorKind::Protocol,
+                format!("the acquire script answered status {other}"),
+            )),
         }
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool, Error> {
-        let ttl_ms = ms(ttl);
-        let reply = self
-            .pool
-            .eval(
-                &RENEW,
-                &[
-                    &self.holders_key(&lease.name),
-                    &self.holders_data_key(&lease.name),
-                    &self.lock_key(&lease.name),
-                ],
-                &[lease.owner_token.as_bytes(), ttl_ms.as_bytes()],
-            )
-            .await?;
-        Ok(reply.as_int()? == 1)
+        let keys = &self.keys;
+        let mut call = RENEW.prepare_invoke();
+        call.key(keys.holders(&lease.name))
+            .key(keys.holders_data(&lease.name))
+            .key(keys.lock(&lease.name));
+        call.arg(&lease.owner_token).arg(ms(ttl));
+        let renewed: i64 = self.commands.script(&call, self.request_timeout).await?;
+        Ok(renewed == 1)
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool, Error> {
-        let reply = self
-            .pool
-            .eval(
-                &RELEASE,
-                &[
-                    &self.holders_key(&lease.name),
-                    &self.holders_data_key(&lease.name),
-                    &self.lock_key(&lease.name),
-                ],
-                &[lease.owner_token.as_bytes(), &self.channel(&lease.name)],
-            )
-            .await?;
-        Ok(reply.as_int()? == 1)
+        let keys = &self.keys;
+        let mut call = RELEASE.prepare_invoke();
+        call.key(keys.holders(&lease.name))
+            .key(keys.holders_data(&lease.name))
+            .key(keys.lock(&lease.name));
+        call.arg(&lease.owner_token).arg(keys.channel(&lease.name));
+        let released: i64 = self.commands.script(&call, self.request_timeout).await?;
+        Ok(released == 1)
     }
 
-    /// One `CONFIG GET` value; `None` if CONFIG is unavailable.
+    /// One `CONFIG GET` value; `None` if CONFIG is unavailable (renamed, forbidden).
     async fn config_get(&self, parameter: &str) -> Result<Option<String>, Error> {
-        let reply = self
-            .pool
-            .command(&[b"CONFIG", b"GET", parameter.as_bytes()])
-            .await?;
-        Ok(match reply {
-            Reply::Array(Some(items)) => items
-                .get(1)
-                .and_then(|v| v.as_text().ok())
-                .map(str::to_owned),
-            // Renamed or forbidden (NOPERM): we cannot tell, so we do not claim it.
+        let mut command = redis::cmd("CONFIG");
+        command.arg("GET").arg(parameter);
+        let reply: Value = match self.commands.command(&command, self.request_timeout).await {
+            Ok(reply) => reply,
+            Err(e) if e.is_transient() => return Err(e),
+            Err(_) => return Ok(None),
+        };
+        let text = |v: &Value| match v {
+            Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+            Value::SimpleString(text) => Some(text.clone()),
+            _ => None,
+        };
+        Ok(match &reply {
+            Value::Array(items) => items.get(1).and_then(text),
+            Value::Map(pairs) => pairs.first().and_then(|(_, v)| text(v)),
             _ => None,
         })
     }
 
     /// `Durable` only if the server says every acknowledged write is fsync'd and the
-    /// fence counter cannot be evicted or lost to a failover (see the module docs).
+    /// fence counter cannot be evicted or lost to a failover (see the crate docs).
     async fn fence_guarantee(&self) -> Result<FenceGuarantee, Error> {
         let aof = self.config_get("appendonly").await?;
         let fsync = self.config_get("appendfsync").await?;
         let policy = self.config_get("maxmemory-policy").await?;
-        let replication = match self.pool.command(&[b"INFO", b"replication"]).await? {
-            Reply::Bulk(Some(text)) => String::from_utf8_lossy(&text).into_owned(),
-            _ => String::new(),
-        };
+        let mut info = redis::cmd("INFO");
+        info.arg("replication");
+        let replication: String = self.commands.command(&info, self.request_timeout).await?;
         let lone_primary = replication.lines().any(|l| l.trim() == "role:master")
             && replication
                 .lines()
@@ -648,5 +1112,42 @@ impl Instance {
         } else {
             FenceGuarantee::BestEffort
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Keys, RedisOptions};
+
+    /// Cluster keys: every key of a lock carries the same non-empty hash tag, and
+    /// names that differ only in braces or `%` get different tags.
+    #[test]
+    fn cluster_keys_share_one_tag_per_name() {
+        let keys = Keys::tagged(&RedisOptions::default());
+        let tag = |key: &str| {
+            let start = key.find('{').expect("a tag") + 1;
+            let end = start + key[start..].find('}').expect("a closed tag");
+            key[start..end].to_owned()
+        };
+        let names = ["job", "}", "a}b", "a%7Db", "{x}", "%", "a%b"];
+        let mut tags = Vec::new();
+        for name in names {
+            let lock = tag(&keys.lock(name));
+            assert!(!lock.is_empty(), "{name:?}: empty tag");
+            for other in [
+                keys.fence(name),
+                keys.holders(name),
+                keys.holders_data(name),
+            ] {
+                assert_eq!(tag(&other), lock, "{name:?}: keys in different slots");
+            }
+            tags.push(lock);
+        }
+        tags.sort_unstable();
+        tags.dedup();
+        assert_eq!(tags.len(), names.len(), "two names share a tag: {tags:?}");
+        let plain = Keys::plain(&RedisOptions::default());
+        assert_eq!(plain.lock("job"), "fencelock:lock:job");
+        assert_eq!(keys.lock("job"), "fencelock:lock:{job}");
     }
 }

@@ -2,14 +2,15 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::pubsub::Subscription;
-use super::resp::Script;
+use redis::Script;
+
+use super::wake::Subscription;
 use super::RedisConfig;
 use super::{check_spec, check_ttl, gone, new_token, not_granted, Attempt, Instance};
 use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
@@ -17,8 +18,9 @@ use fencelock_backend::{Error, ErrorKind};
 
 /// Raises an instance's fence counter to the grant's fence and records it in the
 /// grant — only while the caller still holds the lock there, in the same script.
-static WRITE_BACK: Script = Script {
-    source: r#"
+static WRITE_BACK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
   return 0
 end
@@ -29,7 +31,8 @@ end
 redis.call('HSET', KEYS[1], 'fence', ARGV[2])
 return 1
 "#,
-};
+    )
+});
 
 /// Requests remembered for idempotent retries (see [`RedlockBackend`]).
 const MAX_REMEMBERED: usize = 4096;
@@ -106,7 +109,7 @@ impl RedlockConfig {
 ///   `appendfsync always`.
 /// - **Pauses.** A holder paused (GC, SIGSTOP, swap) past its validity still believes
 ///   it holds the lock; nothing in Redis can stop its late writes. Only fencing
-///   protects the resource. (The [`Client`](crate::Client)'s lost-lock signal fires at
+///   protects the resource. (`fencelock::Client`'s lost-lock signal fires at
 ///   the conservative deadline, which a paused process notices only when it runs.)
 /// - **Idempotent retries are per backend object.** A retry of the same `request_id`
 ///   through this `RedlockBackend` returns the same grant (it remembers the owner
@@ -122,6 +125,7 @@ pub struct RedlockBackend {
     instances: Vec<Arc<Instance>>,
     instance_timeout: Duration,
     retry_jitter: Duration,
+    poll_interval: Duration,
     fences: FenceGuarantee,
     requests: Mutex<HashMap<String, Remembered>>,
 }
@@ -164,12 +168,18 @@ impl RedlockBackend {
         }
         let mut instances = Vec::new();
         for instance in &config.instances {
-            instances.push(Arc::new(Instance::new(instance)?));
+            instances.push(Arc::new(Instance::lazy(instance)?));
         }
         let mut backend = RedlockBackend {
             instances,
             instance_timeout: config.instance_timeout,
             retry_jitter: config.retry_jitter,
+            poll_interval: config
+                .instances
+                .iter()
+                .map(|c| c.options.poll_interval)
+                .min()
+                .unwrap_or(Duration::from_millis(100)),
             fences: FenceGuarantee::BestEffort,
             requests: Mutex::new(HashMap::new()),
         };
@@ -177,7 +187,7 @@ impl RedlockBackend {
         let timeout = config
             .instances
             .iter()
-            .map(|c| c.connect_timeout + c.request_timeout * 4)
+            .map(|c| c.options.connect_timeout + c.options.request_timeout * 4)
             .max()
             .unwrap_or_default();
         let answers = backend
@@ -336,15 +346,15 @@ impl RedlockBackend {
                     let (name, token, fence) =
                         (spec.name.clone(), token.clone(), fence_text.clone());
                     async move {
-                        let reply = instance
-                            .pool
-                            .eval(
-                                &WRITE_BACK,
-                                &[&instance.lock_key(&name), &instance.fence_key(&name)],
-                                &[token.as_bytes(), fence.as_bytes()],
-                            )
+                        let mut call = WRITE_BACK.prepare_invoke();
+                        call.key(instance.keys.lock(&name))
+                            .key(instance.keys.fence(&name));
+                        call.arg(&*token).arg(&*fence);
+                        let written: i64 = instance
+                            .commands
+                            .script(&call, instance.request_timeout)
                             .await?;
-                        Ok(reply.as_int()? == 1)
+                        Ok(written == 1)
                     }
                 })
                 .await
@@ -421,10 +431,12 @@ impl RedlockBackend {
                 let wanted = wanted.clone();
                 let name = name.clone();
                 async move {
-                    if !wanted.get(index).copied().unwrap_or(false) {
+                    if !wanted.get(index).copied().unwrap_or(false)
+                        || !instance.subscriber.enabled()
+                    {
                         return Ok(None);
                     }
-                    let channel = instance.channel(&name);
+                    let channel = instance.keys.channel(&name);
                     instance
                         .subscriber
                         .subscribe(&channel, timeout)
@@ -471,7 +483,7 @@ fn jitter(max: Duration) -> Duration {
 impl LockBackend for RedlockBackend {
     fn capabilities(&self) -> Capabilities {
         let mut caps = Capabilities::new("redlock", self.fences);
-        caps.push_wakeups = true;
+        caps.push_wakeups = self.instances.iter().all(|i| i.subscriber.enabled());
         caps
     }
 
@@ -499,7 +511,11 @@ impl LockBackend for RedlockBackend {
                     return Err(not_granted(spec));
                 }
                 let left = deadline - now;
-                let nap = pttl.map_or(left, |p| p.min(left));
+                let mut nap = pttl.map_or(left, |p| p.min(left));
+                if subscriptions.iter().all(Option::is_none) {
+                    // No wake-ups (off, or no instance could subscribe): poll.
+                    nap = nap.min(self.poll_interval);
+                }
                 tokio::select! {
                     _ = tokio::time::sleep(nap) => {}
                     _ = any_message(&mut subscriptions) => {}

@@ -1,4 +1,5 @@
-//! Throwaway servers for fencelock's tests: PostgreSQL, Redis, etcd and ZooKeeper.
+//! Throwaway servers for fencelock's tests: PostgreSQL, Redis (plain, TLS, Sentinel,
+//! Cluster), etcd and ZooKeeper.
 //!
 //! Each server is a real binary from a Debian package, started on a random free
 //! loopback port with its data in a fresh temporary directory, and stopped (killed and
@@ -44,7 +45,7 @@ mod zookeeper;
 pub use etcd::{Etcd, EtcdOptions, EtcdUser, ETCD_ROOT_PASSWORD};
 pub use postgres::{Postgres, PostgresOptions};
 pub use proxy::Proxy;
-pub use redis::Redis;
+pub use redis::{Redis, RedisCluster, RedisSentinel};
 pub use tls::TestCa;
 pub use zookeeper::{ZooKeeper, ZooKeeperOptions, ZOOKEEPER_SUPER_USER};
 

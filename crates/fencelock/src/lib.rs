@@ -38,7 +38,8 @@
 //!
 //! Other stores, each behind a cargo feature of the same name (see each module's docs
 //! for what the store can and cannot promise):
-//! - `redis`: `redis::RedisBackend` (one instance) and `redis::RedlockBackend`.
+//! - `redis`: `redis::RedisBackend` (one server, plain or TLS, through Sentinel, or a
+//!   Redis Cluster; on the `redis` crate) and `redis::RedlockBackend`.
 //! - `postgres`: `postgres::PostgresBackend` (a lock table with durable fences) and
 //!   `postgres::PostgresAdvisoryBackend` (advisory locks, no fences).
 //! - `etcd`: `etcd::EtcdBackend`, etcd v3 (durable fences, FIFO, watches, semaphores).

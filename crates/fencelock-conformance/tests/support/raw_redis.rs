@@ -1,12 +1,11 @@
-//! A blocking, minimal RESP2 client for tests to look at a Redis server directly
-//! (keys, counters, command statistics), independent of the backend under test.
+//! Looks at a Redis server directly (keys, counters, command statistics, clients),
+//! independent of the backend under test: one blocking connection of the `redis`
+//! crate per command.
 
 // Each test binary uses a part of it.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::time::Duration;
+use fencelock::redis::redis;
 
 /// A reply, as far as the tests need it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,44 +26,36 @@ impl Value {
     }
 }
 
-/// Runs one command on the server on 127.0.0.1:`port` and returns its reply.
-pub fn command(port: u16, args: &[&str]) -> Value {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect to redis");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("read timeout");
-    let mut out = format!("*{}\r\n", args.len());
-    for arg in args {
-        out.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
+fn convert(value: redis::Value) -> Value {
+    match value {
+        redis::Value::Int(n) => Value::Int(n),
+        redis::Value::Nil => Value::Text(None),
+        redis::Value::Okay => Value::Text(Some("OK".to_owned())),
+        redis::Value::SimpleString(text) => Value::Text(Some(text)),
+        redis::Value::BulkString(bytes) => {
+            Value::Text(Some(String::from_utf8(bytes).expect("UTF-8")))
+        }
+        redis::Value::VerbatimString { text, .. } => Value::Text(Some(text)),
+        redis::Value::Array(items) | redis::Value::Set(items) => {
+            Value::Array(items.into_iter().map(convert).collect())
+        }
+        other => panic!("unexpected reply {other:?}"),
     }
-    stream.write_all(out.as_bytes()).expect("send a command");
-    read(&mut BufReader::new(stream))
 }
 
-fn read(reader: &mut BufReader<TcpStream>) -> Value {
-    let mut line = String::new();
-    reader.read_line(&mut line).expect("read a reply");
-    let line = line.trim_end_matches("\r\n");
-    let (kind, rest) = line.split_at(1);
-    match kind {
-        "+" => Value::Text(Some(rest.to_owned())),
-        "-" => Value::Error(rest.to_owned()),
-        ":" => Value::Int(rest.parse().expect("an integer")),
-        "$" => {
-            let len: i64 = rest.parse().expect("a length");
-            if len < 0 {
-                return Value::Text(None);
-            }
-            let mut data = vec![0; len as usize + 2];
-            reader.read_exact(&mut data).expect("a string");
-            data.truncate(len as usize);
-            Value::Text(Some(String::from_utf8(data).expect("UTF-8")))
-        }
-        "*" => {
-            let len: i64 = rest.parse().expect("a length");
-            Value::Array((0..len.max(0)).map(|_| read(reader)).collect())
-        }
-        _ => panic!("unexpected reply {line:?}"),
+/// Runs one command on the server on 127.0.0.1:`port` and returns its reply.
+pub fn command(port: u16, args: &[&str]) -> Value {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).expect("a redis url");
+    let mut connection = client
+        .get_connection_with_timeout(std::time::Duration::from_secs(10))
+        .expect("connect to redis");
+    let mut command = redis::cmd(args[0]);
+    for arg in &args[1..] {
+        command.arg(*arg);
+    }
+    match command.query::<redis::Value>(&mut connection) {
+        Ok(value) => convert(value),
+        Err(e) => Value::Error(e.to_string()),
     }
 }
 
@@ -82,4 +73,15 @@ pub fn evalsha_calls(port: u16) -> u64 {
 /// Whether `key` exists.
 pub fn exists(port: u16, key: &str) -> bool {
     command(port, &["EXISTS", key]) == Value::Int(1)
+}
+
+/// The clients of type `kind` (`normal`, `pubsub`) connected now, as `CLIENT LIST`
+/// lines, without the connection asking.
+pub fn clients(port: u16, kind: &str) -> Vec<String> {
+    let list = command(port, &["CLIENT", "LIST", "TYPE", kind]);
+    let list = list.text().expect("CLIENT LIST answers text");
+    list.lines()
+        .filter(|line| !line.contains("cmd=client|list"))
+        .map(str::to_owned)
+        .collect()
 }
