@@ -6,6 +6,7 @@ need_apt=()
 [ -x /usr/bin/etcd ] || need_apt+=(etcd-server)
 [ -f /usr/share/java/zookeeper.jar ] || need_apt+=(zookeeper)
 command -v redis-server >/dev/null || need_apt+=(redis-server)
+command -v mariadbd >/dev/null || need_apt+=(mariadb-server)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
