@@ -161,6 +161,12 @@ impl MariaDb {
         Ok(())
     }
 
+    /// The server process and its directory, for a caller that manages them itself
+    /// (the benchmark's peers). Dropping them stops the server and removes the data.
+    pub fn into_parts(self) -> (ServerProcess, tempfile::TempDir) {
+        (self.process, self.dir)
+    }
+
     /// The port it listens on (on 127.0.0.1).
     pub fn port(&self) -> u16 {
         self.process.port()
