@@ -261,8 +261,10 @@ mod tests {
             let e = config.opts(url).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{url:?}: {e}");
         }
-        let mut zero = MysqlConfig::default();
-        zero.max_connections = 0;
+        let zero = MysqlConfig {
+            max_connections: 0,
+            ..MysqlConfig::default()
+        };
         let e = zero.opts("mysql://u@127.0.0.1/db").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
     }

@@ -110,7 +110,7 @@ struct State {
 #[derive(Debug)]
 enum Source {
     /// A new connection per lock.
-    Own(tokio_postgres::Config),
+    Own(Box<tokio_postgres::Config>),
     /// A connection taken out of the application's pool per lock (never returned).
     #[cfg(feature = "deadpool")]
     Pool(deadpool_postgres::Pool),
@@ -161,7 +161,10 @@ impl PostgresAdvisoryBackend {
         }
         let (client, _ended) = open(&pg, config.connect_timeout).await?;
         check_version(&client, &config).await?;
-        Ok(PostgresAdvisoryBackend::new(Source::Own(pg), config))
+        Ok(PostgresAdvisoryBackend::new(
+            Source::Own(Box::new(pg)),
+            config,
+        ))
     }
 
     /// Uses the application's `deadpool-postgres` pool (feature `deadpool`). An
@@ -284,7 +287,7 @@ impl Inner {
         })?;
         let (client, ended) = match &self.source {
             Source::Own(pg) => {
-                let mut pg = pg.clone();
+                let mut pg = (**pg).clone();
                 pg.application_name(application_name(&spec.name));
                 let (client, ended) = open(&pg, self.config.connect_timeout).await?;
                 (Session::Own(client), ended)

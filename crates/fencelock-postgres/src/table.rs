@@ -165,7 +165,7 @@ impl Sql {
 #[derive(Debug)]
 enum Source {
     /// Our own: a command connection (reopened after it breaks) and a listening one.
-    Own(tokio_postgres::Config),
+    Own(Box<tokio_postgres::Config>),
     /// The application's client, shared; never reopened.
     Client(Arc<Client>),
     /// The application's pool: one pooled client per call.
@@ -230,7 +230,7 @@ impl PostgresBackend {
     pub async fn connect(config: PostgresConfig) -> Result<PostgresBackend, Error> {
         let pg = config.pg_config()?;
         let (client, _ended) = open(&pg, config.connect_timeout).await?;
-        let backend = PostgresBackend::build(Source::Own(pg), config, &client).await?;
+        let backend = PostgresBackend::build(Source::Own(Box::new(pg)), config, &client).await?;
         drop(client);
         backend.inner.conn().await?;
         Ok(backend)
@@ -568,7 +568,7 @@ impl Inner {
         let mut listener = self.listener.lock().unwrap_or_else(|p| p.into_inner());
         if listener.is_none() {
             let task = tokio::spawn(listen(
-                pg.clone(),
+                (**pg).clone(),
                 self.config.connect_timeout,
                 self.config.channel.clone(),
                 self.waiters.clone(),
