@@ -78,15 +78,23 @@ const DDL_LOCK_KEY: i64 = 0x6665_6e63_656c_6f63;
 ///   `LISTEN`s on the channel and wakes its waiters for that lock name; a waiter also
 ///   sleeps only until the holder's `lease_until` (an expiry sends nothing). Woken
 ///   waiters race for the row: no arrival order is kept. While the listening
-///   connection is down a waiter re-checks every 250 ms.
+///   connection is down a waiter re-checks every 250 ms. Built on the application's
+///   client or pool there is no listening connection: waiters re-check every 250 ms
+///   and when the holder's lease ends, and `push_wakeups` is false.
 /// - No semaphores (`limit > 1`), no lock-delay, no sessions: such requests are
 ///   refused with [`ErrorKind::InvalidArgument`].
 ///
-/// Every call is a single statement, but the backend relies on its sessions: the
-/// command connection sets `synchronous_commit = on` once and prepares its
-/// statements, and the listening connection needs `LISTEN`. Connect directly or
-/// through a session-pooling proxy, not a transaction-pooling one (PgBouncer
-/// `pool_mode = transaction`), where neither would follow the statements.
+/// # Connections
+///
+/// Every call is a single statement, so table mode needs no dedicated connection for
+/// a lock. [`connect`](PostgresBackend::connect) opens its own command connection
+/// (it sets `synchronous_commit = on` once and prepares its statements there) and,
+/// for the first waiter, a listening one (`LISTEN` belongs to a session): connect
+/// directly or through a session-pooling proxy, not a transaction-pooling one
+/// (PgBouncer `pool_mode = transaction`), where neither would follow the statements.
+/// [`with_client`](PostgresBackend::with_client) and `with_pool` (feature
+/// `deadpool`) run the same statements on the application's client or pooled
+/// clients and open nothing themselves.
 #[derive(Debug, Clone)]
 pub struct PostgresBackend {
     inner: Arc<Inner>,
