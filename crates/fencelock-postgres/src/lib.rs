@@ -39,16 +39,21 @@
 //! The application's client or pool may use any TLS it was built with.
 //!
 //! ```no_run
-//! use std::sync::Arc;
-//! use fencelock::postgres::{PostgresBackend, PostgresConfig};
-//! use fencelock::Client;
+//! use std::time::Duration;
+//! use fencelock_backend::{AcquireSpec, LockBackend};
+//! use fencelock_postgres::{PostgresBackend, PostgresConfig};
 //!
-//! # async fn demo() -> Result<(), fencelock::Error> {
+//! # async fn demo() -> Result<(), fencelock_backend::Error> {
 //! let config = PostgresConfig::new("host=127.0.0.1 user=app dbname=app");
-//! let client = Client::from_backend(Arc::new(PostgresBackend::connect(config).await?));
-//! let guard = client.lock("job:daily-settlement").acquire().await?;
-//! println!("fence {}", guard.fence());
-//! guard.release().await?;
+//! let backend = PostgresBackend::connect(config).await?;
+//! // Applications take locks through the client library (guards, renewal, the
+//! // lost-lock signal): `fencelock::Client::from_backend(Arc::new(backend))`, with
+//! // `fencelock`'s feature `postgres` (`fencelock::postgres` is this crate).
+//! let lease = backend
+//!     .acquire(&AcquireSpec::new("job:daily-settlement", Duration::from_secs(30)))
+//!     .await?;
+//! println!("fence {}", lease.fence);
+//! backend.release(&lease).await?;
 //! # Ok(()) }
 //! ```
 
