@@ -4,7 +4,8 @@
 //! contention and survive a server crash; an expired holder's release and renew leave
 //! the new holder's row alone; the application's pool is the only source of
 //! connections. `GET_LOCK` mode: names past MySQL's 64-character limit are locked
-//! under their SHA-256.
+//! under their SHA-256; on the application's pool, the holding session is closed on
+//! release.
 
 use std::time::Duration;
 
@@ -294,4 +295,50 @@ async fn get_lock_hashes_long_names() {
         assert!(step(backend.release(lease)).await.expect("release"));
     }
     assert_eq!(backend.held(), 0);
+}
+
+/// `GET_LOCK` mode on the application's pool holds the lock on one of the pool's
+/// connections and closes it on release: the session that held the lock is gone from
+/// the server afterwards (never handed back to the application).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_lock_on_a_pool_closes_the_holding_session_on_release() {
+    let server = start(MariaDbOptions::default()).await;
+    let backend = MysqlGetLockBackend::with_pool(pool(&server, 4), MysqlConfig::default())
+        .await
+        .expect("with_pool");
+    let lease = step(backend.acquire(&spec(
+        "specific:pooled",
+        Duration::from_secs(60),
+        Duration::ZERO,
+    )))
+    .await
+    .expect("acquire");
+    let mut observer = mysql_async::Conn::from_url(server.url())
+        .await
+        .expect("connect");
+    let holder: Option<Option<u64>> = observer
+        .query_first("SELECT IS_USED_LOCK('specific:pooled')")
+        .await
+        .expect("query");
+    let Some(Some(holder)) = holder else {
+        panic!("nobody holds the lock")
+    };
+    assert!(step(backend.release(&lease)).await.expect("release"));
+    // The server ends the session asynchronously: await it (bounded).
+    let mut gone = false;
+    for _ in 0..100 {
+        let open: Option<u64> = observer
+            .exec_first(
+                "SELECT COUNT(*) FROM information_schema.processlist WHERE id = ?",
+                (holder,),
+            )
+            .await
+            .expect("query");
+        if open == Some(0) {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gone, "the session that held the lock is still open");
 }
