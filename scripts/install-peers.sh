@@ -8,6 +8,7 @@ need_apt=()
 command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v redis-sentinel >/dev/null || need_apt+=(redis-sentinel)
 command -v redis-cli >/dev/null || need_apt+=(redis-tools)
+command -v mariadbd >/dev/null || need_apt+=(mariadb-server)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then

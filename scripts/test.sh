@@ -22,7 +22,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     exit 1
   fi
 fi
-# Tests start their own throwaway PostgreSQL, Redis, etcd and ZooKeeper servers
+# Tests start their own throwaway PostgreSQL, MariaDB, Redis, etcd and ZooKeeper servers
 # (fencelock-testkit): the backends' conformance suite and the benchmark smoke run.
 ./scripts/install-peers.sh
 if ! command -v cargo >/dev/null; then

@@ -26,6 +26,7 @@ use fencelock_bench::fleet::{self, RecoverySpec, SessionsSpec};
 use fencelock_bench::targets::cluster::{FencelockClusterLocker, Spread};
 use fencelock_bench::targets::etcd::EtcdLocker;
 use fencelock_bench::targets::fencelock::{FencelockGrpcLocker, FencelockLocker, FencelockTarget};
+use fencelock_bench::targets::mysql::MysqlTableLocker;
 use fencelock_bench::targets::pg::{self, PgAdvisoryLocker, PgTableLocker};
 use fencelock_bench::targets::redis::{RedisConfig, RedisLocker};
 use fencelock_bench::targets::zk::ZkLocker;
@@ -117,6 +118,8 @@ enum Target {
     RedisFencedAof,
     PgTable,
     PgAdvisory,
+    /// MariaDB through fencelock-mysql's lock table (durable InnoDB).
+    MysqlTable,
     /// Three `fencelock serve` members; clients on the leader, following `not_leader`.
     #[value(name = "fencelock-3")]
     Fencelock3,
@@ -143,6 +146,7 @@ impl Target {
             Target::RedisFencedAof => "redis-fenced-aof",
             Target::PgTable => "pg-table",
             Target::PgAdvisory => "pg-advisory",
+            Target::MysqlTable => "mysql-table",
             Target::Fencelock3 => "fencelock-3",
             Target::Etcd3 => "etcd-3",
             Target::Zk3 => "zk-3",
@@ -164,7 +168,8 @@ impl Target {
             | Target::Zookeeper
             | Target::RedisAof
             | Target::RedisFencedAof
-            | Target::PgTable => "fsync",
+            | Target::PgTable
+            | Target::MysqlTable => "fsync",
             Target::FencelockNone | Target::Redis | Target::RedisFenced | Target::PgAdvisory => {
                 "memory"
             }
@@ -387,6 +392,10 @@ async fn run_target(
             } else {
                 one::<PgAdvisoryLocker>(conninfo, runs, target, None, session).await
             }
+        }
+        Target::MysqlTable => {
+            let peer = peers::mariadb()?;
+            one::<MysqlTableLocker>(peers::mariadb_url(&peer), runs, target, None, session).await
         }
         Target::Fencelock3 | Target::Etcd3 | Target::Zk3 => {
             run_cluster(target, args, runs, session).await

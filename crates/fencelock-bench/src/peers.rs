@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use fencelock_testkit::{
-    probe, Etcd, Postgres, PostgresOptions, ServerProcess, ServerSpec, ZooKeeper,
+    probe, Etcd, MariaDb, MariaDbOptions, Postgres, PostgresOptions, ServerProcess, ServerSpec,
+    ZooKeeper,
 };
 
 /// A started peer: its process and its directory.
@@ -187,6 +188,26 @@ pub fn postgres() -> anyhow::Result<Peer> {
     options.max_connections = 200;
     let (process, dir) = Postgres::start_with(&options)?.into_parts();
     Ok(Peer { process, dir })
+}
+
+/// MariaDB (Debian `mariadb-server`) with InnoDB's durable default (the redo log
+/// flushed at every commit); as root it runs as `mysql`.
+pub fn mariadb() -> anyhow::Result<Peer> {
+    let mut options = MariaDbOptions::default();
+    options.durable = true;
+    options.max_connections = 300;
+    let (process, dir) = MariaDb::start_with(&options)?.into_parts();
+    Ok(Peer { process, dir })
+}
+
+/// The URL of a [`mariadb`] peer (the testkit's account and database).
+pub fn mariadb_url(peer: &Peer) -> String {
+    format!(
+        "mysql://{user}:{user}@127.0.0.1:{}/{}",
+        peer.port(),
+        fencelock_testkit::MARIADB_DATABASE,
+        user = fencelock_testkit::MARIADB_USER,
+    )
 }
 
 /// The libpq connection string of a [`postgres`] peer.

@@ -7,6 +7,8 @@ use std::time::Duration;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio_postgres::{Client, SimpleQueryMessage};
 
+#[cfg(feature = "deadpool")]
+use super::table::pooled;
 use super::{
     new_owner_token, open, pg_error, refuse_unsupported, server_ended_session, timed_out, ttl_ms,
     Ended, PostgresConfig,
@@ -88,7 +90,7 @@ pub struct PostgresAdvisoryBackend {
 
 #[derive(Debug)]
 struct Inner {
-    pg: tokio_postgres::Config,
+    source: Source,
     config: PostgresConfig,
     slots: Arc<Semaphore>,
     state: Mutex<State>,
@@ -104,13 +106,43 @@ struct State {
     in_flight: HashSet<String>,
 }
 
+/// Where sessions come from.
+#[derive(Debug)]
+enum Source {
+    /// A new connection per lock.
+    Own(Box<tokio_postgres::Config>),
+    /// A connection taken out of the application's pool per lock (never returned).
+    #[cfg(feature = "deadpool")]
+    Pool(deadpool_postgres::Pool),
+}
+
+/// A held lock's session: its own connection, or one taken out of a pool.
+#[derive(Debug)]
+enum Session {
+    Own(Client),
+    #[cfg(feature = "deadpool")]
+    Pooled(deadpool_postgres::ClientWrapper),
+}
+
+impl std::ops::Deref for Session {
+    type Target = Client;
+
+    fn deref(&self) -> &Client {
+        match self {
+            Session::Own(client) => client,
+            #[cfg(feature = "deadpool")]
+            Session::Pooled(client) => client,
+        }
+    }
+}
+
 /// One held lock: its session.
 #[derive(Debug)]
 struct Held {
     lease: Lease,
     key: i64,
     request_id: String,
-    client: Client,
+    client: Session,
     ended: watch::Receiver<Option<Ended>>,
     _slot: OwnedSemaphorePermit,
 }
@@ -128,37 +160,78 @@ impl PostgresAdvisoryBackend {
             ));
         }
         let (client, _ended) = open(&pg, config.connect_timeout).await?;
-        let version = tokio::time::timeout(
-            config.request_timeout,
-            client.query_one("SELECT current_setting('server_version_num')::int", &[]),
-        )
-        .await
-        .map_err(|_| timed_out("read the server version", config.request_timeout))?
-        .map_err(|e| pg_error(&e, "read the server version"))?
-        .get::<_, i32>(0);
-        if version < 140_000 {
+        check_version(&client, &config).await?;
+        Ok(PostgresAdvisoryBackend::new(
+            Source::Own(Box::new(pg)),
+            config,
+        ))
+    }
+
+    /// Uses the application's `deadpool-postgres` pool (feature `deadpool`). An
+    /// advisory lock belongs to a session, so each held lock (and each acquire in
+    /// progress) takes one connection **out of the pool for good**: it is held for the
+    /// lock's life and closed on release, never returned, so neither the lock nor the
+    /// session's timeouts reach another user of the pool — and the pool opens a fresh
+    /// connection in its place. The pool's `max_size` bounds held locks together with
+    /// the application's own use (`config.max_connections` also applies);
+    /// `config.conninfo` is not used. The pool's server must be PostgreSQL 14 or
+    /// later. (There is no constructor on a single application client: one session
+    /// cannot hold per-lock leases, and PostgreSQL would grant the same session a
+    /// second hold of its own lock.)
+    #[cfg(feature = "deadpool")]
+    pub async fn with_pool(
+        pool: deadpool_postgres::Pool,
+        config: PostgresConfig,
+    ) -> Result<PostgresAdvisoryBackend, Error> {
+        if config.max_connections == 0 {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
-                format!(
-                    "advisory mode needs PostgreSQL 14 or later (idle_session_timeout is its \
-                     lease); the server is version {version}"
-                ),
+                "max_connections must be at least 1",
             ));
         }
-        Ok(PostgresAdvisoryBackend {
+        let client = pooled(&pool, config.connect_timeout).await?;
+        check_version(&client, &config).await?;
+        drop(client);
+        Ok(PostgresAdvisoryBackend::new(Source::Pool(pool), config))
+    }
+
+    fn new(source: Source, config: PostgresConfig) -> PostgresAdvisoryBackend {
+        PostgresAdvisoryBackend {
             inner: Arc::new(Inner {
-                pg,
+                source,
                 slots: Arc::new(Semaphore::new(config.max_connections)),
                 config,
                 state: Mutex::new(State::default()),
             }),
-        })
+        }
     }
 
     /// Locks held through this backend.
     pub fn held(&self) -> usize {
         self.inner.state().held.len()
     }
+}
+
+/// Advisory mode needs `idle_session_timeout` (PostgreSQL 14).
+async fn check_version(client: &Client, config: &PostgresConfig) -> Result<(), Error> {
+    let version = tokio::time::timeout(
+        config.request_timeout,
+        client.query_one("SELECT current_setting('server_version_num')::int", &[]),
+    )
+    .await
+    .map_err(|_| timed_out("read the server version", config.request_timeout))?
+    .map_err(|e| pg_error(&e, "read the server version"))?
+    .get::<_, i32>(0);
+    if version < 140_000 {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "advisory mode needs PostgreSQL 14 or later (idle_session_timeout is its \
+                 lease); the server is version {version}"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl Inner {
@@ -212,9 +285,23 @@ impl Inner {
                 ),
             )
         })?;
-        let mut pg = self.pg.clone();
-        pg.application_name(application_name(&spec.name));
-        let (client, ended) = open(&pg, self.config.connect_timeout).await?;
+        let (client, ended) = match &self.source {
+            Source::Own(pg) => {
+                let mut pg = (**pg).clone();
+                pg.application_name(application_name(&spec.name));
+                let (client, ended) = open(&pg, self.config.connect_timeout).await?;
+                (Session::Own(client), ended)
+            }
+            #[cfg(feature = "deadpool")]
+            Source::Pool(pool) => {
+                let client = pooled(pool, self.config.connect_timeout).await?;
+                // Out of the pool for good: dropping it closes the session.
+                let client = deadpool_postgres::Object::take(client);
+                // The pool drives the connection: its end is seen as a closed client.
+                let (_, ended) = watch::channel(None);
+                (Session::Pooled(client), ended)
+            }
+        };
         let key = advisory_key(&spec.name);
         // One simple query: the lease (idle timeout) is in force before the lock is
         // taken, so no instant exists at which the session holds the lock without it.

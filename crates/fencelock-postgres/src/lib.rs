@@ -17,20 +17,43 @@
 //! server's clock can end leases early or late. So neither claims
 //! [`Capabilities::monotonic_leases`](fencelock_backend::Capabilities::monotonic_leases).
 //!
-//! Connections are made with `tokio-postgres` without TLS (`sslmode=disable`): reach
-//! the database over a trusted network or a local tunnel.
+//! # Whose connections
+//!
+//! Each backend is built from a connection string (it opens its own connections), or
+//! from what the application already holds:
+//!
+//! | | own connections ([`connect`](PostgresBackend::connect)) | the application's `tokio_postgres::Client` | the application's `deadpool_postgres::Pool` (feature `deadpool`) |
+//! |---|---|---|---|
+//! | table mode | a command connection and a `LISTEN` connection | [`PostgresBackend::with_client`]: statements on that client, **no other connection**; waiters poll | `PostgresBackend::with_pool`: a pooled client per statement, **no other connection**; waiters poll |
+//! | advisory mode | one dedicated connection per held lock | — (refused by design: see below) | `PostgresAdvisoryBackend::with_pool`: each held lock takes a connection **out of the pool** and closes it on release |
+//!
+//! Table mode needs no dedicated connection: every call is one statement. Only its
+//! push wake-ups need one (`LISTEN` belongs to a session), so over the application's
+//! client or pool waiters poll instead. Advisory locks belong to a session, so advisory
+//! mode needs one dedicated session per held lock; it cannot share one client (one
+//! session cannot carry a separate lease per lock, and PostgreSQL grants a session a
+//! lock it already holds).
+//!
+//! Connections opened from a connection string use `tokio-postgres` without TLS
+//! (`sslmode=disable`): reach the database over a trusted network or a local tunnel.
+//! The application's client or pool may use any TLS it was built with.
 //!
 //! ```no_run
-//! use std::sync::Arc;
-//! use fencelock::postgres::{PostgresBackend, PostgresConfig};
-//! use fencelock::Client;
+//! use std::time::Duration;
+//! use fencelock_backend::{AcquireSpec, LockBackend};
+//! use fencelock_postgres::{PostgresBackend, PostgresConfig};
 //!
-//! # async fn demo() -> Result<(), fencelock::Error> {
+//! # async fn demo() -> Result<(), fencelock_backend::Error> {
 //! let config = PostgresConfig::new("host=127.0.0.1 user=app dbname=app");
-//! let client = Client::from_backend(Arc::new(PostgresBackend::connect(config).await?));
-//! let guard = client.lock("job:daily-settlement").acquire().await?;
-//! println!("fence {}", guard.fence());
-//! guard.release().await?;
+//! let backend = PostgresBackend::connect(config).await?;
+//! // Applications take locks through the client library (guards, renewal, the
+//! // lost-lock signal): `fencelock::Client::from_backend(Arc::new(backend))`, with
+//! // `fencelock`'s feature `postgres` (`fencelock::postgres` is this crate).
+//! let lease = backend
+//!     .acquire(&AcquireSpec::new("job:daily-settlement", Duration::from_secs(30)))
+//!     .await?;
+//! println!("fence {}", lease.fence);
+//! backend.release(&lease).await?;
 //! # Ok(()) }
 //! ```
 
@@ -73,6 +96,14 @@ pub struct PostgresConfig {
     /// in progress has one); more fail as [`ErrorKind::ResourceExhausted`]. Default
     /// 64. Keep it below the server's `max_connections`.
     pub max_connections: usize,
+}
+
+impl Default for PostgresConfig {
+    /// The defaults with an empty `conninfo`, for the constructors that take the
+    /// application's client or pool (and do not use it).
+    fn default() -> PostgresConfig {
+        PostgresConfig::new("")
+    }
 }
 
 impl PostgresConfig {

@@ -78,15 +78,23 @@ const DDL_LOCK_KEY: i64 = 0x6665_6e63_656c_6f63;
 ///   `LISTEN`s on the channel and wakes its waiters for that lock name; a waiter also
 ///   sleeps only until the holder's `lease_until` (an expiry sends nothing). Woken
 ///   waiters race for the row: no arrival order is kept. While the listening
-///   connection is down a waiter re-checks every 250 ms.
+///   connection is down a waiter re-checks every 250 ms. Built on the application's
+///   client or pool there is no listening connection: waiters re-check every 250 ms
+///   and when the holder's lease ends, and `push_wakeups` is false.
 /// - No semaphores (`limit > 1`), no lock-delay, no sessions: such requests are
 ///   refused with [`ErrorKind::InvalidArgument`].
 ///
-/// Every call is a single statement, but the backend relies on its sessions: the
-/// command connection sets `synchronous_commit = on` once and prepares its
-/// statements, and the listening connection needs `LISTEN`. Connect directly or
-/// through a session-pooling proxy, not a transaction-pooling one (PgBouncer
-/// `pool_mode = transaction`), where neither would follow the statements.
+/// # Connections
+///
+/// Every call is a single statement, so table mode needs no dedicated connection for
+/// a lock. [`connect`](PostgresBackend::connect) opens its own command connection
+/// (it sets `synchronous_commit = on` once and prepares its statements there) and,
+/// for the first waiter, a listening one (`LISTEN` belongs to a session): connect
+/// directly or through a session-pooling proxy, not a transaction-pooling one
+/// (PgBouncer `pool_mode = transaction`), where neither would follow the statements.
+/// [`with_client`](PostgresBackend::with_client) and `with_pool` (feature
+/// `deadpool`) run the same statements on the application's client or pooled
+/// clients and open nothing themselves.
 #[derive(Debug, Clone)]
 pub struct PostgresBackend {
     inner: Arc<Inner>,
@@ -94,11 +102,14 @@ pub struct PostgresBackend {
 
 #[derive(Debug)]
 struct Inner {
-    pg: tokio_postgres::Config,
+    source: Source,
     config: PostgresConfig,
     sql: Sql,
-    /// The command connection, opened again after it breaks or times out.
+    /// The command connection (our own, or the application's client with our
+    /// statements prepared on it).
     conn: tokio::sync::Mutex<Slot>,
+    /// How strong fences are: durable unless the session commits asynchronously.
+    fences: FenceGuarantee,
     waiters: Arc<Waiters>,
     /// The listening task, started by the first acquire that waits.
     listener: Mutex<Option<AbortOnDrop>>,
@@ -158,6 +169,39 @@ impl Sql {
     }
 }
 
+/// Where connections come from.
+#[derive(Debug)]
+enum Source {
+    /// Our own: a command connection (reopened after it breaks) and a listening one.
+    Own(Box<tokio_postgres::Config>),
+    /// The application's client, shared; never reopened.
+    Client(Arc<Client>),
+    /// The application's pool: one pooled client per call.
+    #[cfg(feature = "deadpool")]
+    Pool(deadpool_postgres::Pool),
+}
+
+/// Which statement to run.
+#[derive(Debug, Clone, Copy)]
+enum Stmt {
+    Acquire,
+    Holder,
+    Renew,
+    Release,
+}
+
+impl Sql {
+    #[cfg(feature = "deadpool")]
+    fn text(&self, which: Stmt) -> &str {
+        match which {
+            Stmt::Acquire => &self.acquire,
+            Stmt::Holder => &self.holder,
+            Stmt::Renew => &self.renew,
+            Stmt::Release => &self.release,
+        }
+    }
+}
+
 /// The command connection, or the last failure to open it.
 #[derive(Debug, Default)]
 struct Slot {
@@ -168,11 +212,22 @@ struct Slot {
 /// The command connection and its prepared statements.
 #[derive(Debug)]
 struct Conn {
-    client: Client,
+    client: Arc<Client>,
     acquire: Statement,
     holder: Statement,
     renew: Statement,
     release: Statement,
+}
+
+impl Conn {
+    fn statement(&self, which: Stmt) -> &Statement {
+        match which {
+            Stmt::Acquire => &self.acquire,
+            Stmt::Holder => &self.holder,
+            Stmt::Renew => &self.renew,
+            Stmt::Release => &self.release,
+        }
+    }
 }
 
 impl PostgresBackend {
@@ -182,35 +237,98 @@ impl PostgresBackend {
     /// reached within `connect_timeout`.
     pub async fn connect(config: PostgresConfig) -> Result<PostgresBackend, Error> {
         let pg = config.pg_config()?;
-        let schema = quote_identifier("schema", &config.schema)?;
-        let table = quote_identifier("table", &config.table)?;
-        quote_identifier("channel", &config.channel)?;
-        let qualified = format!("{schema}.{table}");
-        let backend = PostgresBackend {
-            inner: Arc::new(Inner {
-                pg,
-                sql: Sql::new(&qualified),
-                config,
-                conn: tokio::sync::Mutex::new(Slot::default()),
-                waiters: Arc::new(Waiters::default()),
-                listener: Mutex::new(None),
-            }),
-        };
-        let (client, _ended) =
-            open(&backend.inner.pg, backend.inner.config.connect_timeout).await?;
-        let create =
-            async { ensure_table(&client, &backend.inner.config, &schema, &qualified).await };
-        tokio::time::timeout(backend.inner.config.request_timeout, create)
-            .await
-            .map_err(|_| {
-                timed_out(
-                    "create the lock table",
-                    backend.inner.config.request_timeout,
-                )
-            })??;
+        let (client, _ended) = open(&pg, config.connect_timeout).await?;
+        let backend = PostgresBackend::build(Source::Own(Box::new(pg)), config, &client).await?;
         drop(client);
         backend.inner.conn().await?;
         Ok(backend)
+    }
+
+    /// Uses a client the application already has, shared with it: every call is one
+    /// statement on that connection (prepared there once), and **no other connection
+    /// is opened** — so waiters poll (every 250 ms, and when the holder's lease ends)
+    /// instead of being woken by `NOTIFY`, and `push_wakeups` is false. Creates the
+    /// table if missing. `config.conninfo` is not used.
+    ///
+    /// The session's settings are left alone: fences are `Durable` unless the
+    /// session's `synchronous_commit` is `off` (then `BestEffort`; read once, here).
+    /// If the connection breaks, calls fail as [`ErrorKind::Unavailable`] until the
+    /// application builds a new backend on a new client. Do not run `BEGIN` … `COMMIT`
+    /// as separate statements on the shared client while the backend is in use: the
+    /// lock's statements would join that transaction.
+    pub async fn with_client(
+        client: Arc<Client>,
+        config: PostgresConfig,
+    ) -> Result<PostgresBackend, Error> {
+        let shared = client.clone();
+        let backend = PostgresBackend::build(Source::Client(client), config, &shared).await?;
+        backend.inner.conn().await?;
+        Ok(backend)
+    }
+
+    /// Uses the application's `deadpool-postgres` pool (feature `deadpool`): each call
+    /// takes a client from the pool for its one statement (prepared once per pooled
+    /// connection) and gives it back; **no connection is opened outside the pool**.
+    /// Waiters poll as with [`with_client`](PostgresBackend::with_client)
+    /// (`push_wakeups` is false: `LISTEN` would pin a pooled connection), and fences
+    /// are `Durable` unless a pooled session's `synchronous_commit` is `off`. Creates
+    /// the table if missing. `config.conninfo` is not used.
+    #[cfg(feature = "deadpool")]
+    pub async fn with_pool(
+        pool: deadpool_postgres::Pool,
+        config: PostgresConfig,
+    ) -> Result<PostgresBackend, Error> {
+        let client = pooled(&pool, config.connect_timeout).await?;
+        PostgresBackend::build(Source::Pool(pool), config, &client).await
+    }
+
+    /// Checks the configuration, creates the table through `client` and reads how
+    /// durable commits are on the application's sessions.
+    async fn build(
+        source: Source,
+        config: PostgresConfig,
+        client: &Client,
+    ) -> Result<PostgresBackend, Error> {
+        let schema = quote_identifier("schema", &config.schema)?;
+        let table = quote_identifier("table", &config.table)?;
+        quote_identifier("channel", &config.channel)?;
+        if config.connect_timeout.is_zero() || config.request_timeout.is_zero() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "connect_timeout and request_timeout must be positive",
+            ));
+        }
+        let qualified = format!("{schema}.{table}");
+        let prepare = async {
+            ensure_table(client, &config, &schema, &qualified).await?;
+            if matches!(source, Source::Own(_)) {
+                // Our own sessions set synchronous_commit = on themselves.
+                return Ok(FenceGuarantee::Durable);
+            }
+            let row = client
+                .query_one("SELECT current_setting('synchronous_commit')", &[])
+                .await
+                .map_err(|e| pg_error(&e, "read synchronous_commit"))?;
+            Ok(if row.get::<_, String>(0) == "off" {
+                FenceGuarantee::BestEffort
+            } else {
+                FenceGuarantee::Durable
+            })
+        };
+        let fences = tokio::time::timeout(config.request_timeout, prepare)
+            .await
+            .map_err(|_| timed_out("create the lock table", config.request_timeout))??;
+        Ok(PostgresBackend {
+            inner: Arc::new(Inner {
+                source,
+                sql: Sql::new(&qualified),
+                config,
+                conn: tokio::sync::Mutex::new(Slot::default()),
+                fences,
+                waiters: Arc::new(Waiters::default()),
+                listener: Mutex::new(None),
+            }),
+        })
     }
 
     /// The lock table's qualified, quoted name (`"public"."distributed_lock"`).
@@ -294,11 +412,34 @@ impl Inner {
     }
 
     async fn open_conn(&self) -> Result<Conn, Error> {
-        let (client, _ended) = open(&self.pg, self.config.connect_timeout).await?;
+        let client = match &self.source {
+            Source::Own(pg) => {
+                let (client, _ended) = open(pg, self.config.connect_timeout).await?;
+                Arc::new(client)
+            }
+            Source::Client(client) if client.is_closed() => {
+                return Err(Error::new(
+                    ErrorKind::Unavailable,
+                    "the application's PostgreSQL connection is closed (build the backend on \
+                     a new client)",
+                ))
+            }
+            Source::Client(client) => client.clone(),
+            #[cfg(feature = "deadpool")]
+            Source::Pool(_) => {
+                return Err(Error::new(
+                    ErrorKind::Internal,
+                    "a pooled backend has no command connection",
+                ))
+            }
+        };
+        let own = matches!(self.source, Source::Own(_));
         let prepare = async {
-            // Grants are acknowledged only after their commit is flushed, whatever the
-            // server's default.
-            client.batch_execute("SET synchronous_commit = on").await?;
+            if own {
+                // Grants are acknowledged only after their commit is flushed, whatever
+                // the server's default.
+                client.batch_execute("SET synchronous_commit = on").await?;
+            }
             Ok::<_, tokio_postgres::Error>(Conn {
                 acquire: client.prepare(&self.sql.acquire).await?,
                 holder: client.prepare(&self.sql.holder).await?,
@@ -337,17 +478,36 @@ impl Inner {
         }
     }
 
-    /// Runs one statement on the command connection within `request_timeout`.
+    /// Runs one statement within `request_timeout`: on the command connection, or on
+    /// a client borrowed from the pool.
     async fn query(
         &self,
         what: &str,
-        pick: impl Fn(&Conn) -> &Statement,
+        which: Stmt,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Vec<tokio_postgres::Row>, Error> {
+        #[cfg(feature = "deadpool")]
+        if let Source::Pool(pool) = &self.source {
+            let timeout = self.config.request_timeout;
+            let run = async {
+                let client = pooled(pool, timeout).await?;
+                let statement = client
+                    .prepare_cached(self.sql.text(which))
+                    .await
+                    .map_err(|e| pg_error(&e, what))?;
+                client
+                    .query(&statement, params)
+                    .await
+                    .map_err(|e| pg_error(&e, what))
+            };
+            return tokio::time::timeout(timeout, run)
+                .await
+                .map_err(|_| timed_out(what, timeout))?;
+        }
         let conn = self.conn().await?;
         match tokio::time::timeout(
             self.config.request_timeout,
-            conn.client.query(pick(&conn), params),
+            conn.client.query(conn.statement(which), params),
         )
         .await
         {
@@ -371,7 +531,7 @@ impl Inner {
         let rows = self
             .query(
                 "acquire",
-                |c| &c.acquire,
+                Stmt::Acquire,
                 &[&spec.name, &token, &spec.owner, &spec.request_id, &ttl_ms],
             )
             .await?;
@@ -397,7 +557,7 @@ impl Inner {
             });
         }
         let rows = self
-            .query("read the lock", |c| &c.holder, &[&spec.name])
+            .query("read the lock", Stmt::Holder, &[&spec.name])
             .await?;
         let remaining_ms = rows.first().map_or(0, |row| row.get::<_, i64>(0));
         // Clamped: a row edited by hand may claim any lease.
@@ -409,10 +569,14 @@ impl Inner {
 
     /// Starts the listening task unless it runs.
     fn ensure_listener(&self) {
+        let Source::Own(pg) = &self.source else {
+            // The application's connections: no LISTEN, waiters poll.
+            return;
+        };
         let mut listener = self.listener.lock().unwrap_or_else(|p| p.into_inner());
         if listener.is_none() {
             let task = tokio::spawn(listen(
-                self.pg.clone(),
+                (**pg).clone(),
                 self.config.connect_timeout,
                 self.config.channel.clone(),
                 self.waiters.clone(),
@@ -429,8 +593,8 @@ enum Attempt {
 
 impl LockBackend for PostgresBackend {
     fn capabilities(&self) -> Capabilities {
-        let mut caps = Capabilities::new("postgres", FenceGuarantee::Durable);
-        caps.push_wakeups = true;
+        let mut caps = Capabilities::new("postgres", self.inner.fences);
+        caps.push_wakeups = matches!(self.inner.source, Source::Own(_));
         caps
     }
 
@@ -496,7 +660,7 @@ impl LockBackend for PostgresBackend {
                 .inner
                 .query(
                     "renew",
-                    |c| &c.renew,
+                    Stmt::Renew,
                     &[&lease.name, &lease.owner_token, &ttl_ms],
                 )
                 .await?;
@@ -519,7 +683,7 @@ impl LockBackend for PostgresBackend {
                 .inner
                 .query(
                     "release",
-                    |c| &c.release,
+                    Stmt::Release,
                     &[&lease.name, &lease.owner_token, &self.inner.config.channel],
                 )
                 .await?;
@@ -664,5 +828,24 @@ async fn listen_once(
                 Some(Err(_)) | None => return listened,
             },
         }
+    }
+}
+
+/// A client from the application's pool within `timeout`.
+#[cfg(feature = "deadpool")]
+pub(crate) async fn pooled(
+    pool: &deadpool_postgres::Pool,
+    timeout: Duration,
+) -> Result<deadpool_postgres::Object, Error> {
+    match tokio::time::timeout(timeout, pool.get()).await {
+        Err(_) => Err(timed_out("take a connection from the pool", timeout)),
+        Ok(Ok(client)) => Ok(client),
+        Ok(Err(deadpool_postgres::PoolError::Backend(e))) => {
+            Err(pg_error(&e, "take a connection from the pool"))
+        }
+        Ok(Err(e)) => Err(Error::new(
+            ErrorKind::Unavailable,
+            format!("take a connection from the pool: {e}"),
+        )),
     }
 }

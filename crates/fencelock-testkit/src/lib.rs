@@ -1,5 +1,5 @@
-//! Throwaway servers for fencelock's tests: PostgreSQL, Redis (plain, TLS, Sentinel,
-//! Cluster), etcd and ZooKeeper.
+//! Throwaway servers for fencelock's tests: PostgreSQL, MariaDB, Redis (plain, TLS,
+//! Sentinel, Cluster), etcd and ZooKeeper.
 //!
 //! Each server is a real binary from a Debian package, started on a random free
 //! loopback port with its data in a fresh temporary directory, and stopped (killed and
@@ -21,7 +21,7 @@
 //!
 //! PostgreSQL refuses to run as root. When the tests run as root (as CI does), `initdb`
 //! and `postgres` run as the `postgres` system user that Debian's package creates, and
-//! the temporary directory is handed to that user.
+//! the temporary directory is handed to that user; MariaDB likewise runs as `mysql`.
 #![deny(missing_docs)]
 
 use std::ffi::{CString, OsString};
@@ -36,6 +36,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod etcd;
+mod mariadb;
 mod postgres;
 mod proxy;
 mod redis;
@@ -43,6 +44,7 @@ mod tls;
 mod zookeeper;
 
 pub use etcd::{Etcd, EtcdOptions, EtcdUser, ETCD_ROOT_PASSWORD};
+pub use mariadb::{MariaDb, MariaDbOptions, MARIADB_DATABASE, MARIADB_USER};
 pub use postgres::{Postgres, PostgresOptions};
 pub use proxy::Proxy;
 pub use redis::{Redis, RedisCluster, RedisSentinel};

@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpStream};
 use std::path::Path;
 
-use fencelock_testkit::{probe, Postgres, Redis};
+use fencelock_testkit::{probe, MariaDb, Postgres, Redis};
 
 fn process_alive(pid: u32) -> bool {
     // A reaped child's /proc entry is gone.
@@ -143,4 +143,23 @@ fn etcd_with_tls_and_auth_starts_with_auth_on() {
     drop(etcd);
     assert!(!process_alive(pid), "etcd {pid} survived drop");
     assert!(!port_open(admin), "port {admin} still open after drop");
+}
+
+#[test]
+fn mariadb_greets_survives_a_crash_and_stops_on_drop() {
+    let mut server = MariaDb::start().expect("mariadb starts");
+    let port = server.port();
+    assert_ne!(port, 3306, "never the machine's own MariaDB port");
+    // The handshake: protocol 10, then the server's version.
+    let greeting = |port| probe(port, b"", 128).expect("mariadb greets");
+    let hello = greeting(port);
+    assert_eq!(hello[4], 10, "{:?}", String::from_utf8_lossy(&hello));
+    assert!(String::from_utf8_lossy(&hello).contains("MariaDB"));
+    server.crash_and_restart().expect("restarts");
+    assert_eq!(server.port(), port, "a restart keeps the port");
+    assert_eq!(greeting(port)[4], 10);
+    let dir = server.dir().to_owned();
+    drop(server);
+    assert!(!port_open(port), "port {port} still open after drop");
+    assert!(!dir.exists(), "{} still exists after drop", dir.display());
 }

@@ -42,6 +42,8 @@
 //!   Redis Cluster; on the `redis` crate) and `redis::RedlockBackend`.
 //! - `postgres`: `postgres::PostgresBackend` (a lock table with durable fences) and
 //!   `postgres::PostgresAdvisoryBackend` (advisory locks, no fences).
+//! - `mysql`: `mysql::MysqlBackend` (a lock table with durable fences) and
+//!   `mysql::MysqlGetLockBackend` (`GET_LOCK`, no fences), on MySQL or MariaDB.
 //! - `etcd`: `etcd::EtcdBackend`, etcd v3 (durable fences, FIFO, watches, semaphores).
 //! - `zookeeper`: `zookeeper::ZooKeeperBackend` (durable fences, FIFO, watches,
 //!   semaphores; chroot, digest auth, or the application's own ZooKeeper client);
@@ -58,6 +60,9 @@ mod wire;
 /// etcd v3 (feature `etcd`): the `fencelock-etcd` crate.
 #[cfg(feature = "etcd")]
 pub use fencelock_etcd as etcd;
+/// MySQL and MariaDB (feature `mysql`): the `fencelock-mysql` crate.
+#[cfg(feature = "mysql")]
+pub use fencelock_mysql as mysql;
 /// PostgreSQL (feature `postgres`): the `fencelock-postgres` crate.
 #[cfg(feature = "postgres")]
 pub use fencelock_postgres as postgres;

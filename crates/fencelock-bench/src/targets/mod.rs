@@ -7,6 +7,7 @@ use std::time::Duration;
 pub mod cluster;
 pub mod etcd;
 pub mod fencelock;
+pub mod mysql;
 pub mod pg;
 pub mod redis;
 pub mod zk;
