@@ -36,7 +36,7 @@ use crate::cluster::{
 use crate::cluster::{NotReady, NotReadyKind};
 use crate::codec::{self, RecordMeta, Replicated as ReplicatedRecord};
 use crate::error::{ApiError, ApiErrorKind};
-use crate::startup::{RecoveryError, StartError};
+use crate::startup::{RecoveryError, RecoveryErrorKind, StartError};
 
 /// Most state machine requests queued for the engine (openraft waits beyond it).
 pub(crate) const SM_QUEUE: usize = 64;
@@ -818,11 +818,14 @@ impl EngineTask {
                 let _ = tx.send((image, r.applied, r.membership.clone()));
             }
             SmRequest::Install { image, meta, done } => {
+                let corrupt =
+                    |message: String| RecoveryError::new(RecoveryErrorKind::Corrupt, None, message);
                 let result = codec::decode_snapshot(&image)
-                    .map_err(|e| format!("snapshot from the leader: {e}"))
+                    .map_err(|e| corrupt(format!("snapshot from the leader: {e}")))
                     .and_then(|image| {
-                        fencelock_core::Core::import(self.core.config().clone(), image)
-                            .map_err(|e| format!("snapshot from the leader is inconsistent: {e}"))
+                        fencelock_core::Core::import(self.core.config().clone(), image).map_err(
+                            |e| corrupt(format!("snapshot from the leader is inconsistent: {e}")),
+                        )
                     });
                 match result {
                     Ok(core) => {
