@@ -58,6 +58,7 @@ mod queue;
 mod recovery;
 mod replica;
 mod replicated;
+pub(crate) mod typed;
 mod writer;
 
 use delivery::Delivery;
@@ -72,6 +73,7 @@ pub use replicated::ClusterBugs;
 pub use replicated::{
     start_cluster, start_member, storage_for_tests, ClusterRuntime, ClusterShared, MemberSpec,
 };
+use typed::Acquired;
 use writer::{Writer, WriterMsg};
 
 /// Whether acknowledged changes survive power loss.
@@ -882,18 +884,16 @@ impl EngineTask {
         let name = acquire.name.clone();
         let result = self.apply_logged(Command::Acquire(acquire), caller);
         self.route_outcomes();
-        match result {
-            Ok(Reply::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
-            Ok(Reply::Queued { token, .. }) => {
+        match result.map_err(ApiError::from).and_then(typed::acquired) {
+            Ok(Acquired::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
+            Ok(Acquired::Queued(token)) => {
                 self.listeners
                     .entry(token)
                     .or_default()
                     .push((listener, reply));
                 self.listener_index.insert(listener, (name, token));
             }
-            Ok(other) => unreachable!("acquire replied {other:?}"),
-            Err(e) => {
-                let err = ApiError::from(e);
+            Err(err) => {
                 self.deliveries
                     .push(Delivery::refused(listener, reply, err));
             }

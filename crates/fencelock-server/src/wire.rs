@@ -42,7 +42,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fencelock_core::{Command, Reply};
+use fencelock_core::Command;
 use fencelock_proto::wire::{self, Request, Response, WireError};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::OwnedWriteHalf;
@@ -52,7 +52,7 @@ use tokio::time::Instant;
 
 use crate::admission::{Admission, Ticket};
 use crate::auth::{Authenticator, Principal};
-use crate::engine::{GrantSink, Handle, ReplySink, Requester};
+use crate::engine::{typed, GrantSink, Handle, ReplySink, Requester};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::grpc;
 use crate::limits::Limits;
@@ -475,14 +475,24 @@ impl Outbox {
         })
     }
 
-    /// The sink of renewal or release `id`'s answer.
-    fn reply_sink(self: &Arc<Self>, id: u64) -> ReplySink {
+    /// The sink of renewal `id`'s answer.
+    fn renew_sink(self: &Arc<Self>, id: u64) -> ReplySink {
         let outbox = self.clone();
         Box::new(move |result| {
-            let response = match result {
-                Ok(Reply::Renewed(grant)) => Response::Renewed(grpc::renew_pb(grant)),
-                Ok(Reply::Released { released }) => Response::Released(grpc::release_pb(released)),
-                Ok(other) => unreachable!("a renew or release replied {other:?}"),
+            let response = match result.and_then(typed::renewed) {
+                Ok(grant) => Response::Renewed(grpc::renew_pb(grant)),
+                Err(e) => error_response(&e),
+            };
+            outbox.answer(id, &response);
+        })
+    }
+
+    /// The sink of release `id`'s answer.
+    fn release_sink(self: &Arc<Self>, id: u64) -> ReplySink {
+        let outbox = self.clone();
+        Box::new(move |result| {
+            let response = match result.and_then(typed::released) {
+                Ok(released) => Response::Released(grpc::release_pb(released)),
                 Err(e) => error_response(&e),
             };
             outbox.answer(id, &response);
@@ -683,12 +693,16 @@ impl Connection {
                     token,
                     ttl_ms,
                 };
-                handle.command_to(&Requester::of(&caller), renew, self.outbox.reply_sink(id))
+                handle.command_to(&Requester::of(&caller), renew, self.outbox.renew_sink(id))
             }),
             Request::Release(r) => grpc::release_args(&caller, &r).and_then(|(name, token)| {
                 self.register(id, None);
                 let release = Command::Release { name, token };
-                handle.command_to(&Requester::of(&caller), release, self.outbox.reply_sink(id))
+                handle.command_to(
+                    &Requester::of(&caller),
+                    release,
+                    self.outbox.release_sink(id),
+                )
             }),
             Request::Hello(_) | Request::Cancel | Request::Ping => {
                 unreachable!("answered without the engine")

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fencelock_core::{Command, Reply};
+use fencelock_core::{Command, LockName, Reply};
 use openraft::async_runtime::WatchReceiver;
 use openraft::entry::RaftEntry;
 use openraft::error::{ClientWriteError, RaftError};
@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 type MetricsRx = openraft::alias::WatchReceiverOf<TypeConfig, openraft::RaftMetrics<TypeConfig>>;
 
+use super::typed::{self, Acquired};
 use super::{
     AcquireReply, CommandReply, Delivery, EngineConfig, EngineTask, Handle, Msg, Requester,
     RunState, ServiceClock, Shared, EVENT_BUFFER,
@@ -45,6 +46,8 @@ pub(crate) const SM_QUEUE: usize = 64;
 pub(super) enum Pending {
     Acquire {
         listener: u128,
+        /// The lock asked for (the listener waits on it if the acquire queues).
+        name: LockName,
         reply: AcquireReply,
     },
     Command(CommandReply),
@@ -604,10 +607,15 @@ impl EngineTask {
                         return;
                     }
                 }
+                let name = acquire.name.clone();
                 self.propose(
                     Command::Acquire(acquire),
                     caller,
-                    Some(Pending::Acquire { listener, reply }),
+                    Some(Pending::Acquire {
+                        listener,
+                        name,
+                        reply,
+                    }),
                 );
             }
             Msg::Command {
@@ -702,7 +710,9 @@ impl EngineTask {
 
     fn answer_error(&mut self, pending: Pending, error: ApiError) {
         self.deliveries.push(match pending {
-            Pending::Acquire { listener, reply } => Delivery::refused(listener, reply, error),
+            Pending::Acquire {
+                listener, reply, ..
+            } => Delivery::refused(listener, reply, error),
             Pending::Command(reply) => Delivery::Reply {
                 reply,
                 result: Err(error),
@@ -918,27 +928,20 @@ impl EngineTask {
             Some(Pending::Command(reply)) => {
                 self.deliveries.push(Delivery::reply(reply, result));
             }
-            Some(Pending::Acquire { listener, reply }) => match result {
-                Ok(Reply::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
-                Ok(Reply::Queued { token, .. }) => {
-                    let name = match &copy {
-                        Command::Acquire(a) => a.name.clone(),
-                        _ => unreachable!("an acquire's pending answer belongs to an acquire"),
-                    };
+            Some(Pending::Acquire {
+                listener,
+                name,
+                reply,
+            }) => match result.map_err(ApiError::from).and_then(typed::acquired) {
+                Ok(Acquired::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
+                Ok(Acquired::Queued(token)) => {
                     self.listeners
                         .entry(token)
                         .or_default()
                         .push((listener, reply));
                     self.listener_index.insert(listener, (name, token));
                 }
-                Ok(other) => {
-                    let err =
-                        ApiError::new(ApiErrorKind::Internal, format!("acquire replied {other:?}"));
-                    self.deliveries
-                        .push(Delivery::refused(listener, reply, err));
-                }
-                Err(e) => {
-                    let err = ApiError::from(e);
+                Err(err) => {
                     self.deliveries
                         .push(Delivery::refused(listener, reply, err));
                 }
