@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use fencelock::proto::locks_client::LocksClient;
-use fencelock::proto::{self as pb, EventKind};
+use fencelock_proto::locks_client::LocksClient;
+use fencelock_proto::{self as pb, EventKind};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::peers::{self, Peer};

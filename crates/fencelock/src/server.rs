@@ -18,6 +18,7 @@ use tonic::{Code, Request, Status};
 use fencelock_proto::wire::{Request as WireRequest, Response as WireResponse};
 
 use crate::route::{self, Failure, Next, Route};
+use crate::view::{LockEvent, LockInfo, LockPage};
 use crate::wire::WireClient;
 use crate::{Error, ErrorKind};
 use fencelock_backend::Backoff;
@@ -431,7 +432,7 @@ impl FencelockBackend {
 
     /// One lock's holders and queue; [`ErrorKind::NotFound`] if nobody holds, waits
     /// for, or is delayed on it.
-    pub async fn get_lock(&self, name: &str) -> Result<pb::LockInfo, Error> {
+    pub async fn get_lock(&self, name: &str) -> Result<LockInfo, Error> {
         self.call(
             self.deadline(Duration::ZERO),
             self.rounds_until(),
@@ -443,7 +444,9 @@ impl FencelockBackend {
                     Duration::ZERO,
                 );
                 let response = node.client.clone().get_lock(request).await;
-                Ok(response.map_err(error_from_status)?.into_inner())
+                Ok(LockInfo::from(
+                    response.map_err(error_from_status)?.into_inner(),
+                ))
             },
         )
         .await
@@ -456,7 +459,7 @@ impl FencelockBackend {
         prefix: &str,
         after: Option<String>,
         limit: u32,
-    ) -> Result<pb::ListLocksResponse, Error> {
+    ) -> Result<LockPage, Error> {
         self.call(self.deadline(Duration::ZERO), self.rounds_until(), |node| {
             let after = after.clone();
             async move {
@@ -469,7 +472,9 @@ impl FencelockBackend {
                     Duration::ZERO,
                 );
                 let response = node.client.clone().list_locks(request).await;
-                Ok(response.map_err(error_from_status)?.into_inner())
+                Ok(LockPage::from(
+                    response.map_err(error_from_status)?.into_inner(),
+                ))
             }
         })
         .await
@@ -554,8 +559,9 @@ pub struct EventStream {
 
 impl EventStream {
     /// The next event; `Ok(None)` when the server ended the stream cleanly.
-    pub async fn next(&mut self) -> Result<Option<pb::LockEvent>, Error> {
-        self.inner.message().await.map_err(error_from_status)
+    pub async fn next(&mut self) -> Result<Option<LockEvent>, Error> {
+        let event = self.inner.message().await.map_err(error_from_status)?;
+        Ok(event.map(LockEvent::from))
     }
 }
 
