@@ -43,8 +43,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fencelock_core::Command;
-use fencelock_proto::wire::{self, Request, Response, WireError};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use fencelock_proto::wire::{self, Request, Response, Sink, WireError};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{watch, Notify};
@@ -292,47 +292,6 @@ async fn serve_requests<R: AsyncRead + Unpin>(
                 }
             }
             _ = stopping.changed(), if conn.reading => conn.reading = false,
-        }
-    }
-}
-
-/// Where the connection task writes.
-enum Sink {
-    /// Plain TCP, whose write side the sinks share (through [`OutState::direct`]).
-    Direct(Arc<OwnedWriteHalf>),
-    /// Any other stream: only the task writes.
-    Stream(Box<dyn AsyncWrite + Send + Unpin>),
-}
-
-impl Sink {
-    async fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        match self {
-            Sink::Direct(socket) => {
-                let mut at = 0;
-                while at < bytes.len() {
-                    socket.writable().await?;
-                    match socket.try_write(&bytes[at..]) {
-                        Ok(n) => at += n,
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-                Ok(())
-            }
-            // A TLS stream holds what it encrypted until flushed.
-            Sink::Stream(w) => {
-                w.write_all(bytes).await?;
-                w.flush().await
-            }
-        }
-    }
-
-    /// Ends the write side after a graceful stop (a TCP write half shuts down when
-    /// its last handle is dropped).
-    async fn shutdown(self) -> std::io::Result<()> {
-        match self {
-            Sink::Direct(_) => Ok(()),
-            Sink::Stream(mut w) => w.shutdown().await,
         }
     }
 }
