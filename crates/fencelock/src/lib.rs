@@ -48,6 +48,7 @@
 #![deny(missing_docs)]
 
 mod client;
+mod codes;
 mod guard;
 mod route;
 mod server;

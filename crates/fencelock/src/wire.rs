@@ -255,7 +255,7 @@ impl WireClient {
             }
         };
         match answer {
-            Response::Error(e) => Err(crate::server::error_from_wire(e)),
+            Response::Error(e) => Err(crate::codes::error_from_wire(e)),
             other => Ok(other),
         }
     }
@@ -346,7 +346,7 @@ impl WireClient {
         if self.shared.token.is_some() {
             match read_response(stream, &mut input).await.map_err(lost)? {
                 (_, Response::Welcome) => {}
-                (_, Response::Error(e)) => return Err(crate::server::error_from_wire(e)),
+                (_, Response::Error(e)) => return Err(crate::codes::error_from_wire(e)),
                 (_, other) => {
                     return Err(Error::new(
                         ErrorKind::Protocol,
