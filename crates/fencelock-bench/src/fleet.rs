@@ -1,5 +1,5 @@
 //! W4 (sessions) and W5 (recovery): fencelock-only workloads, spoken in raw gRPC
-//! (`fencelock::proto`) so that the harness can drive a hundred thousand sessions or a
+//! (`fencelock_proto`) so that the harness can drive a hundred thousand sessions or a
 //! million locks without a guard and a renewal task for each.
 
 use std::path::Path;
