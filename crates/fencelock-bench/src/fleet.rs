@@ -1,5 +1,5 @@
 //! W4 (sessions) and W5 (recovery): fencelock-only workloads, spoken in raw gRPC
-//! (`fencelock::proto`) so that the harness can drive a hundred thousand sessions or a
+//! (`fencelock_proto`) so that the harness can drive a hundred thousand sessions or a
 //! million locks without a guard and a renewal task for each.
 
 use std::path::Path;
@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use fencelock::proto::locks_client::LocksClient;
-use fencelock::proto::{self as pb, EventKind};
+use fencelock_proto::locks_client::LocksClient;
+use fencelock_proto::{self as pb, EventKind};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::peers::{self, Peer};

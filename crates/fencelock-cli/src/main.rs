@@ -1,7 +1,9 @@
 //! The `fencelock` command.
 //!
-//! Exit codes (see `exit.rs`): 0 success; 1 runtime failure (cannot bind, storage
-//! failed, corrupt backup); 2 usage error (bad flags or config file); 69 server
+//! Exit codes (see `exit.rs`): 0 success; 1 runtime failure (storage failed while
+//! serving, corrupt backup); 2 usage error (bad flags or config file); `serve` that
+//! cannot start: 65 corrupt data directory, 71 cannot listen, 73 data directory in
+//! use by another server, 74 data directory unreadable or unwritable; 69 server
 //! unreachable (`cluster …`: or no leader answered within `--wait`); 75 lock lost while `run`'s command ran; 77 not authenticated or not
 //! allowed; 124 lock not acquired within
 //! `--wait`; 126/127 `run`'s command could not be executed / was not found; otherwise
@@ -218,9 +220,15 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
         // after that line always takes the graceful path (the default action would
         // kill the process).
         let signals = ShutdownSignals::install()?;
-        let server = Server::start(settings.server.clone())
-            .await
-            .context("cannot start the server")?;
+        let server = match Server::start(settings.server.clone()).await {
+            Ok(server) => server,
+            Err(e) => {
+                // The message names the file (and the offset of corrupt log data).
+                let code = exit::for_start(&e);
+                eprintln!("fencelock: cannot start the server: {e}");
+                return Ok(ExitCode::from(code));
+            }
+        };
         let r = server.handle().recovery();
         tracing::info!(
             listen = %server.local_addr(),

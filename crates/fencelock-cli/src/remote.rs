@@ -8,8 +8,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
-use fencelock::proto::{self, EventKind, LockInfo};
 use fencelock::{AcquireSpec, ErrorKind, FencelockBackend, Lease, LockBackend, ServerConfig};
+use fencelock::{EventKind, LockEvent, LockInfo, WaitEnd};
 use serde_json::{json, Value};
 
 use crate::exit;
@@ -460,29 +460,15 @@ fn lock_json(lock: &LockInfo) -> Value {
     })
 }
 
-fn kind_name(kind: i32) -> &'static str {
-    match EventKind::try_from(kind) {
-        Ok(EventKind::Granted) => "granted",
-        Ok(EventKind::Released) => "released",
-        Ok(EventKind::Expired) => "expired",
-        Ok(EventKind::ForceReleased) => "force_released",
-        Ok(EventKind::Queued) => "queued",
-        Ok(EventKind::WaitEnded) => "wait_ended",
-        _ => "unknown",
-    }
+fn kind_name(kind: EventKind) -> &'static str {
+    kind.as_str()
 }
 
-fn wait_end_name(end: i32) -> Option<&'static str> {
-    match proto::WaitEnd::try_from(end) {
-        Ok(proto::WaitEnd::TimedOut) => Some("timed_out"),
-        Ok(proto::WaitEnd::SessionEnded) => Some("session_ended"),
-        Ok(proto::WaitEnd::Cancelled) => Some("cancelled"),
-        Ok(proto::WaitEnd::ServerRestarted) => Some("server_restarted"),
-        _ => None,
-    }
+fn wait_end_name(end: Option<WaitEnd>) -> Option<&'static str> {
+    end.map(WaitEnd::as_str)
 }
 
-fn event_json(e: &proto::LockEvent) -> Value {
+fn event_json(e: &LockEvent) -> Value {
     json!({
         "kind": kind_name(e.kind),
         "name": e.name,
@@ -496,7 +482,7 @@ fn event_json(e: &proto::LockEvent) -> Value {
     })
 }
 
-fn event_line(e: &proto::LockEvent) -> String {
+fn event_line(e: &LockEvent) -> String {
     let mut line = format!("{:<15} {}", kind_name(e.kind), e.name);
     if let Some(fence) = e.fence {
         line.push_str(&format!(" fence={fence}"));

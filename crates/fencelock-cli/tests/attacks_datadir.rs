@@ -388,7 +388,7 @@ fn a_bit_flip_in_the_last_synced_batch_after_kill_9_is_refused_not_truncated() {
         }
     }
     let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert_eq!(status.code(), Some(65), "{stderr}");
     for needle in [
         "corrupt log data",
         seg.display().to_string().as_str(),

@@ -115,7 +115,7 @@ impl Drop for Server {
     }
 }
 
-/// `fencelock serve` on `data_dir` must refuse to start: exit 1, and stderr
+/// `fencelock serve` on `data_dir` must refuse to start: exit 65 (corrupt data), and stderr
 /// naming each of `needles`.
 /// If it starts serving instead, it is stopped and the test fails at once.
 fn check_refused(data_dir: &Path, config: Option<&Path>, needles: &[&str]) {
@@ -137,7 +137,7 @@ fn check_refused(data_dir: &Path, config: Option<&Path>, needles: &[&str]) {
         }
     }
     let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert_eq!(status.code(), Some(65), "{stderr}");
     assert!(!stderr.contains("fencelock serving"), "it served: {stderr}");
     for needle in needles {
         assert!(

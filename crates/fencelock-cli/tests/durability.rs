@@ -213,7 +213,7 @@ fn a_second_server_on_the_same_data_dir_is_refused() {
         .arg(dir.path())
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(73));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("in use by another fencelock server"),

@@ -509,11 +509,11 @@ async fn oversized_requests_are_refused_without_growing_the_server() {
     .await
     .unwrap();
 
-    let mut grpc = fencelock::proto::locks_client::LocksClient::connect(url.clone())
+    let mut grpc = fencelock_proto::locks_client::LocksClient::connect(url.clone())
         .await
         .expect("connect");
     for _ in 0..10 {
-        let huge = fencelock::proto::AcquireRequest {
+        let huge = fencelock_proto::AcquireRequest {
             name: "big".into(),
             ttl_ms: Some(60_000),
             owner: "o".repeat(8 << 20),

@@ -360,3 +360,49 @@ impl fmt::Display for Error {
 }
 
 impl std::error::Error for Error {}
+
+/// What kind of [`InvariantError`] it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum InvariantErrorKind {
+    /// A live core's state breaks an invariant
+    /// ([`Core::check_invariants`](crate::Core::check_invariants)): a bug.
+    Broken,
+    /// A state image breaks an invariant and was refused
+    /// ([`Core::import`](crate::Core::import)): corrupt or forged input.
+    BadImage,
+}
+
+/// A state (live or imported) that breaks an invariant; the message names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvariantError {
+    kind: InvariantErrorKind,
+    message: String,
+}
+
+impl InvariantError {
+    pub(crate) fn new(kind: InvariantErrorKind, message: impl Into<String>) -> InvariantError {
+        InvariantError {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// The category.
+    pub fn kind(&self) -> InvariantErrorKind {
+        self.kind
+    }
+
+    /// Which invariant, and where.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for InvariantError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for InvariantError {}

@@ -26,8 +26,8 @@ mod machine;
 mod types;
 
 pub use command::{
-    Acquire, Command, Error, ErrorKind, Event, EventKind, Grant, GrantEnd, Outcome, Quota, Reply,
-    WaitEnd,
+    Acquire, Command, Error, ErrorKind, Event, EventKind, Grant, GrantEnd, InvariantError,
+    InvariantErrorKind, Outcome, Quota, Reply, WaitEnd,
 };
 pub use image::{HolderImage, LeaseImage, LockImage, SessionImage, StateImage, WaiterImage};
 #[cfg(feature = "planted-bugs")]

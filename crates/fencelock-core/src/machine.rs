@@ -4,12 +4,22 @@ use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use crate::command::{
-    Acquire, Command, Error, ErrorKind, Event, EventKind, Grant, GrantEnd, Outcome, Quota, Reply,
-    WaitEnd,
+    Acquire, Command, Error, ErrorKind, Event, EventKind, Grant, GrantEnd, InvariantError,
+    InvariantErrorKind, Outcome, Quota, Reply, WaitEnd,
 };
 use crate::idhash::IdMap;
 use crate::image::{HolderImage, LeaseImage, LockImage, SessionImage, StateImage, WaiterImage};
 use crate::types::{Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId, Tenant};
+
+/// A live state that breaks an invariant.
+fn broken(message: impl Into<String>) -> InvariantError {
+    InvariantError::new(InvariantErrorKind::Broken, message)
+}
+
+/// An image that breaks an invariant.
+fn bad_image(message: impl Into<String>) -> InvariantError {
+    InvariantError::new(InvariantErrorKind::BadImage, message)
+}
 
 /// The highest fence floor [`Command::RaiseFenceFloor`] accepts: 2^63, which leaves
 /// 2^63 fences (centuries at any rate) before the counter could run out.
@@ -1441,56 +1451,63 @@ impl Core {
     }
 
     /// Checks every internal invariant; returns the first broken one. O(state).
-    pub fn check_invariants(&self) -> Result<(), String> {
+    pub fn check_invariants(&self) -> Result<(), InvariantError> {
         let mut fences = Vec::with_capacity(self.holders.len());
         let mut counted_holders = 0;
         let mut counted_waiters = 0;
         for (key, lock) in &self.locks {
             let name = &key.name;
             if lock.holders.len() > lock.limit as usize {
-                return Err(format!(
+                return Err(broken(format!(
                     "{name}: {} holders > limit {}",
                     lock.holders.len(),
                     lock.limit
-                ));
+                )));
             }
             if lock.holders.is_empty()
                 && lock.waiters.is_empty()
                 && lock.blocked_until_ms <= self.now_ms
             {
-                return Err(format!("{name}: unused lock record kept"));
+                return Err(broken(format!("{name}: unused lock record kept")));
             }
             if !lock.waiters.is_empty()
                 && lock.holders.len() < lock.limit as usize
                 && lock.blocked_until_ms <= self.now_ms
             {
-                return Err(format!("{name}: free slot while requests are queued"));
+                return Err(broken(format!(
+                    "{name}: free slot while requests are queued"
+                )));
             }
             for t in &lock.holders {
                 let h = self
                     .holders
                     .get(t)
-                    .ok_or(format!("{name}: unknown holder"))?;
+                    .ok_or_else(|| broken(format!("{name}: unknown holder")))?;
                 if h.name != *name {
-                    return Err(format!("{name}: holder filed under another lock"));
+                    return Err(broken(format!("{name}: holder filed under another lock")));
                 }
                 if h.fence.get() >= self.next_fence {
-                    return Err(format!("{name}: fence {} is ahead of the counter", h.fence));
+                    return Err(broken(format!(
+                        "{name}: fence {} is ahead of the counter",
+                        h.fence
+                    )));
                 }
                 fences.push(h.fence);
                 match h.lease {
                     Lease::Own { deadline_ms, .. } => {
                         if deadline_ms <= self.now_ms {
-                            return Err(format!("{name}: holder past its lease"));
+                            return Err(broken(format!("{name}: holder past its lease")));
                         }
                     }
                     Lease::Session(id) => {
                         let s = self
                             .sessions
                             .get(&id)
-                            .ok_or(format!("{name}: holder of a dead session"))?;
+                            .ok_or_else(|| broken(format!("{name}: holder of a dead session")))?;
                         if !s.holders.contains(t) {
-                            return Err(format!("{name}: session does not list its holder"));
+                            return Err(broken(format!(
+                                "{name}: session does not list its holder"
+                            )));
                         }
                     }
                 }
@@ -1500,17 +1517,17 @@ impl Core {
                 let w = self
                     .waiters
                     .get(t)
-                    .ok_or(format!("{name}: unknown waiter"))?;
+                    .ok_or_else(|| broken(format!("{name}: unknown waiter")))?;
                 if w.name != *name || w.wait_deadline_ms <= self.now_ms {
-                    return Err(format!("{name}: misfiled or timed-out waiter"));
+                    return Err(broken(format!("{name}: misfiled or timed-out waiter")));
                 }
                 if let Some(id) = w.session {
                     let s = self
                         .sessions
                         .get(&id)
-                        .ok_or(format!("{name}: waiter of a dead session"))?;
+                        .ok_or_else(|| broken(format!("{name}: waiter of a dead session")))?;
                     if !s.waiters.contains(t) {
-                        return Err(format!("{name}: session does not list its waiter"));
+                        return Err(broken(format!("{name}: session does not list its waiter")));
                     }
                 }
                 counted_waiters += 1;
@@ -1518,17 +1535,17 @@ impl Core {
         }
         fences.sort_unstable();
         if let Some(w) = fences.windows(2).find(|w| w[0] == w[1]) {
-            return Err(format!("fence {} is held twice", w[0]));
+            return Err(broken(format!("fence {} is held twice", w[0])));
         }
         if counted_holders != self.holders.len() || counted_waiters != self.waiters.len() {
-            return Err("holder or waiter table out of step with the locks".into());
+            return Err(broken("holder or waiter table out of step with the locks"));
         }
         for (id, s) in &self.sessions {
             if s.deadline_ms <= self.now_ms {
-                return Err(format!("session {id} past its lease"));
+                return Err(broken(format!("session {id} past its lease")));
             }
             if !self.timers.contains(&(s.deadline_ms, Timer::Session(*id))) {
-                return Err(format!("session {id} has no timer"));
+                return Err(broken(format!("session {id} has no timer")));
             }
         }
         if self
@@ -1536,7 +1553,7 @@ impl Core {
             .values()
             .any(|t| !self.holders.contains_key(t) && !self.waiters.contains_key(t))
         {
-            return Err("request id points at nothing".into());
+            return Err(broken("request id points at nothing"));
         }
         let mut usage: HashMap<Tenant, Usage> = HashMap::new();
         for t in self.sessions.values().filter_map(|s| s.tenant.clone()) {
@@ -1549,7 +1566,9 @@ impl Core {
             usage.entry(t).or_default().waiting += 1;
         }
         if usage != self.usage {
-            return Err("per-principal usage counts out of step with the tables".into());
+            return Err(broken(
+                "per-principal usage counts out of step with the tables",
+            ));
         }
         Ok(())
     }
@@ -1644,7 +1663,7 @@ impl Core {
     /// pass that builds the tables (a second pass over a million locks, with a random
     /// lookup per holder, was a tenth of a restart); debug builds run the full check
     /// afterwards as well.
-    pub fn import(config: Config, image: StateImage) -> Result<Core, String> {
+    pub fn import(config: Config, image: StateImage) -> Result<Core, InvariantError> {
         Core::import_with_room(config, image, 0)
     }
 
@@ -1654,7 +1673,7 @@ impl Core {
         config: Config,
         image: StateImage,
         grants: usize,
-    ) -> Result<Core, String> {
+    ) -> Result<Core, InvariantError> {
         let mut core = Core::new(config);
         // Built as vectors and bulk-loaded: much cheaper than a million inserts.
         let mut timers: Vec<(u64, Timer)> = Vec::new();
@@ -1685,10 +1704,10 @@ impl Core {
             // `Recover` restarts every lease at `now + ttl_ms`: a zero TTL would
             // make it expire at once, which no live core can have written.
             if s.ttl_ms == 0 {
-                return Err(format!("session {} has ttl_ms 0", s.id));
+                return Err(bad_image(format!("session {} has ttl_ms 0", s.id)));
             }
             if s.deadline_ms <= now {
-                return Err(format!("session {} past its lease", s.id));
+                return Err(bad_image(format!("session {} past its lease", s.id)));
             }
             timers.push((s.deadline_ms, Timer::Session(s.id)));
             core.count(s.tenant.as_ref(), |u| u.sessions += 1);
@@ -1704,27 +1723,29 @@ impl Core {
                 },
             );
             if dup.is_some() {
-                return Err(format!("session {} appears twice", s.id));
+                return Err(bad_image(format!("session {} appears twice", s.id)));
             }
         }
         for l in image.locks {
             let name = l.name;
             if l.limit == 0 {
-                return Err(format!("lock {name} has limit 0"));
+                return Err(bad_image(format!("lock {name} has limit 0")));
             }
             if l.holders.len() > l.limit as usize {
-                return Err(format!(
+                return Err(bad_image(format!(
                     "{name}: {} holders > limit {}",
                     l.holders.len(),
                     l.limit
-                ));
+                )));
             }
             let blocked = l.blocked_until_ms > now;
             if l.holders.is_empty() && l.waiters.is_empty() && !blocked {
-                return Err(format!("{name}: unused lock record kept"));
+                return Err(bad_image(format!("{name}: unused lock record kept")));
             }
             if !l.waiters.is_empty() && l.holders.len() < l.limit as usize && !blocked {
-                return Err(format!("{name}: free slot while requests are queued"));
+                return Err(bad_image(format!(
+                    "{name}: free slot while requests are queued"
+                )));
             }
             let mut lock = Lock {
                 limit: l.limit,
@@ -1737,10 +1758,16 @@ impl Core {
             }
             for h in l.holders {
                 if h.granted_at_ms > now {
-                    return Err(format!("holder {} was granted in the future", h.token));
+                    return Err(bad_image(format!(
+                        "holder {} was granted in the future",
+                        h.token
+                    )));
                 }
                 if h.fence.get() >= core.next_fence {
-                    return Err(format!("{name}: fence {} is ahead of the counter", h.fence));
+                    return Err(bad_image(format!(
+                        "{name}: fence {} is ahead of the counter",
+                        h.fence
+                    )));
                 }
                 fences.push(h.fence.get());
                 let lease = match h.lease {
@@ -1749,10 +1776,10 @@ impl Core {
                         deadline_ms,
                     } => {
                         if ttl_ms == 0 {
-                            return Err(format!("holder {} has ttl_ms 0", h.token));
+                            return Err(bad_image(format!("holder {} has ttl_ms 0", h.token)));
                         }
                         if deadline_ms <= now {
-                            return Err(format!("{name}: holder past its lease"));
+                            return Err(bad_image(format!("{name}: holder past its lease")));
                         }
                         timers.push((deadline_ms, Timer::Lease(h.token)));
                         Lease::Own {
@@ -1763,7 +1790,7 @@ impl Core {
                     LeaseImage::Session(id) => {
                         core.sessions
                             .get_mut(&id)
-                            .ok_or(format!("holder of unknown session {id}"))?
+                            .ok_or_else(|| bad_image(format!("holder of unknown session {id}")))?
                             .holders
                             .insert(h.token);
                         Lease::Session(id)
@@ -1775,7 +1802,10 @@ impl Core {
                         .insert((name.clone(), r.clone()), h.token)
                         .is_some()
                     {
-                        return Err(format!("request id {} appears twice on {name}", r.as_str()));
+                        return Err(bad_image(format!(
+                            "request id {} appears twice on {name}",
+                            r.as_str()
+                        )));
                     }
                 }
                 lock.holders.push(h.token);
@@ -1794,29 +1824,32 @@ impl Core {
                     },
                 );
                 if dup.is_some() || core.waiters.contains_key(&h.token) {
-                    return Err(format!("owner token {} appears twice", h.token));
+                    return Err(bad_image(format!("owner token {} appears twice", h.token)));
                 }
             }
             for w in l.waiters {
                 if w.ttl_ms == Some(0) {
-                    return Err(format!("waiter {} has ttl_ms 0", w.token));
+                    return Err(bad_image(format!("waiter {} has ttl_ms 0", w.token)));
                 }
                 if w.ttl_ms.is_some() == w.session.is_some() {
-                    return Err(format!(
+                    return Err(bad_image(format!(
                         "waiter {} needs exactly one of ttl_ms and session",
                         w.token
-                    ));
+                    )));
                 }
                 if w.enqueued_at_ms > now {
-                    return Err(format!("waiter {} was queued in the future", w.token));
+                    return Err(bad_image(format!(
+                        "waiter {} was queued in the future",
+                        w.token
+                    )));
                 }
                 if w.wait_deadline_ms <= now {
-                    return Err(format!("{name}: timed-out waiter"));
+                    return Err(bad_image(format!("{name}: timed-out waiter")));
                 }
                 if let Some(id) = w.session {
                     core.sessions
                         .get_mut(&id)
-                        .ok_or(format!("waiter of unknown session {id}"))?
+                        .ok_or_else(|| bad_image(format!("waiter of unknown session {id}")))?
                         .waiters
                         .insert(w.token);
                 }
@@ -1826,7 +1859,10 @@ impl Core {
                         .insert((name.clone(), r.clone()), w.token)
                         .is_some()
                     {
-                        return Err(format!("request id {} appears twice on {name}", r.as_str()));
+                        return Err(bad_image(format!(
+                            "request id {} appears twice on {name}",
+                            r.as_str()
+                        )));
                     }
                 }
                 timers.push((w.wait_deadline_ms, Timer::Wait(w.token)));
@@ -1847,21 +1883,21 @@ impl Core {
                     },
                 );
                 if dup.is_some() || core.holders.contains_key(&w.token) {
-                    return Err(format!("owner token {} appears twice", w.token));
+                    return Err(bad_image(format!("owner token {} appears twice", w.token)));
                 }
             }
             let key = NameKey::new(name);
             if locks.last().is_some_and(|(last, _)| *last >= key) {
-                return Err(format!(
+                return Err(bad_image(format!(
                     "lock {} is out of order or appears twice",
                     key.name
-                ));
+                )));
             }
             locks.push((key, lock));
         }
         fences.sort_unstable();
         if let Some(w) = fences.windows(2).find(|w| w[0] == w[1]) {
-            return Err(format!("fence {} is held twice", w[0]));
+            return Err(bad_image(format!("fence {} is held twice", w[0])));
         }
         drop(fences);
         for (token, name, end) in image.recent_ends {

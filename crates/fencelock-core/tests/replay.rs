@@ -306,7 +306,17 @@ fn import_refuses_corrupted_images() {
         );
         match Core::import(config(), image) {
             Ok(_) => accepted.push(*what),
-            Err(why) => assert!(!why.is_empty(), "{what}: refused without a reason"),
+            Err(why) => {
+                assert_eq!(
+                    why.kind(),
+                    fencelock_core::InvariantErrorKind::BadImage,
+                    "{what}"
+                );
+                assert!(
+                    !why.message().is_empty(),
+                    "{what}: refused without a reason"
+                );
+            }
         }
     }
     assert!(

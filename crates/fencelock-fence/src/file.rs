@@ -14,14 +14,30 @@
 //! The four suffixes differ in their last characters (`k`, `e`, `a-tmp`, `e-tmp`), so
 //! the gate's files of two different names never coincide (`a` and `a.fence` included).
 //!
-//! # A write, step by step (holding the lock)
+//! # A write, step by step
+//!
+//! Before taking the lock (so a slow `fsync` of a large file never holds up the
+//! other writers of the same name):
+//!
+//! 0. Refuse the write at once if `.NAME.fence` already holds a fence at least as
+//!    large (recorded fences only grow, so it can only stay stale). Write the data
+//!    and the fence record into two files without a name (`O_TMPFILE`) and `fsync`
+//!    both: a writer that dies here leaves nothing behind.
+//!
+//! Holding the lock:
 //!
 //! 1. Read `.NAME.fence`; refuse the write as stale unless its fence is greater.
-//! 2. Write the data to `.NAME.data-tmp`, `fsync` it.
-//! 3. Write the fence record to `.NAME.fence-tmp`, `fsync`, rename it over
+//! 2. Link the synced data in as `.NAME.data-tmp`.
+//! 3. Link the synced fence record in as `.NAME.fence-tmp`, rename it over
 //!    `.NAME.fence`, `fsync` the directory: **the new fence is durable before the data
 //!    is visible.**
-//! 4. Rename `.NAME.data-tmp` over `NAME`, `fsync` the directory.
+//! 4. Rename `.NAME.data-tmp` over `NAME`.
+//!
+//! Then, without the lock, `fsync` the directory and return. The directory `fsync`
+//! of step 3 stays under the lock: it orders the fence before the data, and the
+//! renames must be ordered against the next writer's. Where `O_TMPFILE` or linking
+//! it by `/proc/self/fd` is not available, steps 0 and 2–3 write and `fsync` the
+//! `-tmp` files under the lock instead, as one writer at a time must.
 //!
 //! A crash anywhere leaves `NAME` either old or new, never partial (rename is atomic).
 //! A crash between 3 and 4 leaves the old data with the *new* fence recorded: that
@@ -37,6 +53,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind as IoErrorKind, Write};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -65,7 +82,6 @@ pub struct FileGate {
     inner: Arc<Inner>,
 }
 
-#[derive(Debug)]
 struct Inner {
     name: String,
     dir: PathBuf,
@@ -73,6 +89,18 @@ struct Inner {
     /// Test hook: stop a write right after this step, as a crash would.
     #[cfg(test)]
     crash_after: std::sync::Mutex<Option<Step>>,
+    /// Test hook: runs once a write's data is synced, before it takes the lock.
+    #[cfg(test)]
+    synced: std::sync::Mutex<Option<Arc<dyn Fn() + Send + Sync>>>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileGate")
+            .field("name", &self.name)
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The steps of a write, for the crash tests.
@@ -105,6 +133,8 @@ impl FileGate {
                 stale_rejections: AtomicU64::new(0),
                 #[cfg(test)]
                 crash_after: std::sync::Mutex::new(None),
+                #[cfg(test)]
+                synced: std::sync::Mutex::new(None),
             }),
         })
     }
@@ -129,34 +159,44 @@ impl FileGate {
     pub fn write(&self, name: &str, fence: u64, data: &[u8]) -> Result<(), FenceError> {
         check_name(name)?;
         let dir = &self.inner.dir;
-        let _lock = self.lock(name)?;
+        // A stale write is refused before its data costs an fsync.
+        self.refuse_stale(name, fence)?;
+        let record = format!("{RECORD_HEADER}\n{fence}\n");
+        // The slow part, without the lock: other writers go on meanwhile.
+        let staged_data = stage(dir, data)?;
+        let staged_record = stage(dir, record.as_bytes())?;
+        self.sync_hook();
 
+        let lock = self.lock(name)?;
+        self.refuse_stale(name, fence)?;
+
+        let paths = Paths::new(dir, name);
+        install(staged_data.as_ref(), data, &paths.data_tmp)?;
+        self.crash_point(Step::DataSynced)?;
+
+        install(staged_record.as_ref(), record.as_bytes(), &paths.record_tmp)?;
+        rename(&paths.record_tmp, &paths.record)?;
+        sync_dir(dir)?;
+        self.crash_point(Step::FenceRecorded)?;
+
+        rename(&paths.data_tmp, &paths.data)?;
+        drop(lock);
+        // Durable before it is acknowledged; a newer writer may already have
+        // replaced it, which its own directory fsync makes durable in turn.
+        sync_dir(dir)
+    }
+
+    /// Refuses `fence` unless it is greater than the last fence accepted for `name`.
+    fn refuse_stale(&self, name: &str, fence: u64) -> Result<(), FenceError> {
         let last = self.read_record(name)?;
         if fence <= last.unwrap_or(0) {
             self.inner.stale_rejections.fetch_add(1, Ordering::Relaxed);
             return Err(FenceError::stale(
-                &format_args!("file {:?}", dir.join(name)),
+                &format_args!("file {:?}", self.inner.dir.join(name)),
                 fence,
                 Some(last.unwrap_or(0)),
             ));
         }
-
-        let paths = Paths::new(dir, name);
-        let data_tmp = paths.data_tmp;
-        write_synced(&data_tmp, data)?;
-        self.crash_point(Step::DataSynced)?;
-
-        let (record_tmp, record) = (paths.record_tmp, paths.record);
-        write_synced(
-            &record_tmp,
-            format!("{RECORD_HEADER}\n{fence}\n").as_bytes(),
-        )?;
-        rename(&record_tmp, &record)?;
-        sync_dir(dir)?;
-        self.crash_point(Step::FenceRecorded)?;
-
-        rename(&data_tmp, &paths.data)?;
-        sync_dir(dir)?;
         Ok(())
     }
 
@@ -238,6 +278,24 @@ impl FileGate {
     fn crash_point(&self, _step: Step) -> Result<(), FenceError> {
         Ok(())
     }
+
+    #[cfg(test)]
+    pub(crate) fn on_synced(&self, hook: Option<Arc<dyn Fn() + Send + Sync>>) {
+        *self.inner.synced.lock().unwrap() = hook;
+    }
+
+    #[cfg(test)]
+    fn sync_hook(&self) {
+        // Called without holding the mutex: the hook may wait for the test.
+        let hook = self.inner.synced.lock().unwrap().clone();
+        if let Some(hook) = hook {
+            hook();
+        }
+    }
+
+    #[cfg(not(test))]
+    #[inline(always)]
+    fn sync_hook(&self) {}
 }
 
 impl GateMetrics for FileGate {
@@ -344,6 +402,72 @@ fn write_synced(path: &Path, data: &[u8]) -> Result<(), FenceError> {
     file.sync_all().map_err(|e| io_error("fsync", path, e))
 }
 
+/// Writes `data` into a new file without a name in `dir` and fsyncs it (`O_TMPFILE`):
+/// nothing is left behind if the writer dies before [`install`] links it in.
+/// `None` where the file system or kernel has no `O_TMPFILE`.
+fn stage(dir: &Path, data: &[u8]) -> Result<Option<File>, FenceError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let opened = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_TMPFILE)
+        .open(dir);
+    let mut file = match opened {
+        Ok(file) => file,
+        // No O_TMPFILE here: an old kernel reads it as O_DIRECTORY (EISDIR), some
+        // file systems refuse it.
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EOPNOTSUPP | libc::EISDIR | libc::EINVAL)
+            ) =>
+        {
+            return Ok(None)
+        }
+        Err(e) => return Err(io_error("create a staging file in", dir, e)),
+    };
+    file.write_all(data)
+        .map_err(|e| io_error("write a staging file in", dir, e))?;
+    file.sync_all()
+        .map_err(|e| io_error("fsync a staging file in", dir, e))?;
+    Ok(Some(file))
+}
+
+/// Puts the staged file at `to` (a `-tmp` name only writers holding the lock use),
+/// or, without one, writes `data` there and fsyncs it.
+fn install(staged: Option<&File>, data: &[u8], to: &Path) -> Result<(), FenceError> {
+    let Some(file) = staged else {
+        return write_synced(to, data);
+    };
+    match fs::remove_file(to) {
+        Ok(()) => {}
+        Err(e) if e.kind() == IoErrorKind::NotFound => {}
+        Err(e) => return Err(io_error("remove the leftover", to, e)),
+    }
+    let from = format!("/proc/self/fd/{}", file.as_raw_fd());
+    let (Ok(from), Ok(to_c)) = (
+        std::ffi::CString::new(from),
+        std::ffi::CString::new(to.as_os_str().as_bytes()),
+    ) else {
+        // A path with NUL cannot come from check_name; write it the plain way.
+        return write_synced(to, data);
+    };
+    // SAFETY: both are valid NUL-terminated paths that outlive the call.
+    let linked = unsafe {
+        libc::linkat(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to_c.as_ptr(),
+            libc::AT_SYMLINK_FOLLOW,
+        )
+    };
+    if linked == 0 {
+        return Ok(());
+    }
+    // No /proc, or linking refused: the plain way (holding the lock) still works.
+    write_synced(to, data)
+}
+
 fn rename(from: &Path, to: &Path) -> Result<(), FenceError> {
     fs::rename(from, to).map_err(|e| io_error(&format!("rename {} to", from.display()), to, e))
 }
@@ -414,6 +538,56 @@ mod tests {
         assert_eq!(gate.last_fence("f").unwrap(), Some(3));
         gate.write("f", 5, b"five").unwrap();
         assert_eq!(gate.read("f").unwrap().unwrap(), b"five");
+    }
+
+    /// The lock is not held while a write's data is fsynced: with one writer parked
+    /// right after its sync (where a slow disk keeps it), the name's lock is free
+    /// and a second writer of the same name completes.
+    #[test]
+    fn a_slow_sync_does_not_block_the_other_writers() {
+        let (_dir, gate) = gate();
+        let (parked_tx, parked_rx) = std::sync::mpsc::channel();
+        let parked_tx = std::sync::Mutex::new(parked_tx);
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let go_rx = std::sync::Mutex::new(go_rx);
+        gate.on_synced(Some(Arc::new(move || {
+            let _ = parked_tx.lock().unwrap().send(());
+            let _ = go_rx.lock().unwrap().recv();
+        })));
+        let slow = {
+            let gate = gate.clone();
+            std::thread::spawn(move || gate.write("f", 10, b"slow, newer"))
+        };
+        parked_rx.recv().expect("the slow writer synced its data");
+        gate.on_synced(None);
+
+        // The lock is free (a non-blocking flock gets it) ...
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(gate.dir().join(".f.lock"))
+            .unwrap();
+        // SAFETY: a valid open file descriptor, owned by `lock`.
+        let taken = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        assert_eq!(taken, 0, "the lock is held during another writer's sync");
+        drop(lock);
+        // ... so another writer of the same name goes through meanwhile.
+        gate.write("f", 5, b"fast, older").unwrap();
+        assert_eq!(gate.read("f").unwrap().unwrap(), b"fast, older");
+
+        go_tx.send(()).unwrap();
+        slow.join().unwrap().unwrap();
+        assert_eq!(gate.read("f").unwrap().unwrap(), b"slow, newer");
+        assert_eq!(gate.last_fence("f").unwrap(), Some(10));
+        // Nothing staged is left behind.
+        let names: Vec<_> = fs::read_dir(gate.dir())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        let mut names = names;
+        names.sort();
+        assert_eq!(names, [".f.fence", ".f.lock", "f"]);
     }
 
     #[test]

@@ -79,7 +79,7 @@ fn snapshot_with_a_zero_ttl_session_is_refused() {
     ];
     let image = fencelock_server::codec::decode_snapshot(&input).unwrap();
     let refused = fencelock_core::Core::import(Default::default(), image).unwrap_err();
-    assert!(refused.contains("ttl_ms 0"), "{refused}");
+    assert!(refused.message().contains("ttl_ms 0"), "{refused}");
     fencelock_fuzz::codec::snapshot(&input);
 }
 

@@ -47,6 +47,24 @@ const LEN_MASK: u32 = !(BATCH_START_FLAG | CONTROL_FLAG);
 const _: () = assert!(MAX_RECORD_BYTES as u32 & LEN_RESERVED_BITS == 0);
 const _: () = assert!(MAX_RECORD_BYTES as u32 & (BATCH_START_FLAG | CONTROL_FLAG) == 0);
 
+/// Why bytes read from disk do not decode. Always corruption; the caller knows the
+/// file and offset ([`Malformed::at`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Malformed(pub(crate) String);
+
+impl Malformed {
+    /// The corruption error for this problem in `path` at `offset`.
+    pub(crate) fn at(self, path: &std::path::Path, offset: Option<u64>) -> crate::LogError {
+        crate::LogError::corrupt(path, offset, self.0)
+    }
+}
+
+impl std::fmt::Display for Malformed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 fn le_u32(b: &[u8]) -> u32 {
     u32::from_le_bytes(b[..4].try_into().expect("4 bytes"))
 }
@@ -116,24 +134,26 @@ pub(crate) fn encode_segment_header_v1(seq: u64) -> [u8; SEGMENT_HEADER_BYTES_V1
 
 /// Decodes a segment header of either version from the first bytes of the file
 /// (`h` holds up to [`SEGMENT_HEADER_BYTES`] of them), or says why it is invalid.
-pub(crate) fn decode_segment_header(h: &[u8]) -> Result<SegmentHeader, String> {
+pub(crate) fn decode_segment_header(h: &[u8]) -> Result<SegmentHeader, Malformed> {
     if h.len() < SEGMENT_HEADER_BYTES_V1 as usize {
-        return Err(format!(
+        return Err(Malformed(format!(
             "segment file is {} bytes, shorter than a segment header",
             h.len()
-        ));
+        )));
     }
     if h[0..8] != SEGMENT_MAGIC {
-        return Err(format!("bad segment magic {:02x?}", &h[0..8]));
+        return Err(Malformed(format!("bad segment magic {:02x?}", &h[0..8])));
     }
     let version = le_u32(&h[8..12]);
     match version {
         SEGMENT_VERSION_V1 => {
             if crc32fast::hash(&h[0..24]) != le_u32(&h[24..28]) {
-                return Err("segment header checksum mismatch".to_string());
+                return Err(Malformed("segment header checksum mismatch".to_string()));
             }
             if le_u32(&h[12..16]) != 0 || le_u32(&h[28..32]) != 0 {
-                return Err("reserved segment header fields are not zero".to_string());
+                return Err(Malformed(
+                    "reserved segment header fields are not zero".to_string(),
+                ));
             }
             Ok(SegmentHeader {
                 version,
@@ -145,22 +165,24 @@ pub(crate) fn decode_segment_header(h: &[u8]) -> Result<SegmentHeader, String> {
         }
         SEGMENT_VERSION => {
             if h.len() < SEGMENT_HEADER_BYTES as usize {
-                return Err(format!(
+                return Err(Malformed(format!(
                     "segment file is {} bytes, shorter than its {SEGMENT_HEADER_BYTES}-byte header",
                     h.len()
-                ));
+                )));
             }
             if crc32fast::hash(&h[0..48]) != le_u32(&h[48..52]) {
-                return Err("segment header checksum mismatch".to_string());
+                return Err(Malformed("segment header checksum mismatch".to_string()));
             }
             if le_u32(&h[12..16]) != 0 || le_u32(&h[52..56]) != 0 {
-                return Err("reserved segment header fields are not zero".to_string());
+                return Err(Malformed(
+                    "reserved segment header fields are not zero".to_string(),
+                ));
             }
             let capacity = le_u64(&h[24..32]);
             if capacity < SEGMENT_HEADER_BYTES + SEAL_FRAME_BYTES {
-                return Err(format!(
+                return Err(Malformed(format!(
                     "segment header has an impossible capacity {capacity}"
-                ));
+                )));
             }
             Ok(SegmentHeader {
                 version,
@@ -170,7 +192,9 @@ pub(crate) fn decode_segment_header(h: &[u8]) -> Result<SegmentHeader, String> {
                 prev_end: Some(le_u64(&h[40..48])),
             })
         }
-        _ => Err(format!("unsupported segment format version {version}")),
+        _ => Err(Malformed(format!(
+            "unsupported segment format version {version}"
+        ))),
     }
 }
 
@@ -199,9 +223,9 @@ pub(crate) fn encode_seal_frame(seal: Seal, batch_start: bool) -> Vec<u8> {
 }
 
 /// Decodes the payload of a checksum-valid control record.
-pub(crate) fn decode_seal(payload: &[u8]) -> Result<Seal, String> {
+pub(crate) fn decode_seal(payload: &[u8]) -> Result<Seal, Malformed> {
     if payload.len() != SEAL_PAYLOAD_BYTES || payload[0] != SEAL_KIND || payload[1..8] != [0; 7] {
-        return Err("control record is not a valid seal".to_string());
+        return Err(Malformed("control record is not a valid seal".to_string()));
     }
     Ok(Seal {
         next_seq: le_u64(&payload[8..16]),
@@ -421,24 +445,28 @@ pub(crate) fn encode_snapshot_header(payload: &[u8]) -> [u8; SNAPSHOT_HEADER_BYT
 
 /// Checks a snapshot header against the file length; returns the payload length
 /// and the format version (1 or 2; the layout is the same).
-pub(crate) fn decode_snapshot_header(h: &[u8], file_len: u64) -> Result<(u64, u32), String> {
+pub(crate) fn decode_snapshot_header(h: &[u8], file_len: u64) -> Result<(u64, u32), Malformed> {
     assert_eq!(h.len(), SNAPSHOT_HEADER_BYTES as usize);
     if h[0..8] != SNAPSHOT_MAGIC {
-        return Err(format!("bad snapshot magic {:02x?}", &h[0..8]));
+        return Err(Malformed(format!("bad snapshot magic {:02x?}", &h[0..8])));
     }
     let version = le_u32(&h[8..12]);
     if version != SNAPSHOT_VERSION && version != SNAPSHOT_VERSION_V1 {
-        return Err(format!("unsupported snapshot format version {version}"));
+        return Err(Malformed(format!(
+            "unsupported snapshot format version {version}"
+        )));
     }
     if le_u32(&h[12..16]) != 0 || le_u32(&h[28..32]) != 0 {
-        return Err("reserved snapshot header fields are not zero".to_string());
+        return Err(Malformed(
+            "reserved snapshot header fields are not zero".to_string(),
+        ));
     }
     let len = le_u64(&h[16..24]);
     if Some(file_len) != len.checked_add(SNAPSHOT_HEADER_BYTES) {
-        return Err(format!(
+        return Err(Malformed(format!(
             "snapshot header says {len} payload bytes but the file holds {}",
             file_len - SNAPSHOT_HEADER_BYTES
-        ));
+        )));
     }
     Ok((len, version))
 }

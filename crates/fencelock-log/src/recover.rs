@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::LogError;
 use crate::format::{
-    decode_seal, decode_segment_header, record_crc, valid_record_at, RecordHeader, Seal,
+    decode_seal, decode_segment_header, record_crc, valid_record_at, Malformed, RecordHeader, Seal,
     SegmentHeader, MAX_RECORD_BYTES, RECORD_HEADER_BYTES, SEAL_FRAME_BYTES, SEGMENT_HEADER_BYTES,
     SEGMENT_VERSION_V1,
 };
@@ -163,8 +163,7 @@ pub(crate) fn scan_segment(
     let header_bytes = reader
         .get(0, file_len.min(SEGMENT_HEADER_BYTES) as usize)
         .map_err(io_err)?;
-    let header =
-        decode_segment_header(header_bytes).map_err(|msg| LogError::corrupt(path, Some(0), msg))?;
+    let header = decode_segment_header(header_bytes).map_err(|m| m.at(path, Some(0)))?;
     if header.seq != seq {
         return Err(LogError::corrupt(
             path,
@@ -229,8 +228,7 @@ pub(crate) fn scan_segment(
                     break "record checksum mismatch";
                 }
                 if control {
-                    let found = decode_seal(payload)
-                        .map_err(|msg| LogError::corrupt(path, Some(off), msg))?;
+                    let found = decode_seal(payload).map_err(|m| m.at(path, Some(off)))?;
                     seal = Some((found, off + RECORD_HEADER_BYTES + len as u64));
                     break "seal";
                 }
@@ -319,19 +317,21 @@ pub(crate) fn classify_tail(
     base: u64,
     damaged_len: usize,
     allow_control: bool,
-) -> Result<(), String> {
+) -> Result<(), Malformed> {
     assert!(damaged_len > 0 && damaged_len <= tail.len());
     let mut budget = CLASSIFY_CRC_BUDGET_BYTES;
     for p in 1..damaged_len {
         if valid_record_at(&tail[p..], &mut budget, allow_control) == Some(true) {
-            return Err(format!(
+            return Err(Malformed(format!(
                 "a valid record at offset {} starts a later sync batch, so the damaged \
                  record had been made durable",
                 base + p as u64
-            ));
+            )));
         }
         if budget == 0 {
-            return Err("damaged tail could not be classified within the work budget".to_string());
+            return Err(Malformed(
+                "damaged tail could not be classified within the work budget".to_string(),
+            ));
         }
     }
     Ok(())

@@ -62,8 +62,8 @@ pub(crate) fn read_snapshot_versioned(path: &Path) -> Result<(Vec<u8>, u32), Log
     let mut header = [0u8; SNAPSHOT_HEADER_BYTES as usize];
     file.read_exact(&mut header)
         .map_err(|e| LogError::io(path, "read snapshot header", e))?;
-    let (len, version) = decode_snapshot_header(&header, file_len)
-        .map_err(|msg| LogError::corrupt(path, Some(0), msg))?;
+    let (len, version) =
+        decode_snapshot_header(&header, file_len).map_err(|m| m.at(path, Some(0)))?;
     // The length was checked against the file size and MAX_SNAPSHOT_BYTES above.
     let mut payload = vec![0u8; len as usize];
     file.read_exact_at(&mut payload, SNAPSHOT_HEADER_BYTES)

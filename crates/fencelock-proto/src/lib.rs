@@ -24,6 +24,7 @@ mod generated {
 }
 pub use generated::*;
 
+mod sink;
 pub mod wire;
 
 /// Metadata entry of every error status that holds the stable error code

@@ -35,6 +35,7 @@
 
 use prost::Message;
 
+pub use crate::sink::Sink;
 use crate::{AcquireRequest, Grant, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse};
 
 /// What a client sends first.

@@ -42,7 +42,7 @@ use fencelock_core::{
 use fencelock_log::{Log, LogError, LogErrorKind, LogOptions};
 
 use crate::codec::{bad, Dec, DecodeError, Enc, RecordMeta};
-use crate::error::{ApiError, ApiErrorKind};
+use crate::startup::RecoveryError;
 
 /// Log written since the last compaction before the next one, at the least.
 pub const COMPACT_MIN_BYTES: u64 = 1 << 20;
@@ -492,9 +492,9 @@ pub struct AuditStore {
     index: Arc<Mutex<AuditIndex>>,
 }
 
-fn corrupt(dir: &Path, what: impl std::fmt::Display) -> ApiError {
-    ApiError::new(
-        ApiErrorKind::Internal,
+fn corrupt(dir: &Path, what: impl std::fmt::Display) -> RecoveryError {
+    RecoveryError::corrupt(
+        dir,
         format!(
             "the audit log in {} is corrupt and was not loaded: {what} (move the directory away to start a new audit log)",
             dir.display()
@@ -521,21 +521,18 @@ pub fn wall_ms() -> u64 {
 impl AuditStore {
     /// Opens (creating if missing) the audit store in `dir`. A checksum or format
     /// error anywhere is refused with a clear error; nothing corrupt is loaded.
-    pub fn open(dir: &Path, config: AuditConfig, fsync: bool) -> Result<AuditStore, ApiError> {
+    pub fn open(dir: &Path, config: AuditConfig, fsync: bool) -> Result<AuditStore, RecoveryError> {
         let opts = LogOptions {
             segment_bytes: SEGMENT_BYTES,
             fsync,
         };
         let (log, recovered) = Log::open(dir, opts).map_err(|e| match e.kind() {
-            LogErrorKind::Corrupt => corrupt(dir, e),
-            LogErrorKind::Locked => ApiError::new(
-                ApiErrorKind::Unavailable,
-                format!("audit log {} is in use by another server", dir.display()),
-            ),
-            _ => ApiError::new(
-                ApiErrorKind::Internal,
-                format!("cannot open the audit log in {}: {e}", dir.display()),
-            ),
+            LogErrorKind::Corrupt => {
+                let what = e.to_string();
+                RecoveryError::from_log("the audit log", e)
+                    .with_message(corrupt(dir, what).message().to_owned())
+            }
+            _ => RecoveryError::from_log("the audit log", e),
         })?;
         if recovered.truncated_tail_bytes > 0 {
             tracing::warn!(

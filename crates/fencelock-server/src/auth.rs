@@ -46,6 +46,12 @@ use fencelock_core::RequestId;
 
 use crate::error::{ApiError, ApiErrorKind};
 use crate::limits::{Limits, QuotaOverrides, Quotas, RateLimit, TokenBucket};
+use crate::startup::{ConfigError, ConfigErrorKind};
+
+/// A refused auth setting.
+fn invalid(message: impl Into<String>) -> ConfigError {
+    ConfigError::invalid(message)
+}
 
 /// Name of the cookie that carries a token for browsers (the dashboard's login form
 /// sets it). Set it `HttpOnly; SameSite=Strict` (and `Secure` over TLS).
@@ -96,16 +102,16 @@ impl fmt::Display for Role {
 }
 
 impl std::str::FromStr for Role {
-    type Err = String;
+    type Err = ConfigError;
 
-    fn from_str(s: &str) -> Result<Role, String> {
+    fn from_str(s: &str) -> Result<Role, ConfigError> {
         match s {
             "reader" => Ok(Role::Reader),
             "client" => Ok(Role::Client),
             "admin" => Ok(Role::Admin),
-            other => Err(format!(
+            other => Err(ConfigError::invalid(format!(
                 "unknown role {other:?}; expected reader, client or admin"
-            )),
+            ))),
         }
     }
 }
@@ -249,14 +255,21 @@ fn valid_token_name(name: &str) -> bool {
 
 /// Refuses a configuration that would expose an unauthenticated server: with no
 /// tokens, only loopback addresses may be served unless `insecure` is set.
-pub fn check_exposure(listen: SocketAddr, auth: &AuthConfig, insecure: bool) -> Result<(), String> {
+pub fn check_exposure(
+    listen: SocketAddr,
+    auth: &AuthConfig,
+    insecure: bool,
+) -> Result<(), ConfigError> {
     if auth.enabled() || insecure || listen.ip().is_loopback() {
         return Ok(());
     }
-    Err(format!(
-        "refusing to serve {listen} without authentication: configure tokens under [auth] \
-         (see `fencelock token new`), listen on a loopback address such as 127.0.0.1, \
-         or pass --insecure to serve everyone who can reach this address"
+    Err(ConfigError::new(
+        ConfigErrorKind::Insecure,
+        format!(
+            "refusing to serve {listen} without authentication: configure tokens under [auth] \
+             (see `fencelock token new`), listen on a loopback address such as 127.0.0.1, \
+             or pass --insecure to serve everyone who can reach this address"
+        ),
     ))
 }
 
@@ -575,7 +588,7 @@ impl Authenticator {
     pub fn new(
         config: &AuthConfig,
         default_rate: Option<RateLimit>,
-    ) -> Result<Authenticator, String> {
+    ) -> Result<Authenticator, ConfigError> {
         let limits = Limits {
             acquire_rate: default_rate,
             request_rate: None,
@@ -586,66 +599,69 @@ impl Authenticator {
 
     /// Checks the config like [`Authenticator::new`], with every per-token default
     /// (acquire rate, request rate, quotas) taken from `limits`.
-    pub fn with_limits(config: &AuthConfig, limits: &Limits) -> Result<Authenticator, String> {
+    pub fn with_limits(config: &AuthConfig, limits: &Limits) -> Result<Authenticator, ConfigError> {
         let default_rate = limits.acquire_rate;
         let mut tokens = Vec::with_capacity(config.tokens.len());
         let mut names = std::collections::HashSet::new();
         let mut hashes = std::collections::HashSet::new();
         for t in &config.tokens {
             if !valid_token_name(&t.name) {
-                return Err(format!(
+                return Err(invalid(format!(
                     "auth token name {:?}: use 1..={MAX_TOKEN_NAME_BYTES} of A-Z a-z 0-9 _ . -",
                     t.name
-                ));
+                )));
             }
             if t.name == "anonymous" {
-                return Err(
+                return Err(invalid(
                     "auth token name \"anonymous\" is reserved for requests when \
-                     authentication is off"
-                        .to_owned(),
-                );
+                     authentication is off",
+                ));
             }
             if !names.insert(t.name.as_str()) {
-                return Err(format!("auth token name {:?} is used twice", t.name));
+                return Err(invalid(format!(
+                    "auth token name {:?} is used twice",
+                    t.name
+                )));
             }
             let hash = parse_hash(&t.sha256).ok_or_else(|| {
-                format!(
+                invalid(format!(
                     "auth token {:?}: sha256 must be 64 hex digits (see `fencelock token new`)",
                     t.name
-                )
+                ))
             })?;
             if !hashes.insert(hash) {
-                return Err(format!(
+                return Err(invalid(format!(
                     "auth token {:?}: the same token hash is configured twice",
                     t.name
-                ));
+                )));
             }
             if t.prefixes.is_empty() {
-                return Err(format!(
+                return Err(invalid(format!(
                     "auth token {:?}: give at least one prefix (\"\" for every lock)",
                     t.name
-                ));
+                )));
             }
             for p in &t.prefixes {
                 if !p.is_empty() {
-                    fencelock_core::LockName::new(p)
-                        .map_err(|e| format!("auth token {:?}: prefix {p:?}: {e}", t.name))?;
+                    fencelock_core::LockName::new(p).map_err(|e| {
+                        invalid(format!("auth token {:?}: prefix {p:?}: {e}", t.name))
+                    })?;
                 }
             }
             let rate = t.acquire_rate.or(default_rate);
             if let Some(rate) = rate {
                 rate.check()
-                    .map_err(|e| format!("auth token {:?}: {e}", t.name))?;
+                    .map_err(|e| invalid(format!("auth token {:?}: {e}", t.name)))?;
             }
             let request_rate = t.request_rate.or(limits.request_rate);
             if let Some(rate) = request_rate {
                 rate.check()
-                    .map_err(|e| format!("auth token {:?}: {e}", t.name))?;
+                    .map_err(|e| invalid(format!("auth token {:?}: {e}", t.name)))?;
             }
             let quotas = t.quotas.over(limits.quotas);
             quotas
                 .check()
-                .map_err(|e| format!("auth token {:?}: {e}", t.name))?;
+                .map_err(|e| invalid(format!("auth token {:?}: {e}", t.name)))?;
             tokens.push(Principal {
                 identity: Arc::new(Identity {
                     name: t.name.as_str().into(),

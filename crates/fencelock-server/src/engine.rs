@@ -50,6 +50,7 @@ use crate::auth::{Principal, Role};
 use crate::codec::{self, RecordMeta};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::metrics::Metrics;
+use crate::startup::{RecoveryError, StartError};
 
 mod delivery;
 mod handle;
@@ -57,6 +58,7 @@ mod queue;
 mod recovery;
 mod replica;
 mod replicated;
+pub(crate) mod typed;
 mod writer;
 
 use delivery::Delivery;
@@ -71,6 +73,7 @@ pub use replicated::ClusterBugs;
 pub use replicated::{
     start_cluster, start_member, storage_for_tests, ClusterRuntime, ClusterShared, MemberSpec,
 };
+use typed::Acquired;
 use writer::{Writer, WriterMsg};
 
 /// Whether acknowledged changes survive power loss.
@@ -371,7 +374,7 @@ impl ServiceClock {
 
 /// Opens the data directory, recovers, and starts the engine task and writer thread.
 /// Must be called inside a tokio runtime.
-pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
+pub fn start(config: EngineConfig) -> Result<Handle, StartError> {
     let log_opts = LogOptions {
         segment_bytes: config.segment_bytes,
         fsync: config.durability == Durability::Fsync,
@@ -407,7 +410,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     };
     let now = clock.now_ms();
     let io = |e: fencelock_log::LogError| {
-        ApiError::new(ApiErrorKind::Internal, format!("cannot write the log: {e}"))
+        StartError::from(RecoveryError::from_log("the data directory", e))
     };
     let meta = RecordMeta {
         seq: next_seq,
@@ -445,10 +448,10 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         next_seq += 1;
         let result = core.apply(now, command.clone());
         if let Err(e) = &result {
-            return Err(ApiError::new(
-                ApiErrorKind::InvalidArgument,
-                format!("fence floor {}: {e}", config.fence_floor),
-            ));
+            return Err(StartError::config(format!(
+                "fence floor {}: {e}",
+                config.fence_floor
+            )));
         }
         let outcomes = core.take_outcomes();
         let record = codec::encode_record(&meta, &command);
@@ -463,12 +466,9 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
         report.next_fence = core.stats().next_fence;
     }
     log.sync().map_err(io)?;
-    audit_store.commit(audit_entries).map_err(|e| {
-        ApiError::new(
-            ApiErrorKind::Internal,
-            format!("cannot write the audit log: {e}"),
-        )
-    })?;
+    audit_store
+        .commit(audit_entries)
+        .map_err(|e| StartError::from(RecoveryError::from_log("the audit log", e)))?;
     let audit_index = audit_store.shared_index();
 
     let metrics = Arc::new(Metrics::default());
@@ -487,12 +487,8 @@ pub fn start(config: EngineConfig) -> Result<Handle, ApiError> {
     let bytes_since_cut = recovered.records.iter().map(|r| r.len() as u64).sum();
     let (snap_tx, snap_rx) = std::sync::mpsc::channel();
     let supervisor_state = state_tx.clone();
-    let thread_error = |e: std::io::Error| {
-        ApiError::new(
-            ApiErrorKind::Internal,
-            format!("cannot start a thread: {e}"),
-        )
-    };
+    let thread_error =
+        |e: std::io::Error| StartError::internal(format!("cannot start a thread: {e}"));
     let snapshotter = Snapshotter {
         config: config.core.clone(),
         dir: config.data_dir.clone(),
@@ -888,18 +884,16 @@ impl EngineTask {
         let name = acquire.name.clone();
         let result = self.apply_logged(Command::Acquire(acquire), caller);
         self.route_outcomes();
-        match result {
-            Ok(Reply::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
-            Ok(Reply::Queued { token, .. }) => {
+        match result.map_err(ApiError::from).and_then(typed::acquired) {
+            Ok(Acquired::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
+            Ok(Acquired::Queued(token)) => {
                 self.listeners
                     .entry(token)
                     .or_default()
                     .push((listener, reply));
                 self.listener_index.insert(listener, (name, token));
             }
-            Ok(other) => unreachable!("acquire replied {other:?}"),
-            Err(e) => {
-                let err = ApiError::from(e);
+            Err(err) => {
                 self.deliveries
                     .push(Delivery::refused(listener, reply, err));
             }
@@ -1608,6 +1602,6 @@ mod tests {
         handle.shutdown().await;
         config.fence_floor = fencelock_core::MAX_FENCE_FLOOR + 1;
         let err = start(config).map(|_| ()).unwrap_err();
-        assert_eq!(err.kind(), ApiErrorKind::InvalidArgument, "{err}");
+        assert_eq!(err.kind(), crate::StartErrorKind::Config, "{err}");
     }
 }

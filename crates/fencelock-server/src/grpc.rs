@@ -676,9 +676,10 @@ mod tests {
             closing: None,
         }
         .into_stream();
+        let probe = handle.subscribe();
 
         // Each round makes two events (granted, released); the channel holds EVENT_BUFFER.
-        let rounds = 2100;
+        let rounds: u64 = 2100;
         for _ in 0..rounds {
             let grant = handle
                 .acquire(
@@ -702,16 +703,21 @@ mod tests {
                 .await
                 .unwrap());
         }
-        // A release is answered once written, its event only after the sync: a read
-        // is a delivery of a batch no earlier than the last release's, so once it is
-        // answered every event is in the channel (else the count below is one short).
-        handle.lock(LockName::new("lag").unwrap()).await.unwrap();
-
-        // A release is answered before its event goes out (after the fdatasync); a
-        // read is delivered after the events of every batch before it, so once it
-        // answers, all 2 * rounds events were sent (the count below was 103 instead
-        // of 104 now and then without this).
-        handle.lock(LockName::new("lag").unwrap()).await.unwrap();
+        // A release is answered once written, its event only after the sync: wait
+        // until every event is in the channel (the probe, subscribed with the
+        // stream, counts what was sent since), else the watcher's first read could
+        // come while the last events are still on their way and miss fewer.
+        let sent = (2 * rounds) as usize;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while probe.len() < sent {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "only {} of {sent} events were sent",
+                probe.len()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        assert_eq!(probe.len(), sent, "no other event was sent");
         let status = stream.next().await.unwrap().unwrap_err();
         assert_eq!(status.code(), Code::DataLoss, "{status:?}");
         let missed: u64 = status

@@ -511,7 +511,10 @@ async fn readyz(State(h): State<Handle>) -> Response {
         RunState::Running if h.cluster().is_some_and(|c| c.importing()) => {
             Some("importing a single server's state".to_owned())
         }
-        RunState::Running => h.cluster().and_then(|c| c.readiness().err()),
+        RunState::Running => h
+            .cluster()
+            .and_then(|c| c.readiness().err())
+            .map(|e| e.to_string()),
         other => Some(format!("{other:?}")),
     };
     match why {

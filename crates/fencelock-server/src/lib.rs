@@ -21,6 +21,7 @@ pub mod limits;
 pub mod metrics;
 pub mod origin;
 mod preface;
+pub mod startup;
 pub mod tls;
 pub mod wire;
 
@@ -35,6 +36,9 @@ pub use engine::{
 };
 pub use error::{ApiError, ApiErrorKind};
 pub use limits::{Limits, QuotaOverrides, Quotas, RateLimit};
+pub use startup::{
+    ConfigError, ConfigErrorKind, RecoveryError, RecoveryErrorKind, StartError, StartErrorKind,
+};
 pub use tls::{PeerTlsConfig, TlsConfig};
 
 /// Default time a client has to send a request's headers (also the longest an idle
@@ -182,29 +186,17 @@ async fn count_refusals(
 impl Server {
     /// Recovers the data directory, binds, and starts serving. Must run inside a
     /// tokio runtime.
-    pub async fn start(config: ServerConfig) -> Result<Server, ApiError> {
-        let refuse = |message: String| ApiError::new(ApiErrorKind::InvalidArgument, message);
-        auth::check_exposure(config.listen, &config.auth, config.insecure).map_err(refuse)?;
-        config.limits.check().map_err(refuse)?;
-        let authenticator =
-            auth::Authenticator::with_limits(&config.auth, &config.limits).map_err(refuse)?;
-        let tls = config
-            .tls
-            .as_ref()
-            .map(TlsConfig::acceptor)
-            .transpose()
-            .map_err(refuse)?;
+    pub async fn start(config: ServerConfig) -> Result<Server, StartError> {
+        auth::check_exposure(config.listen, &config.auth, config.insecure)?;
+        config.limits.check()?;
+        let authenticator = auth::Authenticator::with_limits(&config.auth, &config.limits)?;
+        let tls = config.tls.as_ref().map(TlsConfig::acceptor).transpose()?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
-            .map_err(|e| {
-                ApiError::new(
-                    ApiErrorKind::Unavailable,
-                    format!("cannot listen on {}: {e}", config.listen),
-                )
-            })?;
+            .map_err(|e| StartError::listen("", config.listen, e))?;
         let addr = listener
             .local_addr()
-            .map_err(|e| ApiError::new(ApiErrorKind::Internal, format!("no local address: {e}")))?;
+            .map_err(|e| StartError::internal(format!("no local address: {e}")))?;
         let handle = match &config.engine.cluster {
             None => engine::start(config.engine)?,
             Some(cluster) => {
@@ -215,13 +207,17 @@ impl Server {
                     && !config.insecure
                     && !cluster.peer_listen.ip().is_loopback()
                 {
-                    return Err(refuse(format!(
-                        "refusing to listen for peers on {} without peer authentication: set \
-                         --cluster-secret-file or mutual TLS (--peer-tls-cert, --peer-tls-key, \
-                         --peer-tls-ca), listen for peers on a loopback address, or pass \
-                         --insecure",
-                        cluster.peer_listen
-                    )));
+                    return Err(ConfigError::new(
+                        ConfigErrorKind::Insecure,
+                        format!(
+                            "refusing to listen for peers on {} without peer authentication: \
+                             set --cluster-secret-file or mutual TLS (--peer-tls-cert, \
+                             --peer-tls-key, --peer-tls-ca), listen for peers on a loopback \
+                             address, or pass --insecure",
+                            cluster.peer_listen
+                        ),
+                    )
+                    .into());
                 }
                 let mut engine = config.engine.clone();
                 if let Some(c) = engine.cluster.as_mut() {

@@ -9,6 +9,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::startup::ConfigError;
+
 /// Default for [`Limits::max_body_bytes`].
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 * 1024;
 /// Default for [`Limits::max_connections`].
@@ -110,17 +112,16 @@ impl Default for Quotas {
 
 impl Quotas {
     /// Checks that every quota is at least 1.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), ConfigError> {
         if self.max_sessions == 0
             || self.max_held_locks == 0
             || self.max_waiters == 0
             || self.max_streams == 0
         {
-            return Err(
+            return Err(ConfigError::invalid(
                 "quotas: max_sessions, max_held_locks, max_waiters and max_streams must \
-                 each be at least 1"
-                    .into(),
-            );
+                 each be at least 1",
+            ));
         }
         Ok(())
     }
@@ -172,28 +173,32 @@ impl Default for Limits {
 
 impl Limits {
     /// Checks that every limit is usable (each at least 1).
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), ConfigError> {
         if self.max_body_bytes < 1024 {
-            return Err("limits.max_body_bytes must be at least 1024".into());
+            return Err(ConfigError::invalid(
+                "limits.max_body_bytes must be at least 1024",
+            ));
         }
         if self.max_connections == 0 || self.max_streams_per_connection == 0 {
-            return Err(
-                "limits.max_connections and limits.max_streams_per_connection must be at least 1"
-                    .into(),
-            );
+            return Err(ConfigError::invalid(
+                "limits.max_connections and limits.max_streams_per_connection must be at least 1",
+            ));
         }
         if self.tls_handshake_timeout.is_zero() {
-            return Err("tls.handshake_timeout_ms must be at least 1".into());
+            return Err(ConfigError::invalid(
+                "tls.handshake_timeout_ms must be at least 1",
+            ));
         }
         if self.max_unauthenticated_connections == 0 || self.max_connections_per_ip == 0 {
-            return Err("limits.max_unauthenticated_connections and \
-                        limits.max_connections_per_ip must be at least 1"
-                .into());
+            return Err(ConfigError::invalid(
+                "limits.max_unauthenticated_connections and \
+                        limits.max_connections_per_ip must be at least 1",
+            ));
         }
         if self.auth_timeout.is_zero() || self.idle_timeout.is_zero() {
-            return Err(
-                "limits.auth_timeout_ms and limits.idle_timeout_ms must be at least 1".into(),
-            );
+            return Err(ConfigError::invalid(
+                "limits.auth_timeout_ms and limits.idle_timeout_ms must be at least 1",
+            ));
         }
         for rate in [self.acquire_rate, self.request_rate].into_iter().flatten() {
             rate.check()?;
@@ -213,11 +218,12 @@ pub struct RateLimit {
 
 impl RateLimit {
     /// Checks that both numbers are at least 1.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), ConfigError> {
         if self.per_second == 0 || self.burst == 0 {
-            return Err("rate: per_second and burst must be at least 1 \
-                        (leave the rate out for no limit)"
-                .into());
+            return Err(ConfigError::invalid(
+                "rate: per_second and burst must be at least 1 \
+                        (leave the rate out for no limit)",
+            ));
         }
         Ok(())
     }

@@ -12,6 +12,8 @@ use std::sync::Arc;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
+use crate::startup::{ConfigError, ConfigErrorKind};
+
 /// Where the server's certificate and key are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsConfig {
@@ -158,43 +160,56 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 }
 
 /// Reads a PEM certificate chain (at least one certificate).
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+/// A certificate or key that cannot be used.
+fn tls_error(message: String) -> ConfigError {
+    ConfigError::new(ConfigErrorKind::Tls, message)
+}
+
+fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
         .and_then(|certs| certs.collect())
-        .map_err(|e| format!("tls: cannot read certificates from {}: {e}", path.display()))?;
+        .map_err(|e| {
+            tls_error(format!(
+                "tls: cannot read certificates from {}: {e}",
+                path.display()
+            ))
+        })?;
     if certs.is_empty() {
-        return Err(format!("tls: no certificate in {}", path.display()));
+        return Err(tls_error(format!(
+            "tls: no certificate in {}",
+            path.display()
+        )));
     }
     Ok(certs)
 }
 
 /// Reads a PEM private key.
-fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
+fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, ConfigError> {
     PrivateKeyDer::from_pem_file(path).map_err(|e| {
-        format!(
+        tls_error(format!(
             "tls: cannot read a private key from {}: {e}",
             path.display()
-        )
+        ))
     })
 }
 
 impl TlsConfig {
     /// Reads the files and builds the acceptor. Errors name the file and the problem.
-    pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, String> {
+    pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, ConfigError> {
         let certs = read_certs(&self.cert_path)?;
         warn_if_not_valid_now(&self.cert_path, &certs[0]);
         let key = read_key(&self.key_path)?;
         let mut config = rustls::ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(|e| format!("tls: {e}"))?
+            .map_err(|e| tls_error(format!("tls: {e}")))?
             .with_no_client_auth()
             .with_single_cert(certs, key)
             .map_err(|e| {
-                format!(
+                tls_error(format!(
                     "tls: the key in {} does not fit the certificate in {}: {e}",
                     self.key_path.display(),
                     self.cert_path.display()
-                )
+                ))
             })?;
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
@@ -223,44 +238,46 @@ pub struct PeerTlsConfig {
 }
 
 impl PeerTlsConfig {
-    fn roots(&self) -> Result<Arc<rustls::RootCertStore>, String> {
+    fn roots(&self) -> Result<Arc<rustls::RootCertStore>, ConfigError> {
         let mut roots = rustls::RootCertStore::empty();
         for cert in read_certs(&self.ca_path)? {
             roots.add(cert).map_err(|e| {
-                format!(
+                tls_error(format!(
                     "tls: {} holds a certificate that is not a usable CA: {e}",
                     self.ca_path.display()
-                )
+                ))
             })?;
         }
         Ok(Arc::new(roots))
     }
 
-    fn identity(&self) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), String> {
+    fn identity(
+        &self,
+    ) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), ConfigError> {
         let certs = read_certs(&self.cert_path)?;
         warn_if_not_valid_now(&self.cert_path, &certs[0]);
         Ok((certs, read_key(&self.key_path)?))
     }
 
-    fn mismatch(&self, e: rustls::Error) -> String {
-        format!(
+    fn mismatch(&self, e: rustls::Error) -> ConfigError {
+        tls_error(format!(
             "tls: the key in {} does not fit the certificate in {}: {e}",
             self.key_path.display(),
             self.cert_path.display()
-        )
+        ))
     }
 
     /// The peer listener's acceptor: presents this member's certificate, requires a
     /// client certificate signed by the CA, ALPN `h2`.
-    pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, String> {
+    pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, ConfigError> {
         let verifier =
             rustls::server::WebPkiClientVerifier::builder_with_provider(self.roots()?, provider())
                 .build()
-                .map_err(|e| format!("tls: {}: {e}", self.ca_path.display()))?;
+                .map_err(|e| tls_error(format!("tls: {}: {e}", self.ca_path.display())))?;
         let (certs, key) = self.identity()?;
         let mut config = rustls::ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(|e| format!("tls: {e}"))?
+            .map_err(|e| tls_error(format!("tls: {e}")))?
             .with_client_cert_verifier(verifier)
             .with_single_cert(certs, key)
             .map_err(|e| self.mismatch(e))?;
@@ -270,11 +287,11 @@ impl PeerTlsConfig {
 
     /// What a member dials its peers with: trusts only the CA, presents this
     /// member's certificate, ALPN `h2`.
-    pub fn connector(&self) -> Result<tokio_rustls::TlsConnector, String> {
+    pub fn connector(&self) -> Result<tokio_rustls::TlsConnector, ConfigError> {
         let (certs, key) = self.identity()?;
         let mut config = rustls::ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(|e| format!("tls: {e}"))?
+            .map_err(|e| tls_error(format!("tls: {e}")))?
             .with_root_certificates(self.roots()?)
             .with_client_auth_cert(certs, key)
             .map_err(|e| self.mismatch(e))?;

@@ -42,9 +42,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fencelock_core::{Command, Reply};
-use fencelock_proto::wire::{self, Request, Response, WireError};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use fencelock_core::Command;
+use fencelock_proto::wire::{self, Request, Response, Sink, WireError};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{watch, Notify};
@@ -52,7 +52,7 @@ use tokio::time::Instant;
 
 use crate::admission::{Admission, Ticket};
 use crate::auth::{Authenticator, Principal};
-use crate::engine::{GrantSink, Handle, ReplySink, Requester};
+use crate::engine::{typed, GrantSink, Handle, ReplySink, Requester};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::grpc;
 use crate::limits::Limits;
@@ -296,47 +296,6 @@ async fn serve_requests<R: AsyncRead + Unpin>(
     }
 }
 
-/// Where the connection task writes.
-enum Sink {
-    /// Plain TCP, whose write side the sinks share (through [`OutState::direct`]).
-    Direct(Arc<OwnedWriteHalf>),
-    /// Any other stream: only the task writes.
-    Stream(Box<dyn AsyncWrite + Send + Unpin>),
-}
-
-impl Sink {
-    async fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        match self {
-            Sink::Direct(socket) => {
-                let mut at = 0;
-                while at < bytes.len() {
-                    socket.writable().await?;
-                    match socket.try_write(&bytes[at..]) {
-                        Ok(n) => at += n,
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-                Ok(())
-            }
-            // A TLS stream holds what it encrypted until flushed.
-            Sink::Stream(w) => {
-                w.write_all(bytes).await?;
-                w.flush().await
-            }
-        }
-    }
-
-    /// Ends the write side after a graceful stop (a TCP write half shuts down when
-    /// its last handle is dropped).
-    async fn shutdown(self) -> std::io::Result<()> {
-        match self {
-            Sink::Direct(_) => Ok(()),
-            Sink::Stream(mut w) => w.shutdown().await,
-        }
-    }
-}
-
 /// Writes what the sinks and the task left in `out` (and what is added meanwhile)
 /// until it is empty, keeping the sinks from writing until then. `writing` is a
 /// spare buffer.
@@ -475,14 +434,24 @@ impl Outbox {
         })
     }
 
-    /// The sink of renewal or release `id`'s answer.
-    fn reply_sink(self: &Arc<Self>, id: u64) -> ReplySink {
+    /// The sink of renewal `id`'s answer.
+    fn renew_sink(self: &Arc<Self>, id: u64) -> ReplySink {
         let outbox = self.clone();
         Box::new(move |result| {
-            let response = match result {
-                Ok(Reply::Renewed(grant)) => Response::Renewed(grpc::renew_pb(grant)),
-                Ok(Reply::Released { released }) => Response::Released(grpc::release_pb(released)),
-                Ok(other) => unreachable!("a renew or release replied {other:?}"),
+            let response = match result.and_then(typed::renewed) {
+                Ok(grant) => Response::Renewed(grpc::renew_pb(grant)),
+                Err(e) => error_response(&e),
+            };
+            outbox.answer(id, &response);
+        })
+    }
+
+    /// The sink of release `id`'s answer.
+    fn release_sink(self: &Arc<Self>, id: u64) -> ReplySink {
+        let outbox = self.clone();
+        Box::new(move |result| {
+            let response = match result.and_then(typed::released) {
+                Ok(released) => Response::Released(grpc::release_pb(released)),
                 Err(e) => error_response(&e),
             };
             outbox.answer(id, &response);
@@ -683,12 +652,16 @@ impl Connection {
                     token,
                     ttl_ms,
                 };
-                handle.command_to(&Requester::of(&caller), renew, self.outbox.reply_sink(id))
+                handle.command_to(&Requester::of(&caller), renew, self.outbox.renew_sink(id))
             }),
             Request::Release(r) => grpc::release_args(&caller, &r).and_then(|(name, token)| {
                 self.register(id, None);
                 let release = Command::Release { name, token };
-                handle.command_to(&Requester::of(&caller), release, self.outbox.reply_sink(id))
+                handle.command_to(
+                    &Requester::of(&caller),
+                    release,
+                    self.outbox.release_sink(id),
+                )
             }),
             Request::Hello(_) | Request::Cancel | Request::Ping => {
                 unreachable!("answered without the engine")

@@ -116,7 +116,7 @@ fn usage_count_drift_is_caught_by_the_invariant_check() {
     // Debug builds check after every command and panic there; release builds
     // return the broken invariant from the explicit check. Either way: caught.
     let caught = match planted {
-        Ok(result) => result.expect_err("drift reported"),
+        Ok(result) => result.expect_err("drift reported").to_string(),
         Err(panic) => panic.downcast_ref::<String>().cloned().unwrap_or_default(),
     };
     show(&format!("planted leak_usage_on_expiry: caught: {caught}"));

@@ -52,9 +52,11 @@
 #![deny(missing_docs)]
 
 mod client;
+mod codes;
 mod guard;
 mod route;
 mod server;
+mod view;
 mod wire;
 
 /// etcd v3 (feature `etcd`): the `fencelock-etcd` crate.
@@ -80,7 +82,4 @@ pub use fencelock_backend::{
 };
 pub use guard::{LockGuard, LostReason};
 pub use server::{EventStream, FencelockBackend, ServerConfig, Transport};
-
-/// The gRPC messages of the fencelock server (lock views and events returned by
-/// [`FencelockBackend`]'s read and admin calls).
-pub use fencelock_proto as proto;
+pub use view::{EventKind, HolderInfo, LockEvent, LockInfo, LockPage, WaitEnd};

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fencelock_proto::wire::{self, Request, Response};
+use fencelock_proto::wire::{self, Request, Response, Sink};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::{oneshot, Notify};
@@ -255,7 +255,7 @@ impl WireClient {
             }
         };
         match answer {
-            Response::Error(e) => Err(crate::server::error_from_wire(e)),
+            Response::Error(e) => Err(crate::codes::error_from_wire(e)),
             other => Ok(other),
         }
     }
@@ -346,7 +346,7 @@ impl WireClient {
         if self.shared.token.is_some() {
             match read_response(stream, &mut input).await.map_err(lost)? {
                 (_, Response::Welcome) => {}
-                (_, Response::Error(e)) => return Err(crate::server::error_from_wire(e)),
+                (_, Response::Error(e)) => return Err(crate::codes::error_from_wire(e)),
                 (_, other) => {
                     return Err(Error::new(
                         ErrorKind::Protocol,
@@ -420,38 +420,6 @@ async fn read_response<S: AsyncRead + Unpin>(
         }
         if stream.read_buf(input).await? == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-    }
-}
-
-/// Where the connection task writes.
-enum Sink {
-    /// Plain TCP, whose write side callers share.
-    Direct(Arc<OwnedWriteHalf>),
-    /// TLS: only the task writes.
-    Stream(Box<dyn AsyncWrite + Send + Unpin>),
-}
-
-impl Sink {
-    async fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        match self {
-            Sink::Direct(socket) => {
-                let mut at = 0;
-                while at < bytes.len() {
-                    socket.writable().await?;
-                    match socket.try_write(&bytes[at..]) {
-                        Ok(n) => at += n,
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-                Ok(())
-            }
-            // A TLS stream holds what it encrypted until flushed.
-            Sink::Stream(w) => {
-                w.write_all(bytes).await?;
-                w.flush().await
-            }
         }
     }
 }

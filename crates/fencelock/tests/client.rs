@@ -6,11 +6,11 @@ mod support;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use fencelock::proto::EventKind;
 use fencelock::{
     AcquireSpec, Client, ErrorKind, FenceGuarantee, LockBackend, LockOptions, LostReason,
     ServerConfig,
 };
+use fencelock_proto::EventKind;
 use support::{next_event, watch_all, Counting, Proxy, TestServer, STEP};
 use tokio::time::{timeout, Instant};
 
@@ -61,7 +61,7 @@ async fn a_waiter_gets_the_lock_when_the_holder_releases() {
     timeout(STEP, async {
         loop {
             let info = raw
-                .get_lock(fencelock::proto::GetLockRequest { name: "q".into() })
+                .get_lock(fencelock_proto::GetLockRequest { name: "q".into() })
                 .await
                 .unwrap()
                 .into_inner();
@@ -396,7 +396,7 @@ async fn reads_and_watch_through_the_backend() {
         .unwrap()
         .unwrap()
         .unwrap();
-    assert_eq!(event.kind, EventKind::Granted as i32);
+    assert_eq!(event.kind, fencelock::EventKind::Granted);
     assert_eq!(event.name, "app:x");
     let info = backend.get_lock("app:x").await.unwrap();
     assert_eq!(info.holders[0].owner, "me");
@@ -469,7 +469,7 @@ async fn until_waiters(server: &TestServer, name: &str, waiters: u64) {
     timeout(STEP, async {
         loop {
             let info = raw
-                .get_lock(fencelock::proto::GetLockRequest { name: name.into() })
+                .get_lock(fencelock_proto::GetLockRequest { name: name.into() })
                 .await
                 .unwrap()
                 .into_inner();

@@ -13,9 +13,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fencelock::proto::wire::{self, Request, Response, WireError};
-use fencelock::proto::AcquireRequest;
 use fencelock::{AcquireSpec, Client, ErrorKind, FencelockBackend, LockBackend, ServerConfig};
+use fencelock_proto::wire::{self, Request, Response, WireError};
+use fencelock_proto::AcquireRequest;
 use support::{TestServer, STEP};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -153,7 +153,7 @@ async fn a_named_leader_is_followed_even_when_it_was_not_configured() {
         .unwrap()
         .unwrap();
     let mut raw = server.raw().await;
-    let held = raw.get_lock(fencelock::proto::GetLockRequest { name: "f:a".into() });
+    let held = raw.get_lock(fencelock_proto::GetLockRequest { name: "f:a".into() });
     let info = held.await.unwrap().into_inner();
     assert_eq!(info.holders.len(), 1, "{info:?}");
     assert_eq!(info.holders[0].fence, guard.fence());

@@ -62,7 +62,7 @@ impl Locker for FencelockLocker {
 /// fencelock over its raw gRPC API, without the client library's guard (no renewal
 /// task, no lost-lock signal): shows what the library costs per acquire.
 pub struct FencelockGrpcLocker {
-    client: fencelock::proto::locks_client::LocksClient<tonic::transport::Channel>,
+    client: fencelock_proto::locks_client::LocksClient<tonic::transport::Channel>,
     owner: String,
     id: usize,
     n: u64,
@@ -79,7 +79,7 @@ impl Locker for FencelockGrpcLocker {
             .connect()
             .await?;
         Ok(FencelockGrpcLocker {
-            client: fencelock::proto::locks_client::LocksClient::new(channel),
+            client: fencelock_proto::locks_client::LocksClient::new(channel),
             owner: format!("bench-client-{client}"),
             id: client,
             n: 0,
@@ -91,7 +91,7 @@ impl Locker for FencelockGrpcLocker {
         self.n += 1;
         let grant = self
             .client
-            .acquire(fencelock::proto::AcquireRequest {
+            .acquire(fencelock_proto::AcquireRequest {
                 name: key.to_owned(),
                 ttl_ms: Some(TTL.as_millis() as u64),
                 wait_ms: MAX_WAIT.as_millis() as u64,
@@ -115,7 +115,7 @@ impl Locker for FencelockGrpcLocker {
         if let Some((name, owner_token)) = self.held.take() {
             let released = self
                 .client
-                .release(fencelock::proto::ReleaseRequest { name, owner_token })
+                .release(fencelock_proto::ReleaseRequest { name, owner_token })
                 .await?
                 .into_inner()
                 .released;

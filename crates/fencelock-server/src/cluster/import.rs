@@ -45,7 +45,7 @@ use fencelock_core::StateImage;
 use super::ClusterConfig;
 use crate::codec;
 use crate::engine::EngineConfig;
-use crate::error::{ApiError, ApiErrorKind};
+use crate::startup::{RecoveryError, StartError};
 
 /// The staged image, in the Raft directory, while an import is under way.
 pub const STAGED_FILE: &str = "import.snap";
@@ -136,22 +136,23 @@ fn has_raft_state(raft_dir: &Path) -> bool {
     log_files || raft_dir.join("sm.snap").exists()
 }
 
-fn refuse(what: String) -> ApiError {
-    ApiError::new(ApiErrorKind::InvalidArgument, what)
+fn refuse(what: String) -> StartError {
+    StartError::config(what)
 }
 
-fn io_error(what: &str, path: &Path, e: impl std::fmt::Display) -> ApiError {
-    ApiError::new(
-        ApiErrorKind::Internal,
-        format!("cannot {what} {}: {e}", path.display()),
-    )
+fn io_error(what: &str, path: &Path, e: std::io::Error) -> StartError {
+    RecoveryError::io(what, path, e).into()
+}
+
+fn corrupt(what: &str, path: &Path, e: impl std::fmt::Display) -> StartError {
+    RecoveryError::corrupt(path, format!("cannot {what} {}: {e}", path.display())).into()
 }
 
 /// Steps 1 and 2 (see the module docs): finds a single server's state in the data
 /// directory or a staged one in the Raft directory, stages it and moves the single
 /// server's files aside. `None`: nothing to import. Refuses what it cannot import
 /// safely.
-pub fn prepare(config: &EngineConfig, raft_dir: &Path) -> Result<Option<Staged>, ApiError> {
+pub fn prepare(config: &EngineConfig, raft_dir: &Path) -> Result<Option<Staged>, StartError> {
     let dir = &config.data_dir;
     let cluster = config
         .cluster
@@ -166,7 +167,7 @@ pub fn prepare(config: &EngineConfig, raft_dir: &Path) -> Result<Option<Staged>,
     refuse_unless_alone(dir, cluster)?;
     let snapshot = if staged {
         let bytes = fencelock_log::read_snapshot_file(&staged_path)
-            .map_err(|e| io_error("read the staged import", &staged_path, e))?;
+            .map_err(|e| RecoveryError::from_log("the staged import", e))?;
         check(config, &bytes, &staged_path)?;
         bytes
     } else {
@@ -191,7 +192,7 @@ pub fn prepare(config: &EngineConfig, raft_dir: &Path) -> Result<Option<Staged>,
         }
         let bytes = recover_image(config)?;
         fencelock_log::write_snapshot_file(&staged_path, &bytes)
-            .map_err(|e| io_error("stage the import in", &staged_path, e))?;
+            .map_err(|e| RecoveryError::from_log("the staged import", e))?;
         tracing::info!(
             staged = %staged_path.display(),
             bytes = bytes.len(),
@@ -217,7 +218,7 @@ pub fn prepare(config: &EngineConfig, raft_dir: &Path) -> Result<Option<Staged>,
 /// A single server's state goes into a new cluster of one member: a member that
 /// joins, or one of several that form a cluster, could serve clients from an empty
 /// state before the import is applied.
-fn refuse_unless_alone(dir: &Path, cluster: &ClusterConfig) -> Result<(), ApiError> {
+fn refuse_unless_alone(dir: &Path, cluster: &ClusterConfig) -> Result<(), StartError> {
     let alone =
         !cluster.join && cluster.peers.len() == 1 && cluster.peers.contains_key(&cluster.node_id);
     if alone {
@@ -236,7 +237,7 @@ fn refuse_unless_alone(dir: &Path, cluster: &ClusterConfig) -> Result<(), ApiErr
 
 /// Recovers the single server's state as its own restart would (snapshot, then the
 /// log), and encodes its image.
-fn recover_image(config: &EngineConfig) -> Result<Vec<u8>, ApiError> {
+fn recover_image(config: &EngineConfig) -> Result<Vec<u8>, StartError> {
     let log_opts = fencelock_log::LogOptions {
         segment_bytes: config.segment_bytes,
         fsync: config.durability == crate::engine::Durability::Fsync,
@@ -270,8 +271,8 @@ fn recover_image(config: &EngineConfig) -> Result<Vec<u8>, ApiError> {
 }
 
 /// Checks a staged image the way every member will apply it.
-fn check(config: &EngineConfig, bytes: &[u8], path: &Path) -> Result<(), ApiError> {
-    let image = codec::decode_snapshot(bytes).map_err(|e| io_error("decode", path, e))?;
+fn check(config: &EngineConfig, bytes: &[u8], path: &Path) -> Result<(), StartError> {
+    let image = codec::decode_snapshot(bytes).map_err(|e| corrupt("decode", path, e))?;
     if bytes.len() > MAX_IMPORT_BYTES {
         return Err(refuse(format!(
             "{} is {} bytes, more than an import can carry ({MAX_IMPORT_BYTES} bytes)",
@@ -281,7 +282,7 @@ fn check(config: &EngineConfig, bytes: &[u8], path: &Path) -> Result<(), ApiErro
     }
     fencelock_core::Core::import(config.core.clone(), image)
         .map(drop)
-        .map_err(|e| io_error("import", path, format!("inconsistent state: {e}")))
+        .map_err(|e| corrupt("import", path, format!("inconsistent state: {e}")))
 }
 
 /// Moves `files` (and the audit log, unless an earlier start moved it) from `dir`

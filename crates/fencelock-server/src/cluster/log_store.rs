@@ -24,6 +24,7 @@ use tokio::sync::oneshot;
 
 use super::{Entry, LogId, TypeConfig, Vote};
 use crate::metrics::Histogram;
+use crate::startup::RecoveryError;
 
 /// Compact once the records since the last compaction exceed this many bytes and
 /// are more than [`COMPACT_RATIO`] times the live view.
@@ -130,21 +131,30 @@ fn encode(record: &Record) -> io::Result<Vec<u8>> {
 impl LogStore {
     /// Opens (or creates) the Raft log in `dir`, replaying it into the live view,
     /// and starts its writer thread.
-    pub fn open(dir: &Path, fsync: bool) -> io::Result<LogStore> {
-        std::fs::create_dir_all(dir)?;
+    pub fn open(dir: &Path, fsync: bool) -> Result<LogStore, RecoveryError> {
+        std::fs::create_dir_all(dir).map_err(|e| RecoveryError::io("create", dir, e))?;
         let opts = LogOptions {
             fsync,
             ..LogOptions::default()
         };
-        let (log, recovered) = Log::open(dir, opts).map_err(io_error)?;
+        let (log, recovered) =
+            Log::open(dir, opts).map_err(|e| RecoveryError::from_log("the raft log", e))?;
         let mut view = match &recovered.snapshot {
-            Some(bytes) => postcard::from_bytes::<View>(bytes)
-                .map_err(|e| io_error(format!("raft log snapshot in {}: {e}", dir.display())))?,
+            Some(bytes) => postcard::from_bytes::<View>(bytes).map_err(|e| {
+                RecoveryError::corrupt(
+                    dir,
+                    format!("corrupt raft log snapshot in {}: {e}", dir.display()),
+                )
+            })?,
             None => View::default(),
         };
         for (i, bytes) in recovered.records.iter().enumerate() {
-            let record: Record = postcard::from_bytes(bytes)
-                .map_err(|e| io_error(format!("raft log record {i} in {}: {e}", dir.display())))?;
+            let record: Record = postcard::from_bytes(bytes).map_err(|e| {
+                RecoveryError::corrupt(
+                    dir,
+                    format!("corrupt raft log record {i} in {}: {e}", dir.display()),
+                )
+            })?;
             view.apply(record);
         }
         let view = Arc::new(Mutex::new(view));
@@ -157,7 +167,8 @@ impl LogStore {
         };
         std::thread::Builder::new()
             .name("fencelock-raft-log".into())
-            .spawn(move || writer.run(rx))?;
+            .spawn(move || writer.run(rx))
+            .map_err(|e| RecoveryError::io("start the writer thread of", dir, e))?;
         Ok(LogStore {
             view,
             jobs: Some(jobs),

@@ -34,6 +34,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::startup::ConfigError;
+
 /// One proposal: a command record (the single-node log's record encoding, with its
 /// service time and actor) and which request on which member it answers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -153,25 +155,27 @@ impl ClusterConfig {
     }
 
     /// Checks the settings (not the network).
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if self.node_id == 0 {
-            return Err("--node-id must be at least 1".into());
+            return Err(ConfigError::invalid("--node-id must be at least 1"));
         }
         if !self.join && !self.peers.contains_key(&self.node_id) {
-            return Err(format!(
+            return Err(ConfigError::invalid(format!(
                 "--peers must list this member ({}) with its peer address",
                 self.node_id
-            ));
+            )));
         }
         if self.heartbeat < MIN_HEARTBEAT {
-            return Err(format!(
+            return Err(ConfigError::invalid(format!(
                 "the heartbeat must be at least {} ms",
                 MIN_HEARTBEAT.as_millis()
-            ));
+            )));
         }
         if let Some(secret) = &self.secret {
             if secret.len() < 16 {
-                return Err("the cluster secret must be at least 16 characters".into());
+                return Err(ConfigError::invalid(
+                    "the cluster secret must be at least 16 characters",
+                ));
             }
         }
         Ok(())
@@ -293,3 +297,51 @@ impl LeaderContact {
         self.wake.notified().await;
     }
 }
+
+/// Why a member is not ready to serve (`/readyz`; see
+/// [`ClusterShared::readiness`](crate::engine::ClusterShared::readiness)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum NotReadyKind {
+    /// The member is not in the cluster's membership.
+    NotMember,
+    /// The member is a learner, still catching up.
+    Learner,
+    /// No leader is known.
+    NoLeader,
+    /// This member leads, but no quorum confirmed it within the lease.
+    Unconfirmed,
+    /// The leader was not heard from within the lease.
+    LeaderSilent,
+    /// The member applied too few of the committed entries.
+    Lagging,
+}
+
+/// A member is not ready to serve, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotReady {
+    kind: NotReadyKind,
+    message: String,
+}
+
+impl NotReady {
+    pub(crate) fn new(kind: NotReadyKind, message: impl Into<String>) -> NotReady {
+        NotReady {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// The reason's category.
+    pub fn kind(&self) -> NotReadyKind {
+        self.kind
+    }
+}
+
+impl fmt::Display for NotReady {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for NotReady {}

@@ -39,7 +39,7 @@ pub enum SmRequest {
         /// What it covers.
         meta: SnapshotMeta,
         /// The outcome (an undecodable image is an error).
-        done: oneshot::Sender<Result<(), String>>,
+        done: oneshot::Sender<Result<(), crate::startup::RecoveryError>>,
     },
 }
 

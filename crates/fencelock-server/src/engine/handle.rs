@@ -12,6 +12,7 @@ use fencelock_core::{
 use tokio::sync::{broadcast, oneshot, watch};
 
 use super::queue::{EngineTx, Refused};
+use super::typed;
 use super::writer::WriterMsg;
 use super::{
     random_u128, replicated, AcquireArgs, AcquireReply, ClusterShared, CommandReply, GrantSink,
@@ -278,8 +279,8 @@ impl Handle {
         token: OwnerToken,
         ttl_ms: Option<u64>,
     ) -> Result<Grant, ApiError> {
-        match self
-            .command(
+        typed::renewed(
+            self.command(
                 caller,
                 Command::Renew {
                     name,
@@ -287,11 +288,8 @@ impl Handle {
                     ttl_ms,
                 },
             )
-            .await?
-        {
-            Reply::Renewed(grant) => Ok(grant),
-            other => unreachable!("renew replied {other:?}"),
-        }
+            .await?,
+        )
     }
 
     /// Releases a grant. `Ok(false)`: this token had already released it.
@@ -301,13 +299,10 @@ impl Handle {
         name: LockName,
         token: OwnerToken,
     ) -> Result<bool, ApiError> {
-        match self
-            .command(caller, Command::Release { name, token })
-            .await?
-        {
-            Reply::Released { released } => Ok(released),
-            other => unreachable!("release replied {other:?}"),
-        }
+        typed::released(
+            self.command(caller, Command::Release { name, token })
+                .await?,
+        )
     }
 
     /// Operator action: takes a lock from its holder(s). Returns the fences taken.
@@ -320,8 +315,8 @@ impl Handle {
         reason: Reason,
     ) -> Result<Vec<Fence>, ApiError> {
         tracing::warn!(lock = %name, ?fence, reason = reason.as_str(), actor = caller.actor(), "forced release requested");
-        match self
-            .command(
+        typed::force_released(
+            self.command(
                 caller,
                 Command::ForceRelease {
                     name,
@@ -329,11 +324,8 @@ impl Handle {
                     reason,
                 },
             )
-            .await?
-        {
-            Reply::ForceReleased { fences } => Ok(fences),
-            other => unreachable!("force release replied {other:?}"),
-        }
+            .await?,
+        )
     }
 
     /// Opens a session owned by the caller's principal (within its quota); returns
@@ -352,19 +344,13 @@ impl Handle {
             tenant: caller.tenant.clone(),
             quota: caller.quota,
         };
-        match self.command(caller, command).await? {
-            Reply::SessionOpened { id, ttl_ms } => Ok((id, ttl_ms)),
-            other => unreachable!("open session replied {other:?}"),
-        }
+        typed::session_opened(self.command(caller, command).await?)
     }
 
     /// Renews a session; returns its ttl. Another principal's session (see
     /// [`Requester::may_manage`]) is `session_not_found`, like a missing one.
     pub async fn keep_alive(&self, caller: &Requester, id: SessionId) -> Result<u64, ApiError> {
-        match self.command(caller, Command::KeepAlive { id }).await? {
-            Reply::KeptAlive { ttl_ms } => Ok(ttl_ms),
-            other => unreachable!("keepalive replied {other:?}"),
-        }
+        typed::kept_alive(self.command(caller, Command::KeepAlive { id }).await?)
     }
 
     /// Closes a session; returns how many locks it released. Another principal's
@@ -374,10 +360,7 @@ impl Handle {
         caller: &Requester,
         id: SessionId,
     ) -> Result<usize, ApiError> {
-        match self.command(caller, Command::CloseSession { id }).await? {
-            Reply::SessionClosed { released } => Ok(released),
-            other => unreachable!("close session replied {other:?}"),
-        }
+        typed::session_closed(self.command(caller, Command::CloseSession { id }).await?)
     }
 
     /// An admin closes the session with handle `handle` (see

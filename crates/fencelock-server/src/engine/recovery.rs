@@ -9,7 +9,7 @@ use fencelock_log::{Log, LogOptions, Recovered};
 
 use crate::audit::{self, AuditConfig, AuditEntry, AuditStore};
 use crate::codec;
-use crate::error::{ApiError, ApiErrorKind};
+use crate::startup::RecoveryError;
 
 /// What recovery found at start.
 #[derive(Debug, Clone, Default)]
@@ -49,32 +49,24 @@ pub struct Recovery {
 /// `dir/audit` (after the command log, whose lock keeps other servers out) and
 /// rebuilds the entries of the records past its high-water mark
 /// (see [`AuditStore::high_water`]).
+///
+/// Errors: [`Locked`](crate::RecoveryErrorKind::Locked) if another server has the
+/// directory, [`Corrupt`](crate::RecoveryErrorKind::Corrupt) naming the file (and
+/// the offset, for the log) if anything fails validation,
+/// [`Io`](crate::RecoveryErrorKind::Io) if the directory cannot be read or written.
 pub fn recover(
     log_opts: LogOptions,
     dir: &Path,
     config: &CoreConfig,
     audit: Option<&AuditConfig>,
-) -> Result<Recovery, ApiError> {
+) -> Result<Recovery, RecoveryError> {
     let started = Instant::now();
-    let storage = |e: fencelock_log::LogError| match e.kind() {
-        fencelock_log::LogErrorKind::Locked => ApiError::new(
-            ApiErrorKind::Unavailable,
-            format!(
-                "data dir {} is in use by another fencelock server",
-                dir.display()
-            ),
-        ),
-        _ => ApiError::new(ApiErrorKind::Internal, format!("cannot open the log: {e}")),
-    };
-    let (log, recovered) = Log::open(dir, log_opts.clone()).map_err(storage)?;
+    let (log, recovered) = Log::open(dir, log_opts.clone())
+        .map_err(|e| RecoveryError::from_log("the data directory", e))?;
     let audit_dir = dir.join("audit");
     if audit.is_some() {
-        std::fs::create_dir_all(&audit_dir).map_err(|e| {
-            ApiError::new(
-                ApiErrorKind::Internal,
-                format!("cannot create {}: {e}", audit_dir.display()),
-            )
-        })?;
+        std::fs::create_dir_all(&audit_dir)
+            .map_err(|e| RecoveryError::io("create", &audit_dir, e))?;
     }
     let fsync = log_opts.fsync;
     let open_audit = audit.map(|config| {
@@ -117,7 +109,7 @@ pub struct Replayed {
 }
 
 /// Opens the audit store (on a thread of its own, beside the snapshot import).
-type AuditOpener = dyn Fn() -> Result<AuditStore, ApiError> + Sync;
+type AuditOpener = dyn Fn() -> Result<AuditStore, RecoveryError> + Sync;
 
 /// Rebuilds a core from a snapshot and the log records after it. With `open_audit`,
 /// also opens the audit store and rebuilds the entries of the records past its
@@ -128,8 +120,8 @@ pub(crate) fn replay(
     records: &[Vec<u8>],
     dir: &Path,
     open_audit: Option<&AuditOpener>,
-) -> Result<(Core, Replayed, Option<AuditStore>), ApiError> {
-    let corrupt = |what: String| ApiError::new(ApiErrorKind::Internal, what);
+) -> Result<(Core, Replayed, Option<AuditStore>), RecoveryError> {
+    let corrupt = |what: String| RecoveryError::corrupt(dir, what);
     // The log records are decoded, and the audit store is opened (its index is
     // rebuilt from its own log), on other threads while this one decodes and
     // imports the snapshot: the three are independent, and a restart with a
@@ -145,7 +137,7 @@ pub(crate) fn replay(
         });
         let core = match snapshot {
             Some(bytes) => codec::decode_snapshot(bytes)
-                .map_err(|e| corrupt(format!("snapshot in {}: {e}", dir.display())))
+                .map_err(|e| corrupt(format!("corrupt snapshot in {}: {e}", dir.display())))
                 .and_then(|image| {
                     // Room for every record to be a grant: growing the tables
                     // mid-replay rehashed a million entries.
@@ -176,8 +168,8 @@ pub(crate) fn replay(
     let audit = audit?;
     let audit_high_water = audit.as_ref().map(AuditStore::high_water);
     let mut core = core?;
-    let decoded =
-        decoded.map_err(|(i, e)| corrupt(format!("log record {i} in {}: {e}", dir.display())))?;
+    let decoded = decoded
+        .map_err(|(i, e)| corrupt(format!("corrupt log record {i} in {}: {e}", dir.display())))?;
     let mut replayed = Replayed::default();
     for (meta, command) in decoded {
         replayed.last_seq = replayed.last_seq.max(meta.seq);

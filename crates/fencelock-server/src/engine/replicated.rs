@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fencelock_core::{Command, Reply};
+use fencelock_core::{Command, LockName, Reply};
 use openraft::async_runtime::WatchReceiver;
 use openraft::entry::RaftEntry;
 use openraft::error::{ClientWriteError, RaftError};
@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 type MetricsRx = openraft::alias::WatchReceiverOf<TypeConfig, openraft::RaftMetrics<TypeConfig>>;
 
+use super::typed::{self, Acquired};
 use super::{
     AcquireReply, CommandReply, Delivery, EngineConfig, EngineTask, Handle, Msg, Requester,
     RunState, ServiceClock, Shared, EVENT_BUFFER,
@@ -33,8 +34,10 @@ use crate::cluster::watchdog::{LeaderProbe, TcpProbe, Timing};
 use crate::cluster::{
     Directory, LeaderContact, LeaderInfo, Proposal, Raft, StoredMembership, TypeConfig,
 };
+use crate::cluster::{NotReady, NotReadyKind};
 use crate::codec::{self, RecordMeta, Replicated as ReplicatedRecord};
 use crate::error::{ApiError, ApiErrorKind};
+use crate::startup::{RecoveryError, RecoveryErrorKind, StartError};
 
 /// Most state machine requests queued for the engine (openraft waits beyond it).
 pub(crate) const SM_QUEUE: usize = 64;
@@ -43,6 +46,8 @@ pub(crate) const SM_QUEUE: usize = 64;
 pub(super) enum Pending {
     Acquire {
         listener: u128,
+        /// The lock asked for (the listener waits on it if the acquire queues).
+        name: LockName,
         reply: AcquireReply,
     },
     Command(CommandReply),
@@ -184,26 +189,31 @@ impl ClusterShared {
     /// quorum (on the leader) or was heard from (on a follower) within
     /// [`ClusterShared::lease`], and the applied index is at most
     /// `READY_MAX_LAG` entries behind the cluster's commit index.
-    pub fn readiness(&self) -> Result<(), String> {
+    pub fn readiness(&self) -> Result<(), NotReady> {
         let m = self.raft.metrics().borrow_watched().clone();
         let me = self.node_id;
         let lease_ms = self.lease.as_millis();
         let membership = m.membership_config.membership();
         if membership.get_node(&me).is_none() {
-            return Err(format!(
+            return Err(NotReady::new(
+                NotReadyKind::NotMember,
+                format!(
                 "member {me} is not in the cluster's membership (it waits to be added with `fencelock cluster add`, or was removed)"
+            ),
             ));
         }
         let voters: Vec<u64> = membership.voter_ids().collect();
         if !voters.contains(&me) {
-            return Err(format!(
-                "member {me} is a learner: it is catching up and not yet a voter"
+            return Err(NotReady::new(
+                NotReadyKind::Learner,
+                format!("member {me} is a learner: it is catching up and not yet a voter"),
             ));
         }
         let Some(leader) = m.current_leader else {
-            return Err(
-                "no leader is known (an election is under way, or there is no quorum)".into(),
-            );
+            return Err(NotReady::new(
+                NotReadyKind::NoLeader,
+                "no leader is known (an election is under way, or there is no quorum)",
+            ));
         };
         if leader == me {
             let alone = voters == [me];
@@ -212,21 +222,30 @@ impl ClusterShared {
                 .as_ref()
                 .is_some_and(|at| openraft::Instant::elapsed(&**at) < self.lease);
             if !alone && !confirmed {
-                return Err(format!(
-                    "member {me} leads, but no quorum has acknowledged it within {lease_ms} ms"
+                return Err(NotReady::new(
+                    NotReadyKind::Unconfirmed,
+                    format!(
+                        "member {me} leads, but no quorum has acknowledged it within {lease_ms} ms"
+                    ),
                 ));
             }
         } else if self.contact.since().is_none_or(|since| since >= self.lease) {
-            return Err(format!(
+            return Err(NotReady::new(
+                NotReadyKind::LeaderSilent,
+                format!(
                 "member {me} has not heard from the leader (member {leader}) within {lease_ms} ms"
+            ),
             ));
         }
         let applied = m.last_applied.map_or(0, |id| id.index);
         let committed = m.cluster_committed.map_or(0, |id| id.index);
         let behind = committed.saturating_sub(applied);
         if behind > READY_MAX_LAG {
-            return Err(format!(
+            return Err(NotReady::new(
+                NotReadyKind::Lagging,
+                format!(
                 "member {me} has applied up to index {applied}, {behind} entries behind the cluster's commit index {committed} (ready within {READY_MAX_LAG})"
+            ),
             ));
         }
         Ok(())
@@ -588,10 +607,15 @@ impl EngineTask {
                         return;
                     }
                 }
+                let name = acquire.name.clone();
                 self.propose(
                     Command::Acquire(acquire),
                     caller,
-                    Some(Pending::Acquire { listener, reply }),
+                    Some(Pending::Acquire {
+                        listener,
+                        name,
+                        reply,
+                    }),
                 );
             }
             Msg::Command {
@@ -686,7 +710,9 @@ impl EngineTask {
 
     fn answer_error(&mut self, pending: Pending, error: ApiError) {
         self.deliveries.push(match pending {
-            Pending::Acquire { listener, reply } => Delivery::refused(listener, reply, error),
+            Pending::Acquire {
+                listener, reply, ..
+            } => Delivery::refused(listener, reply, error),
             Pending::Command(reply) => Delivery::Reply {
                 reply,
                 result: Err(error),
@@ -802,11 +828,14 @@ impl EngineTask {
                 let _ = tx.send((image, r.applied, r.membership.clone()));
             }
             SmRequest::Install { image, meta, done } => {
+                let corrupt =
+                    |message: String| RecoveryError::new(RecoveryErrorKind::Corrupt, None, message);
                 let result = codec::decode_snapshot(&image)
-                    .map_err(|e| format!("snapshot from the leader: {e}"))
+                    .map_err(|e| corrupt(format!("snapshot from the leader: {e}")))
                     .and_then(|image| {
-                        fencelock_core::Core::import(self.core.config().clone(), image)
-                            .map_err(|e| format!("snapshot from the leader is inconsistent: {e}"))
+                        fencelock_core::Core::import(self.core.config().clone(), image).map_err(
+                            |e| corrupt(format!("snapshot from the leader is inconsistent: {e}")),
+                        )
                     });
                 match result {
                     Ok(core) => {
@@ -899,27 +928,20 @@ impl EngineTask {
             Some(Pending::Command(reply)) => {
                 self.deliveries.push(Delivery::reply(reply, result));
             }
-            Some(Pending::Acquire { listener, reply }) => match result {
-                Ok(Reply::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
-                Ok(Reply::Queued { token, .. }) => {
-                    let name = match &copy {
-                        Command::Acquire(a) => a.name.clone(),
-                        _ => unreachable!("an acquire's pending answer belongs to an acquire"),
-                    };
+            Some(Pending::Acquire {
+                listener,
+                name,
+                reply,
+            }) => match result.map_err(ApiError::from).and_then(typed::acquired) {
+                Ok(Acquired::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
+                Ok(Acquired::Queued(token)) => {
                     self.listeners
                         .entry(token)
                         .or_default()
                         .push((listener, reply));
                     self.listener_index.insert(listener, (name, token));
                 }
-                Ok(other) => {
-                    let err =
-                        ApiError::new(ApiErrorKind::Internal, format!("acquire replied {other:?}"));
-                    self.deliveries
-                        .push(Delivery::refused(listener, reply, err));
-                }
-                Err(e) => {
-                    let err = ApiError::from(e);
+                Err(err) => {
                     self.deliveries
                         .push(Delivery::refused(listener, reply, err));
                 }
@@ -1157,7 +1179,7 @@ pub struct ClusterBugs {
 /// Starts a cluster member over any network: the engine task in cluster mode,
 /// then openraft; a fresh member (empty Raft log, not `join`) forms the cluster
 /// from `peers`. Used by [`start_cluster`] and by the cluster simulation.
-pub async fn start_member<N>(spec: MemberSpec<N>) -> Result<(Handle, ClusterRuntime), ApiError>
+pub async fn start_member<N>(spec: MemberSpec<N>) -> Result<(Handle, ClusterRuntime), StartError>
 where
     N: openraft::network::RaftNetworkFactory<TypeConfig>,
     N::Network: openraft::network::NetSnapshot<TypeConfig, SnapshotData = Vec<u8>>,
@@ -1176,23 +1198,19 @@ where
     let cluster = config
         .cluster
         .clone()
-        .ok_or_else(|| internal("a member needs a cluster configuration"))?;
-    cluster
-        .validate()
-        .map_err(|e| ApiError::new(ApiErrorKind::InvalidArgument, e))?;
+        .ok_or_else(|| StartError::config("a member needs a cluster configuration"))?;
+    cluster.validate()?;
     let fsync = config.durability == super::Durability::Fsync;
     let raft_dir = config.data_dir.join("raft");
-    std::fs::create_dir_all(&raft_dir)
-        .map_err(|e| internal(format!("cannot create {}: {e}", raft_dir.display())))?;
+    std::fs::create_dir_all(&raft_dir).map_err(|e| RecoveryError::io("create", &raft_dir, e))?;
     let audit_dir = config.data_dir.join("audit");
-    std::fs::create_dir_all(&audit_dir)
-        .map_err(|e| internal(format!("cannot create {}: {e}", audit_dir.display())))?;
+    std::fs::create_dir_all(&audit_dir).map_err(|e| RecoveryError::io("create", &audit_dir, e))?;
     let audit_store = AuditStore::open(&audit_dir, config.audit.clone(), fsync)?;
     let audit_high_water = audit_store.high_water();
     let audit_index = audit_store.shared_index();
     let audit_len = audit_store.len() as u64;
     let audit = AuditWriter::spawn(audit_store)
-        .map_err(|e| internal(format!("cannot start a thread: {e}")))?;
+        .map_err(|e| StartError::internal(format!("cannot start a thread: {e}")))?;
 
     directory.learn(cluster.node_id, &cluster.advertise_url);
     let mut metrics = crate::metrics::Metrics::default();
@@ -1295,16 +1313,19 @@ where
     }
 
     let sm = crate::cluster::state_machine::StateMachine::new(sm_tx, raft_dir.clone());
-    let raft_config = Arc::new(cluster.raft_config().validate().map_err(|e| {
-        ApiError::new(ApiErrorKind::InvalidArgument, format!("raft settings: {e}"))
-    })?);
+    let raft_config = Arc::new(
+        cluster
+            .raft_config()
+            .validate()
+            .map_err(|e| StartError::config(format!("raft settings: {e}")))?,
+    );
     let raft = Raft::new(cluster.node_id, raft_config, network, log_store.clone(), sm)
         .await
-        .map_err(|e| internal(format!("cannot start raft: {e}")))?;
+        .map_err(|e| StartError::internal(format!("cannot start raft: {e}")))?;
     let initialized = raft
         .is_initialized()
         .await
-        .map_err(|e| internal(format!("raft: {e}")))?;
+        .map_err(|e| StartError::internal(format!("raft: {e}")))?;
     if !initialized && !cluster.join {
         match raft.initialize(initial_members(&cluster.peers)).await {
             Ok(()) => tracing::info!(
@@ -1405,44 +1426,24 @@ async fn finish_import(
 /// `data_dir/raft/log` (fencelock-log), the peer listener (HTTP/2, optionally inside
 /// mutual TLS, connection admission, the cluster secret, the configuration check),
 /// and [`start_member`].
-pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRuntime), ApiError> {
+pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRuntime), StartError> {
     let cluster = config
         .cluster
         .clone()
-        .ok_or_else(|| internal("start_cluster needs a cluster configuration"))?;
-    cluster
-        .validate()
-        .map_err(|e| ApiError::new(ApiErrorKind::InvalidArgument, e))?;
+        .ok_or_else(|| StartError::config("start_cluster needs a cluster configuration"))?;
+    cluster.validate()?;
     // Read before anything is opened: a bad file is a configuration error.
     let (peer_acceptor, peer_connector) = match &cluster.tls {
-        Some(tls) => {
-            let refuse = |e: String| ApiError::new(ApiErrorKind::InvalidArgument, e);
-            (
-                Some(tls.acceptor().map_err(refuse)?),
-                Some(tls.connector().map_err(refuse)?),
-            )
-        }
+        Some(tls) => (Some(tls.acceptor()?), Some(tls.connector()?)),
         None => (None, None),
     };
     let fsync = config.durability == super::Durability::Fsync;
     let raft_dir = config.data_dir.join("raft");
-    std::fs::create_dir_all(&raft_dir)
-        .map_err(|e| internal(format!("cannot create {}: {e}", raft_dir.display())))?;
+    std::fs::create_dir_all(&raft_dir).map_err(|e| RecoveryError::io("create", &raft_dir, e))?;
     // A single server's data becomes this member's state (or is refused) before
     // anything of the member is created.
     let import = crate::cluster::import::prepare(&config, &raft_dir)?;
-    let log_store = crate::cluster::log_store::LogStore::open(&raft_dir.join("log"), fsync)
-        .map_err(|e| {
-            let locked = e.to_string().contains("in use") || e.to_string().contains("lock");
-            ApiError::new(
-                if locked {
-                    ApiErrorKind::Unavailable
-                } else {
-                    ApiErrorKind::Internal
-                },
-                format!("cannot open the raft log in {}: {e}", raft_dir.display()),
-            )
-        })?;
+    let log_store = crate::cluster::log_store::LogStore::open(&raft_dir.join("log"), fsync)?;
     let directory = Arc::new(Directory::default());
     let identity = Arc::new(crate::cluster::network::PeerIdentity {
         node_id: cluster.node_id,
@@ -1452,12 +1453,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
     });
     let peer_listener = tokio::net::TcpListener::bind(cluster.peer_listen)
         .await
-        .map_err(|e| {
-            ApiError::new(
-                ApiErrorKind::Unavailable,
-                format!("cannot listen for peers on {}: {e}", cluster.peer_listen),
-            )
-        })?;
+        .map_err(|e| StartError::listen("for peers ", cluster.peer_listen, e))?;
     let network = crate::cluster::network::Network::new(
         identity.clone(),
         directory.clone(),

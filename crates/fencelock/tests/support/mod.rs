@@ -8,10 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use fencelock::proto::{self, locks_client::LocksClient};
 use fencelock::{
     AcquireSpec, BoxFuture, Capabilities, Error, FencelockBackend, Lease, LockBackend, ServerConfig,
 };
+use fencelock_proto::{self as proto, locks_client::LocksClient};
 
 /// Longest any awaited step may take before a test fails instead of hanging.
 pub const STEP: Duration = Duration::from_secs(20);

@@ -1,0 +1,245 @@
+//! What [`FencelockBackend`](crate::FencelockBackend)'s read calls return: lock
+//! views and lock events as plain types of this crate, converted from the server's
+//! gRPC messages here, so the public API does not depend on the wire format.
+
+use fencelock_proto as pb;
+
+/// One lock's holders and queue (from
+/// [`FencelockBackend::get_lock`](crate::FencelockBackend::get_lock) and
+/// [`list_locks`](crate::FencelockBackend::list_locks)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockInfo {
+    /// The lock's name.
+    pub name: String,
+    /// How many holders it admits (1 for a mutex).
+    pub limit: u32,
+    /// The current holders, in grant order.
+    pub holders: Vec<HolderInfo>,
+    /// How many requests are queued.
+    pub waiters: u64,
+    /// Lock-delay time left after a forced release or expiry (0 if none).
+    pub lock_delay_remaining_ms: u64,
+}
+
+/// One holder of a lock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HolderInfo {
+    /// Its fencing token.
+    pub fence: u64,
+    /// Its owner text.
+    pub owner: String,
+    /// How long it has held the lock.
+    pub held_ms: u64,
+    /// Lease time left (its session's, if session-held).
+    pub ttl_remaining_ms: u64,
+    /// Its session's handle, if session-held (never the session id).
+    pub session: Option<String>,
+}
+
+/// A page of locks from [`list_locks`](crate::FencelockBackend::list_locks).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockPage {
+    /// Locks in name order.
+    pub locks: Vec<LockInfo>,
+    /// Set when the page is full: pass it as `after` for the next page.
+    pub next_after: Option<String>,
+}
+
+/// What a [`LockEvent`] reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum EventKind {
+    /// A grant was made (directly or by hand-off to a waiter).
+    Granted,
+    /// A grant was released by its holder (or its session was closed).
+    Released,
+    /// A grant's lease (or its session) expired.
+    Expired,
+    /// An operator took a grant away.
+    ForceReleased,
+    /// A request joined the queue.
+    Queued,
+    /// A request left the queue without a grant; [`LockEvent::wait_end`] says why.
+    WaitEnded,
+    /// A kind this client does not know (from a newer server).
+    Unknown,
+}
+
+impl EventKind {
+    /// The stable snake_case name (`granted`, `force_released`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Granted => "granted",
+            EventKind::Released => "released",
+            EventKind::Expired => "expired",
+            EventKind::ForceReleased => "force_released",
+            EventKind::Queued => "queued",
+            EventKind::WaitEnded => "wait_ended",
+            EventKind::Unknown => "unknown",
+        }
+    }
+
+    fn from_pb(kind: i32) -> EventKind {
+        match pb::EventKind::try_from(kind) {
+            Ok(pb::EventKind::Granted) => EventKind::Granted,
+            Ok(pb::EventKind::Released) => EventKind::Released,
+            Ok(pb::EventKind::Expired) => EventKind::Expired,
+            Ok(pb::EventKind::ForceReleased) => EventKind::ForceReleased,
+            Ok(pb::EventKind::Queued) => EventKind::Queued,
+            Ok(pb::EventKind::WaitEnded) => EventKind::WaitEnded,
+            Ok(pb::EventKind::Unspecified) | Err(_) => EventKind::Unknown,
+        }
+    }
+}
+
+/// Why a queued request left the queue without a grant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum WaitEnd {
+    /// Its `wait` passed.
+    TimedOut,
+    /// Its session expired or was closed.
+    SessionEnded,
+    /// The client cancelled or went away.
+    Cancelled,
+    /// The server restarted; the client must retry.
+    ServerRestarted,
+    /// A reason this client does not know (from a newer server).
+    Unknown,
+}
+
+impl WaitEnd {
+    /// The stable snake_case name (`timed_out`, `session_ended`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitEnd::TimedOut => "timed_out",
+            WaitEnd::SessionEnded => "session_ended",
+            WaitEnd::Cancelled => "cancelled",
+            WaitEnd::ServerRestarted => "server_restarted",
+            WaitEnd::Unknown => "unknown",
+        }
+    }
+
+    /// `None` for "not a wait end".
+    fn from_pb(end: i32) -> Option<WaitEnd> {
+        match pb::WaitEnd::try_from(end) {
+            Ok(pb::WaitEnd::Unspecified) => None,
+            Ok(pb::WaitEnd::TimedOut) => Some(WaitEnd::TimedOut),
+            Ok(pb::WaitEnd::SessionEnded) => Some(WaitEnd::SessionEnded),
+            Ok(pb::WaitEnd::Cancelled) => Some(WaitEnd::Cancelled),
+            Ok(pb::WaitEnd::ServerRestarted) => Some(WaitEnd::ServerRestarted),
+            Err(_) => Some(WaitEnd::Unknown),
+        }
+    }
+}
+
+/// A lock event from [`EventStream::next`](crate::EventStream::next), sent only
+/// after the change is durable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockEvent {
+    /// What happened.
+    pub kind: EventKind,
+    /// The lock.
+    pub name: String,
+    /// The grant's fence (for grants and their ends).
+    pub fence: Option<u64>,
+    /// The owner text of the grant or request.
+    pub owner: String,
+    /// The handle of the session involved, if any (never its id).
+    pub session: Option<String>,
+    /// Server service time of the event (monotonic; only differences mean
+    /// anything).
+    pub at_ms: u64,
+    /// For [`EventKind::Granted`]: time spent queued. For the ends of grants: time
+    /// held.
+    pub duration_ms: u64,
+    /// For [`EventKind::ForceReleased`]: the operator's reason.
+    pub reason: Option<String>,
+    /// For [`EventKind::WaitEnded`]: why.
+    pub wait_end: Option<WaitEnd>,
+}
+
+impl From<pb::Holder> for HolderInfo {
+    fn from(h: pb::Holder) -> HolderInfo {
+        HolderInfo {
+            fence: h.fence,
+            owner: h.owner,
+            held_ms: h.held_ms,
+            ttl_remaining_ms: h.ttl_remaining_ms,
+            session: h.session,
+        }
+    }
+}
+
+impl From<pb::LockInfo> for LockInfo {
+    fn from(l: pb::LockInfo) -> LockInfo {
+        LockInfo {
+            name: l.name,
+            limit: l.limit,
+            holders: l.holders.into_iter().map(HolderInfo::from).collect(),
+            waiters: l.waiters,
+            lock_delay_remaining_ms: l.lock_delay_remaining_ms,
+        }
+    }
+}
+
+impl From<pb::ListLocksResponse> for LockPage {
+    fn from(p: pb::ListLocksResponse) -> LockPage {
+        LockPage {
+            locks: p.locks.into_iter().map(LockInfo::from).collect(),
+            next_after: p.next_after,
+        }
+    }
+}
+
+impl From<pb::LockEvent> for LockEvent {
+    fn from(e: pb::LockEvent) -> LockEvent {
+        LockEvent {
+            kind: EventKind::from_pb(e.kind),
+            name: e.name,
+            fence: e.fence,
+            owner: e.owner,
+            session: e.session,
+            at_ms: e.at_ms,
+            duration_ms: e.duration_ms,
+            reason: e.reason,
+            wait_end: WaitEnd::from_pb(e.wait_end),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_convert_with_unknown_values_kept_apart() {
+        let e = LockEvent::from(pb::LockEvent {
+            kind: pb::EventKind::WaitEnded as i32,
+            name: "a".into(),
+            wait_end: pb::WaitEnd::ServerRestarted as i32,
+            ..Default::default()
+        });
+        assert_eq!(e.kind, EventKind::WaitEnded);
+        assert_eq!(e.wait_end, Some(WaitEnd::ServerRestarted));
+        let e = LockEvent::from(pb::LockEvent {
+            kind: 99,
+            wait_end: 99,
+            ..Default::default()
+        });
+        assert_eq!(
+            (e.kind, e.wait_end),
+            (EventKind::Unknown, Some(WaitEnd::Unknown))
+        );
+        let e = LockEvent::from(pb::LockEvent {
+            kind: pb::EventKind::Granted as i32,
+            ..Default::default()
+        });
+        assert_eq!(e.wait_end, None);
+        assert_eq!(e.kind.as_str(), "granted");
+    }
+}
