@@ -270,7 +270,7 @@ fn with_retries<T>(
             return Err(Failure {
                 message: format!(
                     "no leader answered within {} (--wait): {e:#}",
-                    humantime(wait)
+                    humantime::format_duration(wait)
                 ),
                 code: exit::UNAVAILABLE,
             });
@@ -278,17 +278,6 @@ fn with_retries<T>(
         pause(next);
         paused += next;
         next = (next * 2).min(MAX_PAUSE);
-    }
-}
-
-/// `wait` as `--wait` takes it: `10s`, `1.5s`, `250ms`.
-fn humantime(wait: Duration) -> String {
-    if wait.subsec_millis() == 0 {
-        format!("{}s", wait.as_secs())
-    } else if wait < Duration::from_secs(1) {
-        format!("{}ms", wait.as_millis())
-    } else {
-        format!("{:.1}s", wait.as_secs_f64())
     }
 }
 
