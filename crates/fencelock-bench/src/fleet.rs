@@ -202,6 +202,9 @@ pub async fn sessions(url: &str, pid: u32, spec: &SessionsSpec) -> anyhow::Resul
     let mut due = std::collections::HashMap::new();
     for i in 0..spec.expiry_sample {
         let mut client = clients[i % clients.len()].clone();
+        // The lease cannot start before the request is sent: measuring from the answer
+        // instead would call a slow answer (a loaded machine) an early expiry.
+        let sent = Instant::now();
         let open = client
             .open_session(pb::OpenSessionRequest {
                 ttl_ms,
@@ -209,7 +212,6 @@ pub async fn sessions(url: &str, pid: u32, spec: &SessionsSpec) -> anyhow::Resul
             })
             .await?
             .into_inner();
-        let acked = Instant::now();
         let name = format!("w4-expiry/{i}");
         client
             .acquire(pb::AcquireRequest {
@@ -219,7 +221,7 @@ pub async fn sessions(url: &str, pid: u32, spec: &SessionsSpec) -> anyhow::Resul
                 ..Default::default()
             })
             .await?;
-        due.insert(name, acked + spec.ttl);
+        due.insert(name, sent + spec.ttl);
     }
     let cpu0 = cpu_seconds(pid)?;
     let answered0 = answered.load(Ordering::Relaxed);
