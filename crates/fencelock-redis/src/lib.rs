@@ -380,6 +380,7 @@ impl RedisConfig {
 
     /// The `redis::Client` for this server (no connection yet).
     pub fn client(&self) -> Result<redis::Client, Error> {
+        install_crypto_provider();
         if self.url.is_empty() {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
@@ -547,6 +548,7 @@ impl RedisBackend {
     /// Connects to the server at `config.url` (failing as `Unavailable` if it cannot be
     /// reached) and reads its persistence settings to decide how strong its fences are.
     pub async fn connect(config: RedisConfig) -> Result<RedisBackend, Error> {
+        install_crypto_provider();
         let instance = Instance::lazy(&config)?;
         let fences = instance.fence_guarantee().await?;
         Ok(RedisBackend {
@@ -562,6 +564,7 @@ impl RedisBackend {
         client: redis::Client,
         options: RedisOptions,
     ) -> Result<RedisBackend, Error> {
+        install_crypto_provider();
         options.check(false)?;
         let manager = bounded_connect(
             options.connect_timeout,
@@ -580,6 +583,7 @@ impl RedisBackend {
         wakeups: Option<redis::Client>,
         options: RedisOptions,
     ) -> Result<RedisBackend, Error> {
+        install_crypto_provider();
         options.check(false)?;
         let source = match wakeups {
             Some(client) if options.wakeups => WakeSource::Client(Box::new(client)),
@@ -602,6 +606,7 @@ impl RedisBackend {
     /// Finds the master through the sentinels in `config` and connects to it. Fences
     /// are best-effort: a failover can lose the last grants.
     pub async fn sentinel(config: SentinelConfig) -> Result<RedisBackend, Error> {
+        install_crypto_provider();
         let client = config.client()?;
         RedisBackend::from_sentinel_client(client, config.connection, config.options).await
     }
@@ -613,6 +618,7 @@ impl RedisBackend {
         connection: AsyncConnectionConfig,
         options: RedisOptions,
     ) -> Result<RedisBackend, Error> {
+        install_crypto_provider();
         options.check(false)?;
         let master = Arc::new(SentinelMaster::new(sentinel, connection));
         let source = if options.wakeups {
@@ -637,6 +643,7 @@ impl RedisBackend {
     /// Connects to the Redis Cluster reached through `config.nodes`. Fences are
     /// best-effort: a failover can lose the last grants.
     pub async fn cluster(config: ClusterConfig) -> Result<RedisBackend, Error> {
+        install_crypto_provider();
         let first = config.nodes.first().ok_or_else(|| {
             Error::new(
                 ErrorKind::InvalidArgument,
@@ -677,6 +684,7 @@ impl RedisBackend {
         wakeups: Option<redis::Client>,
         options: RedisOptions,
     ) -> Result<RedisBackend, Error> {
+        install_crypto_provider();
         options.check(true)?;
         let connection =
             bounded_connect(options.connect_timeout, client.get_async_connection()).await?;
@@ -1150,4 +1158,12 @@ mod tests {
         assert_eq!(plain.lock("job"), "fencelock:lock:job");
         assert_eq!(keys.lock("job"), "fencelock:lock:{job}");
     }
+}
+
+/// Makes ring rustls's process-wide default unless one is installed. The `redis` crate's
+/// TLS takes the process default, and with a second provider compiled into the program
+/// (another crate turning on aws-lc-rs) rustls would refuse to pick one and panic.
+pub(crate) fn install_crypto_provider() {
+    // An error means a provider is already installed, which is as good.
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
