@@ -43,8 +43,12 @@ echo "test.sh: cargo test took $((SECONDS - start)) s"
 # The benchmark harness against real peers, tiny and short (seconds): proves it works.
 # This and the fuzz run: only with no extra arguments (a filtered `cargo test` run skips it).
 if [ $# -eq 0 ]; then
-  cargo build --locked -p fencelock-cli -p fencelock-bench
   target="${CARGO_TARGET_DIR:-target}"
+  # `cargo test --workspace` has just built both binaries (their crates' integration
+  # tests run them); build them only if they are missing.
+  if [ ! -x "$target/debug/fencelock" ] || [ ! -x "$target/debug/fencelock-bench" ]; then
+    cargo build --locked -p fencelock-cli -p fencelock-bench
+  fi
   smoke_out="$(mktemp -d)"
   "$target/debug/fencelock-bench" run --smoke --fencelock-bin "$target/debug/fencelock" --out "$smoke_out" >/dev/null
   rm -rf "$smoke_out"

@@ -1123,6 +1123,14 @@ impl Instance {
     }
 }
 
+/// Makes ring rustls's process-wide default unless one is installed. The `redis` crate's
+/// TLS takes the process default, and with a second provider compiled into the program
+/// (another crate turning on aws-lc-rs) rustls would refuse to pick one and panic.
+pub(crate) fn install_crypto_provider() {
+    // An error means a provider is already installed, which is as good.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 #[cfg(test)]
 mod tests {
     use super::{Keys, RedisOptions};
@@ -1158,12 +1166,4 @@ mod tests {
         assert_eq!(plain.lock("job"), "fencelock:lock:job");
         assert_eq!(keys.lock("job"), "fencelock:lock:{job}");
     }
-}
-
-/// Makes ring rustls's process-wide default unless one is installed. The `redis` crate's
-/// TLS takes the process default, and with a second provider compiled into the program
-/// (another crate turning on aws-lc-rs) rustls would refuse to pick one and panic.
-pub(crate) fn install_crypto_provider() {
-    // An error means a provider is already installed, which is as good.
-    let _ = rustls::crypto::ring::default_provider().install_default();
 }
