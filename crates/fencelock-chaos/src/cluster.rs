@@ -798,7 +798,7 @@ fn load_loop(t: u32, ports: &[u16], stop: &AtomicBool, done: &AtomicU64, bound: 
 }
 
 /// Runs one cluster chaos run. Errors are failures of the harness, not violations.
-pub fn run(config: &ClusterChaosConfig) -> Result<ClusterSummary, String> {
+pub fn run(config: &ClusterChaosConfig) -> Result<ClusterSummary, crate::ChaosError> {
     let started = Instant::now();
     let dir = tempfile::Builder::new()
         .prefix("fencelock-cluster-chaos-")
@@ -849,7 +849,8 @@ pub fn run(config: &ClusterChaosConfig) -> Result<ClusterSummary, String> {
         return Err(format!(
             "no worker acquired a lock within {PROGRESS_WAIT:?} of the start; see {}",
             dir.keep().display()
-        ));
+        )
+        .into());
     }
 
     let mut ctx = Ctx {

@@ -59,7 +59,7 @@ pub struct LeaderBackend {
 impl LeaderBackend {
     /// A backend over the members at `urls` (`http://127.0.0.1:PORT`), connecting
     /// lazily.
-    pub fn new(urls: &[String]) -> Result<LeaderBackend, String> {
+    pub fn new(urls: &[String]) -> Result<LeaderBackend, crate::ChaosError> {
         if urls.is_empty() {
             return Err("no member URLs".into());
         }

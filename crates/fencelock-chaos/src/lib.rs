@@ -35,6 +35,49 @@ pub mod proxy;
 pub mod scenario;
 pub mod worker;
 
+/// Why a chaos run, or one of its parts, could not be carried out (a server that would
+/// not start, a port that could not be bound, …). Violations of the lock's promises are
+/// not errors: they are in the run's summary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChaosError {
+    message: String,
+}
+
+impl ChaosError {
+    /// What went wrong.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl std::fmt::Display for ChaosError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ChaosError {}
+
+impl From<String> for ChaosError {
+    fn from(message: String) -> ChaosError {
+        ChaosError { message }
+    }
+}
+
+impl From<&str> for ChaosError {
+    fn from(message: &str) -> ChaosError {
+        ChaosError {
+            message: message.to_owned(),
+        }
+    }
+}
+
+impl From<ChaosError> for String {
+    fn from(e: ChaosError) -> String {
+        e.message
+    }
+}
+
 /// The environment variable that turns a process into a chaos worker: its value is
 /// the worker's configuration as JSON ([`worker::WorkerConfig`]).
 pub const WORKER_ENV: &str = "FENCELOCK_CHAOS_WORKER";

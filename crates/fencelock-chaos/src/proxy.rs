@@ -54,7 +54,7 @@ pub struct Proxies {
 
 impl Proxies {
     /// A runtime for proxies, none yet.
-    pub fn new() -> Result<Proxies, String> {
+    pub fn new() -> Result<Proxies, crate::ChaosError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("chaos-proxy")
@@ -69,7 +69,12 @@ impl Proxies {
 
     /// Starts the proxy of link `from → to`, forwarding to `target`, on a fresh
     /// loopback port; returns that port.
-    pub fn add(&mut self, from: u64, to: u64, target: SocketAddr) -> Result<u16, String> {
+    pub fn add(
+        &mut self,
+        from: u64,
+        to: u64,
+        target: SocketAddr,
+    ) -> Result<u16, crate::ChaosError> {
         let runtime = self.runtime.as_ref().ok_or("proxies closed")?;
         let listener = runtime
             .block_on(TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))

@@ -332,7 +332,7 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
 
 /// Runs one chaos run. Errors are failures of the harness (a process that would not
 /// start), not violations: those are in the summary's report.
-pub fn run(config: &ChaosConfig) -> Result<Summary, String> {
+pub fn run(config: &ChaosConfig) -> Result<Summary, crate::ChaosError> {
     let started = Instant::now();
     let dir = tempfile::Builder::new()
         .prefix("fencelock-chaos-")
@@ -433,7 +433,8 @@ pub fn run(config: &ChaosConfig) -> Result<Summary, String> {
                      see {}",
                     summary.restarts,
                     dir.keep().display()
-                ));
+                )
+                .into());
             }
             std::thread::sleep(Duration::from_millis(5));
         }
