@@ -16,6 +16,77 @@ use crate::Error;
 /// A boxed future, as the object-safe [`LockBackend`] methods return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// How a grant holds its lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum LockMode {
+    /// The only holder (a writer). The default.
+    #[default]
+    Exclusive,
+    /// One of any number of readers (up to the lock's `limit`), never together with
+    /// an exclusive holder. Strict FIFO across modes: a queued writer blocks readers
+    /// that arrive after it.
+    Shared,
+}
+
+impl LockMode {
+    /// `"exclusive"` or `"shared"`, as on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LockMode::Exclusive => "exclusive",
+            LockMode::Shared => "shared",
+        }
+    }
+}
+
+/// Who leads an election now (see [`LockBackend::leader`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Leader {
+    /// The election's name.
+    pub name: String,
+    /// The value the leader campaigned with or last proclaimed (e.g. its address).
+    pub value: String,
+    /// The leader's term: the fence of its grant, so its writes are fenced like any
+    /// holder's, and a later leader always has a larger term.
+    pub term: u64,
+    /// The leader's owner text.
+    pub owner: String,
+}
+
+impl Leader {
+    /// A leader (for backends outside this crate).
+    pub fn new(name: String, value: String, term: u64, owner: String) -> Leader {
+        Leader {
+            name,
+            value,
+            term,
+            owner,
+        }
+    }
+}
+
+/// A session as the backend reports it: one lease that can hold many locks
+/// ([`Capabilities::sessions`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SessionLease {
+    /// The session's id; [`AcquireSpec::session`] takes it.
+    pub id: String,
+    /// The lease length the store granted.
+    pub ttl: Duration,
+}
+
+impl SessionLease {
+    /// A session lease (for backends outside this crate).
+    pub fn new(id: String, ttl: Duration) -> SessionLease {
+        SessionLease { id, ttl }
+    }
+}
+
+/// Longest election value, in bytes.
+pub const MAX_VALUE_BYTES: usize = 4096;
+
 /// What a backend is asked to acquire. Built by `fencelock::LockRequest`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -35,11 +106,16 @@ pub struct AcquireSpec {
     /// Idempotency key: every retry of one acquire carries the same key, so a grant
     /// whose answer was lost is returned again instead of being granted twice.
     pub request_id: String,
+    /// Exclusive (the default) or shared.
+    pub mode: LockMode,
+    /// Hold the lock under this session's lease (see [`LockBackend::open_session`])
+    /// instead of a lease of its own; `ttl` is then ignored by the store.
+    pub session: Option<String>,
 }
 
 impl AcquireSpec {
     /// A request for `name` with lease `ttl`, no wait, limit 1, no lock-delay, an
-    /// empty owner and a fresh random request id.
+    /// empty owner, exclusive mode and a fresh random request id.
     pub fn new(name: impl Into<String>, ttl: Duration) -> AcquireSpec {
         AcquireSpec {
             name: name.into(),
@@ -49,6 +125,8 @@ impl AcquireSpec {
             limit: 1,
             lock_delay: Duration::ZERO,
             request_id: crate::backoff::request_id(),
+            mode: LockMode::Exclusive,
+            session: None,
         }
     }
 }
@@ -85,6 +163,12 @@ impl AcquireSpec {
         }
         Ok(())
     }
+}
+
+/// Checks an election value: at most [`MAX_VALUE_BYTES`] bytes of UTF-8 without
+/// control characters (it shows on the dashboard and in `fencelock leader`).
+pub fn validate_value(value: &str) -> Result<(), Error> {
+    check_text("value", value, true, MAX_VALUE_BYTES)
 }
 
 fn invalid(message: String) -> Error {
@@ -168,6 +252,15 @@ pub struct Capabilities {
     /// Leases are decided on the store's own monotonic clock (never a client's clock
     /// or a wall clock that can jump).
     pub monotonic_leases: bool,
+    /// Reader-writer locks ([`LockMode::Shared`]) are supported, with the same fence
+    /// guarantee as exclusive grants.
+    pub shared: bool,
+    /// An exclusive holder can become a shared one without releasing
+    /// ([`LockBackend::downgrade`]).
+    pub downgrade: bool,
+    /// Leader elections ([`LockBackend::campaign`], [`LockBackend::proclaim`],
+    /// [`LockBackend::leader`]) are supported.
+    pub elections: bool,
 }
 
 impl Capabilities {
@@ -184,6 +277,9 @@ impl Capabilities {
             sessions: false,
             semaphores: false,
             monotonic_leases: false,
+            shared: false,
+            downgrade: false,
+            elections: false,
         }
     }
 }
@@ -216,6 +312,79 @@ pub trait LockBackend: Send + Sync + 'static {
 
     /// Releases a held lease.
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>>;
+
+    /// Turns an exclusive grant into a shared one without releasing it; the fence
+    /// stays. `Unsupported` unless [`Capabilities::downgrade`].
+    fn downgrade<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), Error>> {
+        let _ = lease;
+        Box::pin(async { Err(unsupported("downgrade")) })
+    }
+
+    /// Campaigns in the election `spec.name`: waits (up to `spec.wait`) to hold it
+    /// exclusively, with `value` published as the leader's value. The lease's fence is
+    /// the leader's term. `Unsupported` unless [`Capabilities::elections`].
+    fn campaign<'a>(
+        &'a self,
+        spec: &'a AcquireSpec,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<Lease, Error>> {
+        let _ = (spec, value);
+        Box::pin(async { Err(unsupported("elections")) })
+    }
+
+    /// Changes the leader's value while `lease` leads; `NotHeld` once it does not.
+    fn proclaim<'a>(
+        &'a self,
+        lease: &'a Lease,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        let _ = (lease, value);
+        Box::pin(async { Err(unsupported("elections")) })
+    }
+
+    /// Opens a session with lease `ttl`: locks acquired under it share its one
+    /// keep-alive, and all end when it ends. `Unsupported` unless
+    /// [`Capabilities::sessions`].
+    fn open_session<'a>(
+        &'a self,
+        ttl: Duration,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<SessionLease, Error>> {
+        let _ = (ttl, owner);
+        Box::pin(async { Err(unsupported("sessions")) })
+    }
+
+    /// Renews a session's lease (and so every lock it holds); returns the lease
+    /// length granted, or `SessionNotFound` once it has ended.
+    fn keep_alive<'a>(
+        &'a self,
+        session: &'a SessionLease,
+    ) -> BoxFuture<'a, Result<Duration, Error>> {
+        let _ = session;
+        Box::pin(async { Err(unsupported("sessions")) })
+    }
+
+    /// Closes a session, releasing its locks; returns how many it released.
+    fn close_session<'a>(
+        &'a self,
+        session: &'a SessionLease,
+    ) -> BoxFuture<'a, Result<usize, Error>> {
+        let _ = session;
+        Box::pin(async { Err(unsupported("sessions")) })
+    }
+
+    /// Who leads the election `name` now, if anyone.
+    fn leader<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<Leader>, Error>> {
+        let _ = name;
+        Box::pin(async { Err(unsupported("elections")) })
+    }
+}
+
+fn unsupported(what: &str) -> Error {
+    Error::new(
+        crate::ErrorKind::Unsupported,
+        format!("this backend does not support {what} (see its Capabilities)"),
+    )
 }
 
 impl std::fmt::Debug for dyn LockBackend {

@@ -34,6 +34,9 @@ pub enum ErrorKind {
     Protocol,
     /// The server reported an internal failure.
     Internal,
+    /// This backend cannot do what was asked honestly (see [`crate::Capabilities`]):
+    /// e.g. a shared lock on a store without reader-writer locks.
+    Unsupported,
 }
 
 impl ErrorKind {
@@ -53,6 +56,7 @@ impl ErrorKind {
             ErrorKind::PermissionDenied => "permission_denied",
             ErrorKind::Protocol => "protocol",
             ErrorKind::Internal => "internal",
+            ErrorKind::Unsupported => "unsupported",
         }
     }
 

@@ -15,8 +15,9 @@ mod backoff;
 mod error;
 
 pub use backend::{
-    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, MAX_NAME_BYTES,
-    MAX_OWNER_BYTES, MAX_REQUEST_ID_BYTES, MAX_TTL,
+    validate_value, AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Leader, Lease,
+    LockBackend, LockMode, SessionLease, MAX_NAME_BYTES, MAX_OWNER_BYTES, MAX_REQUEST_ID_BYTES,
+    MAX_TTL, MAX_VALUE_BYTES,
 };
 pub use backoff::{random_u64, request_id, Backoff};
 pub use error::{Error, ErrorKind};

@@ -77,8 +77,9 @@ pub use fencelock_zookeeper as zookeeper;
 
 pub use client::{Client, LockOptions, LockRequest};
 pub use fencelock_backend::{
-    AcquireSpec, Backoff, BoxFuture, Capabilities, Error, ErrorKind, FenceGuarantee, Lease,
-    LockBackend, MAX_NAME_BYTES, MAX_OWNER_BYTES, MAX_REQUEST_ID_BYTES, MAX_TTL,
+    AcquireSpec, Backoff, BoxFuture, Capabilities, Error, ErrorKind, FenceGuarantee, Leader, Lease,
+    LockBackend, LockMode, SessionLease, MAX_NAME_BYTES, MAX_OWNER_BYTES, MAX_REQUEST_ID_BYTES,
+    MAX_TTL, MAX_VALUE_BYTES,
 };
 pub use guard::{LockGuard, LostReason};
 pub use server::{EventStream, FencelockBackend, ServerConfig, Transport};
