@@ -170,8 +170,13 @@ impl Checker {
                         }
                         self.unsynced_ended.push((record, fence));
                     }
-                    EventKind::Queued | EventKind::WaitEnded(_) => {}
+                    EventKind::Queued
+                    | EventKind::WaitEnded(_)
+                    | EventKind::Downgraded
+                    | EventKind::Proclaimed => {}
                 },
+                // The simulated clients ask for one lock at a time.
+                Outcome::GrantedAll(_) => {}
                 Outcome::Granted(grant) => {
                     let queue = self.queues.entry(grant.name.clone()).or_default();
                     match queue.front().copied() {
@@ -424,6 +429,8 @@ mod tests {
             at_ms: 0,
             duration_ms: 0,
             reason: None,
+            mode: fencelock_core::Mode::Exclusive,
+            value: None,
         })
     }
 
@@ -434,6 +441,7 @@ mod tests {
             token: OwnerToken::from_u128(token),
             ttl_ms: 100,
             session: None,
+            mode: fencelock_core::Mode::Exclusive,
         }
     }
 
@@ -450,6 +458,8 @@ mod tests {
             session: None,
             tenant: None,
             quota: None,
+            mode: fencelock_core::Mode::Exclusive,
+            value: None,
         })
     }
 

@@ -96,6 +96,8 @@ fn usage_count_drift_is_caught_by_the_invariant_check() {
             session: None,
             tenant: Some(Tenant::new("a").expect("valid")),
             quota: None,
+            mode: fencelock_core::Mode::Exclusive,
+            value: None,
         };
         core.apply(0, Command::Acquire(acquire)).expect("granted");
         // Expiry, applied by a check-free path: the debug build's after-command

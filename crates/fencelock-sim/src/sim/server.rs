@@ -58,6 +58,8 @@ impl Sim {
         });
         for outcome in outcomes {
             match outcome {
+                // The simulated clients ask for one lock at a time.
+                Outcome::GrantedAll(_) => {}
                 Outcome::Granted(grant) => {
                     self.mix(5 << 32 | grant.fence.get());
                     for (client, rpc) in self
@@ -177,6 +179,8 @@ impl Sim {
                     // (and checked) without a quota changing what the sim expects.
                     tenant: Some(sim_tenant()),
                     quota: None,
+                    mode: fencelock_core::Mode::Exclusive,
+                    value: None,
                 }));
                 match result {
                     Ok(Reply::Granted(grant)) => {
@@ -312,8 +316,7 @@ impl Sim {
         PlantedBugs {
             release_by_name_only: self.options.planted == Some(PlantedBug::ReleaseByNameOnly),
             grant_expired_waiters: self.options.planted == Some(PlantedBug::GrantExpiredWaiters),
-            leak_usage_on_expiry: false,
-            requeue_retries: false,
+            ..PlantedBugs::default()
         }
     }
 
