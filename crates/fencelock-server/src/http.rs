@@ -133,7 +133,9 @@ fn too_large(max_body_bytes: usize) -> ApiError {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct AcquireBody {
-    name: String,
+    /// One lock; or `names` for a multi-lock request.
+    name: Option<String>,
+    names: Option<Vec<String>>,
     ttl_ms: Option<u64>,
     wait_ms: Option<u64>,
     owner: Option<String>,
@@ -141,6 +143,7 @@ struct AcquireBody {
     limit: Option<u32>,
     lock_delay_ms: Option<u64>,
     session: Option<String>,
+    mode: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -154,7 +157,53 @@ struct RenewBody {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ReleaseBody {
+    /// One grant; or `grants` to release several in one step.
+    name: Option<String>,
+    #[serde(alias = "token")]
+    owner_token: Option<String>,
+    grants: Option<Vec<GrantRef>>,
+}
+
+/// A grant named by its lock and owner token.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GrantRef {
     name: String,
+    #[serde(alias = "token")]
+    owner_token: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DowngradeBody {
+    name: String,
+    #[serde(alias = "token")]
+    owner_token: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CampaignBody {
+    value: String,
+    ttl_ms: Option<u64>,
+    wait_ms: Option<u64>,
+    owner: Option<String>,
+    request_id: Option<String>,
+    session: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProclaimBody {
+    #[serde(alias = "token")]
+    owner_token: String,
+    value: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResignBody {
+    #[serde(alias = "token")]
     owner_token: String,
 }
 
@@ -201,6 +250,7 @@ struct GrantJson {
     ttl_ms: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     session: Option<String>,
+    mode: &'static str,
 }
 
 impl From<Grant> for GrantJson {
@@ -211,6 +261,7 @@ impl From<Grant> for GrantJson {
             owner_token: g.token.to_string(),
             ttl_ms: g.ttl_ms,
             session: g.session.map(|s| s.to_string()),
+            mode: g.mode.as_str(),
         }
     }
 }
@@ -223,6 +274,9 @@ struct HolderJson {
     ttl_remaining_ms: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     session: Option<String>,
+    mode: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    value: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -249,6 +303,8 @@ impl From<LockView> for LockJson {
                     ttl_remaining_ms: h.ttl_remaining_ms,
                     // The handle, never the id: readers see this view.
                     session: h.session.map(input::session_handle),
+                    mode: h.mode.as_str(),
+                    value: h.value.map(|v| v.as_str().to_owned()),
                 })
                 .collect(),
             waiters: v.waiters,
@@ -261,25 +317,197 @@ fn name(s: &str) -> Result<LockName, ApiError> {
     input::lock_name("name", s)
 }
 
+fn name_of(s: &str) -> Result<LockName, ApiError> {
+    name(s)
+}
+
+/// `POST /v1/release {"grants": [...]}`: several grants in one step.
+async fn release_all(
+    h: &Handle,
+    caller: &crate::auth::Principal,
+    grants: Vec<GrantRef>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    if grants.is_empty() || grants.len() > fencelock_core::MAX_NAMES_PER_REQUEST {
+        return Err(invalid(
+            "grants",
+            format!(
+                "release 1 to {} grants at once, got {}",
+                fencelock_core::MAX_NAMES_PER_REQUEST,
+                grants.len()
+            ),
+        ));
+    }
+    let mut parsed = Vec::with_capacity(grants.len());
+    for g in &grants {
+        let name = name(&g.name)?;
+        caller.authorize(Action::Release, Some(name.as_str()))?;
+        parsed.push((name, input::owner_token(&g.owner_token)?));
+    }
+    caller.take_request()?;
+    let released = h.release_all(&Requester::of(caller), parsed).await?;
+    Ok(Json(json!({ "released": released })))
+}
+
 async fn acquire(
     State(h): State<Handle>,
     Caller(caller): Caller,
     JsonBody(b): JsonBody<AcquireBody>,
+) -> Result<Response, ApiError> {
+    let names = match (&b.name, &b.names) {
+        (Some(one), None) => vec![name(one)?],
+        (None, Some(list)) => input::names(list)?,
+        _ => {
+            return Err(invalid(
+                "name",
+                "give either name (one lock) or names (several), not both",
+            ))
+        }
+    };
+    for n in &names {
+        caller.authorize(Action::Acquire, Some(n.as_str()))?;
+    }
+    let mode = input::mode(b.mode.as_deref())?;
+    let owner = input::owner(b.owner.as_deref().unwrap_or(""))?;
+    let request_id = caller.scope_request_id(input::request_id(b.request_id.as_deref())?)?;
+    let session = b.session.as_deref().map(input::session_id).transpose()?;
+    caller.take_acquire_attempt()?;
+    let multi = b.names.is_some();
+    let mut args: Vec<AcquireArgs> = names
+        .into_iter()
+        .map(|name| AcquireArgs {
+            name,
+            ttl_ms: b.ttl_ms,
+            wait_ms: b.wait_ms.unwrap_or(0),
+            owner: owner.clone(),
+            request_id: request_id.clone(),
+            limit: b.limit.unwrap_or(1),
+            lock_delay_ms: b.lock_delay_ms.unwrap_or(0),
+            session,
+            mode,
+            value: None,
+        })
+        .collect();
+    let requester = Requester::of(&caller);
+    if multi {
+        let grants = h.acquire_all(&requester, args).await?;
+        let grants: Vec<GrantJson> = grants.into_iter().map(GrantJson::from).collect();
+        return Ok(Json(json!({ "grants": grants })).into_response());
+    }
+    let Some(one) = args.pop() else {
+        return Err(invalid("name", "name a lock"));
+    };
+    let grant: GrantJson = h.acquire(&requester, one).await?.into();
+    Ok(Json(grant).into_response())
+}
+
+/// `POST /v1/downgrade`: turns an exclusive grant into a shared one, fence kept.
+async fn downgrade(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+    JsonBody(b): JsonBody<DowngradeBody>,
 ) -> Result<Json<GrantJson>, ApiError> {
     let name = name(&b.name)?;
+    caller.authorize(Action::Renew, Some(name.as_str()))?;
+    caller.take_request()?;
+    let token = input::owner_token(&b.owner_token)?;
+    let grant = h.downgrade(&Requester::of(&caller), name, token).await?;
+    Ok(Json(grant.into()))
+}
+
+fn election(path: Result<Path<String>, PathRejection>) -> Result<LockName, ApiError> {
+    let Path(raw) = path.map_err(path_error)?;
+    name(&raw)
+}
+
+/// `POST /v1/elections/{name}/campaign`: waits to lead; the grant's fence is the
+/// leader's term.
+async fn campaign(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+    path: Result<Path<String>, PathRejection>,
+    JsonBody(b): JsonBody<CampaignBody>,
+) -> Result<Json<GrantJson>, ApiError> {
+    let name = election(path)?;
     caller.authorize(Action::Acquire, Some(name.as_str()))?;
-    caller.take_acquire_attempt()?;
     let args = AcquireArgs {
         name,
         ttl_ms: b.ttl_ms,
         wait_ms: b.wait_ms.unwrap_or(0),
         owner: input::owner(b.owner.as_deref().unwrap_or(""))?,
         request_id: caller.scope_request_id(input::request_id(b.request_id.as_deref())?)?,
-        limit: b.limit.unwrap_or(1),
-        lock_delay_ms: b.lock_delay_ms.unwrap_or(0),
+        limit: 1,
+        lock_delay_ms: 0,
         session: b.session.as_deref().map(input::session_id).transpose()?,
+        mode: fencelock_core::Mode::Exclusive,
+        value: Some(input::value(&b.value)?),
     };
+    caller.take_acquire_attempt()?;
     Ok(Json(h.acquire(&Requester::of(&caller), args).await?.into()))
+}
+
+/// `POST /v1/elections/{name}/proclaim`: the leader publishes a new value.
+async fn proclaim(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+    path: Result<Path<String>, PathRejection>,
+    JsonBody(b): JsonBody<ProclaimBody>,
+) -> Result<Json<GrantJson>, ApiError> {
+    let name = election(path)?;
+    caller.authorize(Action::Renew, Some(name.as_str()))?;
+    let token = input::owner_token(&b.owner_token)?;
+    let value = input::value(&b.value)?;
+    caller.take_request()?;
+    let grant = h
+        .proclaim(&Requester::of(&caller), name, token, value)
+        .await?;
+    Ok(Json(grant.into()))
+}
+
+/// `POST /v1/elections/{name}/resign`: gives leadership up.
+async fn resign(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+    path: Result<Path<String>, PathRejection>,
+    JsonBody(b): JsonBody<ResignBody>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let name = election(path)?;
+    caller.authorize(Action::Release, Some(name.as_str()))?;
+    let token = input::owner_token(&b.owner_token)?;
+    caller.take_request()?;
+    let released = h.release(&Requester::of(&caller), name, token).await?;
+    Ok(Json(json!({ "released": released })))
+}
+
+/// `GET /v1/elections/{name}`: who leads (the sole exclusive holder), or null.
+async fn leader(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+    path: Result<Path<String>, PathRejection>,
+    query: Result<Query<ShowParams>, QueryRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let name = election(path)?;
+    let Query(p) = query.map_err(|e| invalid("query", e.body_text()))?;
+    caller.authorize(Action::Read, Some(name.as_str()))?;
+    let view = h.lock_with(name.clone(), p.stale).await?;
+    let leader = view.as_ref().and_then(leader_of).map(|h| {
+        json!({
+            "name": name.as_str(),
+            "owner": h.owner.as_str(),
+            "value": h.value.as_ref().map_or("", |v| v.as_str()),
+            "term": h.fence.get(),
+            "held_ms": h.held_ms,
+            "ttl_remaining_ms": h.ttl_remaining_ms,
+        })
+    });
+    Ok(Json(json!({ "leader": leader })))
+}
+
+/// An election's leader: the one exclusive holder of a lock that admits one.
+pub(crate) fn leader_of(view: &LockView) -> Option<&fencelock_core::HolderView> {
+    match view.holders.as_slice() {
+        [h] if view.limit == 1 && h.mode == fencelock_core::Mode::Exclusive => Some(h),
+        _ => None,
+    }
 }
 
 async fn renew(
@@ -304,10 +532,20 @@ async fn release(
     Caller(caller): Caller,
     JsonBody(b): JsonBody<ReleaseBody>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let name = name(&b.name)?;
+    let (name, token) = match (b.name, b.owner_token, b.grants) {
+        (Some(name), Some(token), None) => (name, token),
+        (None, None, Some(grants)) => return release_all(&h, &caller, grants).await,
+        _ => {
+            return Err(invalid(
+                "name",
+                "give name and owner_token (one grant) or grants (several), not both",
+            ))
+        }
+    };
+    let name = name_of(&name)?;
     caller.authorize(Action::Release, Some(name.as_str()))?;
     caller.take_request()?;
-    let token = input::owner_token(&b.owner_token)?;
+    let token = input::owner_token(&token)?;
     let released = h.release(&Requester::of(&caller), name, token).await?;
     Ok(Json(if released {
         json!({"released": true})
@@ -551,6 +789,11 @@ pub fn router(handle: Handle) -> Router {
         .route("/v1/acquire", post(acquire))
         .route("/v1/renew", post(renew))
         .route("/v1/release", post(release))
+        .route("/v1/downgrade", post(downgrade))
+        .route("/v1/elections/{name}", get(leader))
+        .route("/v1/elections/{name}/campaign", post(campaign))
+        .route("/v1/elections/{name}/proclaim", post(proclaim))
+        .route("/v1/elections/{name}/resign", post(resign))
         .route("/v1/locks", get(list_locks))
         .route("/v1/locks/{*name}", get(show_lock))
         .route("/v1/sessions", post(open_session))
@@ -631,6 +874,8 @@ mod tests {
             limit: 1,
             lock_delay_ms: 0,
             session: None,
+            mode: Default::default(),
+            value: None,
         };
         let planted: GrantSink = Box::new(|_| panic!("planted: a sink that panics"));
         handle

@@ -635,6 +635,7 @@ impl LockBackend for FencelockBackend {
                         limit: spec.limit,
                         lock_delay_ms: ms(spec.lock_delay),
                         session: None,
+                        mode: spec.mode.as_str().to_owned(),
                     };
                     match node.wire() {
                         Some(wire) => {
