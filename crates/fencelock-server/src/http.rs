@@ -317,6 +317,14 @@ fn name(s: &str) -> Result<LockName, ApiError> {
     input::lock_name("name", s)
 }
 
+/// A body without a required field: `invalid_json`, as serde says it.
+fn missing_field(field: &str) -> ApiError {
+    ApiError::new(
+        ApiErrorKind::InvalidJson,
+        format!("invalid JSON body: missing field `{field}`"),
+    )
+}
+
 fn name_of(s: &str) -> Result<LockName, ApiError> {
     name(s)
 }
@@ -356,7 +364,10 @@ async fn acquire(
     let names = match (&b.name, &b.names) {
         (Some(one), None) => vec![name(one)?],
         (None, Some(list)) => input::names(list)?,
-        _ => {
+        // As when every acquire had to name one lock: a body without one is not
+        // the request's shape.
+        (None, None) => return Err(missing_field("name")),
+        (Some(_), Some(_)) => {
             return Err(invalid(
                 "name",
                 "give either name (one lock) or names (several), not both",
@@ -535,6 +546,8 @@ async fn release(
     let (name, token) = match (b.name, b.owner_token, b.grants) {
         (Some(name), Some(token), None) => (name, token),
         (None, None, Some(grants)) => return release_all(&h, &caller, grants).await,
+        (None, _, None) => return Err(missing_field("name")),
+        (Some(_), None, None) => return Err(missing_field("owner_token")),
         _ => {
             return Err(invalid(
                 "name",
