@@ -1,6 +1,8 @@
 //! The fencelock server backend's lock kinds: shared acquires, downgrade,
 //! elections and multi-locks, against a real server.
 
+// Each test binary uses a different part of the support module.
+#[allow(unused_imports)]
 mod support;
 
 use std::time::Duration;
