@@ -122,6 +122,17 @@ async fn readers_share_and_a_queued_writer_goes_before_later_readers() {
     let held = metric(&text, "fencelock_held_locks_by_mode{mode=\"shared\"}");
     assert_eq!(held, Some(2.0), "{text}");
     assert_eq!(metric(&text, "fencelock_downgrades_total"), Some(1.0));
+    let waiting = metric(&text, "fencelock_waiters_by_mode{mode=\"shared\"}");
+    assert_eq!(waiting, Some(0.0), "{text}");
+    let audit = c.get("/v1/audit?lock=rw").await.expect_json(200);
+    let entries = audit["entries"].as_array().expect("entries");
+    assert!(entries.iter().any(|e| e["kind"] == "downgrade"), "{audit}");
+    assert!(
+        entries
+            .iter()
+            .any(|e| e["kind"] == "grant" && e["detail"] == "shared"),
+        "{audit}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -254,6 +265,13 @@ async fn an_election_campaigns_proclaims_observes_and_resigns() {
     .expect_error(409, "not_held");
     let text = c.get("/metrics").await.text();
     assert_eq!(metric(&text, "fencelock_proclaims_total"), Some(1.0));
+    let audit = c.get("/v1/audit?lock=jobs").await.expect_json(200);
+    let proclaimed = audit["entries"]
+        .as_array()
+        .expect("entries")
+        .iter()
+        .any(|e| e["kind"] == "proclaim" && e["detail"] == "host-1:81");
+    assert!(proclaimed, "{audit}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
