@@ -2117,7 +2117,11 @@ impl Core {
                     let p = self.waiters.get(part).ok_or_else(|| {
                         format!("{}: a multi-lock request partly granted", w.name)
                     })?;
-                    if p.group.as_deref() != Some(&group[..]) || !names.insert(p.name.clone()) {
+                    // One request: the same group, session and wait on every lock.
+                    let same = p.group.as_deref() == Some(&group[..])
+                        && p.session == w.session
+                        && p.wait_deadline_ms == w.wait_deadline_ms;
+                    if !same || !names.insert(p.name.clone()) {
                         return Err(format!("{}: a multi-lock request's parts disagree", w.name));
                     }
                 }

@@ -435,6 +435,15 @@ fn images_carry_modes_values_and_multi_lock_queues() {
         }
     }
     assert!(Core::import(Config::default(), broken).is_err());
+    // So is one whose parts disagree on when the wait ends (one request, one wait).
+    let mut broken = image.clone();
+    for l in &mut broken.locks {
+        if l.name == name("a") {
+            l.waiters[0].wait_deadline_ms += 1;
+        }
+    }
+    let refused = Core::import(Config::default(), broken).expect_err("refused");
+    assert!(refused.message().contains("disagree"), "{refused}");
     // So is a writer next to a reader.
     let mut broken = image;
     let mut writer = broken.locks[0].holders[0].clone();
