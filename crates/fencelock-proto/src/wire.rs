@@ -22,7 +22,9 @@
 //! requests are answered). [`Op::Cancel`] abandons a waiting acquire (its `id` is the
 //! acquire's): the server answers it with the error `cancelled` — after the acquire's
 //! own answer if that was already sent, in which case the client should release a
-//! grant it no longer wants. With authentication on, the first request is
+//! grant it no longer wants. (Only a single acquire is cancelled so: a multi-lock
+//! request or a campaign runs to its answer, and grants that find the connection gone
+//! are released.) With authentication on, the first request is
 //! [`Op::Hello`] carrying the bearer token. A frame longer than the server's limit, or
 //! one that does not parse, is answered with an error; a frame whose length cannot be
 //! trusted ends the connection.
