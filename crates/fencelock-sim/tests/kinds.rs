@@ -3,7 +3,9 @@
 //! another holder, fences (and so election terms) strictly increasing, strict FIFO
 //! across modes (no reader granted past a queued request), every multi-lock request
 //! all-or-nothing, and no deadlock (once holders release, every queued request is
-//! granted). Each planted bug in `PlantedBugs` for these kinds is caught.
+//! granted), and a snapshot taken after any command restores the same state.
+//! Scripts also cancel waits and restart the server (`Recover`). Each planted bug
+//! in `PlantedBugs` for these kinds is caught.
 
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -49,6 +51,12 @@ enum Op {
     Tick {
         dt_ms: u64,
     },
+    /// A client gives up a queued request (a multi-lock leaves every queue).
+    Cancel {
+        pick: usize,
+    },
+    /// The server restarts: queued requests are dropped, leases refreshed.
+    Recover,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -72,6 +80,8 @@ fn op() -> impl Strategy<Value = Op> {
         3 => any::<usize>().prop_map(|pick| Op::Downgrade { pick }),
         2 => any::<usize>().prop_map(|pick| Op::Proclaim { pick }),
         3 => (0u64..=30).prop_map(|dt_ms| Op::Tick { dt_ms }),
+        2 => any::<usize>().prop_map(|pick| Op::Cancel { pick }),
+        1 => Just(Op::Recover),
     ]
 }
 
@@ -147,6 +157,13 @@ impl Run {
         self.core
             .check_invariants()
             .map_err(|e| format!("{command:?}: {e}"))?;
+        // A snapshot taken now restores to the same state.
+        let image = self.core.export();
+        let restored = Core::import(Config::default(), image.clone())
+            .map_err(|e| format!("{command:?}: the image is refused: {e}"))?;
+        if restored.export() != image {
+            return Err(format!("{command:?}: the image does not restore the state"));
+        }
         for o in &outcomes {
             if let Outcome::Event(e) = o {
                 if e.kind == EventKind::Granted {
@@ -262,6 +279,24 @@ impl Run {
                 self.now += dt_ms;
                 Command::Tick
             }
+            Op::Cancel { pick } => {
+                let queued: Vec<(LockName, OwnerToken)> = self
+                    .core
+                    .export()
+                    .locks
+                    .into_iter()
+                    .flat_map(|l| {
+                        let name = l.name;
+                        l.waiters.into_iter().map(move |w| (name.clone(), w.token))
+                    })
+                    .collect();
+                if queued.is_empty() {
+                    return Ok(());
+                }
+                let (name, token) = queued[pick % queued.len()].clone();
+                Command::CancelWait { name, token }
+            }
+            Op::Recover => Command::Recover,
         };
         self.apply(command).map(|_| ())
     }
