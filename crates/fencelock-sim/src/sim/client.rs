@@ -2,7 +2,7 @@
 //! third of the TTL, lost at send + ttl − margin, release with the owner token), and
 //! the session API's for session clients.
 
-use fencelock_core::RequestId;
+use fencelock_core::{Mode, RequestId};
 
 use super::{
     grid, Acquiring, Answer, Client, Ev, Failure, Holding, Request, Rpc, Session, Sim, State,
@@ -71,6 +71,7 @@ impl Sim {
             limit: lock.limit,
             lock_delay_ms: a.lock_delay_ms,
             session,
+            mode: a.mode,
         };
         self.send_request(i, request, wait_ms + RPC_TIMEOUT_MS);
     }
@@ -123,7 +124,8 @@ impl Sim {
             ) => {
                 let base = a.first_sent.unwrap_or(outstanding.sent);
                 let lock = &self.locks[a.lock];
-                let writes_total = if lock.limit == 1 {
+                // Readers read; only a writer of a mutex writes the resource.
+                let writes_total = if lock.limit == 1 && a.mode == Mode::Exclusive {
                     c.rng.range(1, 3) as u32
                 } else {
                     0
@@ -133,6 +135,7 @@ impl Sim {
                 self.stats.session_grants += u64::from(a.session.is_some());
                 c.state = State::Holding(Holding {
                     lock: a.lock,
+                    mode: a.mode,
                     session: a.session,
                     ttl_ms,
                     fence,
@@ -355,8 +358,16 @@ impl Sim {
                     let request_id =
                         RequestId::new(&format!("c{i}-{}", c.requests)).expect("valid");
                     let lock_delay_ms = [0, 0, 0, 50, 100][c.rng.index(5)];
+                    // Drawn only on a reader-writer lock: other locks' runs stay
+                    // as they were.
+                    let mode = if self.locks[lock].rw && c.rng.chance(500) {
+                        Mode::Shared
+                    } else {
+                        Mode::Exclusive
+                    };
                     c.state = State::Acquiring(Acquiring {
                         lock,
+                        mode,
                         lock_delay_ms,
                         session,
                         ttl_ms,

@@ -159,6 +159,7 @@ impl Sim {
                 limit,
                 lock_delay_ms,
                 session,
+                mode,
             } => {
                 let token = OwnerToken::from_u128(
                     u128::from(self.server.rng.next_u64()) << 64
@@ -179,7 +180,7 @@ impl Sim {
                     // (and checked) without a quota changing what the sim expects.
                     tenant: Some(sim_tenant()),
                     quota: None,
-                    mode: fencelock_core::Mode::Exclusive,
+                    mode,
                     value: None,
                 }));
                 match result {
@@ -316,6 +317,7 @@ impl Sim {
         PlantedBugs {
             release_by_name_only: self.options.planted == Some(PlantedBug::ReleaseByNameOnly),
             grant_expired_waiters: self.options.planted == Some(PlantedBug::GrantExpiredWaiters),
+            reader_jumps_writer: self.options.planted == Some(PlantedBug::ReaderJumpsWriter),
             ..PlantedBugs::default()
         }
     }
