@@ -11,7 +11,8 @@
 //! After the faults stop, a quiet tail lets every lease free.
 //!
 //! Some seeds add a reader-writer lock (`rw`), which clients take shared or
-//! exclusive (readers do not write the resource).
+//! exclusive (readers do not write the resource); a writer that has written may
+//! downgrade to a reader before it releases.
 //!
 //! Invariants checked on every step (see [`Invariant`]): at most `limit` holders per
 //! lock, and never a writer with another holder; fences of acknowledged grants strictly increasing per lock and never handed

@@ -179,6 +179,8 @@ impl Sim {
                 h.renew_attempt = 0;
                 self.clients[i].state = State::Holding(h);
             }
+            // Already acting as a reader since it was sent: nothing changes.
+            (State::Holding(h), Answer::Downgraded) => self.clients[i].state = State::Holding(h),
             (State::Holding(_), Answer::Failed(Failure::Unavailable)) => self.renew_transient(i),
             // The client library starts over when the confirmation finds the grant
             // gone; it does not hold the lock either way.
@@ -454,6 +456,25 @@ impl Sim {
                         );
                         continue;
                     }
+                    // A writer of a reader-writer lock that has written may turn
+                    // reader before it releases. It acts as a reader from the send
+                    // on: the server may let readers in before the answer arrives.
+                    let may_downgrade = self.locks[h.lock].rw
+                        && h.mode == Mode::Exclusive
+                        && c.rpc.is_none()
+                        && h.writes_done >= h.writes_total
+                        && now < h.release_at;
+                    if may_downgrade && c.rng.chance(500) {
+                        h.mode = Mode::Shared;
+                        let request = Request::Downgrade {
+                            name: self.locks[h.lock].name.clone(),
+                            token: h.token,
+                        };
+                        self.clients[i].state = State::Holding(h);
+                        self.send_request(i, request, RPC_TIMEOUT_MS);
+                        break;
+                    }
+                    let c = &mut self.clients[i];
                     if h.writes_done >= h.writes_total && now >= h.release_at {
                         let name = self.locks[h.lock].name.clone();
                         c.state = State::Releasing {

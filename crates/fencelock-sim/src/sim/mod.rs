@@ -57,6 +57,10 @@ enum Request {
         name: LockName,
         token: OwnerToken,
     },
+    Downgrade {
+        name: LockName,
+        token: OwnerToken,
+    },
     OpenSession {
         ttl_ms: u64,
     },
@@ -91,6 +95,7 @@ enum Answer {
         ttl_ms: u64,
     },
     Released,
+    Downgraded,
     SessionOpened {
         id: SessionId,
         ttl_ms: u64,

@@ -226,6 +226,13 @@ impl Sim {
                 };
                 self.server.pending.push((from, rpc, answer, None));
             }
+            Request::Downgrade { name, token } => {
+                let answer = match self.server_apply(Command::Downgrade { name, token }) {
+                    Ok(_) => Answer::Downgraded,
+                    Err(e) => Answer::Failed(failure_of(e.kind())),
+                };
+                self.server.pending.push((from, rpc, answer, None));
+            }
             Request::Release { name, token } => {
                 let answer = match self.server_apply(Command::Release { name, token }) {
                     Ok(_) => Answer::Released,
