@@ -13,7 +13,7 @@ use super::{
     PostgresConfig,
 };
 use fencelock_backend::{
-    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, MAX_TTL,
+    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, LockMode, MAX_TTL,
 };
 use fencelock_backend::{Backoff, Error, ErrorKind};
 
@@ -83,6 +83,15 @@ const DDL_LOCK_KEY: i64 = 0x6665_6e63_656c_6f63;
 ///   and when the holder's lease ends, and `push_wakeups` is false.
 /// - No semaphores (`limit > 1`), no lock-delay, no sessions: such requests are
 ///   refused with [`ErrorKind::InvalidArgument`].
+///
+/// # Reader-writer locks
+///
+/// None: a shared request is refused with [`ErrorKind::Unsupported`] (and
+/// `Capabilities::shared` is false). A lock is one row with one owner token and one
+/// `fencing_seq`; readers would need a holder per row and a writer's fence above
+/// every reader's, which is another table design, not a flag on this one.
+/// [`PostgresAdvisoryBackend`](super::PostgresAdvisoryBackend) has shared locks
+/// (`pg_advisory_lock_shared`), without fences.
 ///
 /// # Connections
 ///
@@ -602,6 +611,15 @@ impl LockBackend for PostgresBackend {
         Box::pin(async move {
             spec.validate()?;
             refuse_unsupported(spec, "postgres")?;
+            if spec.mode != LockMode::Exclusive {
+                // One row has room for one holder and one fence: see "Reader-writer
+                // locks" on `PostgresBackend`.
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    "the postgres table backend has no shared (reader) locks (see its \
+                     Capabilities); PostgresAdvisoryBackend has them, without fences",
+                ));
+            }
             let ttl_ms = ttl_ms(spec.ttl)?;
             let inner = &*self.inner;
             let token = new_owner_token();

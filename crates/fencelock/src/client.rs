@@ -11,7 +11,7 @@ use crate::guard::{LockGuard, Timing};
 use crate::server::{FencelockBackend, ServerConfig};
 use crate::{Error, ErrorKind};
 use fencelock_backend::{request_id, Backoff};
-use fencelock_backend::{AcquireSpec, Capabilities, LockBackend};
+use fencelock_backend::{AcquireSpec, Capabilities, LockBackend, LockMode};
 
 /// Options of one lock acquisition. Start from [`LockOptions::default`] and adjust.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,6 +39,10 @@ pub struct LockOptions {
     /// attempt already made. Default: a fresh random id per acquisition. Ids are
     /// scoped to the lock name and the token; use unguessable ones.
     pub request_id: Option<String>,
+    /// Exclusive (the default) or shared (a reader). A store without reader-writer
+    /// locks refuses shared with [`ErrorKind::Unsupported`]; it is never granted as
+    /// exclusive instead.
+    pub mode: LockMode,
 }
 
 impl Default for LockOptions {
@@ -52,6 +56,7 @@ impl Default for LockOptions {
             safety_margin: None,
             backoff: Backoff::default(),
             request_id: None,
+            mode: LockMode::Exclusive,
         }
     }
 }
@@ -102,6 +107,12 @@ impl LockOptions {
     /// Sets [`request_id`](LockOptions::request_id).
     pub fn request_id(mut self, id: impl Into<String>) -> LockOptions {
         self.request_id = Some(id.into());
+        self
+    }
+
+    /// Sets [`mode`](LockOptions::mode).
+    pub fn mode(mut self, mode: LockMode) -> LockOptions {
+        self.mode = mode;
         self
     }
 
@@ -218,6 +229,11 @@ impl Client {
         Client { backend }
     }
 
+    /// The store, for the election layer.
+    pub(crate) fn backend(&self) -> &Arc<dyn LockBackend> {
+        &self.backend
+    }
+
     /// What the lock store behind this client guarantees.
     pub fn capabilities(&self) -> Capabilities {
         self.backend.capabilities()
@@ -263,6 +279,40 @@ impl Client {
     }
 
     async fn acquire(&self, name: String, options: LockOptions) -> Result<LockGuard, Error> {
+        self.acquire_as(name, options, None).await
+    }
+
+    /// Refuses what the store cannot do honestly, before anything is sent: a shared
+    /// lock on a store without them must not become an exclusive one.
+    fn check_kind(&self, options: &LockOptions, campaign: Option<&str>) -> Result<(), Error> {
+        let caps = self.capabilities();
+        if options.mode == LockMode::Shared && !caps.shared {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("the {} backend has no shared (reader) locks", caps.backend),
+            ));
+        }
+        if let Some(value) = campaign {
+            if !caps.elections {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!("the {} backend has no elections", caps.backend),
+                ));
+            }
+            fencelock_backend::validate_value(value)?;
+        }
+        Ok(())
+    }
+
+    /// Acquires `name` as a lock, or with `campaign` as the value of a leader in the
+    /// election `name`.
+    pub(crate) async fn acquire_as(
+        &self,
+        name: String,
+        options: LockOptions,
+        campaign: Option<&str>,
+    ) -> Result<LockGuard, Error> {
+        self.check_kind(&options, campaign)?;
         let timing = options.validate()?;
         let budget_end = Instant::now() + options.wait;
         let mut attempt = 0u32;
@@ -271,6 +321,7 @@ impl Client {
         spec.owner = options.owner.clone();
         spec.limit = options.limit;
         spec.lock_delay = options.lock_delay;
+        spec.mode = options.mode;
         // One id for every attempt of this acquisition, whichever member gets it.
         spec.request_id = options.request_id.clone().unwrap_or_else(request_id);
         // The first send of this request id: a retry can return a grant made for an
@@ -280,7 +331,11 @@ impl Client {
             let sent = Instant::now();
             let lease_base = *first_sent.get_or_insert(sent);
             spec.wait = budget_end.saturating_duration_since(sent);
-            match self.backend.acquire(&spec).await {
+            let answer = match campaign {
+                Some(value) => self.backend.campaign(&spec, value).await,
+                None => self.backend.acquire(&spec).await,
+            };
+            match answer {
                 Ok(mut lease) => {
                     let mut lease_base = lease_base;
                     // After a long wait in the queue the send instant proves little of
@@ -427,6 +482,19 @@ impl LockRequest {
     pub fn request_id(mut self, id: impl Into<String>) -> LockRequest {
         self.options.request_id = Some(id.into());
         self
+    }
+
+    /// Exclusive (the default) or [`LockMode::Shared`]; see [`LockOptions::mode`].
+    pub fn mode(mut self, mode: LockMode) -> LockRequest {
+        self.options.mode = mode;
+        self
+    }
+
+    /// A shared (reader) lock: any number of readers hold it together, never with a
+    /// writer. [`ErrorKind::Unsupported`] on a store whose
+    /// [`Capabilities::shared`] is false.
+    pub fn shared(self) -> LockRequest {
+        self.mode(LockMode::Shared)
     }
 
     /// Acquires the lock, waiting up to the wait budget. Errors: [`ErrorKind::Timeout`]

@@ -148,6 +148,23 @@ impl LockGuard {
         (!left.is_zero()).then_some(left)
     }
 
+    /// Turns this exclusive grant into a shared one without releasing it: readers
+    /// waiting behind it may then join. The fence stays. [`ErrorKind::Unsupported`]
+    /// where the store has no downgrade ([`fencelock_backend::Capabilities::downgrade`]),
+    /// [`ErrorKind::NotHeld`] once the grant is gone.
+    pub async fn downgrade(&self) -> Result<(), Error> {
+        if !self.backend.capabilities().downgrade {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "the {} backend cannot downgrade a lock",
+                    self.backend.capabilities().backend
+                ),
+            ));
+        }
+        self.backend.downgrade(&self.lease).await
+    }
+
     /// Whether the lock is, or may be, lost.
     pub fn is_lost(&self) -> bool {
         self.valid_for().is_none()

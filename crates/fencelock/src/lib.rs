@@ -53,6 +53,7 @@
 
 mod client;
 mod codes;
+mod election;
 mod guard;
 mod route;
 mod server;
@@ -76,6 +77,7 @@ pub use fencelock_redis as redis;
 pub use fencelock_zookeeper as zookeeper;
 
 pub use client::{Client, LockOptions, LockRequest};
+pub use election::{Election, Leadership};
 pub use fencelock_backend::{
     AcquireSpec, Backoff, BoxFuture, Capabilities, Error, ErrorKind, FenceGuarantee, Leader, Lease,
     LockBackend, LockMode, SessionLease, MAX_NAME_BYTES, MAX_OWNER_BYTES, MAX_REQUEST_ID_BYTES,
