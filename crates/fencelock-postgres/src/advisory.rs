@@ -87,7 +87,7 @@ pub fn advisory_key(name: &str) -> i64 {
 ///   number of readers, never with a writer), and [`LockBackend::downgrade`] takes the
 ///   shared lock on the holder's session before it lets go of the exclusive one, so
 ///   the key is never free in between. Still no fences. No elections: a leader's
-///   value would need a table (use [`PostgresBackend`](super::PostgresBackend)).
+///   value needs a table ([`PostgresBackend`](super::PostgresBackend) has them).
 ///
 /// Dropping the backend closes every connection, which releases its locks.
 #[derive(Debug, Clone)]
