@@ -455,21 +455,24 @@ mod tests {
         let events = Arc::new(Mutex::new(Vec::new()));
         let (started, stopped, worked) = (events.clone(), events.clone(), events.clone());
         let revoke = store.clone();
-        let outcome: Result<(), Error> = election
-            .run_as_leader(
-                "me",
-                move |term| started.lock().unwrap().push(format!("started {term}")),
-                move |term| async move {
-                    // Leadership ends under the work; the work would run forever.
-                    revoke.revoked.store(true, Ordering::SeqCst);
-                    loop {
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        worked.lock().unwrap().push(format!("tick {term}"));
-                    }
-                },
-                move |term| stopped.lock().unwrap().push(format!("stopped {term}")),
-            )
-            .await;
+        // Virtual time: a leadership of 3 s is lost within a few renewals; a minute
+        // passing means the work outlived it.
+        let run = election.run_as_leader(
+            "me",
+            move |term| started.lock().unwrap().push(format!("started {term}")),
+            move |term| async move {
+                // Leadership ends under the work; the work would run forever.
+                revoke.revoked.store(true, Ordering::SeqCst);
+                loop {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    worked.lock().unwrap().push(format!("tick {term}"));
+                }
+            },
+            move |term| stopped.lock().unwrap().push(format!("stopped {term}")),
+        );
+        let outcome: Result<(), Error> = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .expect("the work was not stopped when leadership was lost");
         let e = outcome.expect_err("the work outlived its leadership");
         assert_eq!(e.kind(), ErrorKind::LockLost, "{e}");
         let events = events.lock().unwrap().clone();
@@ -548,6 +551,18 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
         let first = Box::pin(election.observe()).next().await.expect("item");
         assert_eq!(first.expect_err("observed").kind(), ErrorKind::Unsupported);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_store_without_downgrade_says_unsupported() {
+        let client = Client::from_backend(store(false));
+        let guard = client.lock("l").acquire().await.expect("acquire");
+        let e = guard.downgrade().await.expect_err("downgraded");
+        assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+        assert!(
+            !guard.is_lost(),
+            "a refused downgrade must leave the lock held"
+        );
     }
 
     #[tokio::test(start_paused = true)]
