@@ -66,19 +66,65 @@ impl From<fencelock::Error> for Failure {
     fn from(e: fencelock::Error) -> Failure {
         Failure {
             code: exit::for_error(e.kind()),
-            message: e.to_string(),
+            message: crate::explain::client_error(&e),
         }
     }
 }
 
-/// The outcome of a client subcommand, as the process exit code.
-pub fn finish(result: Result<(), Failure>) -> ExitCode {
+impl Failure {
+    /// Prints the failure on stderr: `fencelock: MESSAGE`, or with `json` one line
+    /// `{"error":{"code":NAME,"message":…,"exit_code":N}}` (the names of
+    /// `fencelock help exit-codes`).
+    pub fn print(&self, json: bool) {
+        if json {
+            eprintln!(
+                "{}",
+                json!({"error": {
+                    "code": exit::name(self.code),
+                    "message": self.message,
+                    "exit_code": self.code,
+                }})
+            );
+        } else {
+            eprintln!("fencelock: {}", self.message);
+        }
+    }
+}
+
+/// The outcome of a client subcommand, as the process exit code; a failure is
+/// printed as [`Failure::print`] says.
+pub fn finish(result: Result<(), Failure>, json: bool) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
-            eprintln!("fencelock: {}", f.message);
+            f.print(json);
             ExitCode::from(f.code)
         }
+    }
+}
+
+/// The wall-clock time `after` from now, in RFC 3339 (UTC, milliseconds): the
+/// client's estimate of when a lease ends, for scripts.
+pub fn rfc3339_after(after: Duration) -> String {
+    humantime::format_rfc3339_millis(std::time::SystemTime::now() + after).to_string()
+}
+
+/// Why `name` was not acquired within `wait`, with who holds it (asked of the
+/// server after the refusal; the server's own words if that fails).
+pub async fn not_acquired_failure(
+    backend: &FencelockBackend,
+    name: &str,
+    wait: Duration,
+    e: &fencelock::Error,
+) -> Failure {
+    let why = match backend.get_lock(name).await {
+        Ok(lock) => crate::explain::holders(&lock),
+        // Freed in the meantime: the server's refusal is all there is to say.
+        Err(_) => format!("busy ({})", e.message()),
+    };
+    Failure {
+        message: crate::explain::not_acquired(name, wait, &why),
+        code: exit::NOT_ACQUIRED,
     }
 }
 
@@ -171,13 +217,20 @@ pub async fn acquire(args: AcquireArgs) -> Result<(), Failure> {
     let spinner = Spinner::start(&spec.name, !args.wait.is_zero());
     let result = backend.acquire(&spec).await;
     spinner.stop();
-    let lease = result?;
+    let lease = match result {
+        Ok(lease) => lease,
+        Err(e) if not_acquired(e.kind()) => {
+            return Err(not_acquired_failure(&backend, &spec.name, args.wait, &e).await)
+        }
+        Err(e) => return Err(e.into()),
+    };
     if args.connection.json {
         print_json(&json!({
             "name": lease.name,
             "fence": lease.fence,
             "owner_token": lease.owner_token,
             "ttl_ms": lease.ttl.as_millis() as u64,
+            "expires_at": rfc3339_after(lease.ttl),
         }));
     } else {
         println!(
@@ -228,7 +281,11 @@ pub async fn renew(args: RenewArgs) -> Result<(), Failure> {
     let lease = Lease::new(args.name.clone(), 0, args.owner_token, args.ttl);
     let ttl = backend.renew(&lease, args.ttl).await?;
     if args.connection.json {
-        print_json(&json!({"name": args.name, "ttl_ms": ttl.as_millis() as u64}));
+        print_json(&json!({
+            "name": args.name,
+            "ttl_ms": ttl.as_millis() as u64,
+            "expires_at": rfc3339_after(ttl),
+        }));
     } else {
         println!("renewed {:?} for {}", args.name, human(ttl));
     }
