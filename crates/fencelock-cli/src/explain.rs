@@ -65,6 +65,9 @@ pub fn flag_message(message: &str) -> String {
             if let Some(detail) = rest.strip_prefix(": ") {
                 return format!("{flag}: {detail}");
             }
+            if rest.starts_with(" must ") {
+                return format!("{flag}{rest}");
+            }
         }
     }
     message.to_owned()
@@ -195,6 +198,10 @@ mod tests {
         assert_eq!(
             flag_message("name: contains a control character"),
             "the lock name: contains a control character"
+        );
+        assert_eq!(
+            flag_message("limit must be at least 1"),
+            "--limit must be at least 1"
         );
         assert_eq!(flag_message("something else"), "something else");
     }
