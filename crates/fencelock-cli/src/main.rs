@@ -216,24 +216,25 @@ fn help(topic: &[String]) -> Result<ExitCode> {
         print!("{}", exit::table_text());
         return Ok(ExitCode::SUCCESS);
     }
-    let mut cmd = Cli::command();
-    cmd.build();
-    let mut found = &mut cmd;
-    for word in topic {
-        match found.find_subcommand_mut(word) {
-            Some(sub) => found = sub,
-            None => {
-                eprintln!(
-                    "fencelock: no command or help topic {:?} (topics: exit-codes; commands: \
-                     see `fencelock --help`)",
-                    topic.join(" ")
-                );
-                return Ok(ExitCode::from(exit::USAGE));
-            }
+    // Exactly what `fencelock TOPIC… --help` prints.
+    let args = ["fencelock"]
+        .into_iter()
+        .chain(topic.iter().map(String::as_str))
+        .chain(["--help"]);
+    match Cli::command().try_get_matches_from(args) {
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => {
+            e.print().context("cannot print the help")?;
+            Ok(ExitCode::SUCCESS)
+        }
+        _ => {
+            eprintln!(
+                "fencelock: no command or help topic {:?} (topics: exit-codes; commands: \
+                 see `fencelock --help`)",
+                topic.join(" ")
+            );
+            Ok(ExitCode::from(exit::USAGE))
         }
     }
-    found.print_long_help().context("cannot print the help")?;
-    Ok(ExitCode::SUCCESS)
 }
 
 /// `fencelock man [COMMAND]`: the page clap_mangen renders from the definitions,
@@ -506,11 +507,13 @@ fn backup(args: &BackupArgs) -> Result<(), remote::Failure> {
     }
     let holders: usize = image.locks.iter().map(|l| l.holders.len()).sum();
     if c.json {
+        // The file's size, framing included.
+        let size = std::fs::metadata(out).map_or(0, |m| m.len());
         println!(
             "{}",
             serde_json::json!({
                 "path": out,
-                "bytes": bytes.len(),
+                "bytes": size,
                 "locks": image.locks.len(),
                 "holders": holders,
                 "next_fence": image.next_fence,

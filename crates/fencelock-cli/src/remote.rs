@@ -31,7 +31,8 @@ pub struct Connection {
     /// For https:// servers with a private CA: the CA certificate (PEM) to trust.
     #[arg(long, env = "FENCELOCK_CA_CERT")]
     pub ca_cert: Option<std::path::PathBuf>,
-    /// Print JSON instead of text.
+    /// Print JSON instead of text: results on stdout, a failure as one line
+    /// `{"error":{"code","message","exit_code"}}` on stderr.
     #[arg(long)]
     pub json: bool,
 }

@@ -30,6 +30,7 @@ use crate::remote::{default_owner, human, not_acquired, parse_duration, Connecti
 
 /// `fencelock run`.
 #[derive(Args, Debug)]
+#[command(override_usage = "fencelock run [OPTIONS] <NAME> -- <COMMAND>...")]
 pub struct RunArgs {
     /// The lock to hold while the command runs.
     #[arg(value_name = "NAME", required_unless_present = "lock")]
