@@ -355,3 +355,22 @@ fn audit_takes_absolute_and_relative_since_and_until() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("RFC 3339"));
 }
+
+/// The unit's `Documentation=` names the man page, its header installs that page
+/// with `fencelock man`, and that command renders fencelock(1).
+#[test]
+fn the_systemd_unit_documents_a_page_its_install_steps_install() {
+    let unit_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/fencelock.service");
+    let unit = std::fs::read_to_string(unit_path).unwrap();
+    let docs: Vec<&str> = unit
+        .lines()
+        .filter_map(|l| l.strip_prefix("Documentation="))
+        .collect();
+    assert_eq!(docs, ["man:fencelock(1)"], "{unit}");
+    assert!(
+        unit.contains("#   fencelock man > /usr/local/share/man/man1/fencelock.1"),
+        "the install steps must install the page: {unit}"
+    );
+    let page = stdout(&fencelock(&["man"]));
+    assert!(page.contains(".TH fencelock 1 "), "{page}");
+}
