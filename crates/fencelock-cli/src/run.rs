@@ -192,7 +192,7 @@ async fn run_command(args: RunArgs) -> Result<u8, Failure> {
         t.give(pgid);
     }
     // Given back on every way out, even an early return.
-    let _terminal_back = TerminalBack(terminal.as_ref());
+    let _terminal_back = TerminalBack(terminal.as_ref(), pgid);
     let mut states = watch_child(pgid);
     let lost = guard.lost();
     tokio::pin!(lost);
@@ -200,11 +200,16 @@ async fn run_command(args: RunArgs) -> Result<u8, Failure> {
     loop {
         tokio::select! {
             state = states.recv() => match state {
-                Some(ChildState::Stopped(signal)) => {
+                // Job control (Ctrl-Z, a read or write from the background) stops
+                // `run` with its command; a SIGSTOP someone sent is theirs to undo.
+                Some(ChildState::Stopped(signal))
+                    if matches!(signal, libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU) =>
+                {
                     if let Some(t) = &terminal {
                         t.suspend_with(pgid, signal);
                     }
                 }
+                Some(ChildState::Stopped(_)) => {}
                 Some(ChildState::Exited(code)) => {
                     if let Err(e) = guard.release().await {
                         eprintln!("fencelock run: the command finished, but releasing {name:?} failed (it will expire): {e}");
@@ -318,29 +323,44 @@ impl Terminal {
         set_foreground(libc::STDIN_FILENO, group);
     }
 
-    /// The command stopped (Ctrl-Z): take the terminal back, stop `run` by the same
-    /// signal (the shell sees the job stopped), and once continued give the terminal
-    /// back (if continued in the foreground) and continue the command.
+    /// Whether `group` is the terminal's foreground group.
+    fn is_foreground(&self, group: libc::pid_t) -> bool {
+        // SAFETY: tcgetpgrp only reads.
+        unsafe { libc::tcgetpgrp(libc::STDIN_FILENO) == group }
+    }
+
+    /// Gives the terminal back to `run`'s group if the command's group has it (not
+    /// if the shell took it back meanwhile: `run` was put in the background).
+    fn take_back(&self, group: libc::pid_t) {
+        if self.is_foreground(group) {
+            self.give(self.own_group);
+        }
+    }
+
+    /// The command was stopped by job control (Ctrl-Z): take the terminal back, stop
+    /// `run` by the same signal (the shell sees the job stopped), and once continued
+    /// give the command the terminal if `run` is in the foreground again (`fg`), and
+    /// continue it (after `bg` too).
     fn suspend_with(&self, group: libc::pid_t, signal: libc::c_int) {
-        self.give(self.own_group);
-        // SAFETY: raise(3) and getpgrp/tcgetpgrp; no memory is touched.
+        self.take_back(group);
+        // SAFETY: raise(3) sends a signal to this process; no memory is touched.
         unsafe {
             libc::raise(signal);
-            if libc::tcgetpgrp(libc::STDIN_FILENO) == self.own_group {
-                self.give(group);
-            }
+        }
+        if self.is_foreground(self.own_group) {
+            self.give(group);
         }
         signal_group(group, libc::SIGCONT);
     }
 }
 
-/// Gives the terminal back to `run`'s group when dropped.
-struct TerminalBack<'a>(Option<&'a Terminal>);
+/// Gives the terminal back to `run`'s group when dropped (see [`Terminal::take_back`]).
+struct TerminalBack<'a>(Option<&'a Terminal>, libc::pid_t);
 
 impl Drop for TerminalBack<'_> {
     fn drop(&mut self) {
         if let Some(t) = self.0 {
-            t.give(t.own_group);
+            t.take_back(self.1);
         }
     }
 }

@@ -30,6 +30,11 @@ struct Terminal {
 impl Terminal {
     /// Starts `fencelock ARGS…` as the session leader of a new pseudo-terminal.
     fn spawn(args: &[&str]) -> Terminal {
+        Terminal::spawn_program(support::BIN, args)
+    }
+
+    /// Starts `PROGRAM ARGS…` as the session leader of a new pseudo-terminal.
+    fn spawn_program(program: &str, args: &[&str]) -> Terminal {
         // SAFETY: plain libc calls on descriptors this function owns; the name is
         // read from a NUL-terminated buffer ptsname_r filled.
         let (master, slave) = unsafe {
@@ -46,7 +51,7 @@ impl Terminal {
             assert!(s >= 0, "open the pty: {}", std::io::Error::last_os_error());
             (File::from_raw_fd(m), File::from_raw_fd(s))
         };
-        let mut command = Command::new(support::BIN);
+        let mut command = Command::new(program);
         command
             .args(args)
             .env_remove("FENCELOCK_TOKEN")
@@ -211,6 +216,25 @@ fn ctrl_c_at_the_terminal_reaches_the_command() {
     assert_eq!(t.exit_code(), Some(3), "{}", t.seen);
     let out = server.fencelock(&["show", "tty:int"]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
+}
+
+/// `run` gives the terminal back when its command ends: a script that goes on to
+/// read the terminal after `run` can (it would be outside the foreground group
+/// otherwise, and its read would fail).
+#[test]
+fn the_terminal_is_given_back_when_the_command_ends() {
+    let server = Server::start();
+    let script = format!(
+        "{} run tty:back --server {} -- sh -c 'echo inside'; echo next?; read answer; echo \"after $answer\"",
+        support::BIN,
+        server.url
+    );
+    let mut t = Terminal::spawn_program("sh", &["-c", &script]);
+    t.expect("inside");
+    t.expect("next?");
+    t.type_in("run\n");
+    t.expect("after run");
+    assert_eq!(t.exit_code(), Some(0), "{}", t.seen);
 }
 
 /// The terminal does not make the command unstoppable: when the lock is lost while
