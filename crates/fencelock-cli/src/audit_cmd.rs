@@ -128,6 +128,11 @@ pub fn run(args: AuditArgs) -> ExitCode {
 }
 
 fn query(args: AuditArgs) -> Result<(), Failure> {
+    if args.lock.is_some() && !args.connection.json {
+        eprintln!(
+            "fencelock audit: --lock is deprecated; give the lock name as the first argument"
+        );
+    }
     let now = SystemTime::now();
     let since = args.since.map(|w| w.unix_ms(now));
     let until = args.until.map(|w| w.unix_ms(now));

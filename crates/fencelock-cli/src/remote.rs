@@ -107,7 +107,25 @@ pub fn finish(result: Result<(), Failure>, json: bool) -> ExitCode {
 /// The wall-clock time `after` from now, in RFC 3339 (UTC, milliseconds): the
 /// client's estimate of when a lease ends, for scripts.
 pub fn rfc3339_after(after: Duration) -> String {
-    humantime::format_rfc3339_millis(std::time::SystemTime::now() + after).to_string()
+    rfc3339(std::time::SystemTime::now().checked_add(after))
+}
+
+/// `at` in RFC 3339, within what the format can say (1970 to 9999; only a confused
+/// server sends durations that reach past it).
+fn rfc3339(at: Option<std::time::SystemTime>) -> String {
+    use std::time::UNIX_EPOCH;
+    let last = UNIX_EPOCH + Duration::from_secs(253_402_300_799);
+    let at = at.unwrap_or(last).clamp(UNIX_EPOCH, last);
+    humantime::format_rfc3339_millis(at).to_string()
+}
+
+/// The wall-clock time `before` ago, as [`rfc3339_after`].
+pub fn rfc3339_before(before: Duration) -> String {
+    rfc3339(
+        std::time::SystemTime::now()
+            .checked_sub(before)
+            .or(Some(std::time::UNIX_EPOCH)),
+    )
 }
 
 /// Why `name` was not acquired within `wait`, with who holds it (asked of the
@@ -511,6 +529,9 @@ fn lock_json(lock: &LockInfo) -> Value {
             "owner": h.owner,
             "held_ms": h.held_ms,
             "ttl_remaining_ms": h.ttl_remaining_ms,
+            // Wall-clock times for scripts, from this machine's clock.
+            "held_since": rfc3339_before(Duration::from_millis(h.held_ms)),
+            "expires_at": rfc3339_after(Duration::from_millis(h.ttl_remaining_ms)),
             "session": h.session,
         })).collect::<Vec<_>>(),
         "waiters": lock.waiters,
@@ -641,6 +662,20 @@ mod tests {
         }
         let e = parse_duration("10x").unwrap_err().to_string();
         assert!(e.contains("\"10x\"") && e.contains("examples"), "{e}");
+    }
+
+    #[test]
+    fn wall_clock_times_never_overflow() {
+        let year_9999 = Duration::from_secs(253_402_300_799);
+        for text in [
+            rfc3339_after(Duration::from_secs(u64::MAX)),
+            rfc3339_before(Duration::from_secs(u64::MAX)),
+            rfc3339_after(Duration::ZERO),
+        ] {
+            assert!(humantime::parse_rfc3339(&text).is_ok(), "{text}");
+        }
+        assert!(rfc3339_before(year_9999).starts_with("1970-01-01T"));
+        assert!(rfc3339_after(year_9999).starts_with("9999-12-31T"));
     }
 
     #[test]

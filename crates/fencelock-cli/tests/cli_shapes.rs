@@ -242,7 +242,17 @@ fn json_shapes_are_pinned() {
         &server.json(&["renew", "shape:a", "--owner-token", &token]),
     );
     pin("ls", &server.json(&["ls", "--prefix", "shape:"]));
-    pin("show", &server.json(&["show", "shape:a"]));
+    let show = server.json(&["show", "shape:a"]);
+    pin("show", &show);
+    // Wall-clock times are RFC 3339.
+    for time in [
+        &grant["expires_at"],
+        &show["holders"][0]["held_since"],
+        &show["holders"][0]["expires_at"],
+    ] {
+        let text = time.as_str().unwrap_or_default();
+        assert!(humantime::parse_rfc3339(text).is_ok(), "{time}");
+    }
     pin(
         "error (not acquired)",
         &server.json(&["acquire", "shape:a"]),

@@ -137,6 +137,7 @@ async fn unreachable_server_exits_69_and_missing_command_127() {
     )
     .await;
     assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("--lock is deprecated"));
 
     let server = TestServer::start().await;
     let out =
