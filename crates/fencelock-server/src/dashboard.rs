@@ -1087,29 +1087,37 @@ pub(crate) struct AuditJson {
     kind: &'static str,
     /// The lock.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     lock: Option<String>,
     /// The grant's fence.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     fence: Option<u64>,
     /// The holder's owner text.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     owner: Option<String>,
     /// The session's handle.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     session: Option<String>,
     /// The acquire's idempotency key.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     request_id: Option<String>,
     /// Who made the change (a token name, or `server`).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     actor: Option<String>,
     /// A forced release's reason.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     reason: Option<String>,
     /// How long the grant was held (0 for other kinds).
     duration_ms: u64,
     /// More about it, for people.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     detail: Option<String>,
 }
 

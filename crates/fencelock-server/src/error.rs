@@ -152,6 +152,7 @@ pub struct ErrorDetail {
     /// With `not_leader`: the leader's URL, when this member knows it (absent
     /// otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     pub leader: Option<String>,
 }
 

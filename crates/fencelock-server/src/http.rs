@@ -258,6 +258,7 @@ pub(crate) struct GrantJson {
     ttl_ms: u64,
     /// The session holding it, if any.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     session: Option<String>,
 }
 
@@ -399,6 +400,7 @@ pub(crate) struct HolderJson {
     ttl_remaining_ms: u64,
     /// The handle of its session, if it holds through one.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     session: Option<String>,
 }
 
