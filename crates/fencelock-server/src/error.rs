@@ -307,3 +307,40 @@ impl fmt::Display for ApiError {
 }
 
 impl std::error::Error for ApiError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `ALL` is where the documented list of codes comes from. A new kind breaks the
+    /// match below until it is given the next index; list it in `ALL` at that index.
+    #[test]
+    fn all_lists_every_kind_once_in_order() {
+        fn index(kind: ApiErrorKind) -> usize {
+            match kind {
+                ApiErrorKind::InvalidJson => 0,
+                ApiErrorKind::InvalidArgument => 1,
+                ApiErrorKind::PayloadTooLarge => 2,
+                ApiErrorKind::NotFound => 3,
+                ApiErrorKind::MethodNotAllowed => 4,
+                ApiErrorKind::Held => 5,
+                ApiErrorKind::Timeout => 6,
+                ApiErrorKind::NotHeld => 7,
+                ApiErrorKind::Expired => 8,
+                ApiErrorKind::LimitMismatch => 9,
+                ApiErrorKind::SessionNotFound => 10,
+                ApiErrorKind::ResourceExhausted => 11,
+                ApiErrorKind::Unauthenticated => 12,
+                ApiErrorKind::PermissionDenied => 13,
+                ApiErrorKind::RateLimited => 14,
+                ApiErrorKind::Cancelled => 15,
+                ApiErrorKind::Unavailable => 16,
+                ApiErrorKind::NotLeader => 17,
+                ApiErrorKind::Internal => 18,
+            }
+        }
+        for (i, kind) in ApiErrorKind::ALL.iter().enumerate() {
+            assert_eq!(index(*kind), i, "{kind:?}");
+        }
+    }
+}

@@ -798,8 +798,12 @@ async fn the_document_describes_since_ms_and_the_required_fields() {
             .contains("Unix epoch"),
         "{since}"
     );
-    let acquire = &doc["components"]["schemas"]["AcquireRequest"];
-    assert_eq!(acquire["required"], json!(["name"]));
-    assert_eq!(acquire["additionalProperties"], json!(false));
+    let renew = &doc["components"]["schemas"]["RenewRequest"];
+    assert_eq!(renew["required"], json!(["name", "owner_token"]));
+    assert_eq!(renew["additionalProperties"], json!(false));
+    assert!(doc["info"]["description"]
+        .as_str()
+        .unwrap()
+        .contains("a missing required field"));
     s.stop().await;
 }

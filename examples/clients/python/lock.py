@@ -33,7 +33,7 @@ class Fencelock:
         if token:
             self.http.headers["Authorization"] = f"Bearer {token}"
 
-    def _post(self, path, body, timeout=30):
+    def post(self, path, body, timeout=30):
         # `json=` sends Content-Type: application/json, which the server requires
         # of every body when authentication is off.
         answer = self.http.post(self.url + path, json=body, timeout=timeout)
@@ -45,17 +45,17 @@ class Fencelock:
     def acquire(self, name, ttl_ms, wait_ms=0, owner=""):
         # The HTTP timeout must outlast the server-side wait.
         body = {"name": name, "ttl_ms": ttl_ms, "wait_ms": wait_ms, "owner": owner}
-        return self._post("/v1/acquire", body, timeout=30 + wait_ms / 1000)
+        return self.post("/v1/acquire", body, timeout=30 + wait_ms / 1000)
 
     def renew(self, grant, ttl_ms=None):
         body = {"name": grant["name"], "owner_token": grant["owner_token"]}
         if ttl_ms is not None:
             body["ttl_ms"] = ttl_ms
-        return self._post("/v1/renew", body)
+        return self.post("/v1/renew", body)
 
     def release(self, grant):
         body = {"name": grant["name"], "owner_token": grant["owner_token"]}
-        return self._post("/v1/release", body)
+        return self.post("/v1/release", body)
 
 
 class StaleFence(Exception):
@@ -122,7 +122,7 @@ def main():
 
     # A mistake gets a stable code: the body lacks the required `name`.
     try:
-        lock._post("/v1/acquire", {"ttl_ms": 1000})
+        lock.post("/v1/acquire", {"ttl_ms": 1000})
         sys.exit("a body without a name was accepted")
     except FencelockError as e:
         assert (e.status, e.code) == (400, "invalid_argument"), e
