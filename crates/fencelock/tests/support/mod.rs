@@ -86,6 +86,8 @@ pub async fn next_event(
     .unwrap_or_else(|_| panic!("no {kind:?} event within {STEP:?}"))
 }
 
+// Not every test binary uses it.
+#[allow(unused_imports)]
 pub use fencelock_testkit::Proxy;
 
 /// A real backend that counts the calls made through it.
