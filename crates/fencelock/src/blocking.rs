@@ -190,6 +190,7 @@ impl LockRequest {
     pub fn acquire(self) -> Result<LockGuard, Error> {
         let guard = self.runtime.block_on(self.inner.acquire())??;
         Ok(LockGuard {
+            lease: guard.lease().clone(),
             inner: Some(guard),
             runtime: self.runtime,
         })
@@ -205,7 +206,8 @@ impl LockRequest {
 /// `drop` returns (see [`crate::LockGuard`]).
 #[derive(Debug)]
 pub struct LockGuard {
-    /// Always `Some` until dropped or released.
+    lease: Lease,
+    /// `Some` until dropped or released (both end the guard).
     inner: Option<crate::LockGuard>,
     runtime: Arc<Runtime>,
 }
@@ -219,23 +221,23 @@ impl LockGuard {
 
     /// The lock name.
     pub fn name(&self) -> &str {
-        self.inner().map(|g| g.name()).unwrap_or_default()
+        &self.lease.name
     }
 
     /// The fencing token of this grant: send it with every write to the protected
     /// resource.
     pub fn fence(&self) -> u64 {
-        self.inner().map(|g| g.fence()).unwrap_or_default()
+        self.lease.fence
     }
 
     /// The grant as the store reported it.
-    pub fn lease(&self) -> Option<&Lease> {
-        self.inner().ok().map(|g| g.lease())
+    pub fn lease(&self) -> &Lease {
+        &self.lease
     }
 
     /// How long the lock is still certainly held; `None` once it is or may be lost.
     pub fn valid_for(&self) -> Option<Duration> {
-        self.inner().ok().and_then(|g| g.valid_for())
+        self.inner.as_ref().and_then(|g| g.valid_for())
     }
 
     /// Whether the lock is, or may be, lost. Check it before each write.
@@ -256,12 +258,9 @@ impl LockGuard {
         let Some(guard) = self.inner.take() else {
             return Ok(false);
         };
-        match self.runtime.block_on(guard.release()) {
-            Ok(released) => released,
-            // Inside an async runtime the future was dropped unpolled, and with it the
-            // guard: its background task releases.
-            Err(e) => Err(e),
-        }
+        // Inside an async runtime this is an error, and the guard, dropped unpolled
+        // with the future, is released by its background task.
+        self.runtime.block_on(guard.release())?
     }
 }
 

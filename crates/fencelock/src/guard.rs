@@ -4,7 +4,9 @@
 //! store can expire the lease: it is `send instant of the last confirmed acquire or
 //! renewal + granted ttl − safety margin`, and the store starts a lease no earlier than
 //! it receives the request. [`LockGuard::lost`] resolves at that deadline at the latest
-//! (within the timer's 1 ms resolution), whatever the renewal task is doing.
+//! (within the timer's 1 ms resolution), whatever the renewal task is doing. A grant
+//! held under a session has the session's deadline (the same rule, counted from the
+//! session's last confirmed keep-alive), which only its keep-alive extends.
 
 use std::future::Future;
 use std::sync::Arc;

@@ -33,6 +33,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! [`Client::session`] opens a [`Session`]: many locks under one keep-alive, every
+//! guard lost when the session is. [`blocking`] is the same client for programs
+//! without an async runtime.
+//!
 //! The store is a [`LockBackend`]; the fencelock server ([`FencelockBackend`]) is the
 //! first one, and [`Client::capabilities`] says what a store guarantees.
 //!

@@ -270,6 +270,37 @@ async fn waiting_forever_gets_the_lock_when_it_is_released() {
     }
 }
 
+/// A wait too long for one request is refused as bad input, not overflowed, by the
+/// server (the client splits a longer wait into calls of at most an hour).
+#[tokio::test]
+async fn the_server_refuses_a_wait_beyond_its_bound_as_bad_input() {
+    let server = TestServer::start().await;
+    let mut raw = server.raw().await;
+    let status = raw
+        .acquire(fencelock_proto::AcquireRequest {
+            name: "huge-wait".into(),
+            ttl_ms: Some(1000),
+            wait_ms: u64::MAX,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert_eq!(
+        fencelock_proto::error_code(&status),
+        Some("invalid_argument")
+    );
+    // Nothing was queued or granted.
+    let mut raw = server.raw().await;
+    let info = raw
+        .get_lock(fencelock_proto::GetLockRequest {
+            name: "huge-wait".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(info.code(), tonic::Code::NotFound);
+}
+
 /// A store without sessions says so.
 #[tokio::test]
 async fn a_store_without_sessions_is_unsupported() {
