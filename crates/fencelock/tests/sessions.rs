@@ -82,6 +82,31 @@ async fn fifty_locks_under_one_session_share_one_keep_alive() {
     assert_eq!(session.close().await.unwrap(), 50);
 }
 
+/// A lock taken under a session is held under it on the server (its holder names the
+/// session), whichever transport carries the acquire.
+#[tokio::test]
+async fn a_session_lock_is_held_under_the_session_over_either_transport() {
+    let server = TestServer::start().await;
+    let backend = server.backend().await;
+    for transport in [fencelock::Transport::Wire, fencelock::Transport::Grpc] {
+        let config = fencelock::ServerConfig::new(server.url()).transport(transport);
+        let client = Client::connect_with(config).await.unwrap();
+        let session = client
+            .session(Duration::from_secs(5))
+            .owner("tx")
+            .await
+            .unwrap();
+        let name = format!("tx:{transport:?}");
+        let guard = session.lock(&name).acquire().await.unwrap();
+        let info = backend.get_lock(&name).await.unwrap();
+        assert_eq!(info.holders.len(), 1);
+        assert_eq!(info.holders[0].fence, guard.fence());
+        assert_eq!(info.holders[0].owner, "tx", "the session's owner");
+        assert!(info.holders[0].session.is_some(), "{transport:?}: {info:?}");
+        assert_eq!(session.close().await.unwrap(), 1, "{transport:?}");
+    }
+}
+
 /// The test: the session ends on the server (closed there by another
 /// connection, as an operator would), the next keep-alive is refused, and every guard
 /// under the session reports `lost()` with that refusal. (Caught planted: guards that
