@@ -20,6 +20,23 @@ async fn client(server: &TestServer) -> Client {
     Client::connect(&server.url()).await.unwrap()
 }
 
+/// `DELETE /v1/admin/sessions/{handle}` over plain HTTP/1.1; the whole answer.
+async fn admin_close_session(server: &TestServer, handle: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(server.addr()).await.unwrap();
+    let request = format!(
+        "DELETE /v1/admin/sessions/{handle} HTTP/1.1\r\nHost: localhost\r\n\
+         Connection: close\r\n\r\n"
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    timeout(STEP, stream.read_to_string(&mut answer))
+        .await
+        .unwrap()
+        .unwrap();
+    answer
+}
+
 /// Polls the server until `name` has `waiters` waiters (or the step times out).
 async fn until_waiters(server: &TestServer, name: &str, waiters: u64) {
     let mut raw = server.raw().await;
@@ -107,8 +124,8 @@ async fn a_session_lock_is_held_under_the_session_over_either_transport() {
     }
 }
 
-/// The issue's test: the session ends on the server (closed there by another
-/// connection, as an operator would), the next keep-alive is refused, and every guard
+/// The issue's test: an operator closes the session on the server (`DELETE
+/// /v1/admin/sessions/{handle}`), the next keep-alive is refused, and every guard
 /// under the session reports `lost()` with that refusal. (Caught planted: guards that
 /// do not follow the session's state never fire.)
 #[tokio::test]
@@ -123,15 +140,12 @@ async fn a_session_ended_on_the_server_fires_every_guards_lost() {
     for i in 0..5 {
         guards.push(session.lock(format!("end:{i}")).acquire().await.unwrap());
     }
-    let mut raw = server.raw().await;
-    let closed = raw
-        .close_session(fencelock_proto::CloseSessionRequest {
-            session: session.id().to_owned(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(closed.released, 5);
+    // The operator finds the session's handle on a lock it holds and closes it.
+    let info = server.backend().await.get_lock("end:0").await.unwrap();
+    let handle = info.holders[0].session.clone().expect("session-held");
+    let answer = admin_close_session(&server, &handle).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains(r#""released":5"#), "{answer}");
     for guard in &guards {
         match timeout(STEP, guard.lost()).await.unwrap() {
             LostReason::Revoked(e) => assert_eq!(e.kind(), ErrorKind::SessionNotFound, "{e}"),
