@@ -48,7 +48,8 @@
 //!   `postgres::PostgresAdvisoryBackend` (advisory locks, no fences).
 //! - `mysql`: `mysql::MysqlBackend` (a lock table with durable fences) and
 //!   `mysql::MysqlGetLockBackend` (`GET_LOCK`, no fences), on MySQL or MariaDB.
-//! - `etcd`: `etcd::EtcdBackend`, etcd v3 (durable fences, FIFO, watches, semaphores).
+//! - `etcd`: `etcd::EtcdBackend`, etcd v3 (durable fences, FIFO, watches, semaphores,
+//!   sessions).
 //! - `zookeeper`: `zookeeper::ZooKeeperBackend` (durable fences, FIFO, watches,
 //!   semaphores; chroot, digest auth, or the application's own ZooKeeper client);
 //!   `zookeeper-tls` adds TLS.
