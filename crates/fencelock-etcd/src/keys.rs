@@ -118,8 +118,11 @@ pub(crate) fn parse_value(value: &[u8]) -> Option<Entry> {
 /// must still have for the grant to be held.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Token {
-    /// The grant's own etcd lease.
+    /// The grant's etcd lease: its own, or its session's.
     pub(crate) lease_id: i64,
+    /// Held on a session's lease (`s` before the lease id): releasing deletes the key
+    /// but leaves the lease to the session.
+    pub(crate) session: bool,
     /// The key's create revision (= the fence).
     pub(crate) revision: i64,
     /// The escaped request id: the last part of the key.
@@ -130,8 +133,11 @@ impl Token {
     /// The token's text.
     pub(crate) fn encode(&self) -> String {
         format!(
-            "{}:{}:{}",
-            self.lease_id, self.revision, self.escaped_request_id
+            "{}{}:{}:{}",
+            if self.session { "s" } else { "" },
+            self.lease_id,
+            self.revision,
+            self.escaped_request_id
         )
     }
 
@@ -143,7 +149,11 @@ impl Token {
                 format!("{text:?} is not an owner token of the etcd backend"),
             )
         };
-        let mut parts = text.splitn(3, ':');
+        let (session, text_after) = match text.strip_prefix('s') {
+            Some(rest) => (true, rest),
+            None => (false, text),
+        };
+        let mut parts = text_after.splitn(3, ':');
         let lease_id: i64 = parts
             .next()
             .and_then(|p| p.parse().ok())
@@ -167,6 +177,7 @@ impl Token {
         }
         Ok(Token {
             lease_id,
+            session,
             revision,
             escaped_request_id: escaped_request_id.to_owned(),
         })
@@ -215,6 +226,7 @@ mod tests {
             for y in names {
                 let key = Token {
                     lease_id: 1,
+                    session: false,
                     revision: 1,
                     escaped_request_id: escape("r/1"),
                 }
@@ -229,12 +241,20 @@ mod tests {
     fn tokens_round_trip_and_refuse_foreign_text() {
         let token = Token {
             lease_id: 7587869,
+            session: false,
             revision: 42,
             escaped_request_id: escape("req:1/2"),
         };
         assert_eq!(Token::parse(&token.encode()).expect("parses"), token);
+        let held = Token {
+            session: true,
+            ..token.clone()
+        };
+        assert_eq!(held.encode(), "s7587869:42:req:1%2F2");
+        assert_eq!(Token::parse(&held.encode()).expect("parses"), held);
         for bad in [
             "", "1:2", "x:2:r", "1:x:r", "0:2:r", "1:-2:r", "1:2:", "1:2:a/b", "1:2:%2", "1:2:a b",
+            "s", "s:1:r", "ss1:2:r", "S1:2:r",
         ] {
             let e = Token::parse(bad).expect_err(bad);
             assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{bad:?}");

@@ -28,6 +28,10 @@
 //!   revision, then sends one `LeaseKeepAlive` on the lease; `NotHeld` when either is
 //!   gone. `release` deletes the key in a transaction that compares its create
 //!   revision and lease (so it never touches another grant), then revokes the lease.
+//! - A **session** is an etcd lease of its own: a grant under it puts its key on that
+//!   lease instead of a new one (the owner token says so), and its release deletes the
+//!   key only. The keep-alive is a `LeaseKeepAlive` of that lease; closing revokes it,
+//!   deleting every key on it. A session that expires ends its grants with it.
 //!
 //! # Reader-writer locks and elections
 //!
@@ -63,7 +67,7 @@
 //!   (`etcdctl snapshot restore` rewinds the revision to the snapshot's): after a
 //!   restore, bump the revision past any fence ever issued (`etcdutl snapshot restore
 //!   --bump-revision` in etcd ≥ 3.5).
-//! - No lock-delay (a `lock_delay` is refused) and no sessions. A waiter cut off from
+//! - No lock-delay (a `lock_delay` is refused). A waiter cut off from
 //!   etcd for its whole ttl loses its place (its key expires); the next attempt queues
 //!   again at the back.
 //! - A holder that stops without releasing, or a waiter whose cleanup cannot reach
@@ -112,6 +116,7 @@ use tonic::{Code, Request, Status};
 
 use fencelock_backend::{
     AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Leader, Lease, LockBackend, LockMode,
+    SessionLease,
 };
 use fencelock_backend::{Error, ErrorKind};
 use keys::Token;
@@ -580,12 +585,6 @@ impl EtcdBackend {
         candidate: Option<&str>,
     ) -> Result<Lease, Error> {
         spec.validate()?;
-        if spec.session.is_some() {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                "the etcd backend has no sessions (see its Capabilities)",
-            ));
-        }
         if spec.mode == LockMode::Shared && spec.limit != 1 {
             return Err(invalid(
                 "the etcd backend admits any number of readers: a shared lock takes limit 1"
@@ -605,10 +604,10 @@ impl EtcdBackend {
             .unwrap_or(start + Duration::from_secs(100 * 365 * 24 * 3600));
         let place = Place::new(&self.prefix, spec, candidate);
 
-        let (new_lease, granted_ttl_s) = self.grant_lease(whole_seconds(spec.ttl)).await?;
         // From here until the grant is returned, giving up revokes the lease (and with
-        // it the key), also when this future is dropped.
-        let mut pending = PendingGrant::new(self.clone(), new_lease);
+        // it the key; a session's lease stays, only the key goes), also when this
+        // future is dropped.
+        let (mut pending, granted_ttl_s) = self.pending_grant(spec, &place).await?;
         let queued = self
             .enqueue(&place, spec, &mut pending, granted_ttl_s)
             .await?;
@@ -651,6 +650,7 @@ impl EtcdBackend {
         }
         let token = Token {
             lease_id: pending.lease_id,
+            session: spec.session.is_some(),
             revision: queued.revision,
             escaped_request_id: place.escaped_request_id,
         };
@@ -739,8 +739,17 @@ impl EtcdBackend {
                 "the grant's key vanished during the retry; try again",
             ));
         };
-        let unused = std::mem::replace(&mut pending.lease_id, found.lease);
-        let _ = self.revoke(unused).await;
+        if pending.session_key.is_some() {
+            if found.lease != pending.lease_id {
+                return Err(invalid(format!(
+                    "request id {:?} was used for a grant outside this session",
+                    spec.request_id
+                )));
+            }
+        } else {
+            let unused = std::mem::replace(&mut pending.lease_id, found.lease);
+            let _ = self.revoke(unused).await;
+        }
         let ttl_s = match self.keep_alive(found.lease).await {
             Err(e) if e.kind() == ErrorKind::NotHeld => {
                 return Err(Error::new(
@@ -1078,8 +1087,10 @@ impl EtcdBackend {
             return Ok(false);
         }
         // The key is gone, so the lock is released; an unrevoked lease holds nothing
-        // and runs out by itself.
-        let _ = self.revoke(token.lease_id).await;
+        // and runs out by itself. A session's lease is the session's to end.
+        if !token.session {
+            let _ = self.revoke(token.lease_id).await;
+        }
         Ok(true)
     }
 }
@@ -1217,6 +1228,125 @@ impl EtcdBackend {
     }
 }
 
+/// Sessions: one etcd lease that many grants' keys are put on.
+impl EtcdBackend {
+    async fn open_session_inner(&self, ttl: Duration) -> Result<SessionLease, Error> {
+        if ttl.is_zero() || ttl > fencelock_backend::MAX_TTL {
+            return Err(invalid(format!(
+                "session ttl must be between 1ms and {}s, got {ttl:?}",
+                fencelock_backend::MAX_TTL.as_secs()
+            )));
+        }
+        let (id, ttl_s) = self.grant_lease(whole_seconds(ttl)).await?;
+        Ok(SessionLease::new(id.to_string(), seconds(ttl_s)))
+    }
+
+    async fn keep_alive_session(&self, session: &SessionLease) -> Result<Duration, Error> {
+        let id = session_lease_id(&session.id)?;
+        match self.keep_alive(id).await {
+            Ok(ttl_s) => Ok(seconds(ttl_s)),
+            Err(e) if e.kind() == ErrorKind::NotHeld => Err(session_gone(&session.id)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Counts the grants on the session's lease (a keys-only read of the prefix), then
+    /// revokes it, which deletes them.
+    async fn close_session_inner(&self, session: &SessionLease) -> Result<usize, Error> {
+        let id = session_lease_id(&session.id)?;
+        if let Err(e) = self.keep_alive(id).await {
+            return Err(match e.kind() {
+                ErrorKind::NotHeld => session_gone(&session.id),
+                _ => e,
+            });
+        }
+        let start = format!("{}/", self.prefix).into_bytes();
+        let mut end = start.clone();
+        // The last byte is '/': adding one never carries.
+        if let Some(last) = end.last_mut() {
+            *last += 1;
+        }
+        let held = self
+            .range(pb::RangeRequest {
+                key: start,
+                range_end: end,
+                keys_only: true,
+                ..Default::default()
+            })
+            .await?
+            .kvs
+            .iter()
+            .filter(|kv| kv.lease == id)
+            .count();
+        self.revoke(id).await?;
+        Ok(held)
+    }
+
+    /// The pending grant of an acquire, and the lease's length in seconds: on a new
+    /// lease of its own, or on the session's (which must be alive).
+    async fn pending_grant(
+        &self,
+        spec: &AcquireSpec,
+        place: &Place,
+    ) -> Result<(PendingGrant, i64), Error> {
+        let Some(session) = &spec.session else {
+            let (lease_id, ttl_s) = self.grant_lease(whole_seconds(spec.ttl)).await?;
+            return Ok((PendingGrant::new(self.clone(), lease_id), ttl_s));
+        };
+        let lease_id = session_lease_id(session)?;
+        let ttl_s = match self.keep_alive(lease_id).await {
+            Err(e) if e.kind() == ErrorKind::NotHeld => return Err(session_gone(session)),
+            other => other?,
+        };
+        let mut pending = PendingGrant::new(self.clone(), lease_id);
+        pending.session_key = Some(place.key.clone());
+        Ok((pending, ttl_s))
+    }
+
+    /// Undoes a pending grant: revokes its own lease, or deletes its key from a
+    /// session's lease (only while the key is on that lease).
+    async fn abandon(&self, lease_id: i64, session_key: Option<Vec<u8>>) -> Result<(), Error> {
+        let Some(key) = session_key else {
+            return self.revoke(lease_id).await;
+        };
+        self.txn(pb::TxnRequest {
+            compare: vec![compare(
+                &key,
+                CompareTarget::Lease,
+                TargetUnion::Lease(lease_id),
+            )],
+            success: vec![pb::RequestOp {
+                request: Some(Op::RequestDeleteRange(pb::DeleteRangeRequest {
+                    key,
+                    ..Default::default()
+                })),
+            }],
+            failure: Vec::new(),
+        })
+        .await
+        .map(drop)
+    }
+}
+
+/// A session id of this backend: an etcd lease id.
+fn session_lease_id(id: &str) -> Result<i64, Error> {
+    id.parse::<i64>()
+        .ok()
+        .filter(|&id| id > 0)
+        .ok_or_else(|| invalid(format!("{id:?} is not a session of the etcd backend")))
+}
+
+fn session_gone(id: &str) -> Error {
+    Error::new(
+        ErrorKind::SessionNotFound,
+        format!("session {id} has expired or was closed"),
+    )
+}
+
+fn seconds(ttl_s: i64) -> Duration {
+    Duration::from_secs(u64::try_from(ttl_s).unwrap_or(0))
+}
+
 impl LockBackend for EtcdBackend {
     fn capabilities(&self) -> Capabilities {
         let mut caps = Capabilities::new("etcd", FenceGuarantee::Durable);
@@ -1226,6 +1356,7 @@ impl LockBackend for EtcdBackend {
         caps.monotonic_leases = true;
         caps.shared = true;
         caps.elections = true;
+        caps.sessions = true;
         caps
     }
 
@@ -1270,6 +1401,30 @@ impl LockBackend for EtcdBackend {
         wait: Duration,
     ) -> BoxFuture<'a, Result<Option<Leader>, Error>> {
         Box::pin(self.leader_change_inner(name, known, wait))
+    }
+
+    /// A session is an etcd lease of its own (whole seconds, as every lease here);
+    /// locks acquired under it put their keys on it.
+    fn open_session<'a>(
+        &'a self,
+        ttl: Duration,
+        _owner: &'a str,
+    ) -> BoxFuture<'a, Result<SessionLease, Error>> {
+        Box::pin(self.open_session_inner(ttl))
+    }
+
+    fn keep_alive<'a>(
+        &'a self,
+        session: &'a SessionLease,
+    ) -> BoxFuture<'a, Result<Duration, Error>> {
+        Box::pin(self.keep_alive_session(session))
+    }
+
+    fn close_session<'a>(
+        &'a self,
+        session: &'a SessionLease,
+    ) -> BoxFuture<'a, Result<usize, Error>> {
+        Box::pin(self.close_session_inner(session))
     }
 
     /// Keeps the grant's lease alive for the length granted at `acquire` (etcd cannot
@@ -1523,6 +1678,9 @@ impl Turn {
 struct PendingGrant {
     backend: EtcdBackend,
     lease_id: i64,
+    /// On a session's lease: the request's key, deleted (if still on that lease)
+    /// instead of revoking the session.
+    session_key: Option<Vec<u8>>,
     armed: bool,
 }
 
@@ -1531,6 +1689,7 @@ impl PendingGrant {
         PendingGrant {
             backend,
             lease_id,
+            session_key: None,
             armed: true,
         }
     }
@@ -1543,7 +1702,10 @@ impl PendingGrant {
     /// Revokes the lease now. If etcd cannot be reached the lease runs out by itself;
     /// if this is cancelled half-way, the drop tries again in the background.
     async fn give_up(&mut self) {
-        let _ = self.backend.revoke(self.lease_id).await;
+        let _ = self
+            .backend
+            .abandon(self.lease_id, self.session_key.clone())
+            .await;
         self.armed = false;
     }
 }
@@ -1556,8 +1718,9 @@ impl Drop for PendingGrant {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let backend = self.backend.clone();
             let lease_id = self.lease_id;
+            let session_key = self.session_key.take();
             runtime.spawn(async move {
-                let _ = backend.revoke(lease_id).await;
+                let _ = backend.abandon(lease_id, session_key).await;
             });
         }
     }

@@ -111,10 +111,10 @@ impl Election {
         options.mode = crate::LockMode::Exclusive;
         let guard = self
             .client
-            .acquire_as(self.name.clone(), options, Some(&value))
+            .acquire_as(self.name.clone(), options, None, Some(&value))
             .await?;
         Ok(Leadership {
-            backend: self.client.backend().clone(),
+            backend: self.client.backend(),
             guard,
         })
     }
@@ -131,7 +131,7 @@ impl Election {
     /// quietly; a permanent one is the last item.
     pub fn observe(&self) -> impl Stream<Item = Result<Option<Leader>, Error>> + Send + 'static {
         let observer = Observer {
-            backend: self.client.backend().clone(),
+            backend: self.client.backend(),
             name: self.name.clone(),
             backoff: self.options.backoff,
             known: None,
