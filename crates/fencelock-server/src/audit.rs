@@ -102,7 +102,8 @@ pub enum AuditKind {
 }
 
 impl AuditKind {
-    const ALL: [AuditKind; 9] = [
+    /// Every kind.
+    pub(crate) const ALL: [AuditKind; 9] = [
         AuditKind::Downgrade,
         AuditKind::Proclaim,
         AuditKind::Grant,
