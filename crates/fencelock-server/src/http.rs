@@ -152,9 +152,11 @@ fn too_large(max_body_bytes: usize) -> ApiError {
 pub(crate) struct AcquireBody {
     /// The lock: 1–256 bytes of UTF-8 without control or invisible characters. Or
     /// `names` instead, for a multi-lock request.
+    #[serde(default, deserialize_with = "present")]
     name: Option<String>,
     /// Several locks as one request (1–64 distinct names): all granted or none,
     /// answered as `{"grants": [...]}` in the order asked.
+    #[serde(default, deserialize_with = "present")]
     names: Option<Vec<String>>,
     /// The lease, 10 ms–24 h. Required without `session`, absent with it (the
     /// session's lease holds the lock).
@@ -193,12 +195,24 @@ pub(crate) struct RenewBody {
 #[schema(as = ReleaseRequest)]
 pub(crate) struct ReleaseBody {
     /// The lock (one grant; or `grants` for several).
+    #[serde(default, deserialize_with = "present")]
     name: Option<String>,
     /// The token of the grant (`token` is accepted too).
-    #[serde(alias = "token")]
+    #[serde(alias = "token", default, deserialize_with = "present")]
     owner_token: Option<String>,
     /// Several grants released in one step (1–64).
+    #[serde(default, deserialize_with = "present")]
     grants: Option<Vec<GrantRef>>,
+}
+
+/// A field that may be absent (another field replaces it) but, when present, is
+/// never `null`: `null` stays a malformed body, as for a required field.
+fn present<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(d).map(Some)
 }
 
 /// A grant named by its lock and owner token.
@@ -344,12 +358,34 @@ pub(crate) struct GrantsJson {
     grants: Vec<GrantJson>,
 }
 
+/// What an acquire answers: one grant, or for `names` all of them.
+#[derive(Serialize, ToSchema)]
+#[serde(untagged)]
+#[schema(as = AcquireAnswer)]
+pub(crate) enum AcquireAnswer {
+    /// One lock's grant.
+    One(GrantJson),
+    /// A multi-lock request's grants.
+    Several(GrantsJson),
+}
+
 /// The answer to a release of several grants.
 #[derive(Serialize, ToSchema)]
 #[schema(as = ReleasedAll)]
 pub(crate) struct ReleasedAllJson {
     /// Per grant, in the order given: `false` only if its token had released it.
     released: Vec<bool>,
+}
+
+/// What a release answers: for one grant or, for `grants`, for each.
+#[derive(Serialize, ToSchema)]
+#[serde(untagged)]
+#[schema(as = ReleaseAnswer)]
+pub(crate) enum ReleaseAnswer {
+    /// One grant's release.
+    One(ReleasedJson),
+    /// Several grants' releases.
+    Several(ReleasedAllJson),
 }
 
 /// The answer to a resignation.
@@ -580,12 +616,10 @@ fn name(s: &str) -> Result<LockName, ApiError> {
     input::lock_name("name", s)
 }
 
-/// A body without a required field: `invalid_json`, as serde says it.
+/// A body without a required field, answered as serde's missing fields are (the
+/// field is optional in the body's type only because `names`/`grants` may replace it).
 fn missing_field(field: &str) -> ApiError {
-    ApiError::new(
-        ApiErrorKind::InvalidJson,
-        format!("invalid JSON body: missing field `{field}`"),
-    )
+    invalid(field, "is missing; this route requires it")
 }
 
 fn name_of(s: &str) -> Result<LockName, ApiError> {
@@ -624,7 +658,7 @@ async fn release_all(
 #[utoipa::path(post, path = "/v1/acquire", tag = "locks",
     request_body = AcquireBody,
     responses(
-        (status = 200, description = "Granted: a grant, or for `names` `{\"grants\": [...]}` in the order asked.", body = GrantJson),
+        (status = 200, description = "Granted: a grant, or for `names` `{\"grants\": [...]}` in the order asked.", body = AcquireAnswer),
         (status = 404, description = "`session_not_found`: `session` names no open session of this caller.", body = ErrorBody),
         (status = 409, description = "`held` (not waiting), `timeout` (`wait_ms` ran out) or `limit_mismatch` (held with another `limit`).", body = ErrorBody),
         CommonErrors,
@@ -633,12 +667,10 @@ pub(crate) async fn acquire(
     State(h): State<Handle>,
     Caller(caller): Caller,
     JsonBody(b): JsonBody<AcquireBody>,
-) -> Result<Response, ApiError> {
+) -> Result<Json<AcquireAnswer>, ApiError> {
     let names = match (&b.name, &b.names) {
         (Some(one), None) => vec![name(one)?],
         (None, Some(list)) => input::names(list)?,
-        // As when every acquire had to name one lock: a body without one is not
-        // the request's shape.
         (None, None) => return Err(missing_field("name")),
         (Some(_), Some(_)) => {
             return Err(invalid(
@@ -675,13 +707,13 @@ pub(crate) async fn acquire(
     if multi {
         let grants = h.acquire_all(&requester, args).await?;
         let grants: Vec<GrantJson> = grants.into_iter().map(GrantJson::from).collect();
-        return Ok(Json(GrantsJson { grants }).into_response());
+        return Ok(Json(AcquireAnswer::Several(GrantsJson { grants })));
     }
     let Some(one) = args.pop() else {
         return Err(invalid("name", "name a lock"));
     };
     let grant: GrantJson = h.acquire(&requester, one).await?.into();
-    Ok(Json(grant).into_response())
+    Ok(Json(AcquireAnswer::One(grant)))
 }
 
 /// Turns an exclusive grant into a shared one without releasing it: the fence is
@@ -863,7 +895,7 @@ pub(crate) async fn renew(
 #[utoipa::path(post, path = "/v1/release", tag = "locks",
     request_body = ReleaseBody,
     responses(
-        (status = 200, description = "Released (or, for a repeat, already released).", body = ReleasedJson),
+        (status = 200, description = "Released (or, for a repeat, already released); for `grants`, per grant.", body = ReleaseAnswer),
         (status = 409, description = "`not_held` or `expired`.", body = ErrorBody),
         CommonErrors,
     ))]
@@ -871,11 +903,12 @@ pub(crate) async fn release(
     State(h): State<Handle>,
     Caller(caller): Caller,
     JsonBody(b): JsonBody<ReleaseBody>,
-) -> Result<Response, ApiError> {
+) -> Result<Json<ReleaseAnswer>, ApiError> {
     let (name, token) = match (b.name, b.owner_token, b.grants) {
         (Some(name), Some(token), None) => (name, token),
         (None, None, Some(grants)) => {
-            return Ok(release_all(&h, &caller, grants).await?.into_response())
+            let Json(all) = release_all(&h, &caller, grants).await?;
+            return Ok(Json(ReleaseAnswer::Several(all)));
         }
         (None, _, None) => return Err(missing_field("name")),
         (Some(_), None, None) => return Err(missing_field("owner_token")),
@@ -891,11 +924,10 @@ pub(crate) async fn release(
     caller.take_request()?;
     let token = input::owner_token(&token)?;
     let released = h.release(&Requester::of(&caller), name, token).await?;
-    Ok(Json(ReleasedJson {
+    Ok(Json(ReleaseAnswer::One(ReleasedJson {
         released,
         reason: (!released).then_some("already_released"),
-    })
-    .into_response())
+    })))
 }
 
 /// An admin releases a lock it does not hold, with a reason for the audit log.
