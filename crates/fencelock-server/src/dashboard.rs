@@ -118,7 +118,7 @@ fn utc(wall_ms: u64) -> String {
 
 /// Milliseconds since the Unix epoch as RFC 3339 UTC with milliseconds
 /// (`2026-03-02T12:30:45.123Z`; always three digits, so the text sorts).
-fn rfc3339(wall_ms: u64) -> String {
+pub(crate) fn rfc3339(wall_ms: u64) -> String {
     utc(wall_ms).replacen(' ', "T", 1) + "Z"
 }
 

@@ -56,6 +56,10 @@ pub enum ApiErrorKind {
     NotLeader,
     /// A bug or an I/O failure on the server (500). Never caused by client input.
     Internal,
+    /// A watch cannot resume at the position it named: the events after it were
+    /// compacted away, or the position is not from this server's log (410). The
+    /// watcher re-reads the locks and watches again from now.
+    WatchCompacted,
 }
 
 impl ApiErrorKind {
@@ -81,6 +85,7 @@ impl ApiErrorKind {
             ApiErrorKind::Unavailable => "unavailable",
             ApiErrorKind::NotLeader => "not_leader",
             ApiErrorKind::Internal => "internal",
+            ApiErrorKind::WatchCompacted => "watch_compacted",
         }
     }
 
@@ -102,6 +107,7 @@ impl ApiErrorKind {
             ApiErrorKind::Cancelled => 499,
             ApiErrorKind::Unavailable | ApiErrorKind::NotLeader => 503,
             ApiErrorKind::Internal => 500,
+            ApiErrorKind::WatchCompacted => 410,
         }
     }
 }

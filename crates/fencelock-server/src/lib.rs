@@ -23,6 +23,7 @@ pub mod origin;
 mod preface;
 pub mod startup;
 pub mod tls;
+pub mod watch_sse;
 pub mod wire;
 
 use std::net::SocketAddr;

@@ -792,6 +792,7 @@ async fn every_grpc_call(
     ));
     let watch = WatchRequest {
         prefix: "b:".into(),
+        after: None,
     };
     out.push(("Watch", c.watch(req(watch, cr)).await.map(drop)));
     out
@@ -882,6 +883,7 @@ async fn grpc_watch_and_list_are_cut_down_to_the_prefixes() {
         .watch(req(
             WatchRequest {
                 prefix: String::new(),
+                after: None,
             },
             Some(&reader),
         ))
