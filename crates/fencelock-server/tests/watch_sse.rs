@@ -1,0 +1,268 @@
+//! `GET /v1/watch`: lock events as Server-Sent Events, resumable with `after=` or
+//! `Last-Event-ID` (issue 22, item 5), its bad input answered 400, a position the
+//! server cannot resume from answered 410, and tenant isolation as on every read.
+
+mod support;
+
+use std::time::Duration;
+
+use fencelock_server::{AuthConfig, Role, TokenConfig};
+use serde_json::{json, Value};
+use support::{Pending, TestServer};
+
+const WITHIN: Duration = Duration::from_secs(20);
+
+/// One SSE event: `id`, `event`, `data` (parsed).
+#[derive(Debug, Clone)]
+struct Sse {
+    id: String,
+    event: String,
+    data: Value,
+}
+
+/// The SSE events in a raw HTTP/1.1 response (chunked: every chunk's body is
+/// whole lines), heartbeat comments left out.
+fn events(raw: &str) -> Vec<Sse> {
+    let body = raw.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    let text: String = body
+        .split("\r\n")
+        .filter(|part| !part.is_empty() && !part.bytes().all(|b| b.is_ascii_hexdigit()))
+        .collect();
+    text.split("\n\n")
+        .filter_map(|block| {
+            let mut sse = Sse {
+                id: String::new(),
+                event: String::new(),
+                data: Value::Null,
+            };
+            for line in block.lines() {
+                if let Some(v) = line.strip_prefix("id: ").or(line.strip_prefix("id:")) {
+                    sse.id = v.to_owned();
+                } else if let Some(v) = line.strip_prefix("event: ").or(line.strip_prefix("event:"))
+                {
+                    sse.event = v.to_owned();
+                } else if let Some(v) = line.strip_prefix("data: ").or(line.strip_prefix("data:")) {
+                    sse.data = serde_json::from_str(v).unwrap_or(Value::String(v.to_owned()));
+                }
+            }
+            (!sse.event.is_empty()).then_some(sse)
+        })
+        .collect()
+}
+
+async fn open(t: &TestServer, path: &str, headers: &[(&str, &str)]) -> Pending {
+    t.client.send("GET", path, headers, b"").await
+}
+
+/// Acquires and releases `name` over HTTP: the events it makes (`kind name fence`).
+async fn round(t: &TestServer, name: &str, auth: Option<&str>) -> Vec<String> {
+    let bearer = auth.map(|a| format!("Bearer {a}"));
+    let mut headers = vec![
+        ("Content-Type", "application/json"),
+        ("Connection", "close"),
+    ];
+    if let Some(b) = &bearer {
+        headers.push(("Authorization", b.as_str()));
+    }
+    let body = json!({"name": name, "ttl_ms": 60_000}).to_string();
+    let grant = t
+        .client
+        .request("POST", "/v1/acquire", &headers, body.as_bytes())
+        .await
+        .expect_json(200);
+    let body = json!({"name": name, "owner_token": grant["owner_token"]}).to_string();
+    t.client
+        .request("POST", "/v1/release", &headers, body.as_bytes())
+        .await
+        .expect_json(200);
+    let fence = grant["fence"].as_u64().unwrap();
+    vec![
+        format!("granted {name} {fence}"),
+        format!("released {name} {fence}"),
+    ]
+}
+
+fn whats(events: &[Sse]) -> Vec<String> {
+    events
+        .iter()
+        .map(|e| {
+            format!(
+                "{} {} {}",
+                e.event,
+                e.data["name"].as_str().unwrap_or("?"),
+                e.data["fence"].as_u64().unwrap_or(0)
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn sse_streams_events_and_resumes_after_a_position_or_last_event_id() {
+    let t = TestServer::start().await;
+    let mut live = open(&t, "/v1/watch?prefix=s:", &[]).await;
+    let head = live.read_until("\r\n\r\n", WITHIN).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("text/event-stream"), "{head}");
+
+    let mut expected = Vec::new();
+    for name in ["s:a", "t:other", "s:b"] {
+        let made = round(&t, name, None).await;
+        if name.starts_with("s:") {
+            expected.extend(made);
+        }
+    }
+    expected.extend(round(&t, "s:end", None).await);
+    let raw = live.read_until("\"name\":\"s:end\"", WITHIN).await;
+    let mut seen = events(&format!("{head}{raw}"));
+    // The released event of `s:end` may still be on its way.
+    if seen.len() < expected.len() {
+        let more = live.read_until("event: released\n", WITHIN).await;
+        seen = events(&format!("{head}{raw}{more}"));
+    }
+    assert_eq!(whats(&seen), expected);
+    for e in &seen {
+        assert_eq!(e.data["position"].as_str(), Some(e.id.as_str()), "{e:?}");
+        let at = e.data["at"].as_str().unwrap();
+        assert!(at.ends_with('Z') && at.contains('T'), "RFC 3339: {at}");
+        assert!(e.data["wall_ms"].as_u64().unwrap() > 1_700_000_000_000);
+    }
+    live.close();
+
+    // Resumed after the second event: the rest, and nothing before.
+    let after = &seen[1].id;
+    let mut resumed = open(&t, &format!("/v1/watch?prefix=s:&after={after}"), &[]).await;
+    let last_id = format!("id: {}\n", seen.last().unwrap().id);
+    let resumed_raw = resumed.read_until(&last_id, WITHIN).await;
+    assert_eq!(whats(&events(&resumed_raw)), expected[2..].to_vec());
+
+    // `Last-Event-ID` (what a browser sends when it reconnects) wins over `after`.
+    let fourth = seen[3].id.clone();
+    let mut by_header = open(
+        &t,
+        &format!("/v1/watch?prefix=s:&after={after}"),
+        &[("Last-Event-ID", fourth.as_str())],
+    )
+    .await;
+    let raw = by_header.read_until(&last_id, WITHIN).await;
+    assert_eq!(whats(&events(&raw)), expected[4..].to_vec());
+    t.stop().await;
+}
+
+#[tokio::test]
+async fn sse_refuses_bad_positions_with_400_and_lost_ones_with_410() {
+    let t = TestServer::start_with(|e| e.watch_history = 2).await;
+    for bad in [
+        "x",
+        "1",
+        "1.",
+        ".1",
+        "-1.0",
+        "1.2.3",
+        "99999999999999999999.0",
+    ] {
+        let r = t.client.get(&format!("/v1/watch?after={bad}")).await;
+        r.expect_error(400, "invalid_argument");
+    }
+    let r = t
+        .client
+        .request(
+            "GET",
+            "/v1/watch",
+            &[("Last-Event-ID", "nope"), ("Connection", "close")],
+            b"",
+        )
+        .await;
+    r.expect_error(400, "invalid_argument");
+    let r = t.client.get("/v1/watch?prefix=bad%20name%00").await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    let r = t.client.get("/v1/watch?unknown=1").await;
+    assert_eq!(r.status, 400, "{}", r.text());
+
+    // Three rounds (six events) through a history of two: the first is gone.
+    let mut live = open(&t, "/v1/watch", &[]).await;
+    for _ in 0..3 {
+        round(&t, "h:a", None).await;
+    }
+    let raw = live.read_until("event: granted\n", WITHIN).await;
+    let first = events(&raw)[0].id.clone();
+    live.close();
+    let r = t.client.get(&format!("/v1/watch?after={first}")).await;
+    let message = r.expect_error(410, "watch_compacted");
+    assert!(message.contains("re-read"), "{message}");
+    // From another data directory (past this log's end): refused too.
+    let r = t.client.get("/v1/watch?after=999999.0").await;
+    r.expect_error(410, "watch_compacted");
+    t.stop().await;
+}
+
+fn token(name: &str, role: Role, prefixes: &[&str]) -> TokenConfig {
+    TokenConfig {
+        name: name.to_owned(),
+        role,
+        prefixes: prefixes.iter().map(|p| (*p).to_owned()).collect(),
+        sha256: fencelock_server::auth::hash_token(name),
+        acquire_rate: None,
+        request_rate: None,
+        quotas: Default::default(),
+    }
+}
+
+#[tokio::test]
+async fn sse_shows_a_token_only_its_own_prefixes_events() {
+    let t = TestServer::start_configured(|c| {
+        c.auth = AuthConfig {
+            tokens: vec![
+                token("reader-a", Role::Reader, &["a:"]),
+                token("client-a", Role::Client, &["a:"]),
+                token("client-b", Role::Client, &["b:"]),
+            ],
+        }
+    })
+    .await;
+    let unauthenticated = t.client.get("/v1/watch").await;
+    assert_eq!(unauthenticated.status, 401, "{}", unauthenticated.text());
+    let r = t
+        .client
+        .request(
+            "GET",
+            "/v1/watch?prefix=b:",
+            &[
+                ("Authorization", "Bearer reader-a"),
+                ("Connection", "close"),
+            ],
+            b"",
+        )
+        .await;
+    r.expect_error(403, "permission_denied");
+
+    // Watching everything, reader-a gets a:'s events only.
+    let mut live = open(&t, "/v1/watch", &[("Authorization", "Bearer reader-a")]).await;
+    let head = live.read_until("\r\n\r\n", WITHIN).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let mut expected = Vec::new();
+    round(&t, "b:secret", Some("client-b")).await;
+    expected.extend(round(&t, "a:mine", Some("client-a")).await);
+    round(&t, "b:secret2", Some("client-b")).await;
+    expected.extend(round(&t, "a:end", Some("client-a")).await);
+    let raw = live.read_until("\"name\":\"a:end\"", WITHIN).await;
+    let mut raw = format!("{head}{raw}");
+    if events(&raw).len() < expected.len() {
+        raw.push_str(&live.read_until("event: released\n", WITHIN).await);
+    }
+    assert_eq!(whats(&events(&raw)), expected);
+    assert!(!raw.contains("b:secret"), "{raw}");
+
+    // Resuming from before b:'s events shows none of them either.
+    let after = events(&raw)[0].id.clone();
+    let mut resumed = open(
+        &t,
+        &format!("/v1/watch?after={after}"),
+        &[("Authorization", "Bearer reader-a")],
+    )
+    .await;
+    let last = format!("id: {}\n", events(&raw).last().unwrap().id);
+    let raw = resumed.read_until(&last, WITHIN).await;
+    assert_eq!(whats(&events(&raw)), expected[1..].to_vec());
+    assert!(!raw.contains("b:secret"), "{raw}");
+    t.stop().await;
+}
