@@ -20,10 +20,13 @@ struct Sse {
     data: Value,
 }
 
-/// The SSE events in a raw HTTP/1.1 response (chunked: every chunk's body is
-/// whole lines), heartbeat comments left out.
+/// The SSE events in a raw HTTP/1.1 response, or a later part of it (chunked:
+/// every chunk's body is whole lines), heartbeat comments left out.
 fn events(raw: &str) -> Vec<Sse> {
-    let body = raw.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    let body = match raw.split_once("\r\n\r\n") {
+        Some((head, body)) if head.starts_with("HTTP/") => body,
+        _ => raw,
+    };
     let text: String = body
         .split("\r\n")
         .filter(|part| !part.is_empty() && !part.bytes().all(|b| b.is_ascii_hexdigit()))
@@ -265,4 +268,28 @@ async fn sse_shows_a_token_only_its_own_prefixes_events() {
     assert_eq!(whats(&events(&raw)), expected[1..].to_vec());
     assert!(!raw.contains("b:secret"), "{raw}");
     t.stop().await;
+}
+
+#[tokio::test]
+async fn sse_ends_with_an_end_event_when_the_server_stops() {
+    let t = TestServer::start().await;
+    let mut live = open(&t, "/v1/watch", &[]).await;
+    let head = live.read_until("\r\n\r\n", WITHIN).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let stopping = tokio::spawn(t.stop());
+    let raw = live.read_until("Last-Event-ID", WITHIN).await;
+    let end = events(&raw).pop().unwrap();
+    assert_eq!(end.event, "end");
+    assert_eq!(end.data["error"]["code"], "unavailable", "{raw}");
+    assert!(
+        end.data["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("Last-Event-ID"),
+        "{raw}"
+    );
+    tokio::time::timeout(WITHIN, stopping)
+        .await
+        .expect("the stream does not hold the shutdown up")
+        .unwrap();
 }

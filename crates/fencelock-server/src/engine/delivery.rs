@@ -112,9 +112,9 @@ impl Delivery {
                 sender,
                 history,
             } => {
+                history.push_all(&events);
                 for event in events {
                     count_event(&metrics, &event);
-                    history.push(event.clone());
                     let _ = sender.send(event);
                 }
             }

@@ -111,6 +111,9 @@ struct Ring {
     /// The last record index this server knows of (published or recovered): a
     /// position beyond it comes from another data directory.
     head: u64,
+    /// Whether a position past `head` is refused. Not in a cluster: a member
+    /// that lags behind the one a watcher came from will get there.
+    refuse_future: bool,
 }
 
 /// How a resumed watch starts: the events it missed, then the live ones from
@@ -132,8 +135,17 @@ impl History {
                 capacity: capacity.max(1),
                 floor: Position::before_record(first_index),
                 head: first_index.saturating_sub(1),
+                refuse_future: true,
             }),
         }
+    }
+
+    /// A cluster member's history: a position past what this member has applied
+    /// is waited for, not refused (another member applied it first).
+    pub(crate) fn for_member(capacity: usize) -> History {
+        let history = History::new(capacity, 0);
+        history.ring().refuse_future = false;
+        history
     }
 
     fn ring(&self) -> std::sync::MutexGuard<'_, Ring> {
@@ -146,14 +158,21 @@ impl History {
 
     /// Records `event` (its position after every one recorded before).
     pub(crate) fn push(&self, event: Arc<WatchEvent>) {
+        self.push_all(std::slice::from_ref(&event));
+    }
+
+    /// Records `events`, in order, under one lock.
+    pub(crate) fn push_all(&self, events: &[Arc<WatchEvent>]) {
         let mut ring = self.ring();
-        ring.head = ring.head.max(event.position.index);
-        if ring.events.len() == ring.capacity {
-            if let Some(old) = ring.events.pop_front() {
-                ring.floor = old.position;
+        for event in events {
+            ring.head = ring.head.max(event.position.index);
+            if ring.events.len() == ring.capacity {
+                if let Some(old) = ring.events.pop_front() {
+                    ring.floor = old.position;
+                }
             }
+            ring.events.push_back(event.clone());
         }
-        ring.events.push_back(event);
     }
 
     /// Notes that records up to `index` were applied (some make no event).
@@ -208,7 +227,7 @@ impl History {
                 ),
             ));
         }
-        if after.index > ring.head {
+        if ring.refuse_future && after.index > ring.head {
             return Err(ApiError::new(
                 ApiErrorKind::WatchCompacted,
                 format!(
@@ -328,5 +347,20 @@ mod tests {
         assert!(history
             .resume(&sender, "20.4294967295".parse().unwrap())
             .is_ok());
+    }
+
+    #[test]
+    fn a_cluster_member_waits_for_a_position_it_has_not_applied_yet() {
+        let (sender, _) = broadcast::channel(16);
+        let history = History::for_member(8);
+        history.push(event(3, 0));
+        let r = history.resume(&sender, "9.0".parse().unwrap()).unwrap();
+        assert!(r.backlog.is_empty());
+        history.reset(20);
+        let err = history
+            .resume(&sender, "9.0".parse().unwrap())
+            .err()
+            .unwrap();
+        assert_eq!(err.kind(), ApiErrorKind::WatchCompacted);
     }
 }

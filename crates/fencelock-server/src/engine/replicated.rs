@@ -1235,7 +1235,7 @@ where
     metrics.set_state_gauges(&core.stats());
     let (tx, rx) = super::queue::queue();
     let (events, _) = tokio::sync::broadcast::channel(EVENT_BUFFER);
-    let history = Arc::new(History::new(config.watch_history, 0));
+    let history = Arc::new(History::for_member(config.watch_history));
     let (state_tx, state_rx) = watch::channel(RunState::Running);
     let (sm_tx, sm_rx) = mpsc::channel(SM_QUEUE);
     let (attach_tx, attach_rx) = oneshot::channel();
