@@ -12,46 +12,7 @@ use support::{Pending, TestServer};
 
 const WITHIN: Duration = Duration::from_secs(20);
 
-/// One SSE event: `id`, `event`, `data` (parsed).
-#[derive(Debug, Clone)]
-struct Sse {
-    id: String,
-    event: String,
-    data: Value,
-}
-
-/// The SSE events in a raw HTTP/1.1 response, or a later part of it (chunked:
-/// every chunk's body is whole lines), heartbeat comments left out.
-fn events(raw: &str) -> Vec<Sse> {
-    let body = match raw.split_once("\r\n\r\n") {
-        Some((head, body)) if head.starts_with("HTTP/") => body,
-        _ => raw,
-    };
-    let text: String = body
-        .split("\r\n")
-        .filter(|part| !part.is_empty() && !part.bytes().all(|b| b.is_ascii_hexdigit()))
-        .collect();
-    text.split("\n\n")
-        .filter_map(|block| {
-            let mut sse = Sse {
-                id: String::new(),
-                event: String::new(),
-                data: Value::Null,
-            };
-            for line in block.lines() {
-                if let Some(v) = line.strip_prefix("id: ").or(line.strip_prefix("id:")) {
-                    sse.id = v.to_owned();
-                } else if let Some(v) = line.strip_prefix("event: ").or(line.strip_prefix("event:"))
-                {
-                    sse.event = v.to_owned();
-                } else if let Some(v) = line.strip_prefix("data: ").or(line.strip_prefix("data:")) {
-                    sse.data = serde_json::from_str(v).unwrap_or(Value::String(v.to_owned()));
-                }
-            }
-            (!sse.event.is_empty()).then_some(sse)
-        })
-        .collect()
-}
+use support::{sse_events as events, Sse};
 
 async fn open(t: &TestServer, path: &str, headers: &[(&str, &str)]) -> Pending {
     t.client.send("GET", path, headers, b"").await
