@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use fencelock_server::{AuthConfig, Role, TokenConfig};
-use serde_json::{json, Value};
+use serde_json::json;
 use support::{Pending, TestServer};
 
 const WITHIN: Duration = Duration::from_secs(20);
