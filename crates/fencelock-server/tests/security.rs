@@ -216,6 +216,7 @@ fn endpoints(b_token: &str, session: &str) -> Vec<(&'static str, String, Option<
         ("GET", "/v1/admin/snapshot".into(), None),
         ("GET", "/metrics".into(), None),
         ("GET", "/v1/audit".into(), None),
+        ("GET", "/v1/watch?prefix=b:".into(), None),
         ("GET", "/no/such/route".into(), None),
     ]
 }

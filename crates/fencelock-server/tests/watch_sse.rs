@@ -254,3 +254,21 @@ async fn sse_ends_with_an_end_event_when_the_server_stops() {
         .expect("the stream does not hold the shutdown up")
         .unwrap();
 }
+
+/// With authentication off, a page on a rebound name (`Host: evil.example`) cannot
+/// read the event stream, as it cannot read any other `/v1` route.
+#[tokio::test]
+async fn sse_refuses_a_foreign_host_with_authentication_off() {
+    let t = TestServer::start().await;
+    let raw = t
+        .client
+        .raw(
+            b"GET /v1/watch HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n",
+            WITHIN,
+        )
+        .await;
+    let raw = String::from_utf8_lossy(&raw);
+    assert!(raw.starts_with("HTTP/1.1 403"), "{raw}");
+    assert!(raw.contains("permission_denied"), "{raw}");
+    t.stop().await;
+}
