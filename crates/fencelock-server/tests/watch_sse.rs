@@ -272,3 +272,67 @@ async fn sse_refuses_a_foreign_host_with_authentication_off() {
     assert!(raw.contains("permission_denied"), "{raw}");
     t.stop().await;
 }
+
+/// A watcher that falls further behind than the live channel holds catches up
+/// from the history by itself: every event, in order, none twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_sse_watcher_catches_up_from_the_history() {
+    use fencelock_core::{LockName, Owner};
+    use fencelock_server::engine::{AcquireArgs, Durability, Requester, EVENT_BUFFER};
+    let t = TestServer::start_with(|e| e.durability = Durability::None).await;
+    let mut live = open(&t, "/v1/watch", &[]).await;
+    let head = live.read_until("\r\n\r\n", WITHIN).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // Two events a round, while nothing is read: with 1 KiB owners, more than the
+    // socket buffers hold, so the stream stops taking events from the channel,
+    // and then more than the channel holds.
+    let rounds = EVENT_BUFFER;
+    let owner = Owner::new(&"o".repeat(1000)).unwrap();
+    let h = t.server().handle().clone();
+    let anyone = Requester::anonymous();
+    for i in 0..rounds {
+        let name = LockName::new(if i + 1 == rounds { "lag:end" } else { "lag:x" }).unwrap();
+        let args = AcquireArgs {
+            name: name.clone(),
+            ttl_ms: Some(60_000),
+            wait_ms: 0,
+            owner: owner.clone(),
+            request_id: None,
+            limit: 1,
+            lock_delay_ms: 0,
+            session: None,
+        };
+        let grant = h.acquire(&anyone, args).await.unwrap();
+        assert!(h.release(&anyone, name, grant.token).await.unwrap());
+    }
+    let mut raw = live.read_until("\"name\":\"lag:end\"", WITHIN).await;
+    let done = |raw: &str| {
+        events(raw)
+            .last()
+            .is_some_and(|e| e.event == "released" && e.data["name"] == "lag:end")
+    };
+    if !done(&raw) {
+        raw.push_str(&live.read_until("event: released\n", WITHIN).await);
+    }
+    let seen = events(&format!("{head}{raw}"));
+    assert_eq!(seen.len(), 2 * rounds, "every event, once");
+    for pair in seen.windows(2) {
+        let p = |id: &str| {
+            let (i, o) = id.split_once('.').unwrap();
+            (i.parse::<u64>().unwrap(), o.parse::<u32>().unwrap())
+        };
+        assert!(
+            p(&pair[0].id) < p(&pair[1].id),
+            "{} then {}",
+            pair[0].id,
+            pair[1].id
+        );
+    }
+    let kinds: Vec<&str> = seen.iter().map(|e| e.event.as_str()).collect();
+    assert!(
+        kinds.chunks(2).all(|c| c == ["granted", "released"]),
+        "out of order"
+    );
+    live.close();
+    t.stop().await;
+}

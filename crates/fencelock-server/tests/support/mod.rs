@@ -179,7 +179,12 @@ impl Pending {
         let deadline = Instant::now() + within;
         let mut seen = Vec::new();
         let mut buf = vec![0u8; 8192];
-        while find(&seen, needle.as_bytes()).is_none() {
+        // Only the bytes that came since the last look (and a needle's length
+        // before them) can hold a new match: a long stream is not scanned anew
+        // after every read.
+        let mut from = 0;
+        while find(&seen[from..], needle.as_bytes()).is_none() {
+            from = seen.len().saturating_sub(needle.len());
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(left, self.stream.read(&mut buf)).await {
                 Ok(Ok(n)) if n > 0 => seen.extend_from_slice(&buf[..n]),
