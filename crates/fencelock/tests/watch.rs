@@ -203,3 +203,44 @@ async fn a_watch_that_cannot_resume_fails_with_watch_compacted() {
     assert_eq!(whats(&read(&mut again, 2).await), expected);
     assert_eq!(whats(&read(&mut resumed, 2).await), expected);
 }
+
+/// A watcher that falls behind the server's live channel (the server ends its call
+/// with DATA_LOSS) is resumed from the history by the stream itself: every event,
+/// in order, none twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_that_fell_behind_is_resumed_from_the_history() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut engine = fencelock_server::EngineConfig::new(dir.path());
+    engine.durability = fencelock_server::engine::Durability::None;
+    let config = fencelock_server::ServerConfig::new("127.0.0.1:0".parse().unwrap(), engine);
+    let server = fencelock_server::Server::start(config).await.unwrap();
+    let url = format!("http://{}", server.local_addr());
+    let backend = FencelockBackend::connect(ServerConfig::new(url))
+        .await
+        .unwrap();
+    let mut stream = backend.watch("lag:").await.unwrap();
+    // Nothing is read meanwhile: 1 KiB owners fill the connection's windows, then
+    // the server's channel overflows.
+    let rounds = fencelock_server::engine::EVENT_BUFFER;
+    let mut spec = AcquireSpec::new("lag:x", Duration::from_secs(60));
+    spec.owner = "o".repeat(1000);
+    for _ in 0..rounds {
+        let lease = backend.acquire(&spec).await.unwrap();
+        assert!(backend.release(&lease).await.unwrap());
+    }
+    let seen = read(&mut stream, 2 * rounds).await;
+    let kinds: Vec<String> = seen
+        .iter()
+        .map(|(_, w)| w.split(' ').next().unwrap().to_owned())
+        .collect();
+    assert!(
+        kinds.chunks(2).all(|c| c == ["granted", "released"]),
+        "out of order"
+    );
+    let fences: Vec<&str> = seen
+        .iter()
+        .map(|(_, w)| w.rsplit(' ').next().unwrap())
+        .collect();
+    assert!(fences.chunks(2).all(|c| c[0] == c[1]), "a gap");
+    server.shutdown().await.unwrap();
+}
