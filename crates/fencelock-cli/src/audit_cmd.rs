@@ -1,63 +1,206 @@
 //! `fencelock audit`: query a running server's audit log (`GET /v1/audit`).
 
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{bail, Context, Result};
 use clap::Args;
-use serde_json::Value;
+use serde_json::{json, Value};
 
+use crate::exit;
 use crate::http_get;
-use crate::remote::{self, Connection};
+use crate::remote::{self, Connection, Failure};
+
+/// The most entries the server returns for one query.
+const MAX_ENTRIES: usize = 1000;
 
 /// Flags of `fencelock audit`.
 #[derive(Debug, Args)]
 pub struct AuditArgs {
-    /// Server, token (at least the reader role), CA certificate, `--json` (the
-    /// server's JSON instead of a table).
-    #[command(flatten)]
-    pub connection: Connection,
     /// Only entries about this lock.
-    #[arg(long)]
+    #[arg(value_name = "NAME")]
+    pub name: Option<String>,
+    /// Only entries about this lock (deprecated: give it as the first argument).
+    #[arg(long, hide = true, value_name = "NAME", conflicts_with = "name")]
     pub lock: Option<String>,
-    /// Only entries from this long ago until now, e.g. `90s`, `15m`, `1h`, `7d`.
-    #[arg(long, value_parser = remote::parse_duration)]
-    pub since: Option<Duration>,
+    /// Only entries from this time on: a time ago (`90s`, `15m`, `1h`, `7d`) or a
+    /// wall-clock time in RFC 3339 (`2026-12-02T14:00:00Z`, `2026-12-02T15:00:00+01:00`,
+    /// `2026-12-02`).
+    #[arg(long, value_parser = parse_when)]
+    pub since: Option<When>,
+    /// Only entries up to this time (written as for --since).
+    #[arg(long, value_parser = parse_when)]
+    pub until: Option<When>,
     /// At most this many entries (the newest; 1..=1000).
     #[arg(long, default_value_t = 100)]
     pub limit: usize,
+    /// Server, token (at least the reader role), CA certificate; `--json`: the
+    /// entries as JSON (`{"entries":[…]}`, times as RFC 3339 `time` and `time_ms`).
+    #[command(flatten)]
+    pub connection: Connection,
 }
 
-/// Runs the command.
-pub fn run(args: AuditArgs) -> Result<ExitCode> {
-    let mut query = format!("/v1/audit?limit={}", args.limit);
-    if let Some(lock) = &args.lock {
-        query.push_str(&format!("&lock={}", http_get::pct(lock)));
+/// A point in time given on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum When {
+    /// This long before now.
+    Ago(Duration),
+    /// This wall-clock time.
+    At(SystemTime),
+}
+
+impl When {
+    /// Milliseconds since the Unix epoch, with `now` for relative times.
+    fn unix_ms(self, now: SystemTime) -> u64 {
+        let at = match self {
+            When::Ago(d) => now.checked_sub(d).unwrap_or(UNIX_EPOCH),
+            When::At(t) => t,
+        };
+        at.duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
     }
-    if let Some(age) = args.since {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .context("the system clock is before 1970")?;
-        let since = now.saturating_sub(age).as_millis();
-        query.push_str(&format!("&since_ms={since}"));
+}
+
+/// A time flag that is neither a duration nor an RFC 3339 time.
+#[derive(Debug)]
+pub struct BadTime(String);
+
+impl std::fmt::Display for BadTime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} is neither a time ago (e.g. 90s, 15m, 1h, 7d) nor an RFC 3339 time \
+             (e.g. 2026-12-02T14:00:00Z, 2026-12-02T15:00:00+01:00, 2026-12-02)",
+            self.0
+        )
     }
-    let body = http_get::get_as(
-        &args.connection.server,
-        &query,
-        args.connection.token.as_deref(),
-        args.connection.ca_cert.as_deref(),
-    )
-    .with_context(|| format!("cannot query the audit log of {}", args.connection.server))?;
-    if args.connection.json {
-        println!("{}", String::from_utf8_lossy(&body).trim_end());
-        return Ok(ExitCode::SUCCESS);
+}
+
+impl std::error::Error for BadTime {}
+
+/// Parses `--since`/`--until`: a duration ago, or an RFC 3339 time (`Z` or a
+/// `±HH:MM` offset; a date alone is its midnight UTC).
+pub fn parse_when(text: &str) -> Result<When, BadTime> {
+    let text = text.trim();
+    if let Ok(ago) = remote::parse_duration(text) {
+        return Ok(When::Ago(ago));
     }
-    let v: Value = serde_json::from_slice(&body).context("the server sent invalid JSON")?;
-    let Some(entries) = v["entries"].as_array() else {
-        bail!("the server's answer has no entries: {v}");
+    let bad = || BadTime(text.to_owned());
+    if text.len() == 10 {
+        return humantime::parse_rfc3339(&format!("{text}T00:00:00Z"))
+            .map(When::At)
+            .map_err(|_| bad());
+    }
+    // A numeric offset: the time in UTC is the local time minus the offset.
+    let split = text
+        .len()
+        .checked_sub(6)
+        .filter(|i| text.is_char_boundary(*i))
+        .map(|i| text.split_at(i));
+    let (local, offset) = match split {
+        Some((local, off))
+            if off.is_ascii()
+                && (off.starts_with('+') || off.starts_with('-'))
+                && off.as_bytes()[3] == b':' =>
+        {
+            let hours: u64 = off[1..3].parse().map_err(|_| bad())?;
+            let minutes: u64 = off[4..6].parse().map_err(|_| bad())?;
+            if hours > 23 || minutes > 59 {
+                return Err(bad());
+            }
+            let secs = Duration::from_secs(hours * 3600 + minutes * 60);
+            (format!("{local}Z"), Some((off.starts_with('+'), secs)))
+        }
+        _ => (text.to_owned(), None),
     };
-    print!("{}", table(entries));
-    Ok(ExitCode::SUCCESS)
+    let at = humantime::parse_rfc3339(&local.replacen(' ', "T", 1)).map_err(|_| bad())?;
+    let at = match offset {
+        None => Some(at),
+        Some((true, east)) => at.checked_sub(east),
+        Some((false, west)) => at.checked_add(west),
+    };
+    at.map(When::At).ok_or_else(bad)
+}
+
+/// Runs the command; exit codes as the other client commands.
+pub fn run(args: AuditArgs) -> ExitCode {
+    let json = args.connection.json;
+    remote::finish(query(args), json)
+}
+
+fn query(args: AuditArgs) -> Result<(), Failure> {
+    if args.lock.is_some() && !args.connection.json {
+        eprintln!(
+            "fencelock audit: --lock is deprecated; give the lock name as the first argument"
+        );
+    }
+    let now = SystemTime::now();
+    let since = args.since.map(|w| w.unix_ms(now));
+    let until = args.until.map(|w| w.unix_ms(now));
+    if let (Some(since), Some(until)) = (since, until) {
+        if since > until {
+            return Err(Failure {
+                message: "--since is after --until".into(),
+                code: exit::USAGE,
+            });
+        }
+    }
+    if args.limit == 0 || args.limit > MAX_ENTRIES {
+        return Err(Failure {
+            message: format!("--limit must be between 1 and {MAX_ENTRIES}"),
+            code: exit::USAGE,
+        });
+    }
+    // The server has no upper bound: ask for as many as it gives and drop the later
+    // ones here.
+    let asked = if until.is_some() {
+        MAX_ENTRIES
+    } else {
+        args.limit
+    };
+    let mut path = format!("/v1/audit?limit={asked}");
+    if let Some(lock) = args.name.as_ref().or(args.lock.as_ref()) {
+        path.push_str(&format!("&lock={}", http_get::pct(lock)));
+    }
+    if let Some(since) = since {
+        path.push_str(&format!("&since_ms={since}"));
+    }
+    let c = &args.connection;
+    let body = http_get::get_as(&c.server, &path, c.token.as_deref(), c.ca_cert.as_deref())
+        .map_err(crate::explain::http_failure)?;
+    let v: Value = serde_json::from_slice(&body).map_err(|e| Failure {
+        message: format!("the server sent invalid JSON: {e}"),
+        code: exit::FAILURE,
+    })?;
+    let Some(entries) = v["entries"].as_array() else {
+        return Err(Failure {
+            message: format!("the server's answer has no entries: {v}"),
+            code: exit::FAILURE,
+        });
+    };
+    let mut entries: Vec<Value> = entries
+        .iter()
+        .filter(|e| until.is_none_or(|u| e["time_ms"].as_u64().is_some_and(|t| t <= u)))
+        .cloned()
+        .collect();
+    if until.is_some() && entries.len() < entries_len(&v) && entries_len(&v) == MAX_ENTRIES {
+        eprintln!(
+            "fencelock: the server returns at most the newest {MAX_ENTRIES} entries from \
+             --since on; older ones before --until may be missing (move --since later)"
+        );
+    }
+    // The newest `limit`, oldest first as the server lists them.
+    let cut = entries.len().saturating_sub(args.limit);
+    entries.drain(..cut);
+    if c.json {
+        println!("{}", json!({ "entries": entries }));
+    } else {
+        print!("{}", table(&entries));
+    }
+    Ok(())
+}
+
+fn entries_len(v: &Value) -> usize {
+    v["entries"].as_array().map_or(0, Vec::len)
 }
 
 /// The human-readable table, one entry per line, oldest first.
@@ -83,7 +226,7 @@ pub fn table(entries: &[Value]) -> String {
                 detail.push(format!("session={sess}"));
             }
             if let Some(ms) = e["duration_ms"].as_u64().filter(|ms| *ms > 0) {
-                detail.push(format!("{ms}ms"));
+                detail.push(format!("after {}", remote::human_ms(ms)));
             }
             [
                 s(e, "time")
@@ -148,11 +291,49 @@ mod tests {
         assert!(lines[0].starts_with("TIME (UTC)"));
         assert!(lines[2].contains("forced_release"));
         assert!(
-            lines[2].ends_with("reason=\"stuck\" actor=ops 1000ms"),
+            lines[2].ends_with("reason=\"stuck\" actor=ops after 1s"),
             "{t}"
         );
         let kind_col = lines[0].find("KIND").unwrap();
         assert_eq!(lines[1].find("grant"), Some(kind_col));
         assert!(table(&[]).contains("(no entries)"));
+    }
+
+    #[test]
+    fn times_are_relative_or_rfc_3339() {
+        let at = |text: &str| match parse_when(text).unwrap() {
+            When::At(t) => t.duration_since(UNIX_EPOCH).unwrap().as_secs(),
+            other => panic!("{text}: {other:?}"),
+        };
+        assert_eq!(
+            parse_when("90s").unwrap(),
+            When::Ago(Duration::from_secs(90))
+        );
+        assert_eq!(
+            parse_when("7d").unwrap(),
+            When::Ago(Duration::from_secs(7 * 86400))
+        );
+        let utc = at("2026-12-02T14:00:00Z");
+        assert_eq!(utc, 1_796_220_000);
+        assert_eq!(at("2026-12-02T15:00:00+01:00"), utc);
+        assert_eq!(at("2026-12-02T09:30:00-04:30"), utc);
+        assert_eq!(at("2026-12-02 14:00:00Z"), utc);
+        assert_eq!(at("2026-12-02T14:00:00.250Z"), utc);
+        assert_eq!(at("2026-12-02"), utc - 14 * 3600);
+        for bad in [
+            "soon",
+            "2026-13-02",
+            "2026-12-02T14:00:00+25:00",
+            "",
+            "12:00",
+            "ééééé",
+            "2026-12-02T14:00:00+é:0",
+        ] {
+            let e = parse_when(bad).expect_err(bad);
+            assert!(e.to_string().contains("RFC 3339"), "{e}");
+        }
+        let now = UNIX_EPOCH + Duration::from_secs(1000);
+        assert_eq!(When::Ago(Duration::from_secs(10)).unix_ms(now), 990_000);
+        assert_eq!(When::Ago(Duration::from_secs(2000)).unix_ms(now), 0);
     }
 }

@@ -99,7 +99,13 @@ pub struct TransferArgs {
 /// Runs the command; exit codes as the other client commands (69 unreachable or
 /// no leader within `--wait`, 77 not allowed, 2 refused as malformed, 1 otherwise).
 pub fn run(cmd: ClusterCmd) -> ExitCode {
-    remote::finish(execute(cmd))
+    let json = match &cmd {
+        ClusterCmd::Status(a) => a.connection.json,
+        ClusterCmd::Add(a) => a.connection.json,
+        ClusterCmd::Remove(a) => a.connection.json,
+        ClusterCmd::TransferLeader(a) => a.connection.json,
+    };
+    remote::finish(execute(cmd), json)
 }
 
 fn execute(cmd: ClusterCmd) -> Result<(), Failure> {
@@ -283,20 +289,7 @@ fn with_retries<T>(
 
 /// The exit code and message of a failed request.
 fn failure(e: anyhow::Error) -> Failure {
-    let code = if e.downcast_ref::<Unreachable>().is_some() {
-        exit::UNAVAILABLE
-    } else {
-        match e.downcast_ref::<HttpStatus>().map(|s| s.status) {
-            Some(401 | 403) => exit::NO_PERMISSION,
-            Some(503) => exit::UNAVAILABLE,
-            Some(400) => exit::USAGE,
-            _ => exit::FAILURE,
-        }
-    };
-    Failure {
-        message: format!("{e:#}"),
-        code,
-    }
+    crate::explain::http_failure(e)
 }
 
 fn print_cluster(c: &Connection, body: &Value) -> Result<(), Failure> {

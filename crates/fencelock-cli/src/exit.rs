@@ -27,12 +27,51 @@ pub const COMMAND_NOT_FOUND: u8 = 127;
 pub const CORRUPT_DATA: u8 = 65;
 /// `serve`: an address could not be bound (sysexits' `EX_OSERR`).
 pub const CANNOT_LISTEN: u8 = 71;
-/// `serve`: the data directory is in use by another fencelock server (sysexits'
-/// `EX_CANTCREAT`: the server cannot take it).
-pub const DATA_DIR_IN_USE: u8 = 73;
+/// `serve`: the data directory is in use by another fencelock server; `backup`: the
+/// output file exists and `--force` was not given (sysexits' `EX_CANTCREAT`).
+pub const CANNOT_CREATE: u8 = 73;
 /// `serve`: reading or writing the data directory failed (permissions, a full
 /// disk; sysexits' `EX_IOERR`).
 pub const STORAGE_IO: u8 = 74;
+
+/// Every exit code: its number, its name (the `code` of `--json` errors) and what it
+/// means. `fencelock help exit-codes`, the man page and the README show this table.
+pub const TABLE: &[(u8, &str, &str)] = &[
+    (0, "ok", "success; `run`: the command's own exit code (128+N if it was killed by signal N)"),
+    (FAILURE, "failure", "any other failure: no such lock, a corrupt backup, storage failed while serving"),
+    (USAGE, "usage", "bad flags, input or configuration"),
+    (CORRUPT_DATA, "corrupt_data", "`serve`: the data directory holds data that fails validation"),
+    (UNAVAILABLE, "unavailable", "the server could not be reached or is unavailable (`cluster`: no leader answered within --wait)"),
+    (CANNOT_LISTEN, "cannot_listen", "`serve`: an address could not be bound"),
+    (CANNOT_CREATE, "cannot_create", "`serve`: the data directory is in use by another server; `backup`: --out exists (add --force)"),
+    (STORAGE_IO, "storage_io", "`serve`: reading or writing the data directory failed"),
+    (LOCK_LOST, "lock_lost", "`run`: the lock was lost while the command ran; the command was stopped"),
+    (NO_PERMISSION, "not_permitted", "not authenticated (no token, or one the server does not know) or not allowed"),
+    (NOT_ACQUIRED, "not_acquired", "the lock was not acquired (held, and not freed within --wait)"),
+    (CANNOT_EXECUTE, "cannot_execute", "`run`: the command could not be executed"),
+    (COMMAND_NOT_FOUND, "command_not_found", "`run`: the command was not found"),
+];
+
+/// The name of an exit code (`failure` for one not in [`TABLE`]).
+pub fn name(code: u8) -> &'static str {
+    TABLE
+        .iter()
+        .find(|(c, _, _)| *c == code)
+        .map_or("failure", |(_, name, _)| name)
+}
+
+/// [`TABLE`] as text for a terminal.
+pub fn table_text() -> String {
+    let mut out = String::from("Exit codes of fencelock:\n\n");
+    for (code, name, meaning) in TABLE {
+        out.push_str(&format!("  {code:>3}  {name:<17}  {meaning}\n"));
+    }
+    out.push_str(
+        "\nWith --json, a failure is also printed to stderr as \
+         {\"error\":{\"code\":NAME,\"message\":…,\"exit_code\":N}}.\n",
+    );
+    out
+}
 
 /// The exit code when `serve` cannot start.
 pub fn for_start(e: &StartError) -> u8 {
@@ -40,7 +79,7 @@ pub fn for_start(e: &StartError) -> u8 {
         StartErrorKind::Config => USAGE,
         StartErrorKind::Listen => CANNOT_LISTEN,
         StartErrorKind::Recovery => match e.recovery().map(RecoveryError::kind) {
-            Some(RecoveryErrorKind::Locked) => DATA_DIR_IN_USE,
+            Some(RecoveryErrorKind::Locked) => CANNOT_CREATE,
             Some(RecoveryErrorKind::Corrupt) => CORRUPT_DATA,
             Some(RecoveryErrorKind::Io) => STORAGE_IO,
             Some(RecoveryErrorKind::Invalid) => USAGE,

@@ -1,18 +1,13 @@
 //! The `fencelock` command.
 //!
-//! Exit codes (see `exit.rs`): 0 success; 1 runtime failure (storage failed while
-//! serving, corrupt backup); 2 usage error (bad flags or config file); `serve` that
-//! cannot start: 65 corrupt data directory, 71 cannot listen, 73 data directory in
-//! use by another server, 74 data directory unreadable or unwritable; 69 server
-//! unreachable (`cluster …`: or no leader answered within `--wait`); 75 lock lost while `run`'s command ran; 77 not authenticated or not
-//! allowed; 124 lock not acquired within
-//! `--wait`; 126/127 `run`'s command could not be executed / was not found; otherwise
-//! `run` exits with its command's code.
+//! Exit codes: `exit::TABLE` (shown by `fencelock help exit-codes`, the man page and
+//! the README); otherwise `run` exits with its command's code.
 
 mod audit_cmd;
 mod cluster_cmd;
 mod config;
 mod exit;
+mod explain;
 mod http_get;
 mod remote;
 mod run;
@@ -24,14 +19,22 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use fencelock_server::{RunState, Server};
 
 use config::{LogFormat, ServeArgs};
 
 /// A distributed lock server with fencing tokens.
 #[derive(Parser)]
-#[command(name = "fencelock", version, about, long_about = None)]
+#[command(
+    name = "fencelock",
+    version,
+    about,
+    long_about = None,
+    // Our own `help`, which also knows the topic `exit-codes`.
+    disable_help_subcommand = true,
+    after_help = "`fencelock help exit-codes` lists the exit codes."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Commands,
@@ -42,33 +45,17 @@ enum Commands {
     /// Run the lock server (HTTP/JSON and gRPC on one port) with embedded storage.
     Serve(Box<ServeArgs>),
     /// Save a consistent snapshot of a running server to a file.
-    Backup {
-        /// Server base URL (for a cluster: the members' URLs, separated by commas).
-        #[arg(
-            long,
-            env = "FENCELOCK_SERVER",
-            default_value = "http://127.0.0.1:7420"
-        )]
-        server: String,
-        /// Where to write the backup.
-        #[arg(long, short)]
-        out: PathBuf,
-        /// Admin token with the prefix "" (not needed when the server has no tokens).
-        #[arg(long, env = "FENCELOCK_TOKEN", hide_env_values = true)]
-        token: Option<String>,
-        /// For an https:// server with a private CA: the CA certificate (PEM).
-        #[arg(long, env = "FENCELOCK_CA_CERT")]
-        ca_cert: Option<PathBuf>,
-    },
+    Backup(BackupArgs),
     /// Run a command while holding a lock (renewed while it runs; the command is
     /// stopped if the lock is lost).
     ///
-    /// The command gets FENCELOCK_LOCK and FENCELOCK_FENCE in its environment. Exit
-    /// codes: the command's own (128+N if killed by signal N); 124 the lock was not
-    /// acquired within --wait; 69 the server is unreachable; 75 the lock was lost and
-    /// the command was stopped (SIGTERM, then SIGKILL after --grace); 77 the token is
-    /// missing or not allowed; 126/127 the command could not be executed / was not
-    /// found.
+    /// `fencelock run NAME -- COMMAND [ARGS…]`. The command gets FENCELOCK_LOCK and
+    /// FENCELOCK_FENCE in its environment; on a terminal it runs in the foreground
+    /// (it can read input and gets Ctrl-C). Exit codes: the command's own (128+N if
+    /// killed by signal N); 124 the lock was not acquired within --wait; 69 the server
+    /// is unreachable; 75 the lock was lost and the command was stopped (SIGTERM,
+    /// then SIGKILL after --grace); 77 not authenticated or not allowed; 126/127 the
+    /// command could not be executed / was not found.
     Run(run::RunArgs),
     /// Take a lock once (no renewal) and print the grant with its owner token.
     Acquire(remote::AcquireArgs),
@@ -120,35 +107,99 @@ enum Commands {
         #[command(subcommand)]
         cmd: cluster_cmd::ClusterCmd,
     },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell) to
+    /// stdout, e.g. `fencelock completions bash > /etc/bash_completion.d/fencelock`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff) to stdout, e.g.
+    /// `fencelock man > /usr/local/share/man/man1/fencelock.1`.
+    Man {
+        /// A subcommand's page instead (`fencelock man run` is fencelock-run(1)).
+        command: Option<String>,
+    },
+    /// Print help: of fencelock, of a command (`help run`, `help cluster add`), or of
+    /// a topic (`help exit-codes`).
+    Help {
+        /// The command or topic.
+        #[arg(num_args = 0..)]
+        topic: Vec<String>,
+    },
+}
+
+/// `fencelock backup`.
+#[derive(clap::Args)]
+struct BackupArgs {
+    /// Where to write the backup (refused if it exists, unless --force).
+    #[arg(long, short)]
+    out: PathBuf,
+    /// Replace --out if it exists.
+    #[arg(long)]
+    force: bool,
+    /// Server, admin token (with the prefix ""; not needed when the server has no
+    /// tokens), CA certificate, `--json`.
+    #[command(flatten)]
+    connection: remote::Connection,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Commands::Serve(args) => serve(*args),
-        Commands::Backup {
-            server,
-            out,
-            token,
-            ca_cert,
-        } => backup(&server, &out, token.as_deref(), ca_cert.as_deref()),
+        Commands::Backup(args) => {
+            let json = args.connection.json;
+            return remote::finish(backup(&args), json);
+        }
         Commands::Restore {
             from,
             data_dir,
             fence_floor,
         } => restore(&from, &data_dir, fence_floor),
         Commands::Run(args) => return client_runtime(run::run(args)),
-        Commands::Acquire(args) => return client_command(remote::acquire(args)),
-        Commands::Renew(args) => return client_command(remote::renew(args)),
-        Commands::Release(args) => return client_command(remote::release(args)),
-        Commands::Ls(args) => return client_command(remote::ls(args)),
-        Commands::Show(args) => return client_command(remote::show(args)),
-        Commands::Watch(args) => return client_command(remote::watch(args)),
-        Commands::ForceRelease(args) => return client_command(remote::force_release(args)),
+        Commands::Acquire(args) => {
+            let json = args.connection.json;
+            return client_command(remote::acquire(args), json);
+        }
+        Commands::Renew(args) => {
+            let json = args.connection.json;
+            return client_command(remote::renew(args), json);
+        }
+        Commands::Release(args) => {
+            let json = args.connection.json;
+            return client_command(remote::release(args), json);
+        }
+        Commands::Ls(args) => {
+            let json = args.connection.json;
+            return client_command(remote::ls(args), json);
+        }
+        Commands::Show(args) => {
+            let json = args.connection.json;
+            return client_command(remote::show(args), json);
+        }
+        Commands::Watch(args) => {
+            let json = args.connection.json;
+            return client_command(remote::watch(args), json);
+        }
+        Commands::ForceRelease(args) => {
+            let json = args.connection.json;
+            return client_command(remote::force_release(args), json);
+        }
         Commands::Token(args) => token::run(args),
-        Commands::Audit(args) => audit_cmd::run(args),
-        Commands::Sessions { cmd } => sessions_cmd::run(cmd),
+        Commands::Audit(args) => return audit_cmd::run(args),
+        Commands::Sessions { cmd } => return sessions_cmd::run(cmd),
         Commands::Cluster { cmd } => return cluster_cmd::run(cmd),
+        Commands::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "fencelock",
+                &mut std::io::stdout(),
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Commands::Man { command } => man(command.as_deref()),
+        Commands::Help { topic } => help(&topic),
     };
     match result {
         Ok(code) => code,
@@ -157,6 +208,92 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// `fencelock help [COMMAND…|exit-codes]`.
+fn help(topic: &[String]) -> Result<ExitCode> {
+    if topic == ["exit-codes"] {
+        print!("{}", exit::table_text());
+        return Ok(ExitCode::SUCCESS);
+    }
+    // Exactly what `fencelock TOPIC… --help` prints.
+    let args = ["fencelock"]
+        .into_iter()
+        .chain(topic.iter().map(String::as_str))
+        .chain(["--help"]);
+    match Cli::command().try_get_matches_from(args) {
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => {
+            e.print().context("cannot print the help")?;
+            Ok(ExitCode::SUCCESS)
+        }
+        _ => {
+            eprintln!(
+                "fencelock: no command or help topic {:?} (topics: exit-codes; commands: \
+                 see `fencelock --help`)",
+                topic.join(" ")
+            );
+            Ok(ExitCode::from(exit::USAGE))
+        }
+    }
+}
+
+/// `fencelock man [COMMAND]`: the page clap_mangen renders from the definitions,
+/// with an EXIT STATUS section.
+fn man(command: Option<&str>) -> Result<ExitCode> {
+    use clap_mangen::roff::{bold, roman, Roff};
+    let mut cmd = Cli::command();
+    cmd.build();
+    let page = match command {
+        None => cmd,
+        Some(name) => match cmd.find_subcommand(name) {
+            Some(sub) => sub
+                .clone()
+                .display_name(format!("fencelock-{name}"))
+                .bin_name(format!("fencelock {name}")),
+            None => {
+                eprintln!("fencelock: no command {name:?} (see `fencelock --help`)");
+                return Ok(ExitCode::from(exit::USAGE));
+            }
+        },
+    };
+    let man = clap_mangen::Man::new(page.clone());
+    let mut out = Vec::new();
+    man.render_title(&mut out)?;
+    man.render_name_section(&mut out)?;
+    man.render_synopsis_section(&mut out)?;
+    man.render_description_section(&mut out)?;
+    if page.get_arguments().any(|a| !a.is_hide_set()) {
+        man.render_options_section(&mut out)?;
+    }
+    if page.has_subcommands() {
+        man.render_subcommands_section(&mut out)?;
+    }
+    let mut status = Roff::new();
+    status.control("SH", ["EXIT STATUS"]);
+    for (code, name, meaning) in exit::TABLE {
+        status.control("TP", []);
+        status.text([bold(code.to_string()), roman(format!(" ({name})"))]);
+        status.text([roman(*meaning)]);
+    }
+    status.control("PP", []);
+    status.text([roman(
+        "With --json, a failure is also printed to stderr as one JSON line: \
+         {\"error\":{\"code\":NAME,\"message\":...,\"exit_code\":N}}.",
+    )]);
+    status.control("SH", ["SEE ALSO"]);
+    status.text([roman(
+        "fencelock help exit-codes; fencelock man COMMAND for a command's page; \
+         the README and docs/ of the fencelock source.",
+    )]);
+    status.to_writer(&mut out)?;
+    if page.get_version().is_some() {
+        man.render_version_section(&mut out)?;
+    }
+    use std::io::Write;
+    std::io::stdout()
+        .write_all(&out)
+        .context("cannot write the manual page")?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Runs a client command on a small runtime.
@@ -175,8 +312,9 @@ fn client_runtime(command: impl std::future::Future<Output = ExitCode>) -> ExitC
 
 fn client_command(
     command: impl std::future::Future<Output = Result<(), remote::Failure>>,
+    json: bool,
 ) -> ExitCode {
-    client_runtime(async move { remote::finish(command.await) })
+    client_runtime(async move { remote::finish(command.await, json) })
 }
 
 fn init_logging(format: LogFormat, level: &str) -> Result<()> {
@@ -319,28 +457,78 @@ impl ShutdownSignals {
     }
 }
 
-fn backup(
-    server: &str,
-    out: &Path,
-    token: Option<&str>,
-    ca_cert: Option<&Path>,
-) -> Result<ExitCode> {
-    let bytes = http_get::get_as(server, "/v1/admin/snapshot", token, ca_cert)
-        .with_context(|| format!("cannot fetch a snapshot from {server}"))?;
+fn backup(args: &BackupArgs) -> Result<(), remote::Failure> {
+    let c = &args.connection;
+    let out = &args.out;
+    let usage = |code: u8, message: String| remote::Failure { message, code };
+    if !args.force && out.exists() {
+        return Err(usage(
+            exit::CANNOT_CREATE,
+            format!("{} exists; add --force to replace it", out.display()),
+        ));
+    }
+    let bytes = http_get::get_as(
+        &c.server,
+        "/v1/admin/snapshot",
+        c.token.as_deref(),
+        c.ca_cert.as_deref(),
+    )
+    .map_err(explain::http_failure)?;
     // Refuse to write something that would not restore.
-    let image = fencelock_server::codec::decode_snapshot(&bytes)
-        .context("the server sent an unreadable snapshot")?;
-    fencelock_log::write_snapshot_file(out, &bytes)
-        .with_context(|| format!("cannot write {}", out.display()))?;
+    let image = fencelock_server::codec::decode_snapshot(&bytes).map_err(|e| {
+        usage(
+            exit::FAILURE,
+            format!("the server sent an unreadable snapshot: {e}"),
+        )
+    })?;
+    if !args.force {
+        // Claimed atomically, so a file that appeared during the download is not
+        // replaced either; the write below replaces only this empty claim.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(out)
+            .map_err(|e| {
+                let code = match e.kind() {
+                    std::io::ErrorKind::AlreadyExists => exit::CANNOT_CREATE,
+                    _ => exit::FAILURE,
+                };
+                usage(code, format!("cannot create {}: {e}", out.display()))
+            })?;
+    }
+    if let Err(e) = fencelock_log::write_snapshot_file(out, &bytes) {
+        if !args.force {
+            let _ = std::fs::remove_file(out);
+        }
+        return Err(usage(
+            exit::FAILURE,
+            format!("cannot write {}: {e}", out.display()),
+        ));
+    }
     let holders: usize = image.locks.iter().map(|l| l.holders.len()).sum();
-    println!(
-        "backup written to {}: {} locks, {} holders, next fence {}",
-        out.display(),
-        image.locks.len(),
-        holders,
-        image.next_fence
-    );
-    Ok(ExitCode::SUCCESS)
+    if c.json {
+        // The file's size, framing included.
+        let size = std::fs::metadata(out).map_or(0, |m| m.len());
+        println!(
+            "{}",
+            serde_json::json!({
+                "path": out,
+                "bytes": size,
+                "locks": image.locks.len(),
+                "holders": holders,
+                "next_fence": image.next_fence,
+            })
+        );
+    } else {
+        println!(
+            "backup written to {}: {} locks, {} holders, next fence {}",
+            out.display(),
+            image.locks.len(),
+            holders,
+            image.next_fence
+        );
+    }
+    Ok(())
 }
 
 fn restore(

@@ -31,7 +31,8 @@ pub struct Connection {
     /// For https:// servers with a private CA: the CA certificate (PEM) to trust.
     #[arg(long, env = "FENCELOCK_CA_CERT")]
     pub ca_cert: Option<std::path::PathBuf>,
-    /// Print JSON instead of text.
+    /// Print JSON instead of text: results on stdout, a failure as one line
+    /// `{"error":{"code","message","exit_code"}}` on stderr.
     #[arg(long)]
     pub json: bool,
 }
@@ -66,19 +67,83 @@ impl From<fencelock::Error> for Failure {
     fn from(e: fencelock::Error) -> Failure {
         Failure {
             code: exit::for_error(e.kind()),
-            message: e.to_string(),
+            message: crate::explain::client_error(&e),
         }
     }
 }
 
-/// The outcome of a client subcommand, as the process exit code.
-pub fn finish(result: Result<(), Failure>) -> ExitCode {
+impl Failure {
+    /// Prints the failure on stderr: `fencelock: MESSAGE`, or with `json` one line
+    /// `{"error":{"code":NAME,"message":…,"exit_code":N}}` (the names of
+    /// `fencelock help exit-codes`).
+    pub fn print(&self, json: bool) {
+        if json {
+            eprintln!(
+                "{}",
+                json!({"error": {
+                    "code": exit::name(self.code),
+                    "message": self.message,
+                    "exit_code": self.code,
+                }})
+            );
+        } else {
+            eprintln!("fencelock: {}", self.message);
+        }
+    }
+}
+
+/// The outcome of a client subcommand, as the process exit code; a failure is
+/// printed as [`Failure::print`] says.
+pub fn finish(result: Result<(), Failure>, json: bool) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
-            eprintln!("fencelock: {}", f.message);
+            f.print(json);
             ExitCode::from(f.code)
         }
+    }
+}
+
+/// The wall-clock time `after` from now, in RFC 3339 (UTC, milliseconds): the
+/// client's estimate of when a lease ends, for scripts.
+pub fn rfc3339_after(after: Duration) -> String {
+    rfc3339(std::time::SystemTime::now().checked_add(after))
+}
+
+/// `at` in RFC 3339, within what the format can say (1970 to 9999; only a confused
+/// server sends durations that reach past it).
+fn rfc3339(at: Option<std::time::SystemTime>) -> String {
+    use std::time::UNIX_EPOCH;
+    let last = UNIX_EPOCH + Duration::from_secs(253_402_300_799);
+    let at = at.unwrap_or(last).clamp(UNIX_EPOCH, last);
+    humantime::format_rfc3339_millis(at).to_string()
+}
+
+/// The wall-clock time `before` ago, as [`rfc3339_after`].
+pub fn rfc3339_before(before: Duration) -> String {
+    rfc3339(
+        std::time::SystemTime::now()
+            .checked_sub(before)
+            .or(Some(std::time::UNIX_EPOCH)),
+    )
+}
+
+/// Why `name` was not acquired within `wait`, with who holds it (asked of the
+/// server after the refusal; the server's own words if that fails).
+pub async fn not_acquired_failure(
+    backend: &FencelockBackend,
+    name: &str,
+    wait: Duration,
+    e: &fencelock::Error,
+) -> Failure {
+    let why = match backend.get_lock(name).await {
+        Ok(lock) => crate::explain::holders(&lock),
+        // Freed in the meantime: the server's refusal is all there is to say.
+        Err(_) => format!("busy ({})", e.message()),
+    };
+    Failure {
+        message: crate::explain::not_acquired(name, wait, &why),
+        code: exit::NOT_ACQUIRED,
     }
 }
 
@@ -171,13 +236,20 @@ pub async fn acquire(args: AcquireArgs) -> Result<(), Failure> {
     let spinner = Spinner::start(&spec.name, !args.wait.is_zero());
     let result = backend.acquire(&spec).await;
     spinner.stop();
-    let lease = result?;
+    let lease = match result {
+        Ok(lease) => lease,
+        Err(e) if not_acquired(e.kind()) => {
+            return Err(not_acquired_failure(&backend, &spec.name, args.wait, &e).await)
+        }
+        Err(e) => return Err(e.into()),
+    };
     if args.connection.json {
         print_json(&json!({
             "name": lease.name,
             "fence": lease.fence,
             "owner_token": lease.owner_token,
             "ttl_ms": lease.ttl.as_millis() as u64,
+            "expires_at": rfc3339_after(lease.ttl),
         }));
     } else {
         println!(
@@ -228,7 +300,11 @@ pub async fn renew(args: RenewArgs) -> Result<(), Failure> {
     let lease = Lease::new(args.name.clone(), 0, args.owner_token, args.ttl);
     let ttl = backend.renew(&lease, args.ttl).await?;
     if args.connection.json {
-        print_json(&json!({"name": args.name, "ttl_ms": ttl.as_millis() as u64}));
+        print_json(&json!({
+            "name": args.name,
+            "ttl_ms": ttl.as_millis() as u64,
+            "expires_at": rfc3339_after(ttl),
+        }));
     } else {
         println!("renewed {:?} for {}", args.name, human(ttl));
     }
@@ -464,6 +540,9 @@ fn lock_json(lock: &LockInfo) -> Value {
             "owner": h.owner,
             "held_ms": h.held_ms,
             "ttl_remaining_ms": h.ttl_remaining_ms,
+            // Wall-clock times for scripts, from this machine's clock.
+            "held_since": rfc3339_before(Duration::from_millis(h.held_ms)),
+            "expires_at": rfc3339_after(Duration::from_millis(h.ttl_remaining_ms)),
             "session": h.session,
         })).collect::<Vec<_>>(),
         "waiters": lock.waiters,
@@ -595,6 +674,20 @@ mod tests {
         }
         let e = parse_duration("10x").unwrap_err().to_string();
         assert!(e.contains("\"10x\"") && e.contains("examples"), "{e}");
+    }
+
+    #[test]
+    fn wall_clock_times_never_overflow() {
+        let year_9999 = Duration::from_secs(253_402_300_799);
+        for text in [
+            rfc3339_after(Duration::from_secs(u64::MAX)),
+            rfc3339_before(Duration::from_secs(u64::MAX)),
+            rfc3339_after(Duration::ZERO),
+        ] {
+            assert!(humantime::parse_rfc3339(&text).is_ok(), "{text}");
+        }
+        assert!(rfc3339_before(year_9999).starts_with("1970-01-01T"));
+        assert!(rfc3339_after(year_9999).starts_with("9999-12-31T"));
     }
 
     #[test]

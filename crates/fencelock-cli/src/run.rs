@@ -1,34 +1,47 @@
-//! `fencelock run`: runs a command while holding a lock.
+//! `fencelock run NAME -- COMMAND…`: runs a command while holding a lock.
 //!
 //! The command runs in its own process group with `FENCELOCK_LOCK` and
-//! `FENCELOCK_FENCE` in its environment. The lock is renewed while it runs; SIGINT,
-//! SIGTERM and SIGHUP sent to `fencelock run` are forwarded to the group. If the lock
-//! is lost (the server refused a renewal, or none was confirmed before the lease's
-//! safe deadline), the group gets SIGTERM, then SIGKILL after `--grace`, and `run`
-//! exits with [`exit::LOCK_LOST`]. When the command ends by itself the lock is released
-//! and `run` exits with the command's code (128 + N if killed by signal N).
+//! `FENCELOCK_FENCE` in its environment. When `run` is in the foreground of a
+//! terminal, that group is made the terminal's foreground group for as long as the
+//! command runs (as a shell does for a job), so an interactive command can read the
+//! terminal and gets Ctrl-C itself; `run` takes the terminal back when it ends. If the
+//! command is stopped (Ctrl-Z), `run` stops too and, when continued, continues it.
+//!
+//! The lock is renewed while the command runs; SIGINT, SIGTERM, SIGHUP, SIGQUIT,
+//! SIGUSR1 and SIGUSR2 sent to `run` are forwarded to the group. If the lock is lost
+//! (the server refused a renewal, or none was confirmed before the lease's safe
+//! deadline), the group gets SIGTERM (and SIGCONT, should it be stopped), then SIGKILL
+//! after `--grace`, and `run` exits with [`exit::LOCK_LOST`]. When the command ends by
+//! itself the lock is released and `run` exits with the command's code (128 + N if
+//! killed by signal N).
 
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::CommandExt;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
 use fencelock::{Client, LockOptions};
+use serde_json::json;
 use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::mpsc;
 
 use crate::exit;
-use crate::remote::{default_owner, not_acquired, parse_duration, Connection, Spinner};
+use crate::remote::{default_owner, human, not_acquired, parse_duration, Connection, Failure};
 
 /// `fencelock run`.
 #[derive(Args, Debug)]
+#[command(override_usage = "fencelock run [OPTIONS] <NAME> -- <COMMAND>...")]
 pub struct RunArgs {
     /// The lock to hold while the command runs.
-    #[arg(long)]
-    pub lock: String,
+    #[arg(value_name = "NAME", required_unless_present = "lock")]
+    pub name: Option<String>,
+    /// The lock's name (deprecated: give it as the first argument).
+    #[arg(long, hide = true, value_name = "NAME", conflicts_with = "name")]
+    pub lock: Option<String>,
     /// Lease length; renewed every third of it while the command runs.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub ttl: Duration,
-    /// How long to wait for the lock.
+    /// How long to wait for the lock (0: fail at once if it is held).
     #[arg(long, default_value = "1m", value_parser = parse_duration)]
     pub wait: Duration,
     /// Who holds the lock (default: user@host, pid and the command).
@@ -40,6 +53,8 @@ pub struct RunArgs {
     /// After a lost lock: how long the command has to exit after SIGTERM before SIGKILL.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub grace: Duration,
+    /// Server, token, CA certificate; `--json`: `run`'s own messages (the grant,
+    /// failures, a lost lock) as JSON lines on stderr (stdout is the command's).
     #[command(flatten)]
     pub connection: Connection,
     /// The command and its arguments (after `--`).
@@ -47,13 +62,41 @@ pub struct RunArgs {
     pub command: Vec<String>,
 }
 
-fn fail(code: u8, message: impl std::fmt::Display) -> ExitCode {
-    eprintln!("fencelock run: {message}");
-    ExitCode::from(code)
-}
-
 /// Runs the command under the lock; returns the exit code described in the module docs.
 pub async fn run(args: RunArgs) -> ExitCode {
+    let json = args.connection.json;
+    match run_command(args).await {
+        Ok(code) => ExitCode::from(code),
+        Err(f) => {
+            say(&f, json);
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+fn failure(code: u8, message: impl std::fmt::Display) -> Failure {
+    Failure {
+        message: message.to_string(),
+        code,
+    }
+}
+
+/// Prints `run`'s own message: `fencelock run: …`, or JSON (see [`Failure::print`]).
+fn say(f: &Failure, json: bool) {
+    if json {
+        f.print(true);
+    } else {
+        eprintln!("fencelock run: {}", f.message);
+    }
+}
+
+async fn run_command(args: RunArgs) -> Result<u8, Failure> {
+    let Some(name) = args.name.clone().or_else(|| args.lock.clone()) else {
+        return Err(failure(exit::USAGE, "the lock name is missing"));
+    };
+    if args.lock.is_some() && !args.connection.json {
+        eprintln!("fencelock run: --lock is deprecated; write `fencelock run {name} -- COMMAND`");
+    }
     let owner = args.owner.clone().unwrap_or_else(|| {
         let mut text = format!("{}: {}", default_owner(), args.command.join(" "));
         if text.len() > 512 {
@@ -66,51 +109,71 @@ pub async fn run(args: RunArgs) -> ExitCode {
         }
         text
     });
-    let backend = match args.connection.connect().await {
-        Ok(b) => b,
-        Err(f) => return fail(f.code, f.message),
-    };
-    let client = Client::new(backend);
+    let backend = args.connection.connect().await?;
+    let client = Client::new(backend.clone());
     let options = LockOptions::default()
         .ttl(args.ttl)
         .wait(args.wait)
         .owner(owner)
         .limit(args.limit);
-    let spinner = Spinner::start(&args.lock, !args.wait.is_zero());
-    let acquired = client
-        .lock(args.lock.clone())
-        .options(options)
-        .acquire()
-        .await;
+    let spinner = crate::remote::Spinner::start(&name, !args.wait.is_zero());
+    let acquired = client.lock(name.clone()).options(options).acquire().await;
     spinner.stop();
     let guard = match acquired {
         Ok(g) => g,
         Err(e) if not_acquired(e.kind()) => {
-            return fail(
-                exit::NOT_ACQUIRED,
-                format!("{:?} not acquired within {:?}: {e}", args.lock, args.wait),
-            )
+            let f = crate::remote::not_acquired_failure(&backend, &name, args.wait, &e).await;
+            return Err(failure(f.code, f.message));
         }
-        Err(e) => return fail(exit::for_error(e.kind()), e),
+        Err(e) => return Err(e.into()),
     };
+    if args.connection.json {
+        eprintln!(
+            "{}",
+            json!({"acquired": {
+                "name": name,
+                "fence": guard.fence(),
+                "ttl_ms": args.ttl.as_millis() as u64,
+            }})
+        );
+    }
 
     // Signal handlers before the child exists, so no signal is missed.
-    let (mut int, mut term, mut hup) = match (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-        signal(SignalKind::hangup()),
-    ) {
-        (Ok(i), Ok(t), Ok(h)) => (i, t, h),
-        _ => return fail(exit::FAILURE, "cannot install signal handlers"),
+    let handler = |kind: SignalKind| {
+        signal(kind).map_err(|e| {
+            failure(
+                exit::FAILURE,
+                format!("cannot install signal handlers: {e}"),
+            )
+        })
     };
+    let mut int = handler(SignalKind::interrupt())?;
+    let mut term = handler(SignalKind::terminate())?;
+    let mut hup = handler(SignalKind::hangup())?;
+    let mut quit = handler(SignalKind::quit())?;
+    let mut usr1 = handler(SignalKind::user_defined1())?;
+    let mut usr2 = handler(SignalKind::user_defined2())?;
 
-    let mut child = match tokio::process::Command::new(&args.command[0])
+    let terminal = Terminal::foreground();
+    let mut command = std::process::Command::new(&args.command[0]);
+    command
         .args(&args.command[1..])
-        .env("FENCELOCK_LOCK", &args.lock)
+        .env("FENCELOCK_LOCK", &name)
         .env("FENCELOCK_FENCE", guard.fence().to_string())
-        .process_group(0)
-        .spawn()
-    {
+        .process_group(0);
+    if terminal.is_some() {
+        // SAFETY: the closure runs in the child between fork and exec and only makes
+        // async-signal-safe calls (getpid, sigprocmask, tcsetpgrp).
+        unsafe {
+            command.pre_exec(|| {
+                // The child takes the terminal itself, before it can read it: the
+                // parent's own tcsetpgrp may come after the exec.
+                set_foreground(libc::STDIN_FILENO, libc::getpid());
+                Ok(())
+            });
+        }
+    }
+    let child = match command.spawn() {
         Ok(c) => c,
         Err(e) => {
             let _ = guard.release().await;
@@ -118,46 +181,204 @@ pub async fn run(args: RunArgs) -> ExitCode {
                 std::io::ErrorKind::NotFound => exit::COMMAND_NOT_FOUND,
                 _ => exit::CANNOT_EXECUTE,
             };
-            return fail(code, format!("cannot run {:?}: {e}", args.command[0]));
+            return Err(failure(
+                code,
+                format!("cannot run {:?}: {e}", args.command[0]),
+            ));
         }
     };
-    let Some(pgid) = child.id().map(|id| id as libc::pid_t) else {
-        return fail(
-            exit::FAILURE,
-            "the command exited before it could be watched",
-        );
-    };
+    let pgid = child.id() as libc::pid_t;
+    if let Some(t) = &terminal {
+        t.give(pgid);
+    }
+    // Given back on every way out, even an early return.
+    let _terminal_back = TerminalBack(terminal.as_ref(), pgid);
+    let mut states = watch_child(pgid);
     let lost = guard.lost();
     tokio::pin!(lost);
 
     loop {
         tokio::select! {
-            status = child.wait() => {
-                let code = match status {
-                    Ok(s) => status_code(s),
-                    Err(e) => return fail(exit::FAILURE, format!("cannot wait for the command: {e}")),
-                };
-                if let Err(e) = guard.release().await {
-                    eprintln!("fencelock run: the command finished, but releasing {:?} failed (it will expire): {e}", args.lock);
+            state = states.recv() => match state {
+                // Job control (Ctrl-Z, a read or write from the background) stops
+                // `run` with its command; a SIGSTOP someone sent is theirs to undo.
+                Some(ChildState::Stopped(signal))
+                    if matches!(signal, libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU) =>
+                {
+                    if let Some(t) = &terminal {
+                        t.suspend_with(pgid, signal);
+                    }
                 }
-                return ExitCode::from(code);
-            }
+                Some(ChildState::Stopped(_)) => {}
+                Some(ChildState::Exited(code)) => {
+                    if let Err(e) = guard.release().await {
+                        eprintln!("fencelock run: the command finished, but releasing {name:?} failed (it will expire): {e}");
+                    }
+                    return Ok(code);
+                }
+                None => return Err(failure(exit::FAILURE, "lost track of the command")),
+            },
             _ = int.recv() => signal_group(pgid, libc::SIGINT),
             _ = term.recv() => signal_group(pgid, libc::SIGTERM),
             _ = hup.recv() => signal_group(pgid, libc::SIGHUP),
+            _ = quit.recv() => signal_group(pgid, libc::SIGQUIT),
+            _ = usr1.recv() => signal_group(pgid, libc::SIGUSR1),
+            _ = usr2.recv() => signal_group(pgid, libc::SIGUSR2),
             reason = &mut lost => {
-                let error = reason.into_error(&args.lock);
-                eprintln!("fencelock run: {error}; stopping the command (SIGTERM, SIGKILL after {:?})", args.grace);
+                let error = reason.into_error(&name);
+                let message = format!(
+                    "{}; stopping the command (SIGTERM, SIGKILL after {})",
+                    crate::explain::client_error(&error),
+                    human(args.grace)
+                );
+                say(&failure(exit::LOCK_LOST, message), args.connection.json);
                 signal_group(pgid, libc::SIGTERM);
-                if tokio::time::timeout(args.grace, child.wait()).await.is_err() {
+                // A stopped command would not act on SIGTERM until continued.
+                signal_group(pgid, libc::SIGCONT);
+                let ended = tokio::time::timeout(args.grace, exited(&mut states)).await;
+                if ended.is_err() {
                     signal_group(pgid, libc::SIGKILL);
-                    let _ = child.wait().await;
+                    exited(&mut states).await;
                 }
                 // Best effort: the grant may still exist if only renewals failed.
                 let _ = tokio::time::timeout(Duration::from_secs(2), guard.release()).await;
-                return ExitCode::from(exit::LOCK_LOST);
+                return Ok(exit::LOCK_LOST);
             }
         }
+    }
+}
+
+/// Until the command has exited (stops along the way are passed over).
+async fn exited(states: &mut mpsc::UnboundedReceiver<ChildState>) {
+    while let Some(state) = states.recv().await {
+        if let ChildState::Exited(_) = state {
+            return;
+        }
+    }
+}
+
+/// What became of the command.
+#[derive(Debug)]
+enum ChildState {
+    /// Stopped by this signal (Ctrl-Z, SIGTTIN, SIGSTOP).
+    Stopped(libc::c_int),
+    /// Ended, with `run`'s exit code for it.
+    Exited(u8),
+}
+
+/// Reports the child's stops and its end. A thread of its own waits for it (with
+/// `WUNTRACED`, which the async runtime's child handling does not offer), so this
+/// process alone reaps it.
+fn watch_child(pid: libc::pid_t) -> mpsc::UnboundedReceiver<ChildState> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    std::thread::spawn(move || loop {
+        let mut status: libc::c_int = 0;
+        // SAFETY: waitpid(2) on our own child, writing only `status`.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED) };
+        if r < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            let _ = tx.send(ChildState::Exited(exit::FAILURE));
+            return;
+        }
+        let state = if libc::WIFSTOPPED(status) {
+            ChildState::Stopped(libc::WSTOPSIG(status))
+        } else if libc::WIFEXITED(status) {
+            ChildState::Exited(libc::WEXITSTATUS(status) as u8)
+        } else if libc::WIFSIGNALED(status) {
+            ChildState::Exited(128u8.saturating_add(libc::WTERMSIG(status) as u8))
+        } else {
+            continue;
+        };
+        let done = matches!(state, ChildState::Exited(_));
+        if tx.send(state).is_err() || done {
+            return;
+        }
+    });
+    rx
+}
+
+/// The terminal `run` was started in the foreground of (its standard input).
+struct Terminal {
+    own_group: libc::pid_t,
+}
+
+impl Terminal {
+    /// The terminal on standard input, if `run`'s process group is its foreground
+    /// group (not when run in the background, from a pipe or by a service manager).
+    fn foreground() -> Option<Terminal> {
+        // SAFETY: isatty, tcgetpgrp and getpgrp only read.
+        unsafe {
+            if libc::isatty(libc::STDIN_FILENO) != 1 {
+                return None;
+            }
+            let own_group = libc::getpgrp();
+            (libc::tcgetpgrp(libc::STDIN_FILENO) == own_group).then_some(Terminal { own_group })
+        }
+    }
+
+    /// Makes `group` the terminal's foreground group.
+    fn give(&self, group: libc::pid_t) {
+        set_foreground(libc::STDIN_FILENO, group);
+    }
+
+    /// Whether `group` is the terminal's foreground group.
+    fn is_foreground(&self, group: libc::pid_t) -> bool {
+        // SAFETY: tcgetpgrp only reads.
+        unsafe { libc::tcgetpgrp(libc::STDIN_FILENO) == group }
+    }
+
+    /// Gives the terminal back to `run`'s group if the command's group has it (not
+    /// if the shell took it back meanwhile: `run` was put in the background).
+    fn take_back(&self, group: libc::pid_t) {
+        if self.is_foreground(group) {
+            self.give(self.own_group);
+        }
+    }
+
+    /// The command was stopped by job control (Ctrl-Z): take the terminal back, stop
+    /// `run` by the same signal (the shell sees the job stopped), and once continued
+    /// give the command the terminal if `run` is in the foreground again (`fg`), and
+    /// continue it (after `bg` too).
+    fn suspend_with(&self, group: libc::pid_t, signal: libc::c_int) {
+        self.take_back(group);
+        // SAFETY: raise(3) sends a signal to this process; no memory is touched.
+        unsafe {
+            libc::raise(signal);
+        }
+        if self.is_foreground(self.own_group) {
+            self.give(group);
+        }
+        signal_group(group, libc::SIGCONT);
+    }
+}
+
+/// Gives the terminal back to `run`'s group when dropped (see [`Terminal::take_back`]).
+struct TerminalBack<'a>(Option<&'a Terminal>, libc::pid_t);
+
+impl Drop for TerminalBack<'_> {
+    fn drop(&mut self) {
+        if let Some(t) = self.0 {
+            t.take_back(self.1);
+        }
+    }
+}
+
+/// tcsetpgrp(3) with SIGTTOU blocked: a process outside the foreground group that
+/// changes it would otherwise be stopped by SIGTTOU. Async-signal-safe.
+fn set_foreground(fd: libc::c_int, group: libc::pid_t) -> bool {
+    // SAFETY: the sets are initialised by sigemptyset before use; sigprocmask and
+    // tcsetpgrp touch only them and the terminal.
+    unsafe {
+        let mut block: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut block);
+        libc::sigaddset(&mut block, libc::SIGTTOU);
+        libc::sigprocmask(libc::SIG_BLOCK, &block, &mut old);
+        let done = libc::tcsetpgrp(fd, group) == 0;
+        libc::sigprocmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+        done
     }
 }
 
@@ -166,13 +387,5 @@ fn signal_group(pgid: libc::pid_t, signal: libc::c_int) {
     // touched. A group that is already gone gives ESRCH, which is fine.
     unsafe {
         libc::kill(-pgid, signal);
-    }
-}
-
-fn status_code(status: std::process::ExitStatus) -> u8 {
-    match (status.code(), status.signal()) {
-        (Some(code), _) => code as u8,
-        (None, Some(signal)) => 128u8.saturating_add(signal as u8),
-        (None, None) => exit::FAILURE,
     }
 }

@@ -4,12 +4,13 @@
 
 use std::process::ExitCode;
 
-use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use serde_json::Value;
 
+use crate::exit;
+use crate::explain::http_failure;
 use crate::http_get::{self, pct};
-use crate::remote::Connection;
+use crate::remote::{self, Connection, Failure};
 
 /// `fencelock sessions …`.
 #[derive(Debug, Subcommand)]
@@ -44,32 +45,39 @@ pub struct CloseArgs {
     pub connection: Connection,
 }
 
-/// Runs the command.
-pub fn run(cmd: SessionsCmd) -> Result<ExitCode> {
+/// Runs the command; exit codes as the other client commands.
+pub fn run(cmd: SessionsCmd) -> ExitCode {
     match cmd {
-        SessionsCmd::Ls(args) => ls(args),
-        SessionsCmd::Close(args) => close(args),
+        SessionsCmd::Ls(args) => remote::finish(ls(&args), args.connection.json),
+        SessionsCmd::Close(args) => remote::finish(close(&args), args.connection.json),
     }
 }
 
-fn ls(args: LsArgs) -> Result<ExitCode> {
+fn invalid_json(e: impl std::fmt::Display) -> Failure {
+    Failure {
+        message: format!("the server sent invalid JSON: {e}"),
+        code: exit::FAILURE,
+    }
+}
+
+fn ls(args: &LsArgs) -> Result<(), Failure> {
     let c = &args.connection;
     let path = format!("/v1/admin/sessions?prefix={}", pct(&args.prefix));
     let body = http_get::get_as(&c.server, &path, c.token.as_deref(), c.ca_cert.as_deref())
-        .with_context(|| format!("cannot list the sessions of {}", c.server))?;
+        .map_err(http_failure)?;
+    let v: Value = serde_json::from_slice(&body).map_err(invalid_json)?;
     if c.json {
-        println!("{}", String::from_utf8_lossy(&body).trim_end());
-        return Ok(ExitCode::SUCCESS);
+        println!("{v}");
+        return Ok(());
     }
-    let v: Value = serde_json::from_slice(&body).context("the server sent invalid JSON")?;
     let Some(sessions) = v["sessions"].as_array() else {
-        bail!("the server's answer has no sessions: {v}");
+        return Err(invalid_json(format!("no sessions in {v}")));
     };
     print!("{}", table(sessions));
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
-fn close(args: CloseArgs) -> Result<ExitCode> {
+fn close(args: &CloseArgs) -> Result<(), Failure> {
     let c = &args.connection;
     let path = format!("/v1/admin/sessions/{}", pct(&args.handle));
     let body = http_get::request_as(
@@ -79,8 +87,8 @@ fn close(args: CloseArgs) -> Result<ExitCode> {
         c.token.as_deref(),
         c.ca_cert.as_deref(),
     )
-    .with_context(|| format!("cannot close session {}", args.handle))?;
-    let v: Value = serde_json::from_slice(&body).context("the server sent invalid JSON")?;
+    .map_err(http_failure)?;
+    let v: Value = serde_json::from_slice(&body).map_err(invalid_json)?;
     if c.json {
         println!("{v}");
     } else {
@@ -90,7 +98,7 @@ fn close(args: CloseArgs) -> Result<ExitCode> {
             args.handle
         );
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 /// One session per line: handle, principal, locks held and waited for, lease left.
@@ -103,12 +111,12 @@ fn table(sessions: &[Value]) -> String {
         let text = |k: &str| s[k].as_str().unwrap_or("-").to_owned();
         let num = |k: &str| s[k].as_u64().unwrap_or(0);
         out += &format!(
-            "{:<16}  {:<20}  {:>5}  {:>7}  {:>8}ms  {}\n",
+            "{:<16}  {:<20}  {:>5}  {:>7}  {:>10}  {}\n",
             text("handle"),
             text("principal"),
             num("locks"),
             num("waiting"),
-            num("ttl_remaining_ms"),
+            remote::human_ms(num("ttl_remaining_ms")),
             text("owner"),
         );
     }
@@ -134,8 +142,9 @@ mod tests {
         assert!(lines[1].starts_with("00112233445566ff  billing "), "{text}");
         // A session from before principals were recorded shows "-".
         assert!(lines[2].starts_with("ffeeddccbbaa9988  -  "), "{text}");
-        let column = |l: &str| l.find("ms").expect("a ttl column");
-        assert_eq!(column(lines[1]), column(lines[2]), "{text}");
+        // Durations for people, in one format, right-aligned.
+        assert!(lines[1].contains("       29s  w-1"), "{text}");
+        assert!(lines[2].contains("       5ms  "), "{text}");
     }
 
     #[test]

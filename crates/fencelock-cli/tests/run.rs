@@ -85,7 +85,6 @@ async fn child_sees_the_lock_and_fence_and_its_exit_code_is_returned() {
     let server = TestServer::start().await;
     let out = finish(fencelock(&server.url()).args([
         "run",
-        "--lock",
         "job:env",
         "--",
         "sh",
@@ -111,7 +110,6 @@ async fn not_acquired_within_wait_exits_124_without_running_the_command() {
     let marker = dir.path().join("ran");
     let out = finish(fencelock(&server.url()).args([
         "run",
-        "--lock",
         "busy",
         "--wait",
         "200ms",
@@ -135,20 +133,15 @@ async fn unreachable_server_exits_69_and_missing_command_127() {
         .unwrap()
         .port();
     let out = finish(
-        fencelock(&format!("http://127.0.0.1:{port}")).args(["run", "--lock", "x", "--", "true"]),
+        fencelock(&format!("http://127.0.0.1:{port}")).args(["run", "--lock", "x", "--", "true"]), // the deprecated spelling still works
     )
     .await;
     assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("--lock is deprecated"));
 
     let server = TestServer::start().await;
-    let out = finish(fencelock(&server.url()).args([
-        "run",
-        "--lock",
-        "nocmd",
-        "--",
-        "/nonexistent/command",
-    ]))
-    .await;
+    let out =
+        finish(fencelock(&server.url()).args(["run", "nocmd", "--", "/nonexistent/command"])).await;
     assert_eq!(out.status.code(), Some(127), "{}", text(&out.stderr));
     assert_free(&server, "nocmd").await;
 }
@@ -167,9 +160,7 @@ async fn lost_lock_terminates_the_command_and_exits_75() {
         finished.display()
     );
     let mut run = fencelock(&server.url())
-        .args([
-            "run", "--lock", "lost:1", "--ttl", "1s", "--", "sh", "-c", &script,
-        ])
+        .args(["run", "lost:1", "--ttl", "1s", "--", "sh", "-c", &script])
         .spawn()
         .unwrap();
     wait_for_file(&started).await;
@@ -197,8 +188,7 @@ async fn a_command_that_ignores_sigterm_is_killed_after_the_grace_period() {
     let script = format!("trap '' TERM; touch {}; sleep 60", started.display());
     let mut run = fencelock(&server.url())
         .args([
-            "run", "--lock", "stubborn", "--ttl", "1s", "--grace", "300ms", "--", "sh", "-c",
-            &script,
+            "run", "stubborn", "--ttl", "1s", "--grace", "300ms", "--", "sh", "-c", &script,
         ])
         .spawn()
         .unwrap();
@@ -222,9 +212,7 @@ async fn stopping_the_server_stops_the_command() {
     let started = dir.path().join("started");
     let script = format!("touch {}; sleep 60", started.display());
     let mut run = fencelock(&url)
-        .args([
-            "run", "--lock", "srv", "--ttl", "1s", "--", "sh", "-c", &script,
-        ])
+        .args(["run", "srv", "--ttl", "1s", "--", "sh", "-c", &script])
         .spawn()
         .unwrap();
     wait_for_file(&started).await;
@@ -234,28 +222,107 @@ async fn stopping_the_server_stops_the_command() {
 }
 
 #[tokio::test]
-async fn sigterm_is_forwarded_and_the_lock_released() {
+async fn signals_are_forwarded_and_the_lock_released() {
     let server = TestServer::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let started = dir.path().join("started");
-    let got = dir.path().join("got-term");
-    let script = format!(
-        "trap 'touch {}; exit 9' TERM; touch {}; while :; do sleep 0.05; done",
-        got.display(),
-        started.display()
-    );
-    let mut run = fencelock(&server.url())
-        .args(["run", "--lock", "fwd", "--", "sh", "-c", &script])
-        .spawn()
+    for (signal, name) in [
+        (libc::SIGTERM, "TERM"),
+        (libc::SIGQUIT, "QUIT"),
+        (libc::SIGUSR1, "USR1"),
+        (libc::SIGHUP, "HUP"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let started = dir.path().join("started");
+        let got = dir.path().join("got");
+        let script = format!(
+            "trap 'touch {}; exit 9' {name}; touch {}; while :; do sleep 0.05; done",
+            got.display(),
+            started.display()
+        );
+        let mut run = fencelock(&server.url())
+            .args(["run", "fwd", "--", "sh", "-c", &script])
+            .spawn()
+            .unwrap();
+        wait_for_file(&started).await;
+        let pid = run.id().unwrap() as libc::pid_t;
+        // SAFETY: signals the `fencelock run` process this test started.
+        assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
+        let status = timeout(STEP, run.wait()).await.unwrap().unwrap();
+        assert_eq!(
+            status.code(),
+            Some(9),
+            "SIG{name}: the command's own exit code"
+        );
+        assert!(got.exists(), "the command received SIG{name}");
+        assert_free(&server, "fwd").await;
+    }
+}
+
+/// A lock not acquired says who holds it, in the flags' words (no "within 0ns");
+/// `--json` turns `run`'s messages into JSON lines on stderr; a wire field never
+/// shows through (`--ttl`, not `ttl_ms`).
+#[tokio::test]
+async fn refusals_say_who_holds_the_lock_and_name_the_flag() {
+    let server = TestServer::start().await;
+    let url = server.url();
+    let client = Client::connect(&url).await.unwrap();
+    let _held = client
+        .lock("busy")
+        .options(fencelock::LockOptions::default().owner("holder-1"))
+        .acquire()
+        .await
         .unwrap();
-    wait_for_file(&started).await;
-    let pid = run.id().unwrap() as libc::pid_t;
-    // SAFETY: signals the `fencelock run` process this test started.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-    let status = timeout(STEP, run.wait()).await.unwrap().unwrap();
-    assert_eq!(status.code(), Some(9), "the command's own exit code");
-    assert!(got.exists(), "the command received SIGTERM");
-    assert_free(&server, "fwd").await;
+
+    let out = finish(fencelock(&url).args(["run", "busy", "--wait", "0", "--", "true"])).await;
+    assert_eq!(out.status.code(), Some(124));
+    let said = text(&out.stderr);
+    assert!(
+        said.contains(r#"not acquired: "busy" is held by "holder-1" (fence "#),
+        "{said}"
+    );
+    assert!(!said.contains("0ns") && !said.contains("within"), "{said}");
+
+    let out = finish(fencelock(&url).args(["acquire", "busy", "--wait", "200ms"])).await;
+    assert_eq!(out.status.code(), Some(124));
+    let said = text(&out.stderr);
+    assert!(
+        said.contains(r#"not acquired within 200ms (--wait): "busy" is held by "holder-1""#),
+        "{said}"
+    );
+
+    let out =
+        finish(fencelock(&url).args(["run", "busy", "--wait", "0", "--json", "--", "true"])).await;
+    assert_eq!(out.status.code(), Some(124));
+    let error: serde_json::Value = serde_json::from_slice(&out.stderr).unwrap();
+    assert_eq!(error["error"]["code"], "not_acquired", "{error}");
+    assert_eq!(error["error"]["exit_code"], 124, "{error}");
+
+    let out = finish(fencelock(&url).args(["run", "free", "--json", "--", "true"])).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let acquired: serde_json::Value = serde_json::from_slice(&out.stderr).unwrap();
+    assert_eq!(acquired["acquired"]["name"], "free", "{acquired}");
+    assert!(
+        acquired["acquired"]["fence"].as_u64().is_some(),
+        "{acquired}"
+    );
+
+    for (args, says) in [
+        (
+            ["acquire", "x", "--ttl", "5ms"],
+            "--ttl must be at least 10ms (got 5ms)",
+        ),
+        (
+            ["acquire", "x", "--limit", "0"],
+            "--limit must be at least 1",
+        ),
+    ] {
+        let out = finish(fencelock(&url).args(args)).await;
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let said = text(&out.stderr);
+        assert!(
+            said.contains(says) && !said.contains("_ms"),
+            "{args:?}: {said}"
+        );
+    }
 }
 
 /// Several `run`s on one lock, each child logging its start and end time with the
@@ -275,9 +342,7 @@ async fn concurrent_runs_on_one_lock_never_overlap() {
         for _ in 0..4 {
             runs.push(
                 fencelock(&server.url())
-                    .args([
-                        "run", "--lock", "one", "--wait", "30s", "--", "sh", "-c", &script,
-                    ])
+                    .args(["run", "one", "--wait", "30s", "--", "sh", "-c", &script])
                     .spawn()
                     .unwrap(),
             );
@@ -498,23 +563,42 @@ async fn run_sends_the_token_and_refusal_is_exit_77() {
     let marker = dir.path().join("ran");
     let touch = ["--", "touch", marker.to_str().unwrap()];
 
-    let out = finish(fencelock(&url).args(["run", "--lock", "job:a"]).args(touch)).await;
+    let out = finish(fencelock(&url).args(["run", "job:a"]).args(touch)).await;
     assert_eq!(out.status.code(), Some(77), "{}", text(&out.stderr));
     assert!(!marker.exists());
+    // A 401 is said as one, not as `permission_denied`.
+    let said = text(&out.stderr);
+    assert!(
+        said.contains("not authenticated: ") && !said.contains("permission_denied"),
+        "{said}"
+    );
+    let out = finish(
+        fencelock(&url)
+            .env("FENCELOCK_TOKEN", "wrong")
+            .args(["acquire", "job:a"]),
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(77));
+    assert!(text(&out.stderr).contains("not authenticated: unknown token"));
 
     let out = finish(
         fencelock(&url)
             .env("FENCELOCK_TOKEN", "jobs-secret")
-            .args(["run", "--lock", "other:a"])
+            .args(["run", "other:a"])
             .args(touch),
     )
     .await;
     assert_eq!(out.status.code(), Some(77), "outside the token's prefixes");
+    assert!(
+        text(&out.stderr).contains("not allowed: "),
+        "{}",
+        text(&out.stderr)
+    );
 
     let out = finish(
         fencelock(&url)
             .env("FENCELOCK_TOKEN", "jobs-secret")
-            .args(["run", "--lock", "job:a"])
+            .args(["run", "job:a"])
             .args(touch),
     )
     .await;

@@ -217,15 +217,18 @@ fn a_new_token_works_once_its_entry_is_in_the_config() {
         }
         cmd.output().unwrap()
     };
+    // 77 for both, as for the other client commands; the 401 is said as such.
     let refused = backup(Some(&token));
-    assert_eq!(refused.status.code(), Some(1), "{refused:?}");
+    assert_eq!(refused.status.code(), Some(77), "{refused:?}");
     assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("403"),
+        String::from_utf8_lossy(&refused.stderr).contains("not allowed: "),
         "{refused:?}"
     );
     let refused = backup(None);
+    assert_eq!(refused.status.code(), Some(77), "{refused:?}");
+    let said = String::from_utf8_lossy(&refused.stderr);
     assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("401"),
+        said.contains("not authenticated: ") && !said.contains("permission_denied"),
         "{refused:?}"
     );
     assert!(!out.exists());

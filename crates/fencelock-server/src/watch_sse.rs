@@ -27,21 +27,27 @@ use fencelock_core::{EventKind, Fence, GrantEnd, WaitEnd};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::{broadcast, watch};
+use utoipa::IntoParams;
 
 use crate::auth::{Action, Caller, StreamSlot};
 use crate::engine::{Handle, Position, RunState, SharedEvent, WatchEvent};
-use crate::error::{ApiError, ApiErrorKind};
+use crate::error::{ApiError, ApiErrorKind, CommonErrors, ErrorBody};
 use crate::input::{self, invalid};
 
 /// How often an idle stream sends a heartbeat comment.
 pub const HEARTBEAT: Duration = Duration::from_secs(15);
 
-#[derive(Deserialize)]
+/// The query of `GET /v1/watch`.
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub(crate) struct WatchParams {
+    /// Only events of locks whose names start with this (default: all the token
+    /// may read).
     #[serde(default)]
     prefix: String,
-    /// The position of the last event seen (`INDEX.ORDINAL`).
+    /// Resume after this position (`INDEX.ORDINAL`, an event's `id`); the
+    /// `Last-Event-ID` header wins over it. Absent: from now on.
     after: Option<String>,
 }
 
@@ -101,7 +107,14 @@ fn resume_position(headers: &HeaderMap, after: Option<&str>) -> Result<Option<Po
     after.map(str::parse).transpose()
 }
 
-/// `GET /v1/watch`.
+/// Lock events as Server-Sent Events, resumable (see the module docs).
+#[utoipa::path(get, path = "/v1/watch", tag = "locks",
+    params(WatchParams),
+    responses(
+        (status = 200, description = "An event stream: `id:` the position, `event:` the kind, `data:` the event's JSON (`position`, `kind`, `name`, `fence`, `owner`, `session`, `at` (RFC 3339), `wall_ms`, `at_ms`, `duration_ms`, `reason`, `wait_end`); a last `end` event (`{\"error\":{\"code\",\"message\"}}`) if the stream cannot go on.", content_type = "text/event-stream", body = String),
+        (status = 410, description = "`watch_compacted`: the server cannot resume after that position (re-read the locks and watch from now).", body = ErrorBody),
+        CommonErrors,
+    ))]
 pub(crate) async fn watch(
     State(h): State<Handle>,
     Caller(caller): Caller,

@@ -1438,12 +1438,10 @@ async fn a_watch_resumes_on_another_member_at_the_same_positions() {
             .expect_json(200);
         fences.push(fence(&grant));
     }
-    let raw = on_a.read_until("\"name\":\"w:end\"", within).await;
-    let mut seen = support::sse_events(&format!("{head}{raw}"));
-    if seen.len() < 6 {
-        let more = on_a.read_until("event: released\n", within).await;
-        seen.extend(support::sse_events(&more));
-    }
+    let raw = on_a
+        .read_until("\"kind\":\"released\",\"name\":\"w:end\"", within)
+        .await;
+    let seen = support::sse_events(&format!("{head}{raw}"));
     let whats = |events: &[support::Sse]| -> Vec<String> {
         events
             .iter()

@@ -76,13 +76,11 @@ async fn sse_streams_events_and_resumes_after_a_position_or_last_event_id() {
         }
     }
     expected.extend(round(&t, "s:end", None).await);
-    let raw = live.read_until("\"name\":\"s:end\"", WITHIN).await;
-    let mut seen = events(&format!("{head}{raw}"));
-    // The released event of `s:end` may still be on its way.
-    if seen.len() < expected.len() {
-        let more = live.read_until("event: released\n", WITHIN).await;
-        seen = events(&format!("{head}{raw}{more}"));
-    }
+    // The last event: `kind` and `name` are neighbours in the JSON.
+    let raw = live
+        .read_until("\"kind\":\"released\",\"name\":\"s:end\"", WITHIN)
+        .await;
+    let seen = events(&format!("{head}{raw}"));
     assert_eq!(whats(&seen), expected);
     for e in &seen {
         assert_eq!(e.data["position"].as_str(), Some(e.id.as_str()), "{e:?}");
@@ -208,11 +206,10 @@ async fn sse_shows_a_token_only_its_own_prefixes_events() {
     expected.extend(round(&t, "a:mine", Some("client-a")).await);
     round(&t, "b:secret2", Some("client-b")).await;
     expected.extend(round(&t, "a:end", Some("client-a")).await);
-    let raw = live.read_until("\"name\":\"a:end\"", WITHIN).await;
-    let mut raw = format!("{head}{raw}");
-    if events(&raw).len() < expected.len() {
-        raw.push_str(&live.read_until("event: released\n", WITHIN).await);
-    }
+    let raw = live
+        .read_until("\"kind\":\"released\",\"name\":\"a:end\"", WITHIN)
+        .await;
+    let raw = format!("{head}{raw}");
     assert_eq!(whats(&events(&raw)), expected);
     assert!(!raw.contains("b:secret"), "{raw}");
 
@@ -305,15 +302,9 @@ async fn a_lagging_sse_watcher_catches_up_from_the_history() {
         let grant = h.acquire(&anyone, args).await.unwrap();
         assert!(h.release(&anyone, name, grant.token).await.unwrap());
     }
-    let mut raw = live.read_until("\"name\":\"lag:end\"", WITHIN).await;
-    let done = |raw: &str| {
-        events(raw)
-            .last()
-            .is_some_and(|e| e.event == "released" && e.data["name"] == "lag:end")
-    };
-    if !done(&raw) {
-        raw.push_str(&live.read_until("event: released\n", WITHIN).await);
-    }
+    let raw = live
+        .read_until("\"kind\":\"released\",\"name\":\"lag:end\"", WITHIN)
+        .await;
     let seen = events(&format!("{head}{raw}"));
     assert_eq!(seen.len(), 2 * rounds, "every event, once");
     for pair in seen.windows(2) {
