@@ -21,6 +21,7 @@ pub mod limits;
 pub mod metrics;
 pub mod origin;
 mod preface;
+pub mod series;
 pub mod startup;
 pub mod tls;
 pub mod wire;
