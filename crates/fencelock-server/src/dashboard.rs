@@ -899,7 +899,9 @@ async fn index(
             div #health sse-swap="health" { (health(&h, &who)) }
             @if who.covers_everything() {
                 h2 { "Last hour " span.muted { "(per minute, this server)" } }
-                div #charts data-src="/ui/series" {}
+                // The first data comes with the page (drawn as soon as the
+                // scripts run); `/ui/series` refreshes it.
+                div #charts data-src="/ui/series" data-series=(series_json(&h)) {}
             }
             @if let Some(cluster) = cluster_html(&h) {
                 h2 { "Cluster" }
@@ -919,6 +921,12 @@ async fn index(
     page("locks", Some(&who), body).into_response()
 }
 
+/// The last hour per minute as the JSON `/ui/series` answers.
+fn series_json(h: &Handle) -> String {
+    let minutes = h.metrics().series.last_hour(crate::audit::wall_ms());
+    serde_json::json!({ "minutes": minutes }).to_string()
+}
+
 /// `GET /ui/series`: the last hour per minute (grants, wait p50/p99, queued, peak
 /// waiters) as JSON for the charts. Whole-server figures, so only for a token
 /// that covers every lock, as the health panel's counts.
@@ -930,8 +938,11 @@ async fn series_api(State(h): State<Handle>, ext: Extensions) -> Result<Response
             "the charts count every lock; they need a token whose prefixes include every lock",
         ));
     }
-    let minutes = h.metrics().series.last_hour(crate::audit::wall_ms());
-    Ok(Json(serde_json::json!({ "minutes": minutes })).into_response())
+    Ok((
+        [(header::CONTENT_TYPE, "application/json")],
+        series_json(&h),
+    )
+        .into_response())
 }
 
 /// The live stream of a page: `locks` and `health` every [`REFRESH`] and after

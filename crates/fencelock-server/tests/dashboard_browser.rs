@@ -1,6 +1,6 @@
 //! The dashboard in headless Chromium at 10 and at 10,000 locks (issue 23 item 3):
 //! locks are taken over the HTTP API of a real server, then Chromium loads the page,
-//! runs its scripts (`--virtual-time-budget`) and dumps the DOM, and the test checks
+//! runs its scripts and dumps the DOM, and the test checks
 //! the count line ("Showing 1–100 of 10,000 locks"), that one page of rows is
 //! rendered (not all of them), that the three uPlot charts were drawn (canvas
 //! elements, after the data came from `/ui/series`), and that a lock's page lists
@@ -40,8 +40,7 @@ fn shots_dir() -> PathBuf {
     dir
 }
 
-/// Runs headless Chromium on `url` with `extra` arguments (after the page's
-/// scripts had `budget_ms` of virtual time) and returns its stdout.
+/// Runs headless Chromium on `url` with `extra` arguments and returns its stdout.
 async fn chromium_run(url: String, extra: Vec<String>) -> String {
     let bin = chromium();
     let profile = tempfile::tempdir().expect("a profile directory");
@@ -55,8 +54,10 @@ async fn chromium_run(url: String, extra: Vec<String>) -> String {
                 "--disable-dev-shm-usage",
                 "--hide-scrollbars",
                 "--run-all-compositor-stages-before-draw",
-                "--virtual-time-budget=5000",
-                "--force-prefers-reduced-motion",
+                // Not `--virtual-time-budget`: virtual time stops while a request
+                // is open, and the page's live stream never ends. This stops
+                // loading after 5 s; the charts' one fetch is long done by then.
+                "--timeout=5000",
                 &profile_arg,
             ])
             .args(extra)
