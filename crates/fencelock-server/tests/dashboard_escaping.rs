@@ -58,7 +58,7 @@ async fn lock_names_owners_and_reasons_with_script_tags_are_escaped_everywhere()
     check("GET /?prefix=", &html, &[NAME_ESCAPED, OWNER_ESCAPED]);
     assert!(html.contains("value=\"&lt;script&gt;\""), "{html}");
     assert!(
-        html.contains("sse-connect=\"/ui/stream?prefix=%3Cscript%3E\""),
+        html.contains("sse-connect=\"/ui/stream?prefix=%3Cscript%3E&amp;sort=name&amp;page=1\""),
         "{html}"
     );
 
