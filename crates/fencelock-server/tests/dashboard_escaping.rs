@@ -64,7 +64,7 @@ async fn lock_names_owners_and_reasons_with_script_tags_are_escaped_everywhere()
 
     // A waiter with markup in its owner text: listed on the lock's page, and
     // granted (so in the history) after the force-release below.
-    let mut waiter = c
+    let waiter = c
         .send_json(
             "/v1/acquire",
             &json!({"name": NAME, "ttl_ms": 600_000, "wait_ms": 60_000, "owner": WAITER}),
