@@ -1735,6 +1735,69 @@ mod tests {
         h.shutdown().await;
     }
 
+    /// The chart library is served from the binary under its version, cached for
+    /// good; the page links exactly that path.
+    #[tokio::test]
+    async fn the_chart_library_is_served_versioned_and_cached_for_good() {
+        for (path, kind) in [
+            (UPLOT_JS_PATH, "text/javascript"),
+            (UPLOT_CSS_PATH, "text/css"),
+        ] {
+            let file = path.strip_prefix("/ui/assets/").unwrap().to_owned();
+            let r = asset(Path(file)).await;
+            assert_eq!(r.status(), StatusCode::OK, "{path}");
+            let h = r.headers();
+            assert!(h[header::CONTENT_TYPE].to_str().unwrap().starts_with(kind));
+            assert_eq!(
+                h[header::CACHE_CONTROL],
+                "public, max-age=31536000, immutable",
+                "{path}"
+            );
+        }
+        let r = asset(Path("dashboard.js".to_owned())).await;
+        assert_eq!(r.headers()[header::CACHE_CONTROL], "public, max-age=3600");
+        let html = page("x", None, html! {}).0;
+        assert!(html.contains(&format!("src=\"{UPLOT_JS_PATH}\"")), "{html}");
+        assert!(
+            html.contains(&format!("href=\"{UPLOT_CSS_PATH}\"")),
+            "{html}"
+        );
+    }
+
+    #[test]
+    fn the_list_query_is_validated_and_round_trips_through_its_links() {
+        let p = |sort: &str, contended: &str, held_over: &str, page: &str| ListParams {
+            prefix: "job:".into(),
+            sort: sort.into(),
+            contended: contended.into(),
+            held_over: held_over.into(),
+            page: page.into(),
+        };
+        let q = ListQuery::parse(p("held", "on", "1m 30s", "3")).unwrap();
+        assert_eq!(
+            (q.sort, q.contended, q.held_over_ms, q.page),
+            (Sort::Held, true, 90_000, 3)
+        );
+        assert_eq!(
+            q.href(4),
+            "/?prefix=job:&sort=held&contended=on&held_over=90000ms&page=4"
+        );
+        for bad in [
+            p("sideways", "", "", ""),
+            p("", "maybe", "", ""),
+            p("", "", "soon", ""),
+            p("", "", "", "0"),
+            p("", "", "", "-1"),
+        ] {
+            let e = ListQuery::parse(bad).unwrap_err();
+            assert_eq!(e.kind(), ApiErrorKind::InvalidArgument, "{e}");
+        }
+        assert_eq!(grouped(0), "0");
+        assert_eq!(grouped(999), "999");
+        assert_eq!(grouped(5_004), "5,004");
+        assert_eq!(grouped(1_234_567), "1,234,567");
+    }
+
     #[test]
     fn cookie_values_cannot_inject_attributes() {
         assert!(cookie_safe("flk_abcDEF-123_x"));
