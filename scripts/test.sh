@@ -14,6 +14,8 @@ command -v openssl >/dev/null || need_apt+=(openssl)  # TLS tests make a test CA
 command -v node >/dev/null || need_apt+=(nodejs)
 command -v npm >/dev/null || need_apt+=(npm)
 [ -x /usr/bin/chromium ] || need_apt+=(chromium)
+# The Python client example of docs/clients.md (crates/fencelock-cli/tests/clients.rs).
+command -v python3 >/dev/null || need_apt+=(python3)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
@@ -21,6 +23,13 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     echo "missing: ${need_apt[*]} (install them, or run as root to install automatically)" >&2
     exit 1
   fi
+fi
+# Its one library, `requests`: from pip where python3 is pip's (a virtualenv, pyenv),
+# else Debian's package for the system python3.
+if ! python3 -c 'import requests' 2>/dev/null; then
+  python3 -m pip install --quiet requests 2>/dev/null ||
+    { [ "$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-requests; } ||
+    { echo "missing: the Python package requests (pip install requests)" >&2; exit 1; }
 fi
 # Tests start their own throwaway PostgreSQL, MariaDB, Redis, etcd and ZooKeeper servers
 # (fencelock-testkit): the backends' conformance suite and the benchmark smoke run.

@@ -378,6 +378,21 @@ pub trait LockBackend: Send + Sync + 'static {
         let _ = name;
         Box::pin(async { Err(unsupported("elections")) })
     }
+
+    /// Waits until the leader of `name` is no longer `known` (another holder, value or
+    /// term, or none), at most `wait`, and returns the leader then. Stores that can
+    /// push changes (etcd and ZooKeeper watches) implement it; the default is
+    /// `Unsupported`, and `fencelock::Election::observe` then polls
+    /// [`leader`](LockBackend::leader) instead.
+    fn leader_change<'a>(
+        &'a self,
+        name: &'a str,
+        known: Option<&'a Leader>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<Option<Leader>, Error>> {
+        let _ = (name, known, wait);
+        Box::pin(async { Err(unsupported("leader watches")) })
+    }
 }
 
 fn unsupported(what: &str) -> Error {

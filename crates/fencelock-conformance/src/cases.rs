@@ -7,7 +7,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use fencelock::{AcquireSpec, Client, ErrorKind, FenceGuarantee, Lease, LockBackend};
+use fencelock::{
+    AcquireSpec, Client, ErrorKind, FenceGuarantee, Leader, Lease, LockBackend, LockMode,
+};
+use futures_util::StreamExt;
 use tokio::time::Instant;
 
 use crate::{connect, step, Fixture, Partitioned, STEP};
@@ -416,4 +419,324 @@ pub async fn retry_with_the_same_request_id_is_idempotent(fixture: &dyn Fixture)
     let next = acquire(&*other, &spec(name, LONG_TTL)).await;
     check_fence_order(client.capabilities().fences, first.fence, next.fence);
     assert!(step(other.release(&next)).await.expect("release"));
+}
+
+fn shared(name: &str, ttl: Duration) -> AcquireSpec {
+    let mut spec = spec(name, ttl);
+    spec.mode = LockMode::Shared;
+    spec
+}
+
+fn expect_unsupported<T: std::fmt::Debug>(what: &str, result: Result<T, fencelock::Error>) {
+    match result {
+        Ok(value) => panic!("{what}: the capabilities say no, but it answered {value:?}"),
+        Err(e) => assert_eq!(e.kind(), ErrorKind::Unsupported, "{what}: {e}"),
+    }
+}
+
+/// Where the capabilities say no, a shared acquire is `Unsupported`, never an
+/// exclusive grant; `true` if the backend claims shared locks.
+async fn claims_shared(backend: &dyn LockBackend, name: &str) -> bool {
+    if backend.capabilities().shared {
+        return true;
+    }
+    expect_unsupported(
+        "a shared acquire",
+        step(backend.acquire(&shared(name, LONG_TTL))).await,
+    );
+    false
+}
+
+/// Readers hold a shared lock together; a writer is refused while they do and gets it
+/// once they are gone, with a larger fence than theirs; a reader is refused while the
+/// writer holds it.
+pub async fn shared_readers_hold_together(fixture: &dyn Fixture) {
+    let clients = [
+        connect(fixture).await,
+        connect(fixture).await,
+        connect(fixture).await,
+    ];
+    let name = "conformance:rw";
+    if !claims_shared(&*clients[0], name).await {
+        return;
+    }
+    let fences = clients[0].capabilities().fences;
+    let first = acquire(&*clients[0], &shared(name, LONG_TTL)).await;
+    let second = acquire(&*clients[1], &shared(name, LONG_TTL)).await;
+    assert_ne!(
+        first.owner_token, second.owner_token,
+        "each reader needs its own owner token"
+    );
+    expect_refused(&*clients[2], &spec(name, LONG_TTL), ErrorKind::Held).await;
+    assert!(step(clients[0].release(&first)).await.expect("release"));
+    expect_refused(&*clients[2], &spec(name, LONG_TTL), ErrorKind::Held).await;
+    assert!(step(clients[1].release(&second)).await.expect("release"));
+    let writer = acquire(&*clients[2], &spec(name, LONG_TTL)).await;
+    check_fence_order(fences, first.fence.max(second.fence), writer.fence);
+    expect_refused(&*clients[0], &shared(name, LONG_TTL), ErrorKind::Held).await;
+    assert!(step(clients[2].release(&writer)).await.expect("release"));
+    let reader = acquire(&*clients[0], &shared(name, LONG_TTL)).await;
+    check_fence_order(fences, writer.fence, reader.fence);
+    assert!(step(clients[0].release(&reader)).await.expect("release"));
+}
+
+/// A writer queued behind a reader gets the lock when the reader leaves, with a larger
+/// fence; on a FIFO backend a reader arriving after the queued writer waits for it
+/// instead of joining the first reader (no writer starvation).
+pub async fn shared_queued_writer_goes_first(fixture: &dyn Fixture) {
+    let reader = connect(fixture).await;
+    let writer: Arc<dyn LockBackend> = connect(fixture).await;
+    let late = connect(fixture).await;
+    let name = "conformance:rw-queue";
+    if !claims_shared(&*reader, name).await {
+        return;
+    }
+    let caps = reader.capabilities();
+    let held = acquire(&*reader, &shared(name, LONG_TTL)).await;
+    let task = {
+        let writer = writer.clone();
+        tokio::spawn(async move { writer.acquire(&waiting(name, LONG_TTL, STEP / 2)).await })
+    };
+    // Give the writer time to be queued.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !task.is_finished(),
+        "the writer was granted beside a reader"
+    );
+    if caps.fifo {
+        expect_refused(&*late, &shared(name, LONG_TTL), ErrorKind::Held).await;
+    }
+    assert!(step(reader.release(&held)).await.expect("release"));
+    let granted = step(task)
+        .await
+        .expect("writer task")
+        .unwrap_or_else(|e| panic!("the queued writer was not granted: {e}"));
+    check_fence_order(caps.fences, held.fence, granted.fence);
+    assert!(step(writer.release(&granted)).await.expect("release"));
+}
+
+/// A writer that downgrades keeps its fence and lets readers in, but not writers;
+/// where the capabilities say no, downgrade is `Unsupported` and the writer still
+/// holds exclusively.
+pub async fn downgrade_lets_readers_in(fixture: &dyn Fixture) {
+    let holder = connect(fixture).await;
+    let other = connect(fixture).await;
+    let name = "conformance:downgrade";
+    let lease = acquire(&*holder, &spec(name, LONG_TTL)).await;
+    if !holder.capabilities().downgrade {
+        expect_unsupported("downgrade", step(holder.downgrade(&lease)).await);
+        expect_refused(&*other, &spec(name, LONG_TTL), ErrorKind::Held).await;
+        assert!(step(holder.release(&lease)).await.expect("release"));
+        return;
+    }
+    assert!(
+        holder.capabilities().shared,
+        "a backend that downgrades must have shared locks"
+    );
+    step(holder.downgrade(&lease)).await.expect("downgrade");
+    let reader = acquire(&*other, &shared(name, LONG_TTL)).await;
+    expect_refused(&*other, &spec(name, LONG_TTL), ErrorKind::Held).await;
+    let renewed = step(holder.renew(&lease, LONG_TTL)).await.expect("renew");
+    assert!(renewed > Duration::ZERO);
+    assert!(step(holder.release(&lease)).await.expect("release"));
+    assert!(step(other.release(&reader)).await.expect("release"));
+}
+
+fn campaign_spec(name: &str, ttl: Duration, wait: Duration) -> AcquireSpec {
+    let mut spec = waiting(name, ttl, wait);
+    spec.owner = format!("candidate-{}", &spec.request_id[..8]);
+    spec
+}
+
+async fn campaign(backend: &dyn LockBackend, spec: &AcquireSpec, value: &str) -> Lease {
+    match step(backend.campaign(spec, value)).await {
+        Ok(lease) => lease,
+        Err(e) => panic!("campaign in {:?} failed: {e}", spec.name),
+    }
+}
+
+async fn leader(backend: &dyn LockBackend, name: &str) -> Option<Leader> {
+    step(backend.leader(name))
+        .await
+        .unwrap_or_else(|e| panic!("leader of {name:?}: {e}"))
+}
+
+/// Where the capabilities say no, campaign and leader are `Unsupported`; `true` if the
+/// backend claims elections.
+async fn claims_elections(backend: &dyn LockBackend, name: &str) -> bool {
+    if backend.capabilities().elections {
+        return true;
+    }
+    let spec = campaign_spec(name, LONG_TTL, Duration::ZERO);
+    expect_unsupported("campaign", step(backend.campaign(&spec, "v")).await);
+    expect_unsupported("leader", step(backend.leader(name)).await);
+    false
+}
+
+/// One leader at a time: a second candidate is refused while the first leads, and
+/// `leader` reports the first with its value and its term (the grant's fence).
+pub async fn election_has_one_leader(fixture: &dyn Fixture) {
+    let a = connect(fixture).await;
+    let b = connect(fixture).await;
+    let name = "conformance:election";
+    if !claims_elections(&*a, name).await {
+        return;
+    }
+    assert_eq!(leader(&*a, name).await, None, "a new election has a leader");
+    let spec = campaign_spec(name, LONG_TTL, Duration::ZERO);
+    let lease = campaign(&*a, &spec, "a:1").await;
+    let second = campaign_spec(name, LONG_TTL, Duration::ZERO);
+    match step(b.campaign(&second, "b:1")).await {
+        Ok(other) => panic!("a second leader at term {}", other.fence),
+        Err(e) => assert_eq!(e.kind(), ErrorKind::Held, "second campaign: {e}"),
+    }
+    let seen = leader(&*b, name).await.expect("a leader");
+    assert_eq!(
+        (seen.value.as_str(), seen.term, seen.owner.as_str()),
+        ("a:1", lease.fence, spec.owner.as_str()),
+        "leader() does not report the leader"
+    );
+    assert!(step(a.release(&lease)).await.expect("resign"));
+    assert_eq!(
+        leader(&*b, name).await,
+        None,
+        "a resigned leader still leads"
+    );
+}
+
+/// A leader cut off until its lease runs out is replaced by a waiting candidate with a
+/// larger term; the old leader's proclaim is then refused with `NotHeld` and changes
+/// nothing.
+pub async fn election_term_increases_on_takeover(fixture: &dyn Fixture) {
+    let ttl = fixture.short_ttl();
+    let old = Partitioned::connect(fixture).await;
+    let new = connect(fixture).await;
+    let name = "conformance:election-takeover";
+    if !claims_elections(&*new, name).await {
+        return;
+    }
+    let first = campaign(
+        &*old.backend,
+        &campaign_spec(name, ttl, Duration::ZERO),
+        "old",
+    )
+    .await;
+    old.cut();
+    let second = campaign(&*new, &campaign_spec(name, LONG_TTL, STEP / 2), "new").await;
+    assert!(
+        second.fence > first.fence,
+        "the new leader's term {} is not above the old one's {}",
+        second.fence,
+        first.fence
+    );
+    old.heal();
+    match step(old.backend.proclaim(&first, "stale")).await {
+        Ok(()) => panic!("a leader that lost its term proclaimed"),
+        Err(e) => assert_eq!(e.kind(), ErrorKind::NotHeld, "proclaim after loss: {e}"),
+    }
+    let seen = leader(&*new, name).await.expect("a leader");
+    assert_eq!((seen.value.as_str(), seen.term), ("new", second.fence));
+    assert!(step(new.release(&second)).await.expect("resign"));
+}
+
+/// Proclaim changes the value `leader` reports and the value observers see, and keeps
+/// the term.
+pub async fn election_proclaim_is_seen(fixture: &dyn Fixture) {
+    let a = connect(fixture).await;
+    let follower = connect(fixture).await;
+    let name = "conformance:election-proclaim";
+    if !claims_elections(&*a, name).await {
+        return;
+    }
+    let lease = campaign(&*a, &campaign_spec(name, LONG_TTL, Duration::ZERO), "one").await;
+    let election = Client::from_backend(follower.clone()).election(name);
+    let mut changes = Box::pin(election.observe());
+    let first = step(changes.next()).await.expect("a first item");
+    let first = first.expect("observe").expect("a leader");
+    assert_eq!((first.value.as_str(), first.term), ("one", lease.fence));
+    step(a.proclaim(&lease, "two")).await.expect("proclaim");
+    let seen = leader(&*follower, name).await.expect("a leader");
+    assert_eq!((seen.value.as_str(), seen.term), ("two", lease.fence));
+    let next = step(changes.next()).await.expect("a second item");
+    let next = next.expect("observe").expect("a leader");
+    assert_eq!(
+        (next.value.as_str(), next.term),
+        ("two", lease.fence),
+        "the observer did not see the proclaimed value"
+    );
+    assert!(step(a.release(&lease)).await.expect("resign"));
+    let last = step(changes.next()).await.expect("a third item");
+    assert_eq!(last.expect("observe"), None, "resignation not observed");
+}
+
+/// A candidate waiting behind a leader leads once the leader resigns, with a larger
+/// term.
+pub async fn election_successor_leads_after_resign(fixture: &dyn Fixture) {
+    let a = connect(fixture).await;
+    let b: Arc<dyn LockBackend> = connect(fixture).await;
+    let name = "conformance:election-resign";
+    if !claims_elections(&*a, name).await {
+        return;
+    }
+    let first = campaign(&*a, &campaign_spec(name, LONG_TTL, Duration::ZERO), "a").await;
+    let task = {
+        let b = b.clone();
+        tokio::spawn(async move {
+            b.campaign(&campaign_spec(name, LONG_TTL, STEP / 2), "b")
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!task.is_finished(), "a second leader while the first leads");
+    assert!(step(a.release(&first)).await.expect("resign"));
+    let second = step(task)
+        .await
+        .expect("candidate task")
+        .unwrap_or_else(|e| panic!("the successor was not elected: {e}"));
+    assert!(
+        second.fence > first.fence,
+        "term went from {} to {}",
+        first.fence,
+        second.fence
+    );
+    let seen = leader(&*a, name).await.expect("a leader");
+    assert_eq!((seen.value.as_str(), seen.term), ("b", second.fence));
+    assert!(step(b.release(&second)).await.expect("resign"));
+}
+
+/// Capabilities tell the truth both ways: each kind a backend claims answers something
+/// other than `Unsupported`, and each it does not claim answers `Unsupported` (a
+/// shared request is never granted as exclusive) and leaves the name free.
+pub async fn capabilities_match_the_kinds(fixture: &dyn Fixture) {
+    let backend = connect(fixture).await;
+    let caps = backend.capabilities();
+    let name = "conformance:kinds";
+    let shared_answer = step(backend.acquire(&shared(name, LONG_TTL))).await;
+    match (&shared_answer, caps.shared) {
+        (Err(e), true) => assert_ne!(e.kind(), ErrorKind::Unsupported, "claims shared: {e}"),
+        (_, true) => {}
+        (answer, false) => expect_unsupported("shared acquire", answer.clone()),
+    }
+    if let Ok(lease) = &shared_answer {
+        assert!(step(backend.release(lease)).await.expect("release"));
+    }
+    let candidate = campaign_spec(name, LONG_TTL, Duration::ZERO);
+    let campaigned = step(backend.campaign(&candidate, "v")).await;
+    let read = step(backend.leader(name)).await;
+    if caps.elections {
+        let lease = campaigned.unwrap_or_else(|e| panic!("claims elections: {e}"));
+        read.unwrap_or_else(|e| panic!("claims elections: {e}"));
+        assert!(step(backend.release(&lease)).await.expect("resign"));
+    } else {
+        expect_unsupported("campaign", campaigned);
+        expect_unsupported("leader", read);
+    }
+    let lease = acquire(&*backend, &spec(name, LONG_TTL)).await;
+    let downgraded = step(backend.downgrade(&lease)).await;
+    match (downgraded, caps.downgrade) {
+        (Err(e), true) => panic!("claims downgrade: {e}"),
+        (Ok(()), true) => {}
+        (answer, false) => expect_unsupported("downgrade", answer),
+    }
+    assert!(step(backend.release(&lease)).await.expect("release"));
 }

@@ -118,6 +118,14 @@ macro_rules! conformance_suite {
             waiter_wakes_on_release,
             waiters_are_all_served,
             retry_with_the_same_request_id_is_idempotent,
+            shared_readers_hold_together,
+            shared_queued_writer_goes_first,
+            downgrade_lets_readers_in,
+            election_has_one_leader,
+            election_term_increases_on_takeover,
+            election_proclaim_is_seen,
+            election_successor_leads_after_resign,
+            capabilities_match_the_kinds,
         );
     };
     (@cases $start:expr; $($case:ident),* $(,)?) => {

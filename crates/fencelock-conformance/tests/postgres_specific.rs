@@ -758,3 +758,97 @@ async fn the_listener_reconnects() {
     assert_eq!(lease.fence, held.fence + 1);
     assert!(step(waiter.release(&lease)).await.expect("release"));
 }
+
+/// The lock table as versions before elections made it.
+const TABLE_BEFORE_ELECTIONS: &str = "CREATE TABLE distributed_lock (
+   lock_name   text PRIMARY KEY,
+   owner_token text,
+   owner       text NOT NULL DEFAULT '',
+   request_id  text,
+   fencing_seq bigint NOT NULL CHECK (fencing_seq > 0),
+   lease_until timestamptz NOT NULL,
+   updated_at  timestamptz NOT NULL)";
+
+async fn has_leader_value(admin: &Client) -> bool {
+    admin
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
+             WHERE table_name = 'distributed_lock' AND column_name = 'leader_value')",
+            &[],
+        )
+        .await
+        .expect("read the columns")
+        .get(0)
+}
+
+/// A table made before elections gains `leader_value` at connect, keeps its rows and
+/// fences, and the backend then has elections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_made_before_elections_gains_the_leader_value_column() {
+    let server = start().await;
+    let (admin, _) = raw(&server).await;
+    admin
+        .batch_execute(TABLE_BEFORE_ELECTIONS)
+        .await
+        .expect("create the old table");
+    admin
+        .batch_execute(
+            "INSERT INTO distributed_lock VALUES \
+             ('scheduler', NULL, '', NULL, 41, '-infinity', now())",
+        )
+        .await
+        .expect("a row with fences already drawn");
+    let backend = PostgresBackend::connect(PostgresConfig::new(server.connection_string()))
+        .await
+        .expect("connect");
+    assert!(has_leader_value(&admin).await, "the column was not added");
+    assert!(backend.capabilities().elections);
+    let mut request = spec("scheduler", Duration::from_secs(30), Duration::ZERO);
+    request.owner = "me".to_owned();
+    let lease = step(backend.campaign(&request, "10.0.0.1:80"))
+        .await
+        .expect("campaign");
+    assert_eq!(
+        lease.fence, 42,
+        "the row's fences went on from where they were"
+    );
+    let leader = step(backend.leader("scheduler"))
+        .await
+        .expect("leader")
+        .expect("a leader");
+    assert_eq!(
+        (leader.value.as_str(), leader.term, leader.owner.as_str()),
+        ("10.0.0.1:80", 42, "me")
+    );
+}
+
+/// A role that may use the old table but not alter it keeps its locks and has no
+/// elections: the capabilities say so and a campaign is `Unsupported`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_that_cannot_alter_the_old_table_works_without_elections() {
+    let server = start().await;
+    let (admin, _) = raw(&server).await;
+    admin
+        .batch_execute(&format!(
+            "{TABLE_BEFORE_ELECTIONS}; CREATE ROLE app LOGIN; \
+             GRANT SELECT, INSERT, UPDATE ON distributed_lock TO app;"
+        ))
+        .await
+        .expect("create the old table and a role without ALTER");
+    let conninfo = format!(
+        "host=127.0.0.1 port={} user=app dbname=postgres",
+        server.port()
+    );
+    let backend = PostgresBackend::connect(PostgresConfig::new(conninfo))
+        .await
+        .expect("connect as a role that cannot alter the table");
+    assert!(!has_leader_value(&admin).await);
+    assert!(!backend.capabilities().elections);
+    let request = spec("scheduler", Duration::from_secs(30), Duration::ZERO);
+    let e = step(backend.campaign(&request, "v"))
+        .await
+        .expect_err("campaign without the column");
+    assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+    let lease = step(backend.acquire(&request)).await.expect("a plain lock");
+    assert!(step(backend.release(&lease)).await.expect("release"));
+}

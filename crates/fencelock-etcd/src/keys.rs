@@ -55,19 +55,62 @@ pub(crate) fn lock_dir(prefix: &str, name: &str) -> (Vec<u8>, Vec<u8>) {
     (dir, end)
 }
 
-/// The value stored in a grant's key.
-pub(crate) fn value(limit: u32, owner: &str) -> Vec<u8> {
-    format!("limit={limit}\nowner={owner}").into_bytes()
+/// What a grant's key says about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Entry {
+    /// The limit it asked for.
+    pub(crate) limit: u32,
+    /// A reader of a reader-writer lock.
+    pub(crate) shared: bool,
+    /// A leader's (or candidate's) value; `None` for a plain lock.
+    pub(crate) value: Option<String>,
+    /// Who asked.
+    pub(crate) owner: String,
 }
 
-/// The `(limit, owner)` of a grant's value; `None` for a key this backend did not
-/// write.
-pub(crate) fn parse_value(value: &[u8]) -> Option<(u32, String)> {
+/// The value stored in a grant's key: `limit=<n>`, then `mode=shared` for a reader and
+/// `value=<v>` for a candidate, then `owner=<owner>`, one per line (none of them can
+/// contain a newline: control characters are refused). A plain lock's value is the
+/// two lines it has always been.
+pub(crate) fn value(entry: &Entry) -> Vec<u8> {
+    let mut text = format!("limit={}\n", entry.limit);
+    if entry.shared {
+        text.push_str("mode=shared\n");
+    }
+    if let Some(value) = &entry.value {
+        let _ = writeln!(text, "value={value}");
+    }
+    text.push_str("owner=");
+    text.push_str(&entry.owner);
+    text.into_bytes()
+}
+
+/// The [`Entry`] of a grant's value; `None` for a key this backend did not write.
+pub(crate) fn parse_value(value: &[u8]) -> Option<Entry> {
     let text = std::str::from_utf8(value).ok()?;
-    let (limit, owner) = text.split_once('\n')?;
+    let (limit, mut rest) = text.split_once('\n')?;
     let limit = limit.strip_prefix("limit=")?.parse().ok()?;
-    let owner = owner.strip_prefix("owner=")?;
-    Some((limit, owner.to_owned()))
+    let mut shared = false;
+    if let Some(after) = rest.strip_prefix("mode=shared\n") {
+        shared = true;
+        rest = after;
+    }
+    let mut candidate = None;
+    if let Some(after) = rest.strip_prefix("value=") {
+        let (value, after) = after.split_once('\n')?;
+        candidate = Some(value.to_owned());
+        rest = after;
+    }
+    let owner = rest.strip_prefix("owner=")?;
+    if owner.contains('\n') {
+        return None;
+    }
+    Some(Entry {
+        limit,
+        shared,
+        value: candidate,
+        owner: owner.to_owned(),
+    })
 }
 
 /// The owner token of a grant: `<lease id>:<create revision>:<escaped request id>`.
@@ -75,8 +118,11 @@ pub(crate) fn parse_value(value: &[u8]) -> Option<(u32, String)> {
 /// must still have for the grant to be held.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Token {
-    /// The grant's own etcd lease.
+    /// The grant's etcd lease: its own, or its session's.
     pub(crate) lease_id: i64,
+    /// Held on a session's lease (`s` before the lease id): releasing deletes the key
+    /// but leaves the lease to the session.
+    pub(crate) session: bool,
     /// The key's create revision (= the fence).
     pub(crate) revision: i64,
     /// The escaped request id: the last part of the key.
@@ -87,8 +133,11 @@ impl Token {
     /// The token's text.
     pub(crate) fn encode(&self) -> String {
         format!(
-            "{}:{}:{}",
-            self.lease_id, self.revision, self.escaped_request_id
+            "{}{}:{}:{}",
+            if self.session { "s" } else { "" },
+            self.lease_id,
+            self.revision,
+            self.escaped_request_id
         )
     }
 
@@ -100,7 +149,11 @@ impl Token {
                 format!("{text:?} is not an owner token of the etcd backend"),
             )
         };
-        let mut parts = text.splitn(3, ':');
+        let (session, text_after) = match text.strip_prefix('s') {
+            Some(rest) => (true, rest),
+            None => (false, text),
+        };
+        let mut parts = text_after.splitn(3, ':');
         let lease_id: i64 = parts
             .next()
             .and_then(|p| p.parse().ok())
@@ -124,6 +177,7 @@ impl Token {
         }
         Ok(Token {
             lease_id,
+            session,
             revision,
             escaped_request_id: escaped_request_id.to_owned(),
         })
@@ -172,6 +226,7 @@ mod tests {
             for y in names {
                 let key = Token {
                     lease_id: 1,
+                    session: false,
                     revision: 1,
                     escaped_request_id: escape("r/1"),
                 }
@@ -186,12 +241,20 @@ mod tests {
     fn tokens_round_trip_and_refuse_foreign_text() {
         let token = Token {
             lease_id: 7587869,
+            session: false,
             revision: 42,
             escaped_request_id: escape("req:1/2"),
         };
         assert_eq!(Token::parse(&token.encode()).expect("parses"), token);
+        let held = Token {
+            session: true,
+            ..token.clone()
+        };
+        assert_eq!(held.encode(), "s7587869:42:req:1%2F2");
+        assert_eq!(Token::parse(&held.encode()).expect("parses"), held);
         for bad in [
             "", "1:2", "x:2:r", "1:x:r", "0:2:r", "1:-2:r", "1:2:", "1:2:a/b", "1:2:%2", "1:2:a b",
+            "s", "s:1:r", "ss1:2:r", "S1:2:r",
         ] {
             let e = Token::parse(bad).expect_err(bad);
             assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{bad:?}");
@@ -200,12 +263,28 @@ mod tests {
 
     #[test]
     fn values_round_trip() {
+        let entry = |limit, shared, value: Option<&str>, owner: &str| Entry {
+            limit,
+            shared,
+            value: value.map(str::to_owned),
+            owner: owner.to_owned(),
+        };
+        for e in [
+            entry(3, false, None, "host:12"),
+            entry(1, false, None, ""),
+            entry(1, true, None, "reader"),
+            entry(1, false, Some("10.0.0.1:80"), "leader"),
+            entry(1, false, Some(""), ""),
+        ] {
+            assert_eq!(parse_value(&value(&e)).as_ref(), Some(&e));
+        }
+        // What earlier versions wrote.
         assert_eq!(
-            parse_value(&value(3, "host:12")),
-            Some((3, "host:12".to_owned()))
+            parse_value(b"limit=3\nowner=host:12"),
+            Some(entry(3, false, None, "host:12"))
         );
-        assert_eq!(parse_value(&value(1, "")), Some((1, String::new())));
         assert_eq!(parse_value(b"something else"), None);
         assert_eq!(parse_value(b"limit=x\nowner="), None);
+        assert_eq!(parse_value(b"limit=1\nmode=odd\nowner="), None);
     }
 }

@@ -28,6 +28,27 @@
 //!   revision, then sends one `LeaseKeepAlive` on the lease; `NotHeld` when either is
 //!   gone. `release` deletes the key in a transaction that compares its create
 //!   revision and lease (so it never touches another grant), then revokes the lease.
+//! - A **session** is an etcd lease of its own: a grant under it puts its key on that
+//!   lease instead of a new one (the owner token says so), and its release deletes the
+//!   key only. The keep-alive is a `LeaseKeepAlive` of that lease; closing revokes it,
+//!   deleting every key on it. A session that expires ends its grants with it.
+//!
+//! # Reader-writer locks and elections
+//!
+//! - **Shared locks** are etcd's `recipes.RWMutex` on the same queue: a reader's key
+//!   carries `mode=shared`. A reader holds once no writer's key is ahead of it, and
+//!   otherwise watches the nearest writer ahead; a writer holds once no key at all is
+//!   ahead, and watches the nearest one. So readers share, a writer excludes them, and
+//!   a queued writer blocks readers that arrive after it (FIFO across modes). Fences
+//!   stay create revisions: a writer's is larger than every reader's before it.
+//!   Readers are not counted: a shared lock takes `limit` 1. No downgrade (a reader
+//!   waiting on a writer watches only for its deletion).
+//! - **Elections** are etcd's `concurrency.Election`: a candidate is an ordinary
+//!   exclusive key of the election's name carrying `value=<v>`; the oldest key leads
+//!   and its create revision is the term. `proclaim` rewrites the value in a
+//!   transaction that compares the key's create revision and lease, so a deposed
+//!   leader changes nothing (`NotHeld`); `leader` reads the oldest key; observing
+//!   watches the election's keys from the revision read.
 //!
 //! # What etcd cannot promise
 //!
@@ -46,7 +67,7 @@
 //!   (`etcdctl snapshot restore` rewinds the revision to the snapshot's): after a
 //!   restore, bump the revision past any fence ever issued (`etcdutl snapshot restore
 //!   --bump-revision` in etcd ≥ 3.5).
-//! - No lock-delay (a `lock_delay` is refused) and no sessions. A waiter cut off from
+//! - No lock-delay (a `lock_delay` is refused). A waiter cut off from
 //!   etcd for its whole ttl loses its place (its key expires); the next attempt queues
 //!   again at the back.
 //! - A holder that stops without releasing, or a waiter whose cleanup cannot reach
@@ -93,7 +114,10 @@ use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Status};
 
-use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use fencelock_backend::{
+    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Leader, Lease, LockBackend, LockMode,
+    SessionLease,
+};
 use fencelock_backend::{Error, ErrorKind};
 use keys::Token;
 use tonic::metadata::AsciiMetadataValue;
@@ -147,6 +171,8 @@ pub struct QueueEntry {
     pub lease_id: i64,
     /// The limit it asked for.
     pub limit: u32,
+    /// Exclusive, or shared (a reader).
+    pub mode: LockMode,
     /// Who asked.
     pub owner: String,
 }
@@ -310,13 +336,18 @@ impl EtcdBackend {
                     .and_then(|rest| std::str::from_utf8(rest).ok())
                     .and_then(keys::unescape);
                 match (request_id, keys::parse_value(&kv.value)) {
-                    (Some(request_id), Some((limit, owner))) => Ok(QueueEntry {
+                    (Some(request_id), Some(entry)) => Ok(QueueEntry {
                         key,
                         request_id,
                         fence: revision_u64(kv.create_revision)?,
                         lease_id: kv.lease,
-                        limit,
-                        owner,
+                        limit: entry.limit,
+                        mode: if entry.shared {
+                            LockMode::Shared
+                        } else {
+                            LockMode::Exclusive
+                        },
+                        owner: entry.owner,
                     }),
                     _ => Err(foreign_key(&key)),
                 }
@@ -548,8 +579,18 @@ impl EtcdBackend {
         }
     }
 
-    async fn acquire_inner(&self, spec: &AcquireSpec) -> Result<Lease, Error> {
+    async fn acquire_inner(
+        &self,
+        spec: &AcquireSpec,
+        candidate: Option<&str>,
+    ) -> Result<Lease, Error> {
         spec.validate()?;
+        if spec.mode == LockMode::Shared && spec.limit != 1 {
+            return Err(invalid(
+                "the etcd backend admits any number of readers: a shared lock takes limit 1"
+                    .to_owned(),
+            ));
+        }
         if !spec.lock_delay.is_zero() {
             return Err(invalid(
                 "the etcd backend has no lock-delay; use fences (lock_delay must be zero)"
@@ -561,12 +602,12 @@ impl EtcdBackend {
         let deadline = start
             .checked_add(spec.wait)
             .unwrap_or(start + Duration::from_secs(100 * 365 * 24 * 3600));
-        let place = Place::new(&self.prefix, spec);
+        let place = Place::new(&self.prefix, spec, candidate);
 
-        let (new_lease, granted_ttl_s) = self.grant_lease(whole_seconds(spec.ttl)).await?;
         // From here until the grant is returned, giving up revokes the lease (and with
-        // it the key), also when this future is dropped.
-        let mut pending = PendingGrant::new(self.clone(), new_lease);
+        // it the key; a session's lease stays, only the key goes), also when this
+        // future is dropped.
+        let (mut pending, granted_ttl_s) = self.pending_grant(spec, &place).await?;
         let queued = self
             .enqueue(&place, spec, &mut pending, granted_ttl_s)
             .await?;
@@ -605,10 +646,11 @@ impl EtcdBackend {
                 ));
             }
             self.wakeups.fetch_add(1, Ordering::Relaxed);
-            turn = self.turn(&place, queued.revision, spec.limit).await?;
+            turn = self.turn(&place, queued.revision, spec).await?;
         }
         let token = Token {
             lease_id: pending.lease_id,
+            session: spec.session.is_some(),
             revision: queued.revision,
             escaped_request_id: place.escaped_request_id,
         };
@@ -630,7 +672,7 @@ impl EtcdBackend {
         pending: &mut PendingGrant,
         granted_ttl_s: i64,
     ) -> Result<Queued, Error> {
-        let created = self.txn(create_txn(place, spec, pending.lease_id)).await?;
+        let created = self.txn(create_txn(place, pending.lease_id)).await?;
         if !created.succeeded {
             return self.requeue(place, spec, pending, created).await;
         }
@@ -644,8 +686,8 @@ impl EtcdBackend {
         // its lock. (Every key agrees with the oldest, by induction.)
         if let Some(first) = oldest.kvs.first() {
             let refused = match keys::parse_value(&first.value) {
-                Some((limit, _)) if limit == spec.limit => None,
-                Some((limit, _)) => Some(Error::new(
+                Some(entry) if entry.limit == spec.limit => None,
+                Some(keys::Entry { limit, .. }) => Some(Error::new(
                     ErrorKind::LimitMismatch,
                     format!(
                         "{:?} is held with limit {limit}, not {}",
@@ -660,7 +702,13 @@ impl EtcdBackend {
             }
         }
         // Every key already there was created before ours.
-        let turn = if oldest.count < i64::from(spec.limit) {
+        let turn = if spec.mode == LockMode::Shared {
+            if oldest.count == 0 {
+                Turn::Granted
+            } else {
+                self.turn(place, revision, spec).await?
+            }
+        } else if oldest.count < i64::from(spec.limit) {
             Turn::Granted
         } else {
             let predecessor = newest.kvs.into_iter().next().map(|kv| kv.key);
@@ -691,8 +739,17 @@ impl EtcdBackend {
                 "the grant's key vanished during the retry; try again",
             ));
         };
-        let unused = std::mem::replace(&mut pending.lease_id, found.lease);
-        let _ = self.revoke(unused).await;
+        if pending.session_key.is_some() {
+            if found.lease != pending.lease_id {
+                return Err(invalid(format!(
+                    "request id {:?} was used for a grant outside this session",
+                    spec.request_id
+                )));
+            }
+        } else {
+            let unused = std::mem::replace(&mut pending.lease_id, found.lease);
+            let _ = self.revoke(unused).await;
+        }
         let ttl_s = match self.keep_alive(found.lease).await {
             Err(e) if e.kind() == ErrorKind::NotHeld => {
                 return Err(Error::new(
@@ -702,7 +759,7 @@ impl EtcdBackend {
             }
             other => other?,
         };
-        let turn = self.turn(place, found.create_revision, spec.limit).await?;
+        let turn = self.turn(place, found.create_revision, spec).await?;
         Ok(Queued {
             revision: found.create_revision,
             ttl_s,
@@ -712,7 +769,82 @@ impl EtcdBackend {
 
     /// Where the request's key (created at `revision`) stands now: a holder, or the
     /// key(s) to watch.
-    async fn turn(&self, place: &Place, revision: i64, limit: u32) -> Result<Turn, Error> {
+    async fn turn(&self, place: &Place, revision: i64, spec: &AcquireSpec) -> Result<Turn, Error> {
+        match spec.mode {
+            LockMode::Shared => self.reader_turn(place, revision).await,
+            _ => self.counted_turn(place, revision, spec.limit).await,
+        }
+    }
+
+    /// A reader's turn (etcd's `recipes.RWMutex`): it holds once no writer is ahead of
+    /// it, and otherwise waits for the nearest writer ahead to go. Readers ahead do not
+    /// matter; writers behind it wait for it.
+    async fn reader_turn(&self, place: &Place, revision: i64) -> Result<Turn, Error> {
+        if revision < 2 {
+            return Err(unexpected("create revision"));
+        }
+        let reply = self
+            .txn(pb::TxnRequest {
+                compare: Vec::new(),
+                success: vec![
+                    range_op(pb::RangeRequest {
+                        key: place.key.clone(),
+                        keys_only: true,
+                        ..Default::default()
+                    }),
+                    range_op(pb::RangeRequest {
+                        key: place.dir.clone(),
+                        range_end: place.dir_end.clone(),
+                        max_create_revision: revision - 1,
+                        sort_order: SortOrder::Descend as i32,
+                        sort_target: SortTarget::Create as i32,
+                        ..Default::default()
+                    }),
+                ],
+                failure: Vec::new(),
+            })
+            .await?;
+        let now = header_revision(reply.header.as_ref())?;
+        let [OpResponse::ResponseRange(mine), OpResponse::ResponseRange(ahead)] =
+            responses(reply, "queue read")?
+        else {
+            return Err(unexpected("queue read"));
+        };
+        let still_queued = mine
+            .kvs
+            .first()
+            .is_some_and(|kv| kv.create_revision == revision);
+        if !still_queued {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "the waiting request's lease expired (etcd unreachable for its ttl); try again",
+            ));
+        }
+        let mut writer = None;
+        for kv in ahead.kvs {
+            match keys::parse_value(&kv.value) {
+                Some(entry) if entry.shared => {}
+                Some(_) => {
+                    writer = Some(kv.key);
+                    break;
+                }
+                None => return Err(foreign_key(&String::from_utf8_lossy(&kv.key))),
+            }
+        }
+        Ok(match writer {
+            None => Turn::Granted,
+            Some(key) => Turn::Wait(WatchTarget {
+                key,
+                range_end: Vec::new(),
+                after_revision: now,
+                puts: false,
+            }),
+        })
+    }
+
+    /// A writer's or a semaphore holder's turn: it holds once fewer than `limit` keys
+    /// are ahead of it.
+    async fn counted_turn(&self, place: &Place, revision: i64, limit: u32) -> Result<Turn, Error> {
         if revision < 2 {
             // etcd's first write is revision 2; 0 would switch the filter below off.
             return Err(unexpected("create revision"));
@@ -821,7 +953,11 @@ impl EtcdBackend {
                     key: target.key.clone(),
                     range_end: target.range_end.clone(),
                     start_revision: target.after_revision + 1,
-                    filters: vec![pb::watch_create_request::FilterType::Noput as i32],
+                    filters: if target.puts {
+                        Vec::new()
+                    } else {
+                        vec![pb::watch_create_request::FilterType::Noput as i32]
+                    },
                     ..Default::default()
                 },
             )),
@@ -951,10 +1087,264 @@ impl EtcdBackend {
             return Ok(false);
         }
         // The key is gone, so the lock is released; an unrevoked lease holds nothing
-        // and runs out by itself.
-        let _ = self.revoke(token.lease_id).await;
+        // and runs out by itself. A session's lease is the session's to end.
+        if !token.session {
+            let _ = self.revoke(token.lease_id).await;
+        }
         Ok(true)
     }
+}
+
+impl EtcdBackend {
+    /// `concurrency.Election.Proclaim`: rewrites the leader's key with the new value,
+    /// in a transaction that compares its create revision and lease (the term), so a
+    /// deposed leader changes nothing.
+    async fn proclaim_inner(&self, lease: &Lease, value: &str) -> Result<(), Error> {
+        fencelock_backend::validate_value(value)?;
+        let token = Token::parse(&lease.owner_token)?;
+        let key = token.key(&self.prefix, &lease.name);
+        let reply = self
+            .range(pb::RangeRequest {
+                key: key.clone(),
+                ..Default::default()
+            })
+            .await?;
+        let not_held = || {
+            Error::new(
+                ErrorKind::NotHeld,
+                format!("{:?} is not led by this grant", lease.name),
+            )
+        };
+        let Some(kv) = reply.kvs.into_iter().next() else {
+            return Err(not_held());
+        };
+        let Some(mut entry) = keys::parse_value(&kv.value) else {
+            return Err(foreign_key(&String::from_utf8_lossy(&kv.key)));
+        };
+        entry.value = Some(value.to_owned());
+        let written = self
+            .txn(pb::TxnRequest {
+                compare: vec![
+                    compare(
+                        &key,
+                        CompareTarget::Create,
+                        TargetUnion::CreateRevision(token.revision),
+                    ),
+                    compare(
+                        &key,
+                        CompareTarget::Lease,
+                        TargetUnion::Lease(token.lease_id),
+                    ),
+                ],
+                success: vec![pb::RequestOp {
+                    request: Some(Op::RequestPut(pb::PutRequest {
+                        key,
+                        value: keys::value(&entry),
+                        ignore_lease: true,
+                        ..Default::default()
+                    })),
+                }],
+                failure: Vec::new(),
+            })
+            .await?;
+        if written.succeeded {
+            Ok(())
+        } else {
+            Err(not_held())
+        }
+    }
+
+    /// The election's leader (its oldest key) and the revision it was read at.
+    async fn read_leader(&self, name: &str) -> Result<(Option<Leader>, i64), Error> {
+        let (dir, end) = keys::lock_dir(&self.prefix, name);
+        let reply = self
+            .range(pb::RangeRequest {
+                key: dir,
+                range_end: end,
+                sort_order: SortOrder::Ascend as i32,
+                sort_target: SortTarget::Create as i32,
+                limit: 1,
+                ..Default::default()
+            })
+            .await?;
+        let revision = header_revision(reply.header.as_ref())?;
+        let Some(kv) = reply.kvs.into_iter().next() else {
+            return Ok((None, revision));
+        };
+        let Some(entry) = keys::parse_value(&kv.value) else {
+            return Err(foreign_key(&String::from_utf8_lossy(&kv.key)));
+        };
+        let leader = Leader::new(
+            name.to_owned(),
+            entry.value.unwrap_or_default(),
+            revision_u64(kv.create_revision)?,
+            entry.owner,
+        );
+        Ok((Some(leader), revision))
+    }
+
+    /// `concurrency.Election.Observe`: reads the leader, and while it is `known`,
+    /// watches the election's keys from the revision read and reads again on any
+    /// change, until `wait` passes.
+    async fn leader_change_inner(
+        &self,
+        name: &str,
+        known: Option<&Leader>,
+        wait: Duration,
+    ) -> Result<Option<Leader>, Error> {
+        let start = Instant::now();
+        let deadline = start.checked_add(wait).unwrap_or(start);
+        let (dir, end) = keys::lock_dir(&self.prefix, name);
+        loop {
+            let (leader, revision) = self.read_leader(name).await?;
+            if leader.as_ref() != known || Instant::now() >= deadline {
+                return Ok(leader);
+            }
+            let target = WatchTarget {
+                key: dir.clone(),
+                range_end: end.clone(),
+                after_revision: revision,
+                puts: true,
+            };
+            let mut watch = match self.open_watch(&target, deadline).await? {
+                Opened::Watching(watch) => watch,
+                Opened::Answered(_) => continue,
+            };
+            let changed = tokio::time::timeout_at(deadline, async {
+                loop {
+                    let message = watch.events.message().await;
+                    let message = message.map_err(|status| watch.failed(status))?;
+                    if watch_outcome(message)?.is_some() {
+                        return Ok::<(), Error>(());
+                    }
+                }
+            })
+            .await;
+            match changed {
+                Err(_elapsed) => return Ok(leader),
+                Ok(result) => result?,
+            }
+        }
+    }
+}
+
+/// Sessions: one etcd lease that many grants' keys are put on.
+impl EtcdBackend {
+    async fn open_session_inner(&self, ttl: Duration) -> Result<SessionLease, Error> {
+        if ttl.is_zero() || ttl > fencelock_backend::MAX_TTL {
+            return Err(invalid(format!(
+                "session ttl must be between 1ms and {}s, got {ttl:?}",
+                fencelock_backend::MAX_TTL.as_secs()
+            )));
+        }
+        let (id, ttl_s) = self.grant_lease(whole_seconds(ttl)).await?;
+        Ok(SessionLease::new(id.to_string(), seconds(ttl_s)))
+    }
+
+    async fn keep_alive_session(&self, session: &SessionLease) -> Result<Duration, Error> {
+        let id = session_lease_id(&session.id)?;
+        match self.keep_alive(id).await {
+            Ok(ttl_s) => Ok(seconds(ttl_s)),
+            Err(e) if e.kind() == ErrorKind::NotHeld => Err(session_gone(&session.id)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Counts the grants on the session's lease (a keys-only read of the prefix), then
+    /// revokes it, which deletes them.
+    async fn close_session_inner(&self, session: &SessionLease) -> Result<usize, Error> {
+        let id = session_lease_id(&session.id)?;
+        if let Err(e) = self.keep_alive(id).await {
+            return Err(match e.kind() {
+                ErrorKind::NotHeld => session_gone(&session.id),
+                _ => e,
+            });
+        }
+        let start = format!("{}/", self.prefix).into_bytes();
+        let mut end = start.clone();
+        // The last byte is '/': adding one never carries.
+        if let Some(last) = end.last_mut() {
+            *last += 1;
+        }
+        let held = self
+            .range(pb::RangeRequest {
+                key: start,
+                range_end: end,
+                keys_only: true,
+                ..Default::default()
+            })
+            .await?
+            .kvs
+            .iter()
+            .filter(|kv| kv.lease == id)
+            .count();
+        self.revoke(id).await?;
+        Ok(held)
+    }
+
+    /// The pending grant of an acquire, and the lease's length in seconds: on a new
+    /// lease of its own, or on the session's (which must be alive).
+    async fn pending_grant(
+        &self,
+        spec: &AcquireSpec,
+        place: &Place,
+    ) -> Result<(PendingGrant, i64), Error> {
+        let Some(session) = &spec.session else {
+            let (lease_id, ttl_s) = self.grant_lease(whole_seconds(spec.ttl)).await?;
+            return Ok((PendingGrant::new(self.clone(), lease_id), ttl_s));
+        };
+        let lease_id = session_lease_id(session)?;
+        let ttl_s = match self.keep_alive(lease_id).await {
+            Err(e) if e.kind() == ErrorKind::NotHeld => return Err(session_gone(session)),
+            other => other?,
+        };
+        let mut pending = PendingGrant::new(self.clone(), lease_id);
+        pending.session_key = Some(place.key.clone());
+        Ok((pending, ttl_s))
+    }
+
+    /// Undoes a pending grant: revokes its own lease, or deletes its key from a
+    /// session's lease (only while the key is on that lease).
+    async fn abandon(&self, lease_id: i64, session_key: Option<Vec<u8>>) -> Result<(), Error> {
+        let Some(key) = session_key else {
+            return self.revoke(lease_id).await;
+        };
+        self.txn(pb::TxnRequest {
+            compare: vec![compare(
+                &key,
+                CompareTarget::Lease,
+                TargetUnion::Lease(lease_id),
+            )],
+            success: vec![pb::RequestOp {
+                request: Some(Op::RequestDeleteRange(pb::DeleteRangeRequest {
+                    key,
+                    ..Default::default()
+                })),
+            }],
+            failure: Vec::new(),
+        })
+        .await
+        .map(drop)
+    }
+}
+
+/// A session id of this backend: an etcd lease id.
+fn session_lease_id(id: &str) -> Result<i64, Error> {
+    id.parse::<i64>()
+        .ok()
+        .filter(|&id| id > 0)
+        .ok_or_else(|| invalid(format!("{id:?} is not a session of the etcd backend")))
+}
+
+fn session_gone(id: &str) -> Error {
+    Error::new(
+        ErrorKind::SessionNotFound,
+        format!("session {id} has expired or was closed"),
+    )
+}
+
+fn seconds(ttl_s: i64) -> Duration {
+    Duration::from_secs(u64::try_from(ttl_s).unwrap_or(0))
 }
 
 impl LockBackend for EtcdBackend {
@@ -964,11 +1354,77 @@ impl LockBackend for EtcdBackend {
         caps.push_wakeups = true;
         caps.semaphores = true;
         caps.monotonic_leases = true;
+        caps.shared = true;
+        caps.elections = true;
+        caps.sessions = true;
         caps
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
-        Box::pin(self.acquire_inner(spec))
+        Box::pin(self.acquire_inner(spec, None))
+    }
+
+    /// etcd's `concurrency.Election`: a candidate is a key in the election's queue
+    /// carrying its value; the oldest key leads, and its create revision is the term.
+    fn campaign<'a>(
+        &'a self,
+        spec: &'a AcquireSpec,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<Lease, Error>> {
+        Box::pin(async move {
+            fencelock_backend::validate_value(value)?;
+            if spec.limit != 1 || spec.mode != LockMode::Exclusive {
+                return Err(invalid(
+                    "an election has one leader: campaign with limit 1, exclusive".to_owned(),
+                ));
+            }
+            self.acquire_inner(spec, Some(value)).await
+        })
+    }
+
+    fn proclaim<'a>(
+        &'a self,
+        lease: &'a Lease,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(self.proclaim_inner(lease, value))
+    }
+
+    fn leader<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<Leader>, Error>> {
+        Box::pin(async move { Ok(self.read_leader(name).await?.0) })
+    }
+
+    fn leader_change<'a>(
+        &'a self,
+        name: &'a str,
+        known: Option<&'a Leader>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<Option<Leader>, Error>> {
+        Box::pin(self.leader_change_inner(name, known, wait))
+    }
+
+    /// A session is an etcd lease of its own (whole seconds, as every lease here);
+    /// locks acquired under it put their keys on it.
+    fn open_session<'a>(
+        &'a self,
+        ttl: Duration,
+        _owner: &'a str,
+    ) -> BoxFuture<'a, Result<SessionLease, Error>> {
+        Box::pin(self.open_session_inner(ttl))
+    }
+
+    fn keep_alive<'a>(
+        &'a self,
+        session: &'a SessionLease,
+    ) -> BoxFuture<'a, Result<Duration, Error>> {
+        Box::pin(self.keep_alive_session(session))
+    }
+
+    fn close_session<'a>(
+        &'a self,
+        session: &'a SessionLease,
+    ) -> BoxFuture<'a, Result<usize, Error>> {
+        Box::pin(self.close_session_inner(session))
     }
 
     /// Keeps the grant's lease alive for the length granted at `acquire` (etcd cannot
@@ -1136,10 +1592,12 @@ struct Place {
     /// The request's key: `dir` + the escaped request id.
     key: Vec<u8>,
     escaped_request_id: String,
+    /// What the key says about the grant.
+    entry: keys::Entry,
 }
 
 impl Place {
-    fn new(prefix: &str, spec: &AcquireSpec) -> Place {
+    fn new(prefix: &str, spec: &AcquireSpec, candidate: Option<&str>) -> Place {
         let (dir, dir_end) = keys::lock_dir(prefix, &spec.name);
         let escaped_request_id = keys::escape(&spec.request_id);
         let key = [dir.as_slice(), escaped_request_id.as_bytes()].concat();
@@ -1148,6 +1606,12 @@ impl Place {
             dir_end,
             key,
             escaped_request_id,
+            entry: keys::Entry {
+                limit: spec.limit,
+                shared: spec.mode == LockMode::Shared,
+                value: candidate.map(str::to_owned),
+                owner: spec.owner.clone(),
+            },
         }
     }
 }
@@ -1170,11 +1634,13 @@ enum Turn {
     Wait(WatchTarget),
 }
 
-/// A key (or range) to watch for deletions after a revision.
+/// A key (or range) to watch for deletions (and with `puts`, for writes too) after a
+/// revision.
 struct WatchTarget {
     key: Vec<u8>,
     range_end: Vec<u8>,
     after_revision: i64,
+    puts: bool,
 }
 
 impl Turn {
@@ -1191,12 +1657,14 @@ impl Turn {
                 key: predecessor.ok_or_else(|| unexpected("queue read"))?,
                 range_end: Vec::new(),
                 after_revision,
+                puts: false,
             }
         } else {
             WatchTarget {
                 key: place.dir.clone(),
                 range_end: place.dir_end.clone(),
                 after_revision,
+                puts: false,
             }
         };
         Ok(Turn::Wait(target))
@@ -1210,6 +1678,9 @@ impl Turn {
 struct PendingGrant {
     backend: EtcdBackend,
     lease_id: i64,
+    /// On a session's lease: the request's key, deleted (if still on that lease)
+    /// instead of revoking the session.
+    session_key: Option<Vec<u8>>,
     armed: bool,
 }
 
@@ -1218,6 +1689,7 @@ impl PendingGrant {
         PendingGrant {
             backend,
             lease_id,
+            session_key: None,
             armed: true,
         }
     }
@@ -1230,7 +1702,10 @@ impl PendingGrant {
     /// Revokes the lease now. If etcd cannot be reached the lease runs out by itself;
     /// if this is cancelled half-way, the drop tries again in the background.
     async fn give_up(&mut self) {
-        let _ = self.backend.revoke(self.lease_id).await;
+        let _ = self
+            .backend
+            .abandon(self.lease_id, self.session_key.clone())
+            .await;
         self.armed = false;
     }
 }
@@ -1243,8 +1718,9 @@ impl Drop for PendingGrant {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let backend = self.backend.clone();
             let lease_id = self.lease_id;
+            let session_key = self.session_key.take();
             runtime.spawn(async move {
-                let _ = backend.revoke(lease_id).await;
+                let _ = backend.abandon(lease_id, session_key).await;
             });
         }
     }
@@ -1253,7 +1729,7 @@ impl Drop for PendingGrant {
 /// The transaction that queues a new grant: if the request's key does not exist, read
 /// the oldest and the newest key of the lock (with the count), then put the key on
 /// `lease_id`; else read the key (a retry).
-fn create_txn(place: &Place, spec: &AcquireSpec, lease_id: i64) -> pb::TxnRequest {
+fn create_txn(place: &Place, lease_id: i64) -> pb::TxnRequest {
     let key = place.key.as_slice();
     let edge = |order: SortOrder| {
         range_op(pb::RangeRequest {
@@ -1277,7 +1753,7 @@ fn create_txn(place: &Place, spec: &AcquireSpec, lease_id: i64) -> pb::TxnReques
             pb::RequestOp {
                 request: Some(Op::RequestPut(pb::PutRequest {
                     key: key.to_vec(),
-                    value: keys::value(spec.limit, &spec.owner),
+                    value: keys::value(&place.entry),
                     lease: lease_id,
                     ..Default::default()
                 })),

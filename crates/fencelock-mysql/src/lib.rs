@@ -30,6 +30,10 @@
 //! Connections are made without TLS: reach the database over a trusted network or a
 //! local tunnel.
 //!
+//! Neither has reader-writer locks or elections: a shared request is refused with
+//! [`ErrorKind::Unsupported`] (never granted as exclusive), and the capabilities say
+//! so. `GET_LOCK` has no shared mode, and a table row holds one owner and one fence.
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use fencelock_mysql::{MysqlBackend, MysqlConfig};
@@ -157,6 +161,14 @@ fn ttl_us(ttl: Duration) -> Result<u64, Error> {
 
 /// Refuses what neither mode can do (semaphores, lock-delay).
 fn refuse_unsupported(spec: &AcquireSpec, backend: &str) -> Result<(), Error> {
+    if spec.mode != fencelock_backend::LockMode::Exclusive {
+        // GET_LOCK has no shared mode, and the table's one holder row has room for one
+        // owner: a reader must not be granted as a writer instead.
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            format!("the {backend} backend has no shared (reader) locks (see its Capabilities)"),
+        ));
+    }
     if spec.limit > 1 {
         return Err(invalid(format!(
             "the {backend} backend has no semaphores: limit must be 1, got {}",

@@ -13,7 +13,9 @@ use super::{
     new_owner_token, open, pg_error, refuse_unsupported, server_ended_session, timed_out, ttl_ms,
     Ended, PostgresConfig,
 };
-use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use fencelock_backend::{
+    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, LockMode,
+};
 use fencelock_backend::{Error, ErrorKind};
 
 /// How often a backend waiting for a lock checks that its client is still there
@@ -81,6 +83,11 @@ pub fn advisory_key(name: &str) -> i64 {
 ///   session and is refused or waits like anybody else's.
 /// - No semaphores, no lock-delay, no sessions (refused with
 ///   [`ErrorKind::InvalidArgument`]).
+/// - **Reader-writer locks**: a shared request is `pg_advisory_lock_shared` (any
+///   number of readers, never with a writer), and [`LockBackend::downgrade`] takes the
+///   shared lock on the holder's session before it lets go of the exclusive one, so
+///   the key is never free in between. Still no fences. No elections: a leader's
+///   value needs a table ([`PostgresBackend`](super::PostgresBackend) has them).
 ///
 /// Dropping the backend closes every connection, which releases its locks.
 #[derive(Debug, Clone)]
@@ -141,6 +148,8 @@ impl std::ops::Deref for Session {
 struct Held {
     lease: Lease,
     key: i64,
+    /// Held with `pg_advisory_lock_shared` (a reader), or downgraded to it.
+    shared: std::sync::atomic::AtomicBool,
     request_id: String,
     client: Session,
     ended: watch::Receiver<Option<Ended>>,
@@ -303,6 +312,8 @@ impl Inner {
             }
         };
         let key = advisory_key(&spec.name);
+        let shared = spec.mode == LockMode::Shared;
+        let mode = if shared { "_shared" } else { "" };
         // One simple query: the lease (idle timeout) is in force before the lock is
         // taken, so no instant exists at which the session holds the lock without it.
         let settings = format!(
@@ -311,7 +322,7 @@ impl Inner {
         );
         let (sql, budget) = if spec.wait.is_zero() {
             (
-                format!("{settings} SELECT pg_try_advisory_lock({key})::text;"),
+                format!("{settings} SELECT pg_try_advisory_lock{mode}({key})::text;"),
                 self.config.request_timeout,
             )
         } else {
@@ -319,7 +330,7 @@ impl Inner {
             (
                 format!(
                     "{settings} SET lock_timeout = {wait_ms}; \
-                     SELECT 'true' FROM pg_advisory_lock({key}); SET lock_timeout = 0;"
+                     SELECT 'true' FROM pg_advisory_lock{mode}({key}); SET lock_timeout = 0;"
                 ),
                 spec.wait.saturating_add(self.config.request_timeout),
             )
@@ -351,6 +362,7 @@ impl Inner {
         let held = Arc::new(Held {
             lease: lease.clone(),
             key,
+            shared: std::sync::atomic::AtomicBool::new(shared),
             request_id: spec.request_id.clone(),
             client,
             ended,
@@ -460,7 +472,54 @@ impl LockBackend for PostgresAdvisoryBackend {
     fn capabilities(&self) -> Capabilities {
         let mut caps = Capabilities::new("postgres-advisory", FenceGuarantee::None);
         caps.push_wakeups = true;
+        caps.shared = true;
+        caps.downgrade = true;
         caps
+    }
+
+    /// Takes the shared lock on the same session, then lets go of the exclusive one:
+    /// the session holds the key throughout (its own locks never conflict), and
+    /// readers queued behind it are granted.
+    fn downgrade<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            let inner = &*self.inner;
+            let Some(held) = inner.held(lease) else {
+                return Err(Error::new(
+                    ErrorKind::NotHeld,
+                    format!("{:?} is not held with this owner token", lease.name),
+                ));
+            };
+            if held.shared.load(std::sync::atomic::Ordering::SeqCst) {
+                return Ok(());
+            }
+            if held.client.is_closed() {
+                inner.forget(&held);
+                return Err(session_gone(&held, "downgrade").await);
+            }
+            let sql = format!(
+                "SELECT pg_advisory_lock_shared({key}); SELECT pg_advisory_unlock({key})::text",
+                key = held.key
+            );
+            let timeout = inner.config.request_timeout;
+            match tokio::time::timeout(timeout, held.client.simple_query(&sql)).await {
+                Err(_) => Err(timed_out("downgrade", timeout)),
+                Ok(Err(e)) => Err(failed_on_session(inner, &held, &e, "downgrade").await),
+                Ok(Ok(messages)) => {
+                    held.shared.store(true, std::sync::atomic::Ordering::SeqCst);
+                    let unlocked = messages.iter().any(
+                        |m| matches!(m, SimpleQueryMessage::Row(row) if row.get(0) == Some("true")),
+                    );
+                    if unlocked {
+                        Ok(())
+                    } else {
+                        Err(Error::new(
+                            ErrorKind::NotHeld,
+                            format!("the session did not hold {:?} exclusively", lease.name),
+                        ))
+                    }
+                }
+            }
+        })
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
@@ -542,7 +601,12 @@ impl LockBackend for PostgresAdvisoryBackend {
             if held.client.is_closed() {
                 return gone_is_false(session_gone(&held, "release").await);
             }
-            let sql = format!("SELECT pg_advisory_unlock({})::text", held.key);
+            let mode = if held.shared.load(std::sync::atomic::Ordering::SeqCst) {
+                "_shared"
+            } else {
+                ""
+            };
+            let sql = format!("SELECT pg_advisory_unlock{mode}({})::text", held.key);
             let timeout = inner.config.request_timeout;
             match tokio::time::timeout(timeout, held.client.simple_query(&sql)).await {
                 Err(_) => Err(Error::new(

@@ -13,7 +13,8 @@ use super::{
     PostgresConfig,
 };
 use fencelock_backend::{
-    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, MAX_TTL,
+    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Leader, Lease, LockBackend, LockMode,
+    MAX_TTL,
 };
 use fencelock_backend::{Backoff, Error, ErrorKind};
 
@@ -43,9 +44,17 @@ const DDL_LOCK_KEY: i64 = 0x6665_6e63_656c_6f63;
 ///   request_id  text,                  -- the holder's idempotency key
 ///   fencing_seq bigint NOT NULL,       -- the last fence of this lock
 ///   lease_until timestamptz NOT NULL,  -- by the server's clock; -infinity when free
-///   updated_at  timestamptz NOT NULL
+///   updated_at  timestamptz NOT NULL,
+///   leader_value text                  -- an election's leader's value
 /// );
 /// ```
+///
+/// A table made by an earlier version (without `leader_value`) gets the column at
+/// connect: `ALTER TABLE … ADD COLUMN IF NOT EXISTS leader_value text`, a catalog-only
+/// change that earlier versions' statements never notice, given up after 1 s rather
+/// than queued behind a long transaction. A role that may not alter the table keeps
+/// working without elections (`Capabilities::elections` false, campaigns
+/// `Unsupported`) until the column is added by its owner.
 ///
 /// [`connect`](PostgresBackend::connect) creates it (and the schema) if missing, under
 /// a transaction-level advisory lock so concurrent first connects do not collide; a
@@ -84,6 +93,23 @@ const DDL_LOCK_KEY: i64 = 0x6665_6e63_656c_6f63;
 /// - No semaphores (`limit > 1`), no lock-delay, no sessions: such requests are
 ///   refused with [`ErrorKind::InvalidArgument`].
 ///
+/// # Elections
+///
+/// An election is a lock row whose holder also set `leader_value`: a campaign is the
+/// acquire statement writing the value with the grant, so the term is the grant's
+/// fence; `proclaim` updates the value where the owner token matches and the lease has
+/// not ended (`NotHeld` otherwise); `leader` reads the live holder. Observers poll
+/// (no push for leader changes), and a plain grant of the name clears the value.
+///
+/// # Reader-writer locks
+///
+/// None: a shared request is refused with [`ErrorKind::Unsupported`] (and
+/// `Capabilities::shared` is false). A lock is one row with one owner token and one
+/// `fencing_seq`; readers would need a holder per row and a writer's fence above
+/// every reader's, which is another table design, not a flag on this one.
+/// [`PostgresAdvisoryBackend`](super::PostgresAdvisoryBackend) has shared locks
+/// (`pg_advisory_lock_shared`), without fences.
+///
 /// # Connections
 ///
 /// Every call is a single statement, so table mode needs no dedicated connection for
@@ -110,6 +136,8 @@ struct Inner {
     conn: tokio::sync::Mutex<Slot>,
     /// How strong fences are: durable unless the session commits asynchronously.
     fences: FenceGuarantee,
+    /// The table has the `leader_value` column.
+    elections: bool,
     waiters: Arc<Waiters>,
     /// The listening task, started by the first acquire that waits.
     listener: Mutex<Option<AbortOnDrop>>,
@@ -121,11 +149,60 @@ struct Sql {
     holder: String,
     renew: String,
     release: String,
+    /// Empty without the `leader_value` column.
+    campaign: String,
+    proclaim: String,
+    leader: String,
 }
 
 impl Sql {
-    fn new(table: &str) -> Sql {
+    /// The statements on `table`; with `elections`, the table has `leader_value`, which
+    /// a new grant of a plain lock clears and a campaign sets.
+    fn new(table: &str, elections: bool) -> Sql {
+        let mut sql = Sql::plain(table);
+        if elections {
+            let clear = "updated_at  = now() \
+                 WHERE l.lease_until < now()";
+            sql.acquire = sql.acquire.replacen(
+                clear,
+                "leader_value = CASE WHEN l.lease_until < now() THEN NULL ELSE l.leader_value END, \
+                   updated_at  = now() \
+                 WHERE l.lease_until < now()",
+                1,
+            );
+            sql.campaign = format!(
+                "INSERT INTO {table} AS l \
+                   (lock_name, owner_token, owner, request_id, fencing_seq, lease_until, updated_at, leader_value) \
+                 VALUES ($1, $2, $3, $4, 1, now() + $5::bigint * interval '1 millisecond', now(), $6) \
+                 ON CONFLICT (lock_name) DO UPDATE SET \
+                   owner_token = CASE WHEN l.lease_until < now() THEN EXCLUDED.owner_token ELSE l.owner_token END, \
+                   owner       = CASE WHEN l.lease_until < now() THEN EXCLUDED.owner ELSE l.owner END, \
+                   request_id  = CASE WHEN l.lease_until < now() THEN EXCLUDED.request_id ELSE l.request_id END, \
+                   fencing_seq = CASE WHEN l.lease_until < now() THEN l.fencing_seq + 1 ELSE l.fencing_seq END, \
+                   lease_until = CASE WHEN l.lease_until < now() THEN EXCLUDED.lease_until ELSE l.lease_until END, \
+                   leader_value = CASE WHEN l.lease_until < now() THEN EXCLUDED.leader_value ELSE l.leader_value END, \
+                   updated_at  = now() \
+                 WHERE l.lease_until < now() OR l.request_id = EXCLUDED.request_id \
+                 RETURNING fencing_seq, owner_token"
+            );
+            sql.proclaim = format!(
+                "UPDATE {table} SET leader_value = $3, updated_at = now() \
+                 WHERE lock_name = $1 AND owner_token = $2 AND lease_until >= now() \
+                 RETURNING fencing_seq"
+            );
+            sql.leader = format!(
+                "SELECT owner, coalesce(leader_value, ''), fencing_seq FROM {table} \
+                 WHERE lock_name = $1 AND owner_token IS NOT NULL AND lease_until >= now()"
+            );
+        }
+        sql
+    }
+
+    fn plain(table: &str) -> Sql {
         Sql {
+            campaign: String::new(),
+            proclaim: String::new(),
+            leader: String::new(),
             // The fence is drawn here, after the row is won (the conflict arm runs
             // under the row lock, after a concurrent winner committed). On a retry of
             // a held grant (same request id, lease not over) every column keeps its
@@ -188,6 +265,9 @@ enum Stmt {
     Holder,
     Renew,
     Release,
+    Campaign,
+    Proclaim,
+    Leader,
 }
 
 impl Sql {
@@ -198,6 +278,9 @@ impl Sql {
             Stmt::Holder => &self.holder,
             Stmt::Renew => &self.renew,
             Stmt::Release => &self.release,
+            Stmt::Campaign => &self.campaign,
+            Stmt::Proclaim => &self.proclaim,
+            Stmt::Leader => &self.leader,
         }
     }
 }
@@ -217,15 +300,21 @@ struct Conn {
     holder: Statement,
     renew: Statement,
     release: Statement,
+    /// Campaign, proclaim and leader, where the table has `leader_value`.
+    elections: Option<[Statement; 3]>,
 }
 
 impl Conn {
-    fn statement(&self, which: Stmt) -> &Statement {
+    fn statement(&self, which: Stmt) -> Option<&Statement> {
+        let election = |i: usize| self.elections.as_ref().map(|e| &e[i]);
         match which {
-            Stmt::Acquire => &self.acquire,
-            Stmt::Holder => &self.holder,
-            Stmt::Renew => &self.renew,
-            Stmt::Release => &self.release,
+            Stmt::Acquire => Some(&self.acquire),
+            Stmt::Holder => Some(&self.holder),
+            Stmt::Renew => Some(&self.renew),
+            Stmt::Release => Some(&self.release),
+            Stmt::Campaign => election(0),
+            Stmt::Proclaim => election(1),
+            Stmt::Leader => election(2),
         }
     }
 }
@@ -300,28 +389,30 @@ impl PostgresBackend {
         }
         let qualified = format!("{schema}.{table}");
         let prepare = async {
-            ensure_table(client, &config, &schema, &qualified).await?;
+            let elections = ensure_table(client, &config, &schema, &qualified).await?;
             if matches!(source, Source::Own(_)) {
                 // Our own sessions set synchronous_commit = on themselves.
-                return Ok(FenceGuarantee::Durable);
+                return Ok((FenceGuarantee::Durable, elections));
             }
             let row = client
                 .query_one("SELECT current_setting('synchronous_commit')", &[])
                 .await
                 .map_err(|e| pg_error(&e, "read synchronous_commit"))?;
-            Ok(if row.get::<_, String>(0) == "off" {
+            let fences = if row.get::<_, String>(0) == "off" {
                 FenceGuarantee::BestEffort
             } else {
                 FenceGuarantee::Durable
-            })
+            };
+            Ok((fences, elections))
         };
-        let fences = tokio::time::timeout(config.request_timeout, prepare)
+        let (fences, elections) = tokio::time::timeout(config.request_timeout, prepare)
             .await
             .map_err(|_| timed_out("create the lock table", config.request_timeout))??;
         Ok(PostgresBackend {
             inner: Arc::new(Inner {
                 source,
-                sql: Sql::new(&qualified),
+                sql: Sql::new(&qualified, elections),
+                elections,
                 config,
                 conn: tokio::sync::Mutex::new(Slot::default()),
                 fences,
@@ -340,18 +431,20 @@ impl PostgresBackend {
     }
 }
 
+/// Creates the table if missing; returns whether it has the `leader_value` column
+/// (elections), adding it to a table made by an earlier version when this role may.
 async fn ensure_table(
     client: &Client,
     config: &PostgresConfig,
     schema: &str,
     qualified: &str,
-) -> Result<(), Error> {
+) -> Result<bool, Error> {
     let exists = client
         .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
         .await
         .map_err(|e| pg_error(&e, "look up the lock table"))?;
     if exists.get::<_, bool>(0) {
-        return Ok(());
+        return add_leader_value(client, qualified).await;
     }
     let ddl = format!(
         "BEGIN;
@@ -364,7 +457,8 @@ async fn ensure_table(
            request_id  text,
            fencing_seq bigint NOT NULL CHECK (fencing_seq > 0),
            lease_until timestamptz NOT NULL,
-           updated_at  timestamptz NOT NULL
+           updated_at  timestamptz NOT NULL,
+           leader_value text
          );
          COMMIT;"
     );
@@ -376,7 +470,65 @@ async fn ensure_table(
                 config.schema, config.table
             ),
         )
-    })
+    })?;
+    add_leader_value(client, qualified).await
+}
+
+/// Whether the table has `leader_value`; adds it if missing. A nullable column without
+/// a default is a catalog change only (no rewrite, and statements of earlier versions
+/// never name it), and the ALTER gives up after a second instead of queueing behind a
+/// long transaction (and every lock statement behind it). If it cannot be added (no
+/// privilege, a busy table) the backend works without elections.
+async fn add_leader_value(client: &Client, qualified: &str) -> Result<bool, Error> {
+    if has_leader_value(client, qualified).await? {
+        return Ok(true);
+    }
+    // Only a table of fencelock's own shape is altered; any other is refused when the
+    // statements are prepared, and must stay as it was.
+    let ours = client
+        .query_one(
+            "SELECT count(*) = 7 FROM pg_attribute WHERE attrelid = to_regclass($1) \
+               AND NOT attisdropped AND attname IN ('lock_name', 'owner_token', 'owner', \
+               'request_id', 'fencing_seq', 'lease_until', 'updated_at')",
+            &[&qualified],
+        )
+        .await
+        .map_err(|e| pg_error(&e, "look up the lock table's columns"))?;
+    if !ours.get::<_, bool>(0) {
+        return Ok(false);
+    }
+    let alter = format!(
+        "BEGIN; SET LOCAL lock_timeout = '1s'; \
+         ALTER TABLE {qualified} ADD COLUMN IF NOT EXISTS leader_value text; COMMIT;"
+    );
+    if client.batch_execute(&alter).await.is_err() {
+        // Leave the (shared) session outside the failed transaction.
+        let _ = client.batch_execute("ROLLBACK").await;
+        return Ok(false);
+    }
+    has_leader_value(client, qualified).await
+}
+
+async fn has_leader_value(client: &Client, qualified: &str) -> Result<bool, Error> {
+    let row = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
+               AND attname = 'leader_value' AND NOT attisdropped)",
+            &[&qualified],
+        )
+        .await
+        .map_err(|e| pg_error(&e, "look up the lock table's columns"))?;
+    Ok(row.get(0))
+}
+
+/// A table without `leader_value` (made by an earlier version, which this role could
+/// not alter) has no elections.
+fn no_elections() -> Error {
+    Error::new(
+        ErrorKind::Unsupported,
+        "this lock table has no leader_value column, so no elections (see \
+         PostgresBackend's docs)",
+    )
 }
 
 impl Inner {
@@ -440,11 +592,21 @@ impl Inner {
                 // the server's default.
                 client.batch_execute("SET synchronous_commit = on").await?;
             }
+            let elections = if self.elections {
+                Some([
+                    client.prepare(&self.sql.campaign).await?,
+                    client.prepare(&self.sql.proclaim).await?,
+                    client.prepare(&self.sql.leader).await?,
+                ])
+            } else {
+                None
+            };
             Ok::<_, tokio_postgres::Error>(Conn {
                 acquire: client.prepare(&self.sql.acquire).await?,
                 holder: client.prepare(&self.sql.holder).await?,
                 renew: client.prepare(&self.sql.renew).await?,
                 release: client.prepare(&self.sql.release).await?,
+                elections,
                 client,
             })
         };
@@ -505,9 +667,10 @@ impl Inner {
                 .map_err(|_| timed_out(what, timeout))?;
         }
         let conn = self.conn().await?;
+        let statement = conn.statement(which).ok_or_else(no_elections)?;
         match tokio::time::timeout(
             self.config.request_timeout,
-            conn.client.query(conn.statement(which), params),
+            conn.client.query(statement, params),
         )
         .await
         {
@@ -527,14 +690,33 @@ impl Inner {
         token: &str,
         ttl_ms: i64,
         want_holder: bool,
+        candidate: Option<&str>,
     ) -> Result<Attempt, Error> {
-        let rows = self
-            .query(
-                "acquire",
-                Stmt::Acquire,
-                &[&spec.name, &token, &spec.owner, &spec.request_id, &ttl_ms],
-            )
-            .await?;
+        let rows = match candidate {
+            None => {
+                self.query(
+                    "acquire",
+                    Stmt::Acquire,
+                    &[&spec.name, &token, &spec.owner, &spec.request_id, &ttl_ms],
+                )
+                .await?
+            }
+            Some(value) => {
+                self.query(
+                    "campaign",
+                    Stmt::Campaign,
+                    &[
+                        &spec.name,
+                        &token,
+                        &spec.owner,
+                        &spec.request_id,
+                        &ttl_ms,
+                        &value,
+                    ],
+                )
+                .await?
+            }
+        };
         if let Some(row) = rows.first() {
             let fence: i64 = row.get(0);
             let owner_token: String = row.get(1);
@@ -595,57 +777,86 @@ impl LockBackend for PostgresBackend {
     fn capabilities(&self) -> Capabilities {
         let mut caps = Capabilities::new("postgres", self.inner.fences);
         caps.push_wakeups = matches!(self.inner.source, Source::Own(_));
+        caps.elections = self.inner.elections;
         caps
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
+        Box::pin(self.acquire_as(spec, None))
+    }
+
+    /// A candidate is a grant of the election's row that also sets `leader_value`; its
+    /// fence is the term.
+    fn campaign<'a>(
+        &'a self,
+        spec: &'a AcquireSpec,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<Lease, Error>> {
         Box::pin(async move {
-            spec.validate()?;
-            refuse_unsupported(spec, "postgres")?;
-            let ttl_ms = ttl_ms(spec.ttl)?;
-            let inner = &*self.inner;
-            let token = new_owner_token();
-            let now = Instant::now();
-            // A wait too long to represent is as good as forever (30 years).
-            let deadline = now
-                .checked_add(spec.wait)
-                .unwrap_or_else(|| now + Duration::from_secs(30 * 365 * 24 * 3600));
-            let waits = !spec.wait.is_zero();
-            // Subscribe before the first attempt, so that a release committed after
-            // the attempt saw the lock held is never missed.
-            let mut subscription = waits.then(|| {
-                inner.ensure_listener();
-                inner.waiters.subscribe(&spec.name)
-            });
-            // Bounded by the deadline: every round waits for a wake-up or a timer.
-            loop {
-                if let Some(s) = &mut subscription {
-                    s.rx.borrow_and_update();
-                }
-                let remaining = match inner.attempt(spec, &token, ttl_ms, waits).await? {
-                    Attempt::Granted(lease) => return Ok(lease),
-                    Attempt::Held { remaining } => remaining,
-                };
-                let now = Instant::now();
-                let Some(subscription) = subscription.as_mut().filter(|_| now < deadline) else {
-                    return Err(if waits {
-                        Error::new(
-                            ErrorKind::Timeout,
-                            format!("{:?} was not granted within {:?}", spec.name, spec.wait),
-                        )
-                    } else {
-                        Error::new(ErrorKind::Held, format!("{:?} is held", spec.name))
-                    });
-                };
-                let mut wake = deadline.min(now + remaining.max(MIN_PAUSE));
-                if !inner.waiters.listening() {
-                    wake = wake.min(now + FALLBACK_POLL);
-                }
-                tokio::select! {
-                    _ = subscription.rx.changed() => {}
-                    _ = tokio::time::sleep_until(wake) => {}
-                }
+            if !self.inner.elections {
+                return Err(no_elections());
             }
+            fencelock_backend::validate_value(value)?;
+            self.acquire_as(spec, Some(value)).await
+        })
+    }
+
+    fn proclaim<'a>(
+        &'a self,
+        lease: &'a Lease,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            if !self.inner.elections {
+                return Err(no_elections());
+            }
+            fencelock_backend::validate_value(value)?;
+            let rows = self
+                .inner
+                .query(
+                    "proclaim",
+                    Stmt::Proclaim,
+                    &[&lease.name, &lease.owner_token, &value],
+                )
+                .await?;
+            if rows.is_empty() {
+                return Err(Error::new(
+                    ErrorKind::NotHeld,
+                    format!(
+                        "{:?} is not led by this grant (resigned or expired)",
+                        lease.name
+                    ),
+                ));
+            }
+            Ok(())
+        })
+    }
+
+    fn leader<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<Leader>, Error>> {
+        Box::pin(async move {
+            if !self.inner.elections {
+                return Err(no_elections());
+            }
+            let rows = self
+                .inner
+                .query("read the leader", Stmt::Leader, &[&name])
+                .await?;
+            let Some(row) = rows.first() else {
+                return Ok(None);
+            };
+            let term: i64 = row.get(2);
+            let term = u64::try_from(term).map_err(|_| {
+                Error::new(
+                    ErrorKind::Internal,
+                    format!("the lock table holds fence {term}"),
+                )
+            })?;
+            Ok(Some(Leader::new(
+                name.to_owned(),
+                row.get(1),
+                term,
+                row.get(0),
+            )))
         })
     }
 
@@ -689,6 +900,75 @@ impl LockBackend for PostgresBackend {
                 .await?;
             Ok(!rows.is_empty())
         })
+    }
+}
+
+impl PostgresBackend {
+    async fn acquire_as(
+        &self,
+        spec: &AcquireSpec,
+        candidate: Option<&str>,
+    ) -> Result<Lease, Error> {
+        {
+            spec.validate()?;
+            refuse_unsupported(spec, "postgres")?;
+            if spec.mode != LockMode::Exclusive {
+                // One row has room for one holder and one fence: see "Reader-writer
+                // locks" on `PostgresBackend`.
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    "the postgres table backend has no shared (reader) locks (see its \
+                     Capabilities); PostgresAdvisoryBackend has them, without fences",
+                ));
+            }
+            let ttl_ms = ttl_ms(spec.ttl)?;
+            let inner = &*self.inner;
+            let token = new_owner_token();
+            let now = Instant::now();
+            // A wait too long to represent is as good as forever (30 years).
+            let deadline = now
+                .checked_add(spec.wait)
+                .unwrap_or_else(|| now + Duration::from_secs(30 * 365 * 24 * 3600));
+            let waits = !spec.wait.is_zero();
+            // Subscribe before the first attempt, so that a release committed after
+            // the attempt saw the lock held is never missed.
+            let mut subscription = waits.then(|| {
+                inner.ensure_listener();
+                inner.waiters.subscribe(&spec.name)
+            });
+            // Bounded by the deadline: every round waits for a wake-up or a timer.
+            loop {
+                if let Some(s) = &mut subscription {
+                    s.rx.borrow_and_update();
+                }
+                let remaining = match inner
+                    .attempt(spec, &token, ttl_ms, waits, candidate)
+                    .await?
+                {
+                    Attempt::Granted(lease) => return Ok(lease),
+                    Attempt::Held { remaining } => remaining,
+                };
+                let now = Instant::now();
+                let Some(subscription) = subscription.as_mut().filter(|_| now < deadline) else {
+                    return Err(if waits {
+                        Error::new(
+                            ErrorKind::Timeout,
+                            format!("{:?} was not granted within {:?}", spec.name, spec.wait),
+                        )
+                    } else {
+                        Error::new(ErrorKind::Held, format!("{:?} is held", spec.name))
+                    });
+                };
+                let mut wake = deadline.min(now + remaining.max(MIN_PAUSE));
+                if !inner.waiters.listening() {
+                    wake = wake.min(now + FALLBACK_POLL);
+                }
+                tokio::select! {
+                    _ = subscription.rx.changed() => {}
+                    _ = tokio::time::sleep_until(wake) => {}
+                }
+            }
+        }
     }
 }
 
@@ -847,5 +1127,18 @@ pub(crate) async fn pooled(
             ErrorKind::Unavailable,
             format!("take a connection from the pool: {e}"),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plain_grant_clears_the_leader_value_only_where_the_column_exists() {
+        let clears = "leader_value = CASE WHEN l.lease_until < now() THEN NULL";
+        assert!(Sql::new("t", true).acquire.contains(clears));
+        assert!(!Sql::new("t", false).acquire.contains("leader_value"));
+        assert!(Sql::new("t", false).campaign.is_empty());
     }
 }

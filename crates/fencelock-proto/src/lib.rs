@@ -27,6 +27,11 @@ pub use generated::*;
 mod sink;
 pub mod wire;
 
+/// The encoded `FileDescriptorSet` of `fencelock.v1` (and what it imports), with
+/// source info: what the server's gRPC reflection serves.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/fencelock_descriptor.bin"));
+
 /// Metadata entry of every error status that holds the stable error code
 /// (`held`, `not_held`, `timeout`, …).
 pub const ERROR_CODE_METADATA: &str = "fencelock-error-code";

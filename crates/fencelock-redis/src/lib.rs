@@ -104,6 +104,20 @@
 //! - While Redis is unreachable every call fails with `Unavailable` (the connection
 //!   reconnects in the background), and holders lose their locks when their leases
 //!   run out.
+//!
+//! # Reader-writer locks and elections: none
+//!
+//! A shared request, a downgrade and every election call answer
+//! [`ErrorKind::Unsupported`](fencelock_backend::ErrorKind::Unsupported), and
+//! `Capabilities::shared`, `downgrade` and `elections` are false. Redisson's
+//! `RReadWriteLock` in Lua would work while one server keeps every write, but what it
+//! adds is exactly what a failover or an unpersisted restart loses: a writer waits on
+//! a reader count and a mode field that a promoted replica may not have, so a writer
+//! would be granted beside live readers, with a fence no larger than theirs. A
+//! leader's term is its fence, and a reused term is two leaders that fencing cannot
+//! tell apart. Both promises rest on fences this backend can only give best-effort;
+//! rather than claim them and break them on failover, Redis says no. Use etcd,
+//! ZooKeeper or the fencelock server for them.
 #![deny(missing_docs)]
 
 mod conn;
@@ -807,6 +821,14 @@ impl LockBackend for RedisBackend {
 /// a backend without semaphores.
 fn check_spec(spec: &AcquireSpec, max_limit: u32) -> Result<(), Error> {
     spec.validate()?;
+    if spec.mode != fencelock_backend::LockMode::Exclusive {
+        // Never granted as exclusive instead: see "Reader-writer locks and elections"
+        // in the crate docs for why Redis has neither.
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            "the redis backends have no shared (reader) locks (see their Capabilities)",
+        ));
+    }
     if spec.limit > max_limit {
         let message = if max_limit == 1 {
             format!(

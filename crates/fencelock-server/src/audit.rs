@@ -97,7 +97,8 @@ pub enum AuditKind {
 }
 
 impl AuditKind {
-    const ALL: [AuditKind; 7] = [
+    /// Every kind.
+    pub(crate) const ALL: [AuditKind; 7] = [
         AuditKind::Grant,
         AuditKind::Handoff,
         AuditKind::Release,

@@ -16,7 +16,9 @@
 //!
 //! **The layer.** [`layer`] runs before every route. It puts the caller's
 //! [`Principal`] into the request extensions, or refuses the request: 401
-//! `unauthenticated` (gRPC UNAUTHENTICATED). `/healthz` and `/readyz` are open.
+//! `unauthenticated` (gRPC UNAUTHENTICATED). `/healthz`, `/readyz` and the API's
+//! descriptions (`/v1/openapi.json`, gRPC reflection) are open: the descriptions
+//! show only the API's shape, the same for everyone, never any state.
 //! Dashboard pages (`/` and `/ui/…`) are let through without a principal when the
 //! credentials are missing or wrong, so the dashboard can show its login form; the
 //! dashboard must then call [`authorize`] itself, which fails closed.
@@ -802,7 +804,8 @@ enum Gate {
 
 fn gate(path: &str) -> Gate {
     match path {
-        "/healthz" | "/readyz" => Gate::Open,
+        "/healthz" | "/readyz" | crate::openapi::PATH => Gate::Open,
+        p if crate::grpc::is_reflection(p) => Gate::Open,
         "/" | "/ui" => Gate::Page,
         p if p.starts_with("/ui/") => Gate::Page,
         _ => Gate::Api,

@@ -1426,38 +1426,81 @@ async fn force_release_form(
     }
 }
 
-#[derive(Deserialize)]
+/// The query of `GET /v1/audit`.
+#[derive(Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
-struct AuditParams {
+#[into_params(parameter_in = Query)]
+pub(crate) struct AuditParams {
+    /// Only entries about this lock.
     lock: Option<String>,
+    /// Only entries committed at or after this wall-clock time, in milliseconds since
+    /// the Unix epoch (an entry's `time_ms`; default 0: all that are retained).
     since_ms: Option<u64>,
+    /// At most this many, the newest ones, 1–1000 (default 100).
     limit: Option<usize>,
 }
 
 /// One audit entry on the wire.
-#[derive(Serialize)]
-struct AuditJson {
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = AuditEntry)]
+pub(crate) struct AuditJson {
+    /// Its place in the audit log (increasing).
     seq: u64,
+    /// When it was committed: wall-clock milliseconds since the Unix epoch.
     time_ms: u64,
+    /// The same time in RFC 3339, UTC.
     time: String,
+    /// What happened.
+    #[schema(schema_with = audit_kind_schema)]
     kind: &'static str,
+    /// The lock.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     lock: Option<String>,
+    /// The grant's fence.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     fence: Option<u64>,
+    /// The holder's owner text.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     owner: Option<String>,
+    /// The session's handle.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     session: Option<String>,
+    /// The acquire's idempotency key.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     request_id: Option<String>,
+    /// Who made the change (a token name, or `server`).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     actor: Option<String>,
+    /// A forced release's reason.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     reason: Option<String>,
+    /// How long the grant was held (0 for other kinds).
     duration_ms: u64,
+    /// More about it, for people.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     detail: Option<String>,
+}
+
+fn audit_kind_schema() -> impl Into<utoipa::openapi::RefOr<utoipa::openapi::Schema>> {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some(crate::audit::AuditKind::ALL.map(|k| k.as_str())))
+}
+
+/// `GET /v1/audit`.
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = AuditPage)]
+pub(crate) struct AuditPageJson {
+    /// The entries, newest last.
+    entries: Vec<AuditJson>,
 }
 
 impl From<AuditEntry> for AuditJson {
@@ -1480,12 +1523,18 @@ impl From<AuditEntry> for AuditJson {
     }
 }
 
-/// `GET /v1/audit?lock=NAME&since_ms=…&limit=…`: entries, newest last.
-async fn audit_api(
+/// The audit log: entries, newest last (role `reader`).
+#[utoipa::path(get, path = "/v1/audit", tag = "audit",
+    params(AuditParams),
+    responses(
+        (status = 200, description = "The entries.", body = AuditPageJson),
+        crate::error::CommonErrors,
+    ))]
+pub(crate) async fn audit_api(
     State(h): State<Handle>,
     ext: Extensions,
     params: Result<Query<AuditParams>, QueryRejection>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<AuditPageJson>, ApiError> {
     let Query(p) = params.map_err(|e| invalid("query", e.body_text()))?;
     let lock = p
         .lock
@@ -1510,7 +1559,7 @@ async fn audit_api(
         },
     );
     let entries: Vec<AuditJson> = entries.into_iter().map(AuditJson::from).collect();
-    Ok(Json(serde_json::json!({ "entries": entries })))
+    Ok(Json(AuditPageJson { entries }))
 }
 
 /// Content-Security-Policy of the dashboard: scripts only from this server (the

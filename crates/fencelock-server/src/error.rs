@@ -3,6 +3,10 @@
 use std::fmt;
 
 use fencelock_core::{Error as CoreError, ErrorKind};
+use serde::Serialize;
+use utoipa::openapi::schema::{ObjectBuilder, Schema, Type};
+use utoipa::openapi::RefOr;
+use utoipa::{IntoResponses, ToSchema};
 
 /// An error answered to a client. `kind().code()` is stable and documented.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,6 +63,29 @@ pub enum ApiErrorKind {
 }
 
 impl ApiErrorKind {
+    /// Every kind, in the order of the documentation.
+    pub const ALL: [ApiErrorKind; 19] = [
+        ApiErrorKind::InvalidJson,
+        ApiErrorKind::InvalidArgument,
+        ApiErrorKind::PayloadTooLarge,
+        ApiErrorKind::NotFound,
+        ApiErrorKind::MethodNotAllowed,
+        ApiErrorKind::Held,
+        ApiErrorKind::Timeout,
+        ApiErrorKind::NotHeld,
+        ApiErrorKind::Expired,
+        ApiErrorKind::LimitMismatch,
+        ApiErrorKind::SessionNotFound,
+        ApiErrorKind::ResourceExhausted,
+        ApiErrorKind::Unauthenticated,
+        ApiErrorKind::PermissionDenied,
+        ApiErrorKind::RateLimited,
+        ApiErrorKind::Cancelled,
+        ApiErrorKind::Unavailable,
+        ApiErrorKind::NotLeader,
+        ApiErrorKind::Internal,
+    ];
+
     /// The stable snake_case code.
     pub fn code(self) -> &'static str {
         match self {
@@ -104,6 +131,111 @@ impl ApiErrorKind {
             ApiErrorKind::Internal => 500,
         }
     }
+}
+
+/// The body of every HTTP error answer: `{"error": {"code", "message", "leader"?}}`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    /// What went wrong.
+    pub error: ErrorDetail,
+}
+
+/// The inside of an [`ErrorBody`].
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// The stable code ([`ApiErrorKind::code`]); clients branch on it, never on the
+    /// message.
+    #[schema(schema_with = error_code_schema)]
+    pub code: &'static str,
+    /// An explanation for people; it names the field or the bound at fault.
+    pub message: String,
+    /// With `not_leader`: the leader's URL, when this member knows it (absent
+    /// otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub leader: Option<String>,
+}
+
+impl From<&ApiError> for ErrorBody {
+    fn from(e: &ApiError) -> ErrorBody {
+        ErrorBody {
+            error: ErrorDetail {
+                code: e.kind.code(),
+                message: e.message.clone(),
+                leader: e.leader.clone(),
+            },
+        }
+    }
+}
+
+/// The schema of [`ErrorDetail::code`]: a string, one of the stable codes.
+fn error_code_schema() -> impl Into<RefOr<Schema>> {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .enum_values(Some(
+            ApiErrorKind::ALL
+                .iter()
+                .filter(|k| **k != ApiErrorKind::Cancelled)
+                .map(|k| k.code()),
+        ))
+}
+
+/// The error answers every HTTP API route may give, for the OpenAPI document (each
+/// route adds the ones particular to it: 404, 409).
+#[derive(IntoResponses)]
+#[allow(dead_code)] // Only its derived documentation is used.
+pub enum CommonErrors {
+    /// 400.
+    #[response(
+        status = 400,
+        description = "`invalid_json`: the body is not JSON, not an object, has a field of \
+        the wrong type or a field the route does not know. `invalid_argument`: a required \
+        field is missing, or a value is out of range or inconsistent (the message names \
+        the field)."
+    )]
+    BadRequest(ErrorBody),
+    /// 401.
+    #[response(
+        status = 401,
+        description = "`unauthenticated`: tokens are configured and the request has none, \
+        or one the server does not know."
+    )]
+    Unauthenticated(ErrorBody),
+    /// 403.
+    #[response(
+        status = 403,
+        description = "`permission_denied`: the token's role or prefixes do not allow \
+        this; with authentication off, a browser request from another origin."
+    )]
+    PermissionDenied(ErrorBody),
+    /// 413.
+    #[response(
+        status = 413,
+        description = "`payload_too_large`: the body is larger than `max_body_bytes`."
+    )]
+    PayloadTooLarge(ErrorBody),
+    /// 429.
+    #[response(
+        status = 429,
+        description = "`resource_exhausted` (a server bound or the token's quota; the \
+        message names it) or `rate_limited` (with `Retry-After: 1`)."
+    )]
+    TooMany(ErrorBody),
+    /// 500.
+    #[response(
+        status = 500,
+        description = "`internal`: a server bug or a storage failure, never the client's \
+        mistake."
+    )]
+    Internal(ErrorBody),
+    /// 503.
+    #[response(
+        status = 503,
+        description = "`unavailable` (shutting down, storage failed, overloaded) or, on a \
+        cluster member that is not the leader, `not_leader` with the leader's URL in \
+        `leader` when known."
+    )]
+    Unavailable(ErrorBody),
 }
 
 impl ApiError {
@@ -175,3 +307,40 @@ impl fmt::Display for ApiError {
 }
 
 impl std::error::Error for ApiError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `ALL` is where the documented list of codes comes from. A new kind breaks the
+    /// match below until it is given the next index; list it in `ALL` at that index.
+    #[test]
+    fn all_lists_every_kind_once_in_order() {
+        fn index(kind: ApiErrorKind) -> usize {
+            match kind {
+                ApiErrorKind::InvalidJson => 0,
+                ApiErrorKind::InvalidArgument => 1,
+                ApiErrorKind::PayloadTooLarge => 2,
+                ApiErrorKind::NotFound => 3,
+                ApiErrorKind::MethodNotAllowed => 4,
+                ApiErrorKind::Held => 5,
+                ApiErrorKind::Timeout => 6,
+                ApiErrorKind::NotHeld => 7,
+                ApiErrorKind::Expired => 8,
+                ApiErrorKind::LimitMismatch => 9,
+                ApiErrorKind::SessionNotFound => 10,
+                ApiErrorKind::ResourceExhausted => 11,
+                ApiErrorKind::Unauthenticated => 12,
+                ApiErrorKind::PermissionDenied => 13,
+                ApiErrorKind::RateLimited => 14,
+                ApiErrorKind::Cancelled => 15,
+                ApiErrorKind::Unavailable => 16,
+                ApiErrorKind::NotLeader => 17,
+                ApiErrorKind::Internal => 18,
+            }
+        }
+        for (i, kind) in ApiErrorKind::ALL.iter().enumerate() {
+            assert_eq!(index(*kind), i, "{kind:?}");
+        }
+    }
+}

@@ -56,10 +56,52 @@ pub fn add_routes_with_limit(
 ) -> axum::Router {
     let service =
         LocksServer::new(LocksService { handle }).max_decoding_message_size(max_message_bytes);
-    let grpc = axum::Router::new()
-        .route_service("/fencelock.v1.Locks/{*method}", service)
-        .layer(axum::middleware::map_response(rejected_request_is_invalid));
+    let mut grpc = axum::Router::new().route_service("/fencelock.v1.Locks/{*method}", service);
+    grpc = add_reflection(grpc, max_message_bytes);
+    let grpc = grpc.layer(axum::middleware::map_response(rejected_request_is_invalid));
     router.merge(grpc)
+}
+
+/// The path prefixes of gRPC server reflection, v1 and the older v1alpha that
+/// some tools still ask first.
+const REFLECTION_PREFIXES: [&str; 2] = [
+    "/grpc.reflection.v1.ServerReflection/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+];
+
+/// Whether `path` is a gRPC reflection call: open without a token, like
+/// `/v1/openapi.json` (see `auth`), since it describes only the API's shape.
+pub(crate) fn is_reflection(path: &str) -> bool {
+    REFLECTION_PREFIXES.iter().any(|p| path.starts_with(p))
+}
+
+/// Adds gRPC server reflection (`grpcurl list`, Postman) over the descriptor set
+/// `fencelock-proto` builds, so a client in any language can discover
+/// `fencelock.v1.Locks` from the server itself.
+fn add_reflection(grpc: axum::Router, max_message_bytes: usize) -> axum::Router {
+    let v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(fencelock_proto::FILE_DESCRIPTOR_SET)
+        .build_v1();
+    let v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(fencelock_proto::FILE_DESCRIPTOR_SET)
+        .build_v1alpha();
+    match (v1, v1alpha) {
+        (Ok(v1), Ok(v1alpha)) => grpc
+            .route_service(
+                "/grpc.reflection.v1.ServerReflection/{*method}",
+                v1.max_decoding_message_size(max_message_bytes),
+            )
+            .route_service(
+                "/grpc.reflection.v1alpha.ServerReflection/{*method}",
+                v1alpha.max_decoding_message_size(max_message_bytes),
+            ),
+        // The set is compiled in and checked by `reflection_lists_the_locks_service`;
+        // should it ever not load, the API itself still serves.
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::error!(error = %e, "gRPC reflection is off: the descriptor set does not load");
+            grpc
+        }
+    }
 }
 
 /// tonic answers a request it cannot even read (no message, a bad frame or

@@ -15,11 +15,11 @@ use axum::{Json, Router};
 use fencelock_core::{Fence, Grant, LockName, LockView, Reason};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
+use utoipa::{IntoParams, ToSchema};
 
 use crate::auth::{Action, Caller};
 use crate::engine::{AcquireArgs, Handle, Requester, RunState};
-use crate::error::{ApiError, ApiErrorKind};
+use crate::error::{ApiError, ApiErrorKind, CommonErrors, ErrorBody};
 use crate::input::{self, invalid};
 
 /// Largest request body accepted by default, in bytes (see [`BodyLimit`]).
@@ -39,14 +39,9 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.kind().http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let mut error = json!({"code": self.kind().code(), "message": self.message()});
         // `not_leader` names the leader's URL when the member knows it; the field is
         // absent (not null) otherwise, so `{"code","message"}` stays the whole body.
-        if let (Some(url), Some(fields)) = (self.leader(), error.as_object_mut()) {
-            fields.insert("leader".to_owned(), serde_json::Value::from(url));
-        }
-        let body = json!({ "error": error });
-        let mut response = (status, Json(body)).into_response();
+        let mut response = (status, Json(ErrorBody::from(&self))).into_response();
         // For the edge's metrics layer (`count_refusals`).
         response.extensions_mut().insert(self.kind());
         if self.kind() == ApiErrorKind::RateLimited {
@@ -117,10 +112,30 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
                 "request body is empty; expected a JSON object",
             ));
         }
-        serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| {
-            ApiError::new(ApiErrorKind::InvalidJson, format!("invalid JSON body: {e}"))
-        })
+        serde_json::from_slice(&bytes)
+            .map(JsonBody)
+            .map_err(body_error)
     }
+}
+
+/// A body serde refused. A required field that is absent is a missing argument:
+/// `invalid_argument` naming the field, as for any field whose value is wrong and as
+/// for fields required only in some combinations (`ttl_ms` without `session`), which
+/// only the core can tell. Everything else about the body's shape is `invalid_json`.
+/// serde's derive words an absent field as "missing field `x`"
+/// (`serde::de::Error::missing_field`, which serde_json does not override).
+fn body_error(e: serde_json::Error) -> ApiError {
+    if e.classify() == serde_json::error::Category::Data {
+        let text = e.to_string();
+        let missing = text
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split_once('`'))
+            .map(|(field, _)| field);
+        if let Some(field) = missing {
+            return invalid(field, "is missing; this route requires it");
+        }
+    }
+    ApiError::new(ApiErrorKind::InvalidJson, format!("invalid JSON body: {e}"))
 }
 
 fn too_large(max_body_bytes: usize) -> ApiError {
@@ -130,77 +145,233 @@ fn too_large(max_body_bytes: usize) -> ApiError {
     )
 }
 
-#[derive(Deserialize)]
+/// `POST /v1/acquire`.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct AcquireBody {
+#[schema(as = AcquireRequest)]
+pub(crate) struct AcquireBody {
+    /// The lock: 1–256 bytes of UTF-8 without control or invisible characters.
     name: String,
+    /// The lease, 10 ms–24 h. Required without `session`, absent with it (the
+    /// session's lease holds the lock).
     ttl_ms: Option<u64>,
+    /// How long to queue for the lock if it is held (default 0: answer `held` at once).
     wait_ms: Option<u64>,
+    /// Who holds it, for people reading lock views and the audit log (≤ 1 KiB).
     owner: Option<String>,
+    /// Idempotency key (≤ 128 bytes): a retry with the same id gets the same grant.
     request_id: Option<String>,
+    /// How many may hold the lock at once (a semaphore; default 1).
     limit: Option<u32>,
+    /// After a lease expires, how long nobody gets the lock (default 0, ≤ 60 s).
     lock_delay_ms: Option<u64>,
+    /// A session id: the lock lives as long as the session.
     session: Option<String>,
 }
 
-#[derive(Deserialize)]
+/// `POST /v1/renew`.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct RenewBody {
+#[schema(as = RenewRequest)]
+pub(crate) struct RenewBody {
+    /// The lock.
     name: String,
+    /// The token of the grant.
     owner_token: String,
+    /// A new lease; default: the grant's.
     ttl_ms: Option<u64>,
 }
 
-#[derive(Deserialize)]
+/// `POST /v1/release`.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct ReleaseBody {
+#[schema(as = ReleaseRequest)]
+pub(crate) struct ReleaseBody {
+    /// The lock.
     name: String,
+    /// The token of the grant.
     owner_token: String,
 }
 
-#[derive(Deserialize)]
+/// `POST /v1/admin/force-release`.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct ForceReleaseBody {
+#[schema(as = ForceReleaseRequest)]
+pub(crate) struct ForceReleaseBody {
+    /// The lock.
     name: String,
+    /// Only the holder with this fence; default: every holder.
     fence: Option<u64>,
+    /// Why, for the audit log (1 byte–1 KiB).
     reason: String,
 }
 
-#[derive(Deserialize)]
+/// `POST /v1/sessions`.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct OpenSessionBody {
+#[schema(as = OpenSessionRequest)]
+pub(crate) struct OpenSessionBody {
+    /// The session's lease, 10 ms–24 h; each keepalive renews it.
     ttl_ms: u64,
+    /// Who holds it, for people.
     owner: Option<String>,
 }
 
-#[derive(Deserialize)]
+/// The query of `GET /v1/locks`.
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
-struct ListParams {
+#[into_params(parameter_in = Query)]
+pub(crate) struct ListParams {
+    /// Only locks whose names start with this (default: all the token may read).
     #[serde(default)]
     prefix: String,
+    /// The `next_after` of the previous page.
     after: Option<String>,
+    /// Page size, 1–1000 (default 100).
     limit: Option<usize>,
     /// Cluster mode: read this member's state without asking the leader.
     #[serde(default)]
     stale: bool,
 }
 
-#[derive(Deserialize)]
+/// The query of `GET /v1/locks/{name}`.
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
-struct ShowParams {
+#[into_params(parameter_in = Query)]
+pub(crate) struct ShowParams {
     /// Cluster mode: read this member's state without asking the leader.
     #[serde(default)]
     stale: bool,
 }
 
-#[derive(Serialize)]
-struct GrantJson {
+/// A grant: pass `fence` to the resource with every write.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Grant)]
+pub(crate) struct GrantJson {
+    /// The lock.
     name: String,
+    /// The fencing token: larger than every fence granted before, on any lock.
     fence: u64,
+    /// The secret that renews and releases this grant.
     owner_token: String,
+    /// The lease granted.
     ttl_ms: u64,
+    /// The session holding it, if any.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     session: Option<String>,
+}
+
+/// A renewed grant.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Renewed)]
+pub(crate) struct RenewedJson {
+    /// The lock.
+    name: String,
+    /// The grant's fence, unchanged.
+    fence: u64,
+    /// The new lease, from now.
+    ttl_ms: u64,
+}
+
+/// The answer to a release.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Released)]
+pub(crate) struct ReleasedJson {
+    /// `false` only for a repeat of a release already done.
+    released: bool,
+    /// With `released: false`: `already_released`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(schema_with = already_released_schema)]
+    reason: Option<&'static str>,
+}
+
+fn already_released_schema() -> impl Into<utoipa::openapi::RefOr<utoipa::openapi::Schema>> {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some(["already_released"]))
+}
+
+/// The answer to a forced release.
+#[derive(Serialize, ToSchema)]
+#[schema(as = ForceReleased)]
+pub(crate) struct ForceReleasedJson {
+    /// The fences of the grants released.
+    fences: Vec<u64>,
+}
+
+/// One page of `GET /v1/locks`.
+#[derive(Serialize, ToSchema)]
+#[schema(as = LockPage)]
+pub(crate) struct LockPageJson {
+    /// The locks, in name order.
+    locks: Vec<LockJson>,
+    /// Set when the page is full: pass it as `after` for the next page; `null` at
+    /// the end.
+    #[schema(required = true)]
+    next_after: Option<String>,
+}
+
+/// A new session.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Session)]
+pub(crate) struct SessionJson {
+    /// The session id: a secret, for its owner only (acquire with it, keep it alive,
+    /// close it).
+    session: String,
+    /// What everyone else sees of it (lock views, the audit log).
+    handle: String,
+    /// The session's lease.
+    ttl_ms: u64,
+}
+
+/// A session kept alive.
+#[derive(Serialize, ToSchema)]
+#[schema(as = SessionKeptAlive)]
+pub(crate) struct KeptAliveJson {
+    /// The session id.
+    session: String,
+    /// The lease, from now.
+    ttl_ms: u64,
+}
+
+/// A closed session.
+#[derive(Serialize, ToSchema)]
+#[schema(as = SessionClosed)]
+pub(crate) struct ClosedJson {
+    /// Always `true`.
+    closed: bool,
+    /// How many of its locks were released.
+    released: usize,
+}
+
+/// One session in `GET /v1/admin/sessions`.
+#[derive(Serialize, ToSchema)]
+#[schema(as = AdminSession)]
+pub(crate) struct AdminSessionJson {
+    /// The session's handle (never its id).
+    handle: String,
+    /// The token name that opened it; `null` with authentication off.
+    #[schema(required = true)]
+    principal: Option<String>,
+    /// Its owner text.
+    owner: String,
+    /// Its lease.
+    ttl_ms: u64,
+    /// Time left before it expires without a keepalive.
+    ttl_remaining_ms: u64,
+    /// Locks it holds.
+    locks: usize,
+    /// Acquires it has queued.
+    waiting: usize,
+}
+
+/// `GET /v1/admin/sessions`.
+#[derive(Serialize, ToSchema)]
+#[schema(as = AdminSessionList)]
+pub(crate) struct AdminSessionListJson {
+    /// The sessions.
+    sessions: Vec<AdminSessionJson>,
 }
 
 impl From<Grant> for GrantJson {
@@ -215,22 +386,37 @@ impl From<Grant> for GrantJson {
     }
 }
 
-#[derive(Serialize)]
-struct HolderJson {
+/// One holder of a lock.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Holder)]
+pub(crate) struct HolderJson {
+    /// Its fence.
     fence: u64,
+    /// Its owner text.
     owner: String,
+    /// How long it has held the lock.
     held_ms: u64,
+    /// Time left on its lease.
     ttl_remaining_ms: u64,
+    /// The handle of its session, if it holds through one.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     session: Option<String>,
 }
 
-#[derive(Serialize)]
-struct LockJson {
+/// A lock as it is now.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Lock)]
+pub(crate) struct LockJson {
+    /// Its name.
     name: String,
+    /// How many may hold it at once.
     limit: u32,
+    /// Its holders.
     holders: Vec<HolderJson>,
+    /// How many acquires queue for it.
     waiters: usize,
+    /// Time left of its lock-delay (nobody gets it until then).
     lock_delay_remaining_ms: u64,
 }
 
@@ -261,7 +447,16 @@ fn name(s: &str) -> Result<LockName, ApiError> {
     input::lock_name("name", s)
 }
 
-async fn acquire(
+/// Takes a lock (or queues for it up to `wait_ms`).
+#[utoipa::path(post, path = "/v1/acquire", tag = "locks",
+    request_body = AcquireBody,
+    responses(
+        (status = 200, description = "Granted.", body = GrantJson),
+        (status = 404, description = "`session_not_found`: `session` names no open session of this caller.", body = ErrorBody),
+        (status = 409, description = "`held` (not waiting), `timeout` (`wait_ms` ran out) or `limit_mismatch` (held with another `limit`).", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn acquire(
     State(h): State<Handle>,
     Caller(caller): Caller,
     JsonBody(b): JsonBody<AcquireBody>,
@@ -282,11 +477,19 @@ async fn acquire(
     Ok(Json(h.acquire(&Requester::of(&caller), args).await?.into()))
 }
 
-async fn renew(
+/// Renews a grant's lease; the fence stays.
+#[utoipa::path(post, path = "/v1/renew", tag = "locks",
+    request_body = RenewBody,
+    responses(
+        (status = 200, description = "Renewed.", body = RenewedJson),
+        (status = 409, description = "`not_held` (not this token's lock) or `expired` (its lease ended: the lock may be someone else's now).", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn renew(
     State(h): State<Handle>,
     Caller(caller): Caller,
     JsonBody(b): JsonBody<RenewBody>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<RenewedJson>, ApiError> {
     let name = name(&b.name)?;
     caller.authorize(Action::Renew, Some(name.as_str()))?;
     caller.take_request()?;
@@ -294,33 +497,50 @@ async fn renew(
     let g = h
         .renew(&Requester::of(&caller), name, token, b.ttl_ms)
         .await?;
-    Ok(Json(
-        json!({"name": g.name.as_str(), "fence": g.fence.get(), "ttl_ms": g.ttl_ms}),
-    ))
+    Ok(Json(RenewedJson {
+        name: g.name.to_string(),
+        fence: g.fence.get(),
+        ttl_ms: g.ttl_ms,
+    }))
 }
 
-async fn release(
+/// Releases a grant; the next waiter gets the lock at once.
+#[utoipa::path(post, path = "/v1/release", tag = "locks",
+    request_body = ReleaseBody,
+    responses(
+        (status = 200, description = "Released (or, for a repeat, already released).", body = ReleasedJson),
+        (status = 409, description = "`not_held` or `expired`.", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn release(
     State(h): State<Handle>,
     Caller(caller): Caller,
     JsonBody(b): JsonBody<ReleaseBody>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<ReleasedJson>, ApiError> {
     let name = name(&b.name)?;
     caller.authorize(Action::Release, Some(name.as_str()))?;
     caller.take_request()?;
     let token = input::owner_token(&b.owner_token)?;
     let released = h.release(&Requester::of(&caller), name, token).await?;
-    Ok(Json(if released {
-        json!({"released": true})
-    } else {
-        json!({"released": false, "reason": "already_released"})
+    Ok(Json(ReleasedJson {
+        released,
+        reason: (!released).then_some("already_released"),
     }))
 }
 
-async fn force_release(
+/// An admin releases a lock it does not hold, with a reason for the audit log.
+#[utoipa::path(post, path = "/v1/admin/force-release", tag = "admin",
+    request_body = ForceReleaseBody,
+    responses(
+        (status = 200, description = "Released.", body = ForceReleasedJson),
+        (status = 409, description = "`not_held`: nobody (or not `fence`) holds it.", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn force_release(
     State(h): State<Handle>,
     Caller(caller): Caller,
     JsonBody(b): JsonBody<ForceReleaseBody>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<ForceReleasedJson>, ApiError> {
     let name = name(&b.name)?;
     caller.authorize(Action::ForceRelease, Some(name.as_str()))?;
     caller.take_request()?;
@@ -333,14 +553,25 @@ async fn force_release(
         .force_release(&Requester::of(&caller), name, fence, reason)
         .await?;
     let fences: Vec<u64> = fences.into_iter().map(Fence::get).collect();
-    Ok(Json(json!({ "fences": fences })))
+    Ok(Json(ForceReleasedJson { fences }))
 }
 
 fn path_error(e: PathRejection) -> ApiError {
     ApiError::new(ApiErrorKind::InvalidArgument, format!("bad path: {e}"))
 }
 
-async fn show_lock(
+/// One lock: its holders, waiters and lock-delay.
+#[utoipa::path(get, path = "/v1/locks/{name}", tag = "locks",
+    params(
+        ("name" = String, Path, description = "The lock's name (it may contain `/`)."),
+        ShowParams,
+    ),
+    responses(
+        (status = 200, description = "The lock.", body = LockJson),
+        (status = 404, description = "`not_found`: not held, queued for or in lock-delay.", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn show_lock(
     State(h): State<Handle>,
     Caller(caller): Caller,
     path: Result<Path<String>, PathRejection>,
@@ -359,11 +590,18 @@ async fn show_lock(
     }
 }
 
-async fn list_locks(
+/// The locks whose names start with `prefix`, in name order, a page at a time.
+#[utoipa::path(get, path = "/v1/locks", tag = "locks",
+    params(ListParams),
+    responses(
+        (status = 200, description = "One page.", body = LockPageJson),
+        CommonErrors,
+    ))]
+pub(crate) async fn list_locks(
     State(h): State<Handle>,
     Caller(caller): Caller,
     query: Result<Query<ListParams>, QueryRejection>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<LockPageJson>, ApiError> {
     let Query(p) = query.map_err(|e| invalid("query", e.body_text()))?;
     let prefix = input::prefix(p.prefix)?;
     caller.authorize(Action::Read, None)?;
@@ -381,14 +619,21 @@ async fn list_locks(
         .then(|| views.last().map(|v| v.name.to_string()))
         .flatten();
     let locks: Vec<LockJson> = views.into_iter().map(LockJson::from).collect();
-    Ok(Json(json!({"locks": locks, "next_after": next_after})))
+    Ok(Json(LockPageJson { locks, next_after }))
 }
 
-async fn open_session(
+/// Opens a session: one keepalive for many locks.
+#[utoipa::path(post, path = "/v1/sessions", tag = "sessions",
+    request_body = OpenSessionBody,
+    responses(
+        (status = 200, description = "Opened.", body = SessionJson),
+        CommonErrors,
+    ))]
+pub(crate) async fn open_session(
     State(h): State<Handle>,
     Caller(caller): Caller,
     JsonBody(b): JsonBody<OpenSessionBody>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<SessionJson>, ApiError> {
     caller.authorize(Action::Session, None)?;
     caller.take_request()?;
     let owner = input::owner(b.owner.as_deref().unwrap_or(""))?;
@@ -396,54 +641,86 @@ async fn open_session(
         .open_session(&Requester::of(&caller), b.ttl_ms, owner)
         .await?;
     // The id goes to its owner only, here; everyone else sees the handle.
-    Ok(Json(json!({
-        "session": id.to_string(),
-        "handle": input::session_handle(id),
-        "ttl_ms": ttl_ms,
-    })))
+    Ok(Json(SessionJson {
+        session: id.to_string(),
+        handle: input::session_handle(id),
+        ttl_ms,
+    }))
 }
 
-async fn keep_alive(
+/// Renews a session's lease (and so every lock it holds).
+#[utoipa::path(post, path = "/v1/sessions/{id}/keepalive", tag = "sessions",
+    params(("id" = String, Path, description = "The session id.")),
+    responses(
+        (status = 200, description = "Kept alive.", body = KeptAliveJson),
+        (status = 404, description = "`session_not_found` (also for another caller's session).", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn keep_alive(
     State(h): State<Handle>,
     Caller(caller): Caller,
     path: Result<Path<String>, PathRejection>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<KeptAliveJson>, ApiError> {
     caller.authorize(Action::Session, None)?;
     caller.take_request()?;
     let Path(raw) = path.map_err(path_error)?;
     let id = input::session_id(&raw)?;
     let ttl_ms = h.keep_alive(&Requester::of(&caller), id).await?;
-    Ok(Json(json!({"session": id.to_string(), "ttl_ms": ttl_ms})))
+    Ok(Json(KeptAliveJson {
+        session: id.to_string(),
+        ttl_ms,
+    }))
 }
 
-async fn close_session(
+/// Closes a session and releases its locks.
+#[utoipa::path(delete, path = "/v1/sessions/{id}", tag = "sessions",
+    params(("id" = String, Path, description = "The session id.")),
+    responses(
+        (status = 200, description = "Closed.", body = ClosedJson),
+        (status = 404, description = "`session_not_found` (also for another caller's session).", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn close_session(
     State(h): State<Handle>,
     Caller(caller): Caller,
     path: Result<Path<String>, PathRejection>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<ClosedJson>, ApiError> {
     caller.authorize(Action::Session, None)?;
     caller.take_request()?;
     let Path(raw) = path.map_err(path_error)?;
     let id = input::session_id(&raw)?;
     let released = h.close_session(&Requester::of(&caller), id).await?;
-    Ok(Json(json!({"closed": true, "released": released})))
+    Ok(Json(ClosedJson {
+        closed: true,
+        released,
+    }))
 }
 
-#[derive(Deserialize)]
+/// The query of `GET /v1/admin/sessions`.
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
-struct SessionListParams {
+#[into_params(parameter_in = Query)]
+pub(crate) struct SessionListParams {
+    /// Only sessions all of whose locks start with this.
     #[serde(default)]
     prefix: String,
+    /// At most this many, 1–1000 (default 1000).
     limit: Option<usize>,
 }
 
 /// `GET /v1/admin/sessions?prefix=`: the open sessions this admin may manage
 /// ([`Requester::may_manage`]) whose locks all start with `prefix`, by handle.
-async fn list_sessions(
+#[utoipa::path(get, path = "/v1/admin/sessions", tag = "admin",
+    params(SessionListParams),
+    responses(
+        (status = 200, description = "The sessions.", body = AdminSessionListJson),
+        CommonErrors,
+    ))]
+pub(crate) async fn list_sessions(
     State(h): State<Handle>,
     Caller(caller): Caller,
     query: Result<Query<SessionListParams>, QueryRejection>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<AdminSessionListJson>, ApiError> {
     let Query(p) = query.map_err(|e| invalid("query", e.body_text()))?;
     caller.authorize(Action::ForceRelease, None)?;
     let prefix = input::prefix(p.prefix)?;
@@ -455,29 +732,34 @@ async fn list_sessions(
         ));
     }
     let views = h.sessions(&Requester::of(&caller), prefix, max).await?;
-    let sessions: Vec<serde_json::Value> = views
+    let sessions = views
         .into_iter()
-        .map(|s| {
-            json!({
-                "handle": input::session_handle(s.id),
-                "principal": s.tenant.as_ref().map(|t| t.as_str()),
-                "owner": s.owner.as_str(),
-                "ttl_ms": s.ttl_ms,
-                "ttl_remaining_ms": s.ttl_remaining_ms,
-                "locks": s.holding.len(),
-                "waiting": s.waiting.len(),
-            })
+        .map(|s| AdminSessionJson {
+            handle: input::session_handle(s.id),
+            principal: s.tenant.as_ref().map(|t| t.as_str().to_owned()),
+            owner: s.owner.as_str().to_owned(),
+            ttl_ms: s.ttl_ms,
+            ttl_remaining_ms: s.ttl_remaining_ms,
+            locks: s.holding.len(),
+            waiting: s.waiting.len(),
         })
         .collect();
-    Ok(Json(json!({ "sessions": sessions })))
+    Ok(Json(AdminSessionListJson { sessions }))
 }
 
 /// `DELETE /v1/admin/sessions/{handle}`: an admin closes a session by its handle.
-async fn admin_close_session(
+#[utoipa::path(delete, path = "/v1/admin/sessions/{handle}", tag = "admin",
+    params(("handle" = String, Path, description = "The session's handle (16 hex digits).")),
+    responses(
+        (status = 200, description = "Closed.", body = ClosedJson),
+        (status = 404, description = "`session_not_found`.", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn admin_close_session(
     State(h): State<Handle>,
     Caller(caller): Caller,
     path: Result<Path<String>, PathRejection>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<ClosedJson>, ApiError> {
     caller.authorize(Action::ForceRelease, None)?;
     caller.take_request()?;
     let Path(raw) = path.map_err(path_error)?;
@@ -485,10 +767,22 @@ async fn admin_close_session(
     let released = h
         .close_session_by_handle(&Requester::of(&caller), handle)
         .await?;
-    Ok(Json(json!({"closed": true, "released": released})))
+    Ok(Json(ClosedJson {
+        closed: true,
+        released,
+    }))
 }
 
-async fn snapshot(State(h): State<Handle>, Caller(caller): Caller) -> Result<Response, ApiError> {
+/// A consistent snapshot of the server's state (what `fencelock backup` saves).
+#[utoipa::path(get, path = "/v1/admin/snapshot", tag = "admin",
+    responses(
+        (status = 200, description = "The snapshot.", content_type = "application/octet-stream", body = Vec<u8>),
+        CommonErrors,
+    ))]
+pub(crate) async fn snapshot(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+) -> Result<Response, ApiError> {
     caller.authorize(Action::Snapshot, None)?;
     let bytes = h.snapshot().await?;
     Ok((
@@ -498,7 +792,10 @@ async fn snapshot(State(h): State<Handle>, Caller(caller): Caller) -> Result<Res
         .into_response())
 }
 
-async fn healthz() -> &'static str {
+/// Liveness: `ok` while the process serves.
+#[utoipa::path(get, path = "/healthz", tag = "operations",
+    responses((status = 200, description = "`ok`.", content_type = "text/plain", body = String)))]
+pub(crate) async fn healthz() -> &'static str {
     "ok\n"
 }
 
@@ -506,7 +803,12 @@ async fn healthz() -> &'static str {
 /// reason in the message otherwise. A cluster member is ready only when it is caught
 /// up (`ClusterShared::readiness`: a voter, in touch with a leader that a quorum
 /// confirms, applied within `READY_MAX_LAG` entries of the commit index).
-async fn readyz(State(h): State<Handle>) -> Response {
+#[utoipa::path(get, path = "/readyz", tag = "operations",
+    responses(
+        (status = 200, description = "`ready`.", content_type = "text/plain", body = String),
+        (status = 503, description = "`unavailable`, the reason in the message.", body = ErrorBody),
+    ))]
+pub(crate) async fn readyz(State(h): State<Handle>) -> Response {
     let why = match h.state() {
         RunState::Running if h.cluster().is_some_and(|c| c.importing()) => {
             Some("importing a single server's state".to_owned())
@@ -525,7 +827,16 @@ async fn readyz(State(h): State<Handle>) -> Response {
     }
 }
 
-async fn metrics(State(h): State<Handle>, Caller(caller): Caller) -> Result<Response, ApiError> {
+/// Prometheus metrics (a reader token whose prefixes include `""`).
+#[utoipa::path(get, path = "/metrics", tag = "operations",
+    responses(
+        (status = 200, description = "Prometheus text format 0.0.4.", content_type = "text/plain", body = String),
+        CommonErrors,
+    ))]
+pub(crate) async fn metrics(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+) -> Result<Response, ApiError> {
     caller.authorize(Action::Metrics, None)?;
     Ok((
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -560,6 +871,7 @@ pub fn router(handle: Handle) -> Router {
         .route("/v1/admin/sessions", get(list_sessions))
         .route("/v1/admin/sessions/{handle}", delete(admin_close_session))
         .route("/v1/admin/snapshot", get(snapshot))
+        .route("/v1/openapi.json", get(crate::openapi::document))
         // Cluster membership and leadership (404 on a single server).
         .merge(crate::cluster::api::routes(Router::new()))
         .route("/healthz", get(healthz))

@@ -19,6 +19,7 @@ pub mod http;
 mod input;
 pub mod limits;
 pub mod metrics;
+pub mod openapi;
 pub mod origin;
 mod preface;
 pub mod series;

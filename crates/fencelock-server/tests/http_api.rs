@@ -734,7 +734,7 @@ async fn force_release_needs_a_reason_and_the_next_fence_is_larger() {
     let g = grant(&c, json!({"name": "fr", "ttl_ms": 30_000})).await;
 
     let bad = [
-        (json!({"name": "fr"}), 400, "invalid_json"),
+        (json!({"name": "fr"}), 400, "invalid_argument"),
         (json!({"name": "fr", "reason": ""}), 400, "invalid_argument"),
         (
             json!({"name": "fr", "reason": "x", "fence": 0}),
@@ -1088,7 +1088,6 @@ async fn bad_input_is_a_stable_4xx_and_changes_nothing() {
             "/v1/acquire",
             json!({"name": null, "ttl_ms": 100}),
         ),
-        ("missing name", "/v1/acquire", json!({"ttl_ms": 100})),
         (
             "number name",
             "/v1/acquire",
@@ -1115,24 +1114,33 @@ async fn bad_input_is_a_stable_4xx_and_changes_nothing() {
             json!({"name": "victim", "owner_token": token, "x": 1}),
         ),
         (
+            "session unknown field",
+            "/v1/sessions",
+            json!({"ttl_ms": 1000, "id": "x"}),
+        ),
+    ];
+    for (what, path, body) in json_mistakes {
+        cases.push(post(what, path, body).expect(400, "invalid_json"));
+    }
+    // A required field that is missing is a missing argument, like a `ttl_ms`
+    // missing without a session: 400 invalid_argument, the message naming it.
+    let missing = [
+        ("missing name", "/v1/acquire", json!({"ttl_ms": 100})),
+        ("missing ttl", "/v1/acquire", json!({"name": "x"})),
+        (
             "release without token",
             "/v1/release",
             json!({"name": "victim"}),
         ),
         ("session without ttl", "/v1/sessions", json!({"owner": "x"})),
         (
-            "session unknown field",
-            "/v1/sessions",
-            json!({"ttl_ms": 1000, "id": "x"}),
-        ),
-        (
             "force-release without reason",
             "/v1/admin/force-release",
             json!({"name": "victim"}),
         ),
     ];
-    for (what, path, body) in json_mistakes {
-        cases.push(post(what, path, body).expect(400, "invalid_json"));
+    for (what, path, body) in missing {
+        cases.push(post(what, path, body).expect(400, "invalid_argument"));
     }
 
     // Well-formed but out of range: 400 invalid_argument.
@@ -1848,5 +1856,33 @@ async fn stalled_and_idle_connections_are_closed() {
 
     // The server still serves.
     assert_eq!(s.client.get("/healthz").await.status, 200);
+    s.stop().await;
+}
+
+/// Issue 23: a missing `name` was `invalid_json` while a missing `ttl_ms` was
+/// `invalid_argument`. Every missing required field is `invalid_argument` now, and
+/// the message names the field, as for any other bad value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_field_is_invalid_argument_naming_the_field() {
+    let s = TestServer::start().await;
+    let c = s.client;
+    let cases = [
+        ("/v1/acquire", json!({"ttl_ms": 1000}), "name"),
+        ("/v1/acquire", json!({"name": "m"}), "ttl_ms"),
+        ("/v1/renew", json!({"name": "m"}), "owner_token"),
+        ("/v1/sessions", json!({}), "ttl_ms"),
+        ("/v1/admin/force-release", json!({"name": "m"}), "reason"),
+    ];
+    for (path, body, field) in cases {
+        let message = c
+            .post(path, &body)
+            .await
+            .expect_error(400, "invalid_argument");
+        assert!(message.starts_with(field), "{path} {body}: {message}");
+    }
+    // A field of the wrong type stays a malformed body.
+    c.post("/v1/acquire", &json!({"name": 1, "ttl_ms": 1000}))
+        .await
+        .expect_error(400, "invalid_json");
     s.stop().await;
 }

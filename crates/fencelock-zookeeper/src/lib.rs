@@ -114,6 +114,20 @@
 //! needs a provider installed the same way). Tested against Debian's ZooKeeper 3.8
 //! (Netty `secureClientPort`, PEM key store, no client certificate).
 //!
+//! # Reader-writer locks and elections
+//! - **Shared locks** are Curator's `InterProcessReadWriteLock` in the same queue: a
+//!   reader's node is named `read-…` instead of `lock-…`. A reader holds once no
+//!   writer's node is ahead of it and otherwise watches the nearest writer ahead; a
+//!   writer holds once it is first, watching its predecessor. So a queued writer blocks
+//!   later readers (FIFO across modes), and a writer's fence (czxid) is larger than
+//!   every reader's before it. Readers are not counted: a shared lock takes `limit` 1.
+//!   No downgrade.
+//! - **Elections** are Curator's `LeaderLatch`: a candidate is a lock node whose data
+//!   is `<owner>\n<value>`; the first node leads and its czxid is the term. `proclaim`
+//!   is `setData` with the version just read, on a node still owned by the leader's
+//!   session (`NotHeld` once it is gone); observing watches the election's children
+//!   and the leader's data.
+//!
 //! # What it cannot promise
 //! - No lock-delay: a freed lock goes to the next waiter at once (`lock_delay > 0` is
 //!   refused). No sessions API beyond the per-ttl session described above.
@@ -146,7 +160,9 @@ pub use zookeeper_client;
 use zookeeper_client::{self as zk, Acl, Acls, CreateMode};
 
 use self::client::{Fault, Session, State};
-use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use fencelock_backend::{
+    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Leader, Lease, LockBackend, LockMode,
+};
 use fencelock_backend::{Error, ErrorKind};
 
 /// Where the locks live in the tree and who may touch them.
@@ -283,12 +299,19 @@ const OPEN_PAUSE: Duration = Duration::from_millis(100);
 const MAX_SERVERS: usize = 256;
 /// The most rounds (list, watch, wake) one acquire makes before giving up.
 const MAX_ROUNDS: u32 = 100_000;
+/// Rounds of listing and reading one leader before giving up.
+const MAX_READ_ROUNDS: u32 = 100;
+/// The ttl of the session leader reads open when the backend has no live session: a
+/// read holds nothing, so any session does (this one is shared with 10 s locks).
+const READ_SESSION_TTL: Duration = Duration::from_secs(10);
 /// How often a background clean-up retries before it gives up on a node.
 const RETIRE_ATTEMPTS: u32 = 64;
 /// Most parent paths remembered as existing.
 const MAX_KNOWN_PARENTS: usize = 4096;
 /// Prefix of every lock node's name.
 const NODE_PREFIX: &str = "lock-";
+/// A reader's node (Curator's `InterProcessReadWriteLock` names them `read-`).
+const READ_PREFIX: &str = "read-";
 
 #[derive(Debug)]
 struct Inner {
@@ -376,8 +399,20 @@ impl ZooKeeperBackend {
         }
     }
 
-    async fn acquire_lock(&self, spec: &AcquireSpec) -> Result<Lease, Error> {
+    async fn acquire_lock(&self, spec: &AcquireSpec, data: Vec<u8>) -> Result<Lease, Error> {
         spec.validate()?;
+        if spec.session.is_some() {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "the zookeeper backend has no sessions API (see its Capabilities)",
+            ));
+        }
+        let shared = spec.mode == LockMode::Shared;
+        if shared && spec.limit != 1 {
+            return Err(invalid(
+                "ZooKeeper read locks admit any number of readers: a shared lock takes limit 1",
+            ));
+        }
         if !spec.lock_delay.is_zero() {
             return Err(invalid(
                 "ZooKeeper locks have no lock-delay: a freed lock goes to the next waiter at once",
@@ -392,7 +427,7 @@ impl ZooKeeperBackend {
             .unwrap_or(started + fencelock_backend::MAX_TTL);
         let session = self.inner.session(spec.ttl).await?;
         let parent = self.inner.parent_path(&spec.name);
-        let prefix = node_prefix(session.id(), spec.limit, &spec.request_id);
+        let prefix = mode_prefix(shared, session.id(), spec.limit, &spec.request_id);
         let key = format!("{parent}/{prefix}");
         let grace = session.timeout() / 3;
         if !session.retired(&key, deadline.max(started + grace)).await {
@@ -410,12 +445,137 @@ impl ZooKeeperBackend {
             node: None,
             uncertain: false,
             deadline,
+            shared,
+            data,
         };
         let result = attempt.run().await;
         if result.is_err() {
             attempt.abandon().await;
         }
         result
+    }
+
+    /// `setData` on the leader's node, guarded by the version just read and by the
+    /// node still being this session's: a deposed leader changes nothing.
+    async fn proclaim_value(&self, lease: &Lease, value: &str) -> Result<(), Error> {
+        fencelock_backend::validate_value(value)?;
+        let Some((session, path)) = self.inner.grant(lease) else {
+            return Err(not_held(
+                lease,
+                "its session is not one of this backend's live sessions",
+            ));
+        };
+        let connect_by = Instant::now() + session.timeout() / 3;
+        let (data, stat) = match session.run(connect_by, |c| c.get_data(&path)).await {
+            Ok(found) => found,
+            Err(Fault::Server(zk::Error::NoNode) | Fault::Lost | Fault::Closed) => {
+                return Err(not_held(lease, "its node is gone"))
+            }
+            Err(fault) => return Err(error(fault)),
+        };
+        if stat.ephemeral_owner != session.id() {
+            return Err(not_held(lease, "its node belongs to another session"));
+        }
+        let (owner, _) = parse_leader_data(&data);
+        let data = leader_data(&owner, value);
+        match session
+            .run(connect_by, |c| c.set_data(&path, &data, Some(stat.version)))
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(Fault::Server(zk::Error::NoNode) | Fault::Lost | Fault::Closed) => {
+                Err(not_held(lease, "its node is gone"))
+            }
+            Err(Fault::Server(zk::Error::BadVersion)) => Err(Error::new(
+                ErrorKind::Unavailable,
+                "another proclaim of this leader changed the value meanwhile; try again",
+            )),
+            Err(fault) => Err(error(fault)),
+        }
+    }
+
+    /// The election's leader (its first node), read on any live session of this
+    /// backend; with `watch`, watches on the children and the leader's data.
+    async fn read_leader(
+        &self,
+        name: &str,
+        watch: bool,
+    ) -> Result<(Option<Leader>, Vec<zk::OneshotWatcher>), Error> {
+        let open = lock(&self.inner.sessions)
+            .values()
+            .find(|s| matches!(s.state(), State::Connected | State::Suspended))
+            .cloned();
+        let session = match open {
+            Some(session) => session,
+            None => self.inner.session(READ_SESSION_TTL).await?,
+        };
+        let parent = self.inner.parent_path(name);
+        let connect_by = Instant::now() + session.timeout() / 3;
+        let mut watchers = Vec::new();
+        for _ in 0..MAX_READ_ROUNDS {
+            let children = if watch {
+                match session
+                    .run(connect_by, |c| c.list_and_watch_children(&parent))
+                    .await
+                {
+                    Ok((children, watcher)) => {
+                        watchers.push(watcher);
+                        children
+                    }
+                    Err(Fault::Server(zk::Error::NoNode)) => {
+                        // No election node yet: watch for its creation.
+                        let watcher = session
+                            .run(connect_by, |c| c.check_and_watch_stat(&parent))
+                            .await
+                            .map_err(error)?
+                            .1;
+                        return Ok((None, vec![watcher]));
+                    }
+                    Err(fault) => return Err(error(fault)),
+                }
+            } else {
+                match session.run(connect_by, |c| c.list_children(&parent)).await {
+                    Ok(children) => children,
+                    Err(Fault::Server(zk::Error::NoNode)) => return Ok((None, watchers)),
+                    Err(fault) => return Err(error(fault)),
+                }
+            };
+            let Some(first) = children
+                .iter()
+                .filter_map(|c| parse_node(c))
+                .min_by_key(|n| n.sequence)
+            else {
+                return Ok((None, watchers));
+            };
+            let path = format!("{parent}/{}", first.name);
+            let read = if watch {
+                session
+                    .run(connect_by, |c| c.get_and_watch_data(&path))
+                    .await
+                    .map(|(data, stat, watcher)| {
+                        watchers.push(watcher);
+                        (data, stat)
+                    })
+            } else {
+                session.run(connect_by, |c| c.get_data(&path)).await
+            };
+            match read {
+                Ok((data, stat)) => {
+                    let (owner, value) = parse_leader_data(&data);
+                    let term = u64::try_from(stat.czxid)
+                        .map_err(|_| Error::new(ErrorKind::Protocol, "negative czxid"))?;
+                    let leader = Leader::new(name.to_owned(), value, term, owner);
+                    return Ok((Some(leader), watchers));
+                }
+                // The leader went between the listing and the read: list again.
+                Err(Fault::Server(zk::Error::NoNode)) => watchers.clear(),
+                Err(fault) => return Err(error(fault)),
+            }
+        }
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            format!("the leader of {name:?} kept changing while being read"),
+        ))
     }
 
     async fn renew_lease(&self, lease: &Lease) -> Result<Duration, Error> {
@@ -685,6 +845,10 @@ struct Attempt<'a> {
     /// A create's answer was lost: our node may exist under an unknown name.
     uncertain: bool,
     deadline: Instant,
+    /// A reader (a `read-` node).
+    shared: bool,
+    /// The node's data: a candidate's owner and value, else empty.
+    data: Vec<u8>,
 }
 
 /// What one round of the recipe decided.
@@ -704,6 +868,8 @@ struct Node<'a> {
     session: i64,
     limit: u32,
     sequence: i64,
+    /// A reader's node.
+    shared: bool,
 }
 
 impl Attempt<'_> {
@@ -823,9 +989,16 @@ impl Attempt<'_> {
                 ),
             )));
         }
-        if position < limit as usize {
+        // A reader waits only for the nearest writer ahead (Curator's read lock);
+        // a writer for everything ahead, like a mutex.
+        let blocker = match self.shared {
+            true => ahead.iter().rposition(|n| !n.shared),
+            false if position < limit as usize => None,
+            false => Some(position - limit as usize),
+        };
+        let Some(blocker) = blocker else {
             return self.granted().await;
-        }
+        };
         if Instant::now() >= self.deadline {
             let (kind, what) = if self.spec.wait.is_zero() {
                 (ErrorKind::Held, "is held")
@@ -837,10 +1010,15 @@ impl Attempt<'_> {
                 format!("lock {:?} {what} ({} ahead)", self.spec.name, position),
             )));
         }
-        // Watch only the `limit` nodes just ahead: our turn can only come when one of
-        // them goes (a node further ahead going shifts them all, and is seen then).
+        // Watch only the `limit` nodes just ahead (a reader: the nearest writer): our
+        // turn can only come when one of them goes (a node further ahead going shifts
+        // them all, and is seen then).
         let mut watchers = Vec::new();
-        for node in &ahead[position - limit as usize..] {
+        let watched = match self.shared {
+            true => &ahead[blocker..=blocker],
+            false => &ahead[blocker..],
+        };
+        for node in watched {
             let path = format!("{}/{}", self.parent, node.name);
             match self
                 .session
@@ -868,7 +1046,7 @@ impl Attempt<'_> {
                 .await?;
             match self
                 .session
-                .run(connect_by, |c| c.create(&path, &[], &options))
+                .run(connect_by, |c| c.create(&path, &self.data, &options))
                 .await
             {
                 Ok((stat, sequence)) => {
@@ -1003,11 +1181,65 @@ impl LockBackend for ZooKeeperBackend {
         caps.push_wakeups = true;
         caps.semaphores = true;
         caps.monotonic_leases = true;
+        caps.shared = true;
+        caps.elections = true;
         caps
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
-        Box::pin(self.acquire_lock(spec))
+        Box::pin(self.acquire_lock(spec, Vec::new()))
+    }
+
+    /// Curator's `LeaderLatch`: a candidate is a lock node carrying its owner and
+    /// value; the first node leads, and its czxid is the term.
+    fn campaign<'a>(
+        &'a self,
+        spec: &'a AcquireSpec,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<Lease, Error>> {
+        Box::pin(async move {
+            fencelock_backend::validate_value(value)?;
+            if spec.limit != 1 || spec.mode != LockMode::Exclusive {
+                return Err(invalid(
+                    "an election has one leader: campaign with limit 1, exclusive",
+                ));
+            }
+            self.acquire_lock(spec, leader_data(&spec.owner, value))
+                .await
+        })
+    }
+
+    fn proclaim<'a>(
+        &'a self,
+        lease: &'a Lease,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(self.proclaim_value(lease, value))
+    }
+
+    fn leader<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<Leader>, Error>> {
+        Box::pin(async move { Ok(self.read_leader(name, false).await?.0) })
+    }
+
+    fn leader_change<'a>(
+        &'a self,
+        name: &'a str,
+        known: Option<&'a Leader>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<Option<Leader>, Error>> {
+        Box::pin(async move {
+            let deadline = Instant::now() + wait;
+            loop {
+                let (leader, watchers) = self.read_leader(name, true).await?;
+                if leader.as_ref() != known || Instant::now() >= deadline || watchers.is_empty() {
+                    return Ok(leader);
+                }
+                let changed = select_all(watchers.into_iter().map(|w| Box::pin(w.changed())));
+                if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                    return Ok(leader);
+                }
+            }
+        })
     }
 
     fn renew<'a>(
@@ -1048,9 +1280,36 @@ fn node_prefix(session: i64, limit: u32, request_id: &str) -> String {
     )
 }
 
+/// [`node_prefix`], or for a reader the same with `read-`.
+fn mode_prefix(shared: bool, session: i64, limit: u32, request_id: &str) -> String {
+    let prefix = node_prefix(session, limit, request_id);
+    match shared {
+        true => format!("{READ_PREFIX}{}", &prefix[NODE_PREFIX.len()..]),
+        false => prefix,
+    }
+}
+
+/// A candidate's node data: `<owner>\n<value>` (neither has control characters).
+fn leader_data(owner: &str, value: &str) -> Vec<u8> {
+    format!("{owner}\n{value}").into_bytes()
+}
+
+/// The `(owner, value)` in a node's data; empty for a plain lock's node.
+fn parse_leader_data(data: &[u8]) -> (String, String) {
+    let text = String::from_utf8_lossy(data);
+    match text.split_once('\n') {
+        Some((owner, value)) => (owner.to_owned(), value.to_owned()),
+        None => (String::new(), String::new()),
+    }
+}
+
 /// Parses a lock node's name; `None` for anything this backend did not create.
 fn parse_node(name: &str) -> Option<Node<'_>> {
-    let mut parts = name.strip_prefix(NODE_PREFIX)?.split('-');
+    let (shared, rest) = match name.strip_prefix(READ_PREFIX) {
+        Some(rest) => (true, rest),
+        None => (false, name.strip_prefix(NODE_PREFIX)?),
+    };
+    let mut parts = rest.split('-');
     let (session, limit, request, sequence) =
         (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
     let hex = |s: &str| s.len() == 16 && s.bytes().all(|b| b.is_ascii_hexdigit());
@@ -1069,6 +1328,7 @@ fn parse_node(name: &str) -> Option<Node<'_>> {
         session: u64::from_str_radix(session, 16).ok()? as i64,
         limit: limit.parse().ok().filter(|l| *l >= 1)?,
         sequence: sequence.parse().ok()?,
+        shared,
     })
 }
 

@@ -328,6 +328,26 @@ fn node_names_round_trip() {
 }
 
 #[test]
+fn reader_nodes_and_leader_data_round_trip() {
+    let writer = format!("{}0000000007", mode_prefix(false, 5, 1, "w"));
+    let reader = format!("{}0000000008", mode_prefix(true, 5, 1, "r"));
+    assert!(writer.starts_with("lock-") && reader.starts_with("read-"));
+    let (writer, reader) = (
+        parse_node(&writer).expect("parses"),
+        parse_node(&reader).expect("parses"),
+    );
+    assert_eq!((writer.shared, writer.sequence), (false, 7));
+    assert_eq!((reader.shared, reader.sequence, reader.limit), (true, 8, 1));
+    assert_eq!(parse_node("read-"), None);
+    assert_eq!(
+        parse_leader_data(&leader_data("host:1", "10.0.0.1:80")),
+        ("host:1".to_owned(), "10.0.0.1:80".to_owned())
+    );
+    // A plain lock's node has no data: no owner, no value.
+    assert_eq!(parse_leader_data(b""), (String::new(), String::new()));
+}
+
+#[test]
 fn bad_configs_are_refused() {
     for root in [
         "",

@@ -45,9 +45,9 @@ async fn main() -> Result<(), fencelock::Error> {
         .with_lock(
             "example:job:daily-settlement",
             LockOptions::default().ttl(Duration::from_secs(10)),
-            |fence| async move {
-                // A real job would send `fence` with every write to its resource.
-                format!("settled with fence {fence}")
+            async |guard| {
+                // A real job would send `guard.fence()` with every write to its resource.
+                format!("settled with fence {}", guard.fence())
             },
         )
         .await?;

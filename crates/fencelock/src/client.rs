@@ -1,17 +1,17 @@
 //! [`Client`]: locks over any [`LockBackend`], with retries, renewal and the
 //! lost-lock signal.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::guard::{LockGuard, Timing};
+use crate::guard::{Lifeline, LockGuard, Timing};
 use crate::server::{FencelockBackend, ServerConfig};
+use crate::session::SessionRequest;
 use crate::{Error, ErrorKind};
 use fencelock_backend::{request_id, Backoff};
-use fencelock_backend::{AcquireSpec, Capabilities, LockBackend};
+use fencelock_backend::{AcquireSpec, Capabilities, LockBackend, LockMode, SessionLease};
 
 /// Options of one lock acquisition. Start from [`LockOptions::default`] and adjust.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,7 +20,8 @@ pub struct LockOptions {
     /// Lease length; the guard renews it in the background. Default 30 s.
     pub ttl: Duration,
     /// How long to wait for the lock (transient errors are retried within this budget
-    /// too). Default 60 s; zero means answer at once.
+    /// too). Default 60 s; zero means answer at once; [`Duration::MAX`] waits forever
+    /// (see [`LockOptions::wait_forever`]).
     pub wait: Duration,
     /// Who holds the lock, for operators. Default: `hostname:pid`-like text.
     pub owner: String,
@@ -39,6 +40,10 @@ pub struct LockOptions {
     /// attempt already made. Default: a fresh random id per acquisition. Ids are
     /// scoped to the lock name and the token; use unguessable ones.
     pub request_id: Option<String>,
+    /// Exclusive (the default) or shared (a reader). A store without reader-writer
+    /// locks refuses shared with [`ErrorKind::Unsupported`]; it is never granted as
+    /// exclusive instead.
+    pub mode: LockMode,
 }
 
 impl Default for LockOptions {
@@ -52,6 +57,7 @@ impl Default for LockOptions {
             safety_margin: None,
             backoff: Backoff::default(),
             request_id: None,
+            mode: LockMode::Exclusive,
         }
     }
 }
@@ -67,6 +73,12 @@ impl LockOptions {
     pub fn wait(mut self, wait: Duration) -> LockOptions {
         self.wait = wait;
         self
+    }
+
+    /// Waits for the lock with no limit ([`wait`](LockOptions::wait) =
+    /// [`Duration::MAX`]); the server is asked again at least hourly.
+    pub fn wait_forever(self) -> LockOptions {
+        self.wait(Duration::MAX)
     }
 
     /// Sets [`owner`](LockOptions::owner).
@@ -105,6 +117,12 @@ impl LockOptions {
         self
     }
 
+    /// Sets [`mode`](LockOptions::mode).
+    pub fn mode(mut self, mode: LockMode) -> LockOptions {
+        self.mode = mode;
+        self
+    }
+
     fn validate(&self) -> Result<Timing, Error> {
         if self.ttl.is_zero() {
             return Err(Error::new(
@@ -140,7 +158,7 @@ impl LockOptions {
 
 /// `host:pid`, worked out once per process (it was read from `/etc/hostname` on every
 /// lock request).
-fn default_owner() -> String {
+pub(crate) fn default_owner() -> String {
     static OWNER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     OWNER.get_or_init(host_and_pid).clone()
 }
@@ -229,32 +247,62 @@ impl Client {
             client: self.clone(),
             name: name.into(),
             options: LockOptions::default(),
+            session: None,
         }
     }
 
-    /// Acquires `name`, runs `work(fence)` while holding it, and releases it.
+    /// Starts opening a session with lease `ttl`: locks taken under it
+    /// ([`Session::lock`](crate::Session::lock)) share its one keep-alive and are all
+    /// lost when it is. `.await` it (or call [`open`](SessionRequest::open)) to open;
+    /// [`ErrorKind::Unsupported`] if the store has no sessions
+    /// ([`Capabilities::sessions`]).
+    pub fn session(&self, ttl: Duration) -> SessionRequest {
+        SessionRequest::new(self.clone(), ttl)
+    }
+
+    pub(crate) fn backend(&self) -> Arc<dyn LockBackend> {
+        self.backend.clone()
+    }
+
+    /// Acquires `name`, runs `work(&guard)` while holding it, and releases it.
     ///
     /// If the lock is lost while `work` runs, `work` is cancelled (dropped at its next
     /// `.await`) and the result is an error of kind [`ErrorKind::LockLost`]. `work`
-    /// must pass the fence to every write of the protected resource: cancellation
-    /// stops this task, not a write already on the wire.
-    pub async fn with_lock<F, Fut, T>(
+    /// must pass [`guard.fence()`](LockGuard::fence) to every write of the protected
+    /// resource: cancellation stops this task, not a write already on the wire.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fencelock::Client) -> Result<(), fencelock::Error> {
+    /// let fence = client
+    ///     .with_lock("job:nightly", fencelock::LockOptions::default(), async |guard| {
+    ///         // write to the resource with guard.fence() ...
+    ///         guard.fence()
+    ///     })
+    ///     .await?;
+    /// # let _ = fence; Ok(()) }
+    /// ```
+    pub async fn with_lock<F, T>(
         &self,
         name: impl Into<String>,
         options: LockOptions,
         work: F,
     ) -> Result<T, Error>
     where
-        F: FnOnce(u64) -> Fut,
-        Fut: Future<Output = T>,
+        F: AsyncFnOnce(&LockGuard) -> T,
     {
         let guard = self.lock(name).options(options).acquire().await?;
         let lost = guard.lost();
-        let work = work(guard.fence());
-        tokio::select! {
-            biased;
-            reason = lost => Err(reason.into_error(guard.name())),
-            output = work => {
+        let output = {
+            let work = work(&guard);
+            tokio::select! {
+                biased;
+                reason = lost => Err(reason),
+                output = work => Ok(output),
+            }
+        };
+        match output {
+            Err(reason) => Err(reason.into_error(guard.name())),
+            Ok(output) => {
                 // The work is done; a failed release only leaves the lease to expire.
                 let _ = guard.release().await;
                 Ok(output)
@@ -262,17 +310,62 @@ impl Client {
         }
     }
 
-    async fn acquire(&self, name: String, options: LockOptions) -> Result<LockGuard, Error> {
+    async fn acquire(
+        &self,
+        name: String,
+        options: LockOptions,
+        session: Option<InSession>,
+    ) -> Result<LockGuard, Error> {
+        self.acquire_as(name, options, session, None).await
+    }
+
+    /// Refuses what the store cannot do honestly, before anything is sent: a shared
+    /// lock on a store without them must not become an exclusive one.
+    fn check_kind(&self, options: &LockOptions, campaign: Option<&str>) -> Result<(), Error> {
+        let caps = self.capabilities();
+        if options.mode == LockMode::Shared && !caps.shared {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("the {} backend has no shared (reader) locks", caps.backend),
+            ));
+        }
+        if let Some(value) = campaign {
+            if !caps.elections {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!("the {} backend has no elections", caps.backend),
+                ));
+            }
+            fencelock_backend::validate_value(value)?;
+        }
+        Ok(())
+    }
+
+    /// Acquires `name` as a lock, or with `campaign` as the value of a leader in the
+    /// election `name`.
+    pub(crate) async fn acquire_as(
+        &self,
+        name: String,
+        options: LockOptions,
+        session: Option<InSession>,
+        campaign: Option<&str>,
+    ) -> Result<LockGuard, Error> {
+        self.check_kind(&options, campaign)?;
         let timing = options.validate()?;
-        let budget_end = Instant::now() + options.wait;
+        let budget_end = budget_end(options.wait);
         let mut attempt = 0u32;
         let mut spec = AcquireSpec::new(name, options.ttl);
         spec.wait = options.wait;
         spec.owner = options.owner.clone();
         spec.limit = options.limit;
         spec.lock_delay = options.lock_delay;
+        spec.mode = options.mode;
         // One id for every attempt of this acquisition, whichever member gets it.
         spec.request_id = options.request_id.clone().unwrap_or_else(request_id);
+        if let Some(InSession(lease, _)) = &session {
+            spec.session = Some(lease.id.clone());
+            spec.ttl = lease.ttl;
+        }
         // The first send of this request id: a retry can return a grant made for an
         // earlier attempt, whose lease started no earlier than this.
         let mut first_sent: Option<Instant> = None;
@@ -280,7 +373,14 @@ impl Client {
             let sent = Instant::now();
             let lease_base = *first_sent.get_or_insert(sent);
             spec.wait = budget_end.saturating_duration_since(sent);
-            match self.backend.acquire(&spec).await {
+            let answer = match campaign {
+                Some(value) => self.backend.campaign(&spec, value).await,
+                None => self.backend.acquire(&spec).await,
+            };
+            match answer {
+                Ok(lease) if session.is_some() => {
+                    return self.held_in_session(lease, session);
+                }
                 Ok(mut lease) => {
                     let mut lease_base = lease_base;
                     // After a long wait in the queue the send instant proves little of
@@ -341,7 +441,48 @@ impl Client {
     }
 }
 
+/// The instant a wait budget of `wait` ends; [`Duration::MAX`] (waiting forever) ends
+/// in the far future instead of overflowing.
+fn budget_end(wait: Duration) -> Instant {
+    const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    let now = Instant::now();
+    now.checked_add(wait.min(FOREVER))
+        .or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600)))
+        .unwrap_or(now)
+}
+
+/// The session a lock request is bound to.
+#[derive(Debug, Clone)]
+pub(crate) struct InSession(SessionLease, Lifeline);
+
 impl Client {
+    /// The guard of a grant made under a session; the lock error if the session was
+    /// lost by the time the grant arrived (the grant is then given back).
+    fn held_in_session(
+        &self,
+        lease: crate::Lease,
+        session: Option<InSession>,
+    ) -> Result<LockGuard, Error> {
+        let Some(InSession(_, lifeline)) = session else {
+            return Err(Error::new(ErrorKind::Internal, "no session"));
+        };
+        if let Some(reason) = lifeline.lost_reason() {
+            let backend = self.backend.clone();
+            let name = lease.name.clone();
+            // The store may already have dropped it with the session; the owner token
+            // makes this safe either way.
+            tokio::spawn(async move {
+                let _ = backend.release(&lease).await;
+            });
+            return Err(reason.into_error(&name));
+        }
+        Ok(LockGuard::start_in_session(
+            self.backend.clone(),
+            lease,
+            &lifeline,
+        ))
+    }
+
     /// Renews a fresh grant once, retrying transient errors within the wait budget;
     /// returns the renewal's send instant and the lease length it granted.
     async fn confirm(
@@ -377,6 +518,8 @@ pub struct LockRequest {
     client: Client,
     name: String,
     options: LockOptions,
+    /// Held under this session's lease instead of one of its own.
+    session: Option<InSession>,
 }
 
 impl LockRequest {
@@ -395,6 +538,17 @@ impl LockRequest {
     /// How long to wait for the lock.
     pub fn wait(mut self, wait: Duration) -> LockRequest {
         self.options.wait = wait;
+        self
+    }
+
+    /// Waits for the lock with no limit (see [`LockOptions::wait_forever`]).
+    pub fn wait_forever(self) -> LockRequest {
+        self.wait(Duration::MAX)
+    }
+
+    /// Binds the request to a session (see [`crate::Session::lock`]).
+    pub(crate) fn in_session(mut self, lease: SessionLease, lifeline: Lifeline) -> LockRequest {
+        self.session = Some(InSession(lease, lifeline));
         self
     }
 
@@ -429,11 +583,26 @@ impl LockRequest {
         self
     }
 
+    /// Exclusive (the default) or [`LockMode::Shared`]; see [`LockOptions::mode`].
+    pub fn mode(mut self, mode: LockMode) -> LockRequest {
+        self.options.mode = mode;
+        self
+    }
+
+    /// A shared (reader) lock: any number of readers hold it together, never with a
+    /// writer. [`ErrorKind::Unsupported`] on a store whose
+    /// [`Capabilities::shared`] is false.
+    pub fn shared(self) -> LockRequest {
+        self.mode(LockMode::Shared)
+    }
+
     /// Acquires the lock, waiting up to the wait budget. Errors: [`ErrorKind::Timeout`]
     /// if not granted in time (or [`ErrorKind::Held`] with a zero wait), a transient
     /// kind if the store stayed unreachable for the whole budget, or a permanent one.
     pub async fn acquire(self) -> Result<LockGuard, Error> {
-        self.client.acquire(self.name, self.options).await
+        self.client
+            .acquire(self.name, self.options, self.session)
+            .await
     }
 
     /// Acquires the lock only if it is free now: [`ErrorKind::Held`] otherwise.

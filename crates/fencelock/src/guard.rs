@@ -4,7 +4,9 @@
 //! store can expire the lease: it is `send instant of the last confirmed acquire or
 //! renewal + granted ttl − safety margin`, and the store starts a lease no earlier than
 //! it receives the request. [`LockGuard::lost`] resolves at that deadline at the latest
-//! (within the timer's 1 ms resolution), whatever the renewal task is doing.
+//! (within the timer's 1 ms resolution), whatever the renewal task is doing. A grant
+//! held under a session has the session's deadline (the same rule, counted from the
+//! session's last confirmed keep-alive), which only its keep-alive extends.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -15,7 +17,7 @@ use tokio::time::Instant;
 
 use crate::{Error, ErrorKind};
 use fencelock_backend::Backoff;
-use fencelock_backend::{Lease, LockBackend};
+use fencelock_backend::{BoxFuture, Lease, LockBackend, SessionLease};
 
 /// Renewal settings of one guard, validated by the client.
 #[derive(Debug, Clone, Copy)]
@@ -54,14 +56,110 @@ impl LostReason {
 }
 
 #[derive(Debug)]
-struct State {
+pub(crate) struct State {
     deadline: Instant,
     lost: Option<LostReason>,
 }
 
 /// Nothing is ever sent on a guard's control channel: it closing (the guard dropped
 /// without [`LockGuard::release`]) tells the renewal task to release.
-enum Control {}
+pub(crate) enum Control {}
+
+/// What a renewal task keeps alive: one grant, or a session (and with it every grant
+/// held under it).
+#[derive(Debug, Clone)]
+pub(crate) enum Kept {
+    Lease(Lease),
+    Session(SessionLease),
+}
+
+impl Kept {
+    /// Extends the lease; the length granted.
+    fn extend<'a>(
+        &'a self,
+        backend: &'a dyn LockBackend,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Duration, Error>> {
+        match self {
+            Kept::Lease(lease) => backend.renew(lease, ttl),
+            Kept::Session(session) => backend.keep_alive(session),
+        }
+    }
+
+    /// Gives the lease back, retrying transient errors until it would have expired
+    /// anyway, and marks it released.
+    async fn end(
+        &self,
+        backend: &dyn LockBackend,
+        state: &watch::Sender<State>,
+        timing: Timing,
+    ) -> Result<(), Error> {
+        match self {
+            Kept::Lease(lease) => release(backend, lease, state, timing).await.map(drop),
+            Kept::Session(session) => close_session(backend, session, state, timing)
+                .await
+                .map(drop),
+        }
+    }
+}
+
+/// The conservative deadline and lost signal of a lease (a guard's or a session's), kept
+/// by a renewal task.
+#[derive(Debug, Clone)]
+pub(crate) struct Lifeline {
+    pub state: Arc<watch::Sender<State>>,
+    /// Dropping every clone tells the renewal task to give the lease back.
+    pub control: mpsc::UnboundedSender<Control>,
+    pub timing: Timing,
+}
+
+impl Lifeline {
+    /// Starts renewing `kept`, first sent at `sent` and granted for `granted`; returns
+    /// the lifeline and the renewal task.
+    pub(crate) fn start(
+        backend: Arc<dyn LockBackend>,
+        kept: Kept,
+        sent: Instant,
+        granted: Duration,
+        timing: Timing,
+    ) -> (Lifeline, tokio::task::JoinHandle<()>) {
+        let deadline = (sent + granted).checked_sub(timing.margin).unwrap_or(sent);
+        let state = Arc::new(watch::Sender::new(State {
+            deadline,
+            lost: None,
+        }));
+        let (control, inbox) = mpsc::unbounded_channel();
+        let renewer = Renewer {
+            backend,
+            kept,
+            state: state.clone(),
+            timing,
+            last_sent: sent,
+        };
+        let task = tokio::spawn(renewer.run(inbox));
+        let lifeline = Lifeline {
+            state,
+            control,
+            timing,
+        };
+        (lifeline, task)
+    }
+
+    /// See [`LockGuard::lost`].
+    pub(crate) fn lost(&self) -> impl Future<Output = LostReason> + Send + 'static {
+        lost_signal(self.state.clone())
+    }
+
+    /// See [`LockGuard::valid_for`].
+    pub(crate) fn valid_for(&self) -> Option<Duration> {
+        valid_for(&self.state)
+    }
+
+    /// The reason the lease is lost, if it is.
+    pub(crate) fn lost_reason(&self) -> Option<LostReason> {
+        self.state.borrow().lost.clone()
+    }
+}
 
 /// A held lock. Pass [`fence`](LockGuard::fence) with every write to the protected
 /// resource, and stop writing when [`lost`](LockGuard::lost) resolves.
@@ -79,6 +177,8 @@ pub struct LockGuard {
     backend: Arc<dyn LockBackend>,
     renewer: tokio::task::JoinHandle<()>,
     timing: Timing,
+    /// For a grant held under a session: keeps the session open while the guard lives.
+    _session: Option<mpsc::UnboundedSender<Control>>,
 }
 
 impl LockGuard {
@@ -90,29 +190,54 @@ impl LockGuard {
         sent: Instant,
         timing: Timing,
     ) -> LockGuard {
-        let deadline = (sent + lease.ttl)
-            .checked_sub(timing.margin)
-            .unwrap_or(sent);
-        let state = Arc::new(watch::Sender::new(State {
-            deadline,
-            lost: None,
-        }));
-        let (control, inbox) = mpsc::unbounded_channel();
-        let renewer = Renewer {
-            backend: backend.clone(),
-            lease: lease.clone(),
-            state: state.clone(),
+        let (lifeline, renewer) = Lifeline::start(
+            backend.clone(),
+            Kept::Lease(lease.clone()),
+            sent,
+            lease.ttl,
             timing,
-            last_sent: sent,
+        );
+        LockGuard {
+            lease,
+            state: lifeline.state,
+            _control: lifeline.control,
+            backend,
+            renewer,
+            timing,
+            _session: None,
+        }
+    }
+
+    /// A guard for a grant held under `session`: no renewal of its own (the session's
+    /// keep-alive keeps it), its deadline the session's, lost when the session is.
+    /// Must be called within a tokio runtime.
+    pub(crate) fn start_in_session(
+        backend: Arc<dyn LockBackend>,
+        lease: Lease,
+        session: &Lifeline,
+    ) -> LockGuard {
+        let (deadline, lost) = {
+            let s = session.state.borrow();
+            (s.deadline, s.lost.clone())
         };
-        let renewer = tokio::spawn(renewer.run(inbox));
+        let state = Arc::new(watch::Sender::new(State { deadline, lost }));
+        let (control, inbox) = mpsc::unbounded_channel();
+        let follower = follow_session(
+            session.state.subscribe(),
+            state.clone(),
+            inbox,
+            backend.clone(),
+            lease.clone(),
+            session.timing,
+        );
         LockGuard {
             lease,
             state,
             _control: control,
             backend,
-            renewer,
-            timing,
+            renewer: tokio::spawn(follower),
+            timing: session.timing,
+            _session: Some(session.control.clone()),
         }
     }
 
@@ -140,12 +265,24 @@ impl LockGuard {
     /// How long the lock is still certainly held (until the conservative local
     /// deadline); `None` once it is or may be lost.
     pub fn valid_for(&self) -> Option<Duration> {
-        let state = self.state.borrow();
-        if state.lost.is_some() {
-            return None;
+        valid_for(&self.state)
+    }
+
+    /// Turns this exclusive grant into a shared one without releasing it: readers
+    /// waiting behind it may then join. The fence stays. [`ErrorKind::Unsupported`]
+    /// where the store has no downgrade ([`fencelock_backend::Capabilities::downgrade`]),
+    /// [`ErrorKind::NotHeld`] once the grant is gone.
+    pub async fn downgrade(&self) -> Result<(), Error> {
+        if !self.backend.capabilities().downgrade {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "the {} backend cannot downgrade a lock",
+                    self.backend.capabilities().backend
+                ),
+            ));
         }
-        let left = state.deadline.saturating_duration_since(Instant::now());
-        (!left.is_zero()).then_some(left)
+        self.backend.downgrade(&self.lease).await
     }
 
     /// Whether the lock is, or may be, lost.
@@ -158,33 +295,7 @@ impl LockGuard {
     /// which is before the store can have expired the lease. Can be called many times;
     /// each future resolves with the same reason.
     pub fn lost(&self) -> impl Future<Output = LostReason> + Send + 'static {
-        let state = self.state.clone();
-        let mut changes = state.subscribe();
-        async move {
-            loop {
-                let deadline = {
-                    let current = changes.borrow_and_update();
-                    if let Some(reason) = &current.lost {
-                        return reason.clone();
-                    }
-                    current.deadline
-                };
-                tokio::select! {
-                    _ = changes.changed() => {}
-                    _ = tokio::time::sleep_until(deadline) => {
-                        // Sticky: once reported lost, renewals no longer extend it.
-                        state.send_if_modified(|s| {
-                            if s.lost.is_none() && Instant::now() >= s.deadline {
-                                s.lost = Some(LostReason::DeadlineReached);
-                                true
-                            } else {
-                                false
-                            }
-                        });
-                    }
-                }
-            }
-        }
+        lost_signal(self.state.clone())
     }
 
     /// Stops renewal and releases the lock. `Ok(true)` if this call released it,
@@ -202,6 +313,93 @@ impl LockGuard {
     }
 }
 
+fn valid_for(state: &watch::Sender<State>) -> Option<Duration> {
+    let state = state.borrow();
+    if state.lost.is_some() {
+        return None;
+    }
+    let left = state.deadline.saturating_duration_since(Instant::now());
+    (!left.is_zero()).then_some(left)
+}
+
+/// Resolves when the lease of `state` is or may be lost (see [`LockGuard::lost`]).
+fn lost_signal(state: Arc<watch::Sender<State>>) -> impl Future<Output = LostReason> + Send {
+    let mut changes = state.subscribe();
+    async move {
+        loop {
+            let deadline = {
+                let current = changes.borrow_and_update();
+                if let Some(reason) = &current.lost {
+                    return reason.clone();
+                }
+                current.deadline
+            };
+            tokio::select! {
+                _ = changes.changed() => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    // Sticky: once reported lost, renewals no longer extend it.
+                    state.send_if_modified(|s| {
+                        if s.lost.is_none() && Instant::now() >= s.deadline {
+                            s.lost = Some(LostReason::DeadlineReached);
+                            true
+                        } else {
+                            false
+                        }
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// The task of a guard held under a session: its deadline follows the session's
+/// (extended only once a keep-alive is confirmed), it is lost when the session is, and
+/// dropping the guard releases the grant.
+async fn follow_session(
+    mut session: watch::Receiver<State>,
+    state: Arc<watch::Sender<State>>,
+    mut inbox: mpsc::UnboundedReceiver<Control>,
+    backend: Arc<dyn LockBackend>,
+    lease: Lease,
+    timing: Timing,
+) {
+    loop {
+        let (deadline, lost) = {
+            let s = session.borrow_and_update();
+            (s.deadline, s.lost.clone())
+        };
+        if let Some(reason) = lost {
+            mark_lost(&state, reason);
+            return;
+        }
+        state.send_if_modified(|s| {
+            if s.lost.is_none() && deadline > s.deadline {
+                s.deadline = deadline;
+                true
+            } else {
+                false
+            }
+        });
+        let control = tokio::select! {
+            changed = session.changed() => match changed {
+                Ok(()) => continue,
+                // Nothing extends the session any more: the guard's own deadline ends
+                // it; a drop still releases.
+                Err(_) => inbox.recv().await,
+            },
+            control = inbox.recv() => control,
+        };
+        match control {
+            Some(never) => match never {},
+            // The guard was dropped without release.
+            None => {
+                let _ = release(&*backend, &lease, &state, timing).await;
+                return;
+            }
+        }
+    }
+}
+
 /// Releases, retrying transient errors until the lease would have expired anyway, and
 /// marks the guard released.
 async fn release(
@@ -210,10 +408,39 @@ async fn release(
     state: &watch::Sender<State>,
     timing: Timing,
 ) -> Result<bool, Error> {
+    until_expiry(state, timing, || backend.release(lease)).await
+}
+
+/// Closes a session, retrying transient errors until its lease would have expired
+/// anyway, and marks it released; how many locks it released (0 if it was gone).
+pub(crate) async fn close_session(
+    backend: &dyn LockBackend,
+    session: &SessionLease,
+    state: &watch::Sender<State>,
+    timing: Timing,
+) -> Result<usize, Error> {
+    match until_expiry(state, timing, || backend.close_session(session)).await {
+        // Already ended (expired, or closed by an operator): nothing left to close.
+        Err(e) if e.kind() == ErrorKind::SessionNotFound => Ok(0),
+        other => other,
+    }
+}
+
+/// Runs `op` (a release), retrying transient errors until the lease would have expired
+/// anyway, then marks the lease released.
+async fn until_expiry<T, F, Fut>(
+    state: &watch::Sender<State>,
+    timing: Timing,
+    mut op: F,
+) -> Result<T, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
     let give_up = state.borrow().deadline + timing.margin;
     let mut attempt = 0u32;
     let result = loop {
-        match backend.release(lease).await {
+        match op().await {
             Err(e) if e.is_transient() => {
                 let delay = timing.backoff.delay(attempt);
                 attempt = attempt.saturating_add(1);
@@ -240,10 +467,10 @@ fn mark_lost(state: &watch::Sender<State>, reason: LostReason) {
     });
 }
 
-/// The background task of one guard.
+/// The background task of one guard, or of one session.
 struct Renewer {
     backend: Arc<dyn LockBackend>,
-    lease: Lease,
+    kept: Kept,
     state: Arc<watch::Sender<State>>,
     timing: Timing,
     last_sent: Instant,
@@ -269,7 +496,7 @@ impl Renewer {
                                     // this safe), but don't linger.
                                     let _ = tokio::time::timeout(
                                         self.timing.margin,
-                                        self.backend.release(&self.lease),
+                                        self.kept.end(&*self.backend, &self.state, self.timing),
                                     )
                                     .await;
                                 }
@@ -283,7 +510,10 @@ impl Renewer {
                 Some(never) => match never {},
                 // The guard was dropped without release.
                 None => {
-                    let _ = release(&*self.backend, &self.lease, &self.state, self.timing).await;
+                    let _ = self
+                        .kept
+                        .end(&*self.backend, &self.state, self.timing)
+                        .await;
                     return;
                 }
             }
@@ -310,9 +540,11 @@ impl Renewer {
             if sent >= deadline {
                 return Err(LostReason::DeadlineReached);
             }
-            let answer =
-                tokio::time::timeout_at(deadline, self.backend.renew(&self.lease, self.timing.ttl))
-                    .await;
+            let answer = tokio::time::timeout_at(
+                deadline,
+                self.kept.extend(&*self.backend, self.timing.ttl),
+            )
+            .await;
             match answer {
                 Err(_elapsed) => return Err(LostReason::DeadlineReached),
                 Ok(Ok(granted)) => {

@@ -24,14 +24,18 @@
 //!
 //! // Or a closure that is cancelled the moment the lock is lost.
 //! let total = client
-//!     .with_lock("inventory:item:1234", LockOptions::default(), |fence| async move {
-//!         // write to the resource with `fence` ...
-//!         fence
+//!     .with_lock("inventory:item:1234", LockOptions::default(), async |guard| {
+//!         // write to the resource with `guard.fence()` ...
+//!         guard.fence()
 //!     })
 //!     .await?;
 //! # let _ = total;
 //! # Ok(()) }
 //! ```
+//!
+//! [`Client::session`] opens a [`Session`]: many locks under one keep-alive, every
+//! guard lost when the session is. [`blocking`] is the same client for programs
+//! without an async runtime.
 //!
 //! The store is a [`LockBackend`]; the fencelock server ([`FencelockBackend`]) is the
 //! first one, and [`Client::capabilities`] says what a store guarantees.
@@ -44,18 +48,22 @@
 //!   `postgres::PostgresAdvisoryBackend` (advisory locks, no fences).
 //! - `mysql`: `mysql::MysqlBackend` (a lock table with durable fences) and
 //!   `mysql::MysqlGetLockBackend` (`GET_LOCK`, no fences), on MySQL or MariaDB.
-//! - `etcd`: `etcd::EtcdBackend`, etcd v3 (durable fences, FIFO, watches, semaphores).
+//! - `etcd`: `etcd::EtcdBackend`, etcd v3 (durable fences, FIFO, watches, semaphores,
+//!   sessions).
 //! - `zookeeper`: `zookeeper::ZooKeeperBackend` (durable fences, FIFO, watches,
 //!   semaphores; chroot, digest auth, or the application's own ZooKeeper client);
 //!   `zookeeper-tls` adds TLS.
 
 #![deny(missing_docs)]
 
+pub mod blocking;
 mod client;
 mod codes;
+mod election;
 mod guard;
 mod route;
 mod server;
+mod session;
 mod view;
 mod wire;
 
@@ -75,7 +83,14 @@ pub use fencelock_redis as redis;
 #[cfg(feature = "zookeeper")]
 pub use fencelock_zookeeper as zookeeper;
 
+/// The README's Rust snippets, compiled as doctests: a snippet that no longer compiles
+/// fails `cargo test` (the dev-dependencies turn on the features they use).
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeSnippets;
+
 pub use client::{Client, LockOptions, LockRequest};
+pub use election::{Election, Leadership};
 pub use fencelock_backend::{
     AcquireSpec, Backoff, BoxFuture, Capabilities, Error, ErrorKind, FenceGuarantee, Leader, Lease,
     LockBackend, LockMode, SessionLease, MAX_NAME_BYTES, MAX_OWNER_BYTES, MAX_REQUEST_ID_BYTES,
@@ -83,4 +98,5 @@ pub use fencelock_backend::{
 };
 pub use guard::{LockGuard, LostReason};
 pub use server::{EventStream, FencelockBackend, ServerConfig, Transport};
+pub use session::{Session, SessionRequest};
 pub use view::{EventKind, HolderInfo, LockEvent, LockInfo, LockPage, WaitEnd};

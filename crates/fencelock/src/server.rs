@@ -23,7 +23,9 @@ use crate::view::{LockEvent, LockInfo, LockPage};
 use crate::wire::WireClient;
 use crate::{Error, ErrorKind};
 use fencelock_backend::Backoff;
-use fencelock_backend::{AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend};
+use fencelock_backend::{
+    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, SessionLease,
+};
 use tokio_rustls::rustls::pki_types::ServerName;
 
 /// The pause between rounds of a call while the cluster is between leaders: 25–50 ms
@@ -125,6 +127,41 @@ impl ServerConfig {
             }
         }
         urls
+    }
+}
+
+/// Builder methods: `ServerConfig::new(url).token(t).ca_cert_pem(pem)`, since the
+/// struct cannot be built with a literal outside this crate.
+impl ServerConfig {
+    /// Sets [`token`](ServerConfig::token): the bearer token sent with every request.
+    pub fn token(mut self, token: impl Into<String>) -> ServerConfig {
+        self.token = Some(token.into());
+        self
+    }
+
+    /// Sets [`ca_cert_pem`](ServerConfig::ca_cert_pem): the PEM certificate(s) of the
+    /// CA to trust for `https://` URLs instead of the system's roots.
+    pub fn ca_cert_pem(mut self, pem: impl Into<Vec<u8>>) -> ServerConfig {
+        self.ca_cert_pem = Some(pem.into());
+        self
+    }
+
+    /// Sets [`connect_timeout`](ServerConfig::connect_timeout).
+    pub fn connect_timeout(mut self, timeout: Duration) -> ServerConfig {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Sets [`request_timeout`](ServerConfig::request_timeout).
+    pub fn request_timeout(mut self, timeout: Duration) -> ServerConfig {
+        self.request_timeout = timeout;
+        self
+    }
+
+    /// Sets [`transport`](ServerConfig::transport).
+    pub fn transport(mut self, transport: Transport) -> ServerConfig {
+        self.transport = transport;
+        self
     }
 }
 
@@ -628,13 +665,14 @@ impl LockBackend for FencelockBackend {
                     let wait = wait_until.saturating_duration_since(Instant::now());
                     let message = pb::AcquireRequest {
                         name: spec.name.clone(),
-                        ttl_ms: Some(ms(spec.ttl)),
+                        // A session-held lock has the session's lease.
+                        ttl_ms: spec.session.is_none().then(|| ms(spec.ttl)),
                         wait_ms: ms(wait),
                         owner: spec.owner.clone(),
                         request_id: Some(spec.request_id.clone()),
                         limit: spec.limit,
                         lock_delay_ms: ms(spec.lock_delay),
-                        session: None,
+                        session: spec.session.clone(),
                     };
                     match node.wire() {
                         Some(wire) => {
@@ -749,6 +787,128 @@ impl LockBackend for FencelockBackend {
             }
         })
     }
+
+    fn open_session<'a>(
+        &'a self,
+        ttl: Duration,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<SessionLease, Error>> {
+        Box::pin(self.open_session_call(ttl, owner))
+    }
+
+    fn keep_alive<'a>(
+        &'a self,
+        session: &'a SessionLease,
+    ) -> BoxFuture<'a, Result<Duration, Error>> {
+        Box::pin(self.keep_alive_call(session))
+    }
+
+    fn close_session<'a>(
+        &'a self,
+        session: &'a SessionLease,
+    ) -> BoxFuture<'a, Result<usize, Error>> {
+        Box::pin(self.close_session_call(session))
+    }
+}
+
+/// Sessions, over gRPC (`OpenSession`, `KeepAlive`, `CloseSession`).
+impl FencelockBackend {
+    async fn open_session_call(&self, ttl: Duration, owner: &str) -> Result<SessionLease, Error> {
+        if ttl.is_zero() || ttl > fencelock_backend::MAX_TTL {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "session ttl must be between 1ms and {}s, got {ttl:?}",
+                    fencelock_backend::MAX_TTL.as_secs()
+                ),
+            ));
+        }
+        let opened = self
+            .call(
+                self.deadline(Duration::ZERO),
+                self.rounds_until(),
+                |node| async move {
+                    let request = self.request(
+                        pb::OpenSessionRequest {
+                            ttl_ms: ms(ttl),
+                            owner: owner.to_owned(),
+                        },
+                        Duration::ZERO,
+                    );
+                    let response = node.client.clone().open_session(request).await;
+                    Ok(response.map_err(error_from_status)?.into_inner())
+                },
+            )
+            .await?;
+        Ok(SessionLease::new(
+            opened.session,
+            Duration::from_millis(opened.ttl_ms),
+        ))
+    }
+
+    /// One keep-alive: a `KeepAlive` stream carrying one request. Each member gets
+    /// what a renewal gets to answer, so a hung leader cannot use up the session.
+    async fn keep_alive_call(&self, session: &SessionLease) -> Result<Duration, Error> {
+        let hop_limit = self.renew_hop_limit(session.ttl);
+        self.call(
+            self.deadline(Duration::ZERO),
+            self.rounds_until(),
+            |node| async move {
+                let once = async {
+                    let message = pb::KeepAliveRequest {
+                        session: session.id.clone(),
+                    };
+                    let mut request = Request::new(tokio_stream::once(message));
+                    request.set_timeout(self.shared.request_timeout);
+                    if let Some(auth) = &self.shared.authorization {
+                        request.metadata_mut().insert("authorization", auth.clone());
+                    }
+                    let mut answers = node
+                        .client
+                        .clone()
+                        .keep_alive(request)
+                        .await
+                        .map_err(error_from_status)?
+                        .into_inner();
+                    match answers.message().await.map_err(error_from_status)? {
+                        Some(answer) => Ok(Duration::from_millis(answer.ttl_ms)),
+                        None => Err(Error::new(
+                            ErrorKind::Unavailable,
+                            format!("{} ended the keep-alive stream without an answer", node.url),
+                        )),
+                    }
+                };
+                match tokio::time::timeout(hop_limit, once).await {
+                    Ok(answer) => answer,
+                    // A keep-alive is idempotent: a late answer changes nothing.
+                    Err(_) => Err(Error::new(
+                        ErrorKind::Unavailable,
+                        format!("no answer from {} within {hop_limit:?}", node.url),
+                    )),
+                }
+            },
+        )
+        .await
+    }
+
+    async fn close_session_call(&self, session: &SessionLease) -> Result<usize, Error> {
+        self.call(
+            self.deadline(Duration::ZERO),
+            self.rounds_until(),
+            |node| async move {
+                let request = self.request(
+                    pb::CloseSessionRequest {
+                        session: session.id.clone(),
+                    },
+                    Duration::ZERO,
+                );
+                let response = node.client.clone().close_session(request).await;
+                let released = response.map_err(error_from_status)?.into_inner().released;
+                Ok(usize::try_from(released).unwrap_or(usize::MAX))
+            },
+        )
+        .await
+    }
 }
 
 /// An answer of the wrong kind: the server broke the protocol.
@@ -839,6 +999,21 @@ mod tests {
         let text = format!("{backend:?}");
         assert!(text.contains("http://b:2"), "{text}");
         assert!(!text.contains("s3cret"), "{text}");
+    }
+
+    #[test]
+    fn the_builder_sets_every_field() {
+        let config = ServerConfig::new("https://a:1")
+            .token("t0k")
+            .ca_cert_pem(b"PEM".to_vec())
+            .connect_timeout(Duration::from_millis(7))
+            .request_timeout(Duration::from_millis(9))
+            .transport(Transport::Grpc);
+        assert_eq!(config.token.as_deref(), Some("t0k"));
+        assert_eq!(config.ca_cert_pem.as_deref(), Some(&b"PEM"[..]));
+        assert_eq!(config.connect_timeout, Duration::from_millis(7));
+        assert_eq!(config.request_timeout, Duration::from_millis(9));
+        assert_eq!(config.transport, Transport::Grpc);
     }
 
     #[test]

@@ -226,9 +226,9 @@ async fn with_lock_cancels_the_work_when_the_lock_is_lost() {
     let work = client.with_lock(
         "cancel-me",
         LockOptions::default().ttl(SHORT_TTL),
-        |fence| async move {
+        async |guard| {
             let _flag = flag;
-            started.send(fence).unwrap();
+            started.send(guard.fence()).unwrap();
             std::future::pending::<()>().await;
             "finished"
         },
@@ -257,11 +257,7 @@ async fn with_lock_returns_the_work_and_releases() {
     let client = client(&server).await;
     let mut events = watch_all(&server).await;
     let out = client
-        .with_lock(
-            "w",
-            LockOptions::default(),
-            |fence| async move { fence * 2 },
-        )
+        .with_lock("w", LockOptions::default(), async |guard| guard.fence() * 2)
         .await
         .unwrap();
     let granted = next_event(&mut events, EventKind::Granted).await;

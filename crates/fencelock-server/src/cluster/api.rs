@@ -11,13 +11,13 @@ use axum::{Json, Router};
 use openraft::async_runtime::WatchReceiver;
 use openraft::error::{ChangeMembershipError, ClientWriteError, RaftError};
 use openraft::ChangeMembers;
-use serde::Deserialize;
-use serde_json::json;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use super::Member;
 use crate::auth::{Action, Caller};
 use crate::engine::Handle;
-use crate::error::{ApiError, ApiErrorKind};
+use crate::error::{ApiError, ApiErrorKind, CommonErrors, ErrorBody};
 use crate::http::JsonBody;
 use crate::input::invalid;
 
@@ -159,39 +159,108 @@ pub fn view(c: &crate::engine::ClusterShared) -> ClusterView {
     }
 }
 
-/// The `/v1/cluster` body as this member sees the cluster.
-pub fn status_json(h: &Handle) -> Result<serde_json::Value, ApiError> {
-    let c = cluster_of(h)?;
-    let v = view(c);
-    let members: Vec<serde_json::Value> = v
-        .members
-        .iter()
-        .map(|m| {
-            json!({
-                "id": m.id,
-                "url": m.url,
-                "peer_addr": m.peer_addr,
-                "role": m.role,
-                "matched_index": m.matched_index,
-                "lag": m.lag,
-            })
-        })
-        .collect();
-    Ok(json!({
-        "node_id": v.node_id,
-        "role": v.role,
-        "term": v.term,
-        "leader": v.leader.map(|l| json!({"id": l.id, "url": l.url})),
-        "last_log_index": v.last_log_index,
-        "members": members,
-        "importing": c.importing(),
-    }))
+/// The `/v1/cluster` body.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = ClusterStatus)]
+pub struct StatusJson {
+    /// This member's id.
+    node_id: u64,
+    /// This member's role: `leader`, `follower`, `candidate`, `learner` or `none`.
+    role: &'static str,
+    /// The current Raft term.
+    term: u64,
+    /// The leader as this member knows it; `null` when it knows none.
+    #[schema(required = true)]
+    leader: Option<LeaderJson>,
+    /// On the leader: its last log index; `null` elsewhere.
+    #[schema(required = true)]
+    last_log_index: Option<u64>,
+    /// Every member of the membership.
+    members: Vec<MemberJson>,
+    /// Whether this member is importing a single server's state.
+    importing: bool,
 }
 
-async fn status(
+/// The leader in a [`StatusJson`].
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = ClusterLeader)]
+struct LeaderJson {
+    /// Its id.
+    id: u64,
+    /// Its client URL.
+    url: String,
+}
+
+/// One member in a [`StatusJson`].
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = ClusterMember)]
+struct MemberJson {
+    /// Its id.
+    id: u64,
+    /// Its client URL, `null` if not known.
+    #[schema(required = true)]
+    url: Option<String>,
+    /// Its peer address.
+    peer_addr: String,
+    /// `leader`, `follower` (a voter) or `learner`.
+    role: &'static str,
+    /// On the leader: the last log index known replicated to it; `null` elsewhere.
+    #[schema(required = true)]
+    matched_index: Option<u64>,
+    /// On the leader: how many entries it is behind; `null` elsewhere.
+    #[schema(required = true)]
+    lag: Option<u64>,
+}
+
+/// The answer to a leadership transfer.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = ClusterTransferred)]
+pub(crate) struct TransferredJson {
+    /// The leader's id now.
+    leader: u64,
+}
+
+/// The `/v1/cluster` body as this member sees the cluster.
+pub fn status_json(h: &Handle) -> Result<StatusJson, ApiError> {
+    let c = cluster_of(h)?;
+    let v = view(c);
+    let members = v
+        .members
+        .into_iter()
+        .map(|m| MemberJson {
+            id: m.id,
+            url: m.url,
+            peer_addr: m.peer_addr,
+            role: m.role,
+            matched_index: m.matched_index,
+            lag: m.lag,
+        })
+        .collect();
+    Ok(StatusJson {
+        node_id: v.node_id,
+        role: v.role,
+        term: v.term,
+        leader: v.leader.map(|l| LeaderJson {
+            id: l.id,
+            url: l.url,
+        }),
+        last_log_index: v.last_log_index,
+        members,
+        importing: c.importing(),
+    })
+}
+
+/// The cluster as this member sees it (role `reader`).
+#[utoipa::path(get, path = "/v1/cluster", tag = "cluster",
+    responses(
+        (status = 200, description = "The cluster.", body = StatusJson),
+        (status = 404, description = "`not_found`: this server is not a cluster member.", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn status(
     State(h): State<Handle>,
     Caller(caller): Caller,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<StatusJson>, ApiError> {
     caller.authorize(Action::Read, None)?;
     Ok(Json(status_json(&h)?))
 }
@@ -265,21 +334,33 @@ async fn bounded<T>(
     }
 }
 
-#[derive(Deserialize)]
+/// `POST /v1/cluster/members`.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct AddMember {
+#[schema(as = AddMemberRequest)]
+pub(crate) struct AddMember {
+    /// The new member's id (at least 1).
     id: u64,
+    /// Its peer address, `host:port`.
     peer_addr: String,
+    /// Its client URL, `http://` or `https://`.
     url: String,
 }
 
 /// `POST /v1/cluster/members`: adds a learner, waits until it caught up, then
 /// makes it a voter (joint consensus).
-async fn add_member(
+#[utoipa::path(post, path = "/v1/cluster/members", tag = "cluster",
+    request_body = AddMember,
+    responses(
+        (status = 200, description = "Added; the cluster now.", body = StatusJson),
+        (status = 404, description = "`not_found`: this server is not a cluster member.", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn add_member(
     State(h): State<Handle>,
     Caller(caller): Caller,
     JsonBody(body): JsonBody<AddMember>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<StatusJson>, ApiError> {
     caller.authorize(Action::Snapshot, None)?;
     let c = cluster_to_change(&h)?;
     if body.id == 0 {
@@ -312,11 +393,18 @@ async fn add_member(
 }
 
 /// `DELETE /v1/cluster/members/{id}`: removes a voter or a learner.
-async fn remove_member(
+#[utoipa::path(delete, path = "/v1/cluster/members/{id}", tag = "cluster",
+    params(("id" = u64, Path, description = "The member's id.")),
+    responses(
+        (status = 200, description = "Removed; the cluster now.", body = StatusJson),
+        (status = 404, description = "`not_found`: no such member, or this server is not a cluster member.", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn remove_member(
     State(h): State<Handle>,
     Caller(caller): Caller,
     path: Result<Path<String>, PathRejection>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<StatusJson>, ApiError> {
     caller.authorize(Action::Snapshot, None)?;
     let c = cluster_to_change(&h)?;
     let Path(raw) = path.map_err(|e| invalid("id", e.body_text()))?;
@@ -342,18 +430,28 @@ async fn remove_member(
     Ok(Json(status_json(&h)?))
 }
 
-#[derive(Deserialize)]
+/// `POST /v1/cluster/transfer-leader`.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct Transfer {
+#[schema(as = TransferLeaderRequest)]
+pub(crate) struct Transfer {
+    /// The voter to lead.
     id: u64,
 }
 
 /// `POST /v1/cluster/transfer-leader`: hands leadership to a voter.
-async fn transfer_leader(
+#[utoipa::path(post, path = "/v1/cluster/transfer-leader", tag = "cluster",
+    request_body = Transfer,
+    responses(
+        (status = 200, description = "The voter leads now.", body = TransferredJson),
+        (status = 404, description = "`not_found`: this server is not a cluster member.", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn transfer_leader(
     State(h): State<Handle>,
     Caller(caller): Caller,
     JsonBody(body): JsonBody<Transfer>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<TransferredJson>, ApiError> {
     caller.authorize(Action::Snapshot, None)?;
     let c = cluster_to_change(&h)?;
     let m = c.raft.metrics().borrow_watched().clone();
@@ -399,7 +497,7 @@ async fn transfer_leader(
             ));
         }
     }
-    Ok(Json(json!({"leader": body.id})))
+    Ok(Json(TransferredJson { leader: body.id }))
 }
 
 #[cfg(test)]

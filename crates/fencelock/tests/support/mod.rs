@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fencelock::{
-    AcquireSpec, BoxFuture, Capabilities, Error, FencelockBackend, Lease, LockBackend, ServerConfig,
+    AcquireSpec, BoxFuture, Capabilities, Error, FencelockBackend, Lease, LockBackend,
+    ServerConfig, SessionLease,
 };
 use fencelock_proto::{self as proto, locks_client::LocksClient};
 
@@ -85,6 +86,8 @@ pub async fn next_event(
     .unwrap_or_else(|_| panic!("no {kind:?} event within {STEP:?}"))
 }
 
+// Not every test binary uses it.
+#[allow(unused_imports)]
 pub use fencelock_testkit::Proxy;
 
 /// A real backend that counts the calls made through it.
@@ -92,6 +95,7 @@ pub struct Counting {
     pub inner: FencelockBackend,
     pub renews: Arc<AtomicU64>,
     pub releases: Arc<AtomicU64>,
+    pub keep_alives: Arc<AtomicU64>,
 }
 
 impl Counting {
@@ -100,6 +104,7 @@ impl Counting {
             inner,
             renews: Arc::default(),
             releases: Arc::default(),
+            keep_alives: Arc::default(),
         }
     }
 }
@@ -122,5 +127,25 @@ impl LockBackend for Counting {
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
         self.releases.fetch_add(1, Ordering::SeqCst);
         self.inner.release(lease)
+    }
+    fn open_session<'a>(
+        &'a self,
+        ttl: Duration,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<SessionLease, Error>> {
+        self.inner.open_session(ttl, owner)
+    }
+    fn keep_alive<'a>(
+        &'a self,
+        session: &'a SessionLease,
+    ) -> BoxFuture<'a, Result<Duration, Error>> {
+        self.keep_alives.fetch_add(1, Ordering::SeqCst);
+        self.inner.keep_alive(session)
+    }
+    fn close_session<'a>(
+        &'a self,
+        session: &'a SessionLease,
+    ) -> BoxFuture<'a, Result<usize, Error>> {
+        self.inner.close_session(session)
     }
 }
