@@ -1085,6 +1085,7 @@ fn count_event(m: &Metrics, event: &Event) {
         EventKind::Granted => {
             m.grants.fetch_add(1, Ordering::Relaxed);
             m.acquire_wait.observe(event.duration_ms);
+            m.series.grant(crate::audit::wall_ms(), event.duration_ms);
         }
         EventKind::Ended(end) => {
             let counter = match end {
@@ -1098,7 +1099,8 @@ fn count_event(m: &Metrics, event: &Event) {
         EventKind::WaitEnded(WaitEnd::TimedOut) => {
             m.wait_timeouts.fetch_add(1, Ordering::Relaxed);
         }
-        EventKind::Queued | EventKind::WaitEnded(_) => {}
+        EventKind::Queued => m.series.queued(crate::audit::wall_ms()),
+        EventKind::WaitEnded(_) => {}
     }
 }
 
