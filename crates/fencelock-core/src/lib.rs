@@ -40,6 +40,7 @@ pub use machine::PlantedBugs;
 pub use machine::{
     Config, Core, HolderView, LockView, SessionView, Stats, MAX_FENCE_FLOOR, MAX_NAMES_PER_REQUEST,
 };
+pub use machine::{WaiterView, MAX_VIEW_WAITERS};
 pub use types::{
     Fence, LockName, Mode, Owner, OwnerToken, Reason, RequestId, SessionId, Tenant, TextError,
     TextProblem, TokenParseError, Value, MAX_NAME_BYTES, MAX_OWNER_BYTES, MAX_REASON_BYTES,

@@ -165,6 +165,8 @@ pub struct Metrics {
     pub downgrades: AtomicU64,
     /// New values election leaders proclaimed.
     pub proclaims: AtomicU64,
+    /// The last hour per minute, for the dashboard's charts.
+    pub series: crate::series::Series,
 }
 
 /// Raft figures of a cluster member (see [`CLUSTER_METRIC_NAMES`]).
@@ -235,6 +237,8 @@ impl Metrics {
             .store(stats.shared_holders as u64, Ordering::Relaxed);
         self.waiters_shared
             .store(stats.shared_waiters as u64, Ordering::Relaxed);
+        self.series
+            .waiters(crate::audit::wall_ms(), stats.waiters as u64);
     }
 }
 
@@ -273,6 +277,7 @@ impl Default for Metrics {
             waiters_shared: AtomicU64::new(0),
             downgrades: AtomicU64::new(0),
             proclaims: AtomicU64::new(0),
+            series: Default::default(),
         }
     }
 }

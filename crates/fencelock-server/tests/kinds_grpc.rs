@@ -80,6 +80,7 @@ async fn modes_multi_locks_downgrade_and_elections_over_grpc() {
     let mut events = client
         .watch(WatchRequest {
             prefix: "g:".into(),
+            ..Default::default()
         })
         .await
         .expect("watching")
