@@ -97,4 +97,97 @@ async fn acquire_all_is_all_or_nothing_and_releases_together() {
     assert!(leases[1].fence > leases[0].fence);
     let released = backend.release_all(&leases).await.expect("released");
     assert_eq!(released, [true, true]);
+
+    // Under a session, every lock of the set is held by the session.
+    let session = backend
+        .open_session(Duration::from_secs(30), "set")
+        .await
+        .expect("a session");
+    let mut under = spec("unused");
+    under.session = Some(session.id.clone());
+    let leases = backend
+        .acquire_all(&["b:s1", "b:s2"], &under)
+        .await
+        .expect("both under the session");
+    for lease in &leases {
+        let info = backend.get_lock(&lease.name).await.expect("read");
+        assert!(info.holders[0].session.is_some(), "{info:?}");
+    }
+    assert_eq!(backend.close_session(&session).await.expect("closed"), 2);
+}
+
+/// The generic client layer (`LockRequest::mode`, `LockGuard::downgrade`,
+/// `Client::election`) over the server backend, and a shared lock held under a
+/// session: the acquire carries both the session and the mode, over either
+/// transport.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_layer_takes_modes_downgrades_and_elects_through_the_server() {
+    use fencelock::Client;
+    let server = TestServer::start().await;
+    let client = Client::new(server.backend().await);
+
+    let r1 = client
+        .lock("c:rw")
+        .shared()
+        .acquire()
+        .await
+        .expect("a reader");
+    let r2 = client
+        .lock("c:rw")
+        .mode(LockMode::Shared)
+        .acquire()
+        .await
+        .expect("a second reader");
+    assert!(r2.fence() > r1.fence());
+    let writer = client
+        .lock("c:rw")
+        .try_acquire()
+        .await
+        .expect_err("readers hold it");
+    assert_eq!(writer.kind(), ErrorKind::Held);
+
+    let w = client.lock("c:w").acquire().await.expect("a writer");
+    let fence = w.fence();
+    w.downgrade().await.expect("downgraded");
+    assert_eq!(w.fence(), fence);
+    client
+        .lock("c:w")
+        .shared()
+        .try_acquire()
+        .await
+        .expect("a reader joins the downgraded writer");
+    let refused = client
+        .lock("c:w")
+        .try_acquire()
+        .await
+        .expect_err("a writer waits for the readers");
+    assert_eq!(refused.kind(), ErrorKind::Held);
+
+    let election = client.election("c:e");
+    assert_eq!(election.leader().await.expect("asked"), None);
+    let leading = election.campaign("host-1").await.expect("leading");
+    leading.proclaim("host-2").await.expect("proclaimed");
+    let seen = election.leader().await.expect("asked").expect("a leader");
+    assert_eq!((seen.value.as_str(), seen.term), ("host-2", leading.term()));
+    assert!(leading.resign().await.expect("resigned"));
+    assert_eq!(election.leader().await.expect("asked"), None);
+
+    let backend = server.backend().await;
+    for transport in [fencelock::Transport::Wire, fencelock::Transport::Grpc] {
+        let config = fencelock::ServerConfig::new(server.url()).transport(transport);
+        let client = Client::connect_with(config).await.expect("connected");
+        let session = client
+            .session(Duration::from_secs(30))
+            .owner("readers")
+            .await
+            .expect("a session");
+        let name = format!("c:session:{transport:?}");
+        let a = session.lock(&name).shared().acquire().await.expect("a");
+        let b = session.lock(&name).shared().acquire().await.expect("b");
+        let info = backend.get_lock(&name).await.expect("read");
+        assert_eq!(info.holders.len(), 2, "{transport:?}: {info:?}");
+        assert!(info.holders.iter().all(|h| h.session.is_some()), "{info:?}");
+        assert!(b.fence() > a.fence());
+        assert_eq!(session.close().await.expect("closed"), 2, "{transport:?}");
+    }
 }
