@@ -262,6 +262,9 @@ pub struct LockView {
     /// filled by [`Core::lock`] and [`Core::lock_at`] only (empty in
     /// [`Core::locks`], so listing stays O(locks)).
     pub waiting: Vec<WaiterView>,
+    /// How many of the `waiters` asked for a shared grant (the rest exclusive);
+    /// counted by [`Core::lock`] and [`Core::lock_at`] only (0 in [`Core::locks`]).
+    pub shared_waiters: usize,
 }
 
 /// Most waiters listed in one [`LockView::waiting`].
@@ -278,6 +281,8 @@ pub struct WaiterView {
     pub session: Option<SessionId>,
     /// How long it has been queued.
     pub waiting_ms: u64,
+    /// The mode it asked for.
+    pub mode: Mode,
 }
 
 /// The read-only view of one open session (for operators; the id is the owner's
@@ -1998,6 +2003,11 @@ impl Core {
             let now = now_ms.max(self.now_ms);
             let mut view = self.view(name, lock, now);
             view.waiting = self.waiter_views(lock, now);
+            view.shared_waiters = lock
+                .waiters
+                .iter()
+                .filter(|t| self.waiters.get(t).is_some_and(|w| w.mode == Mode::Shared))
+                .count();
             view
         })
     }
@@ -2015,6 +2025,7 @@ impl Core {
                     owner: w.owner.clone(),
                     session: w.session,
                     waiting_ms: now.saturating_sub(w.enqueued_at_ms),
+                    mode: w.mode,
                 })
             })
             .collect()
@@ -2083,6 +2094,7 @@ impl Core {
             waiters: lock.waiters.len(),
             lock_delay_remaining_ms: lock.blocked_until_ms.saturating_sub(now),
             waiting: Vec::new(),
+            shared_waiters: 0,
         }
     }
 

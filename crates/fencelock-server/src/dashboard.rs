@@ -557,12 +557,12 @@ fn locks_table(views: &[LockView]) -> Markup {
     html! {
         table #lock-table {
             thead { tr {
-                th { "Lock" } th { "Owner" } th { "Fence" } th { "Held" }
+                th { "Lock" } th { "Owner" } th { "Mode" } th { "Fence" } th { "Held" }
                 th { "Lease left" } th { "Waiters" } th { "Lock-delay left" }
             } }
             tbody {
                 @if views.is_empty() {
-                    tr { td.muted colspan="7" { "no locks held, queued for or in lock-delay" } }
+                    tr { td.muted colspan="8" { "no locks held, queued for or in lock-delay" } }
                 }
                 @for v in views {
                     @let name = v.name.as_str();
@@ -573,7 +573,7 @@ fn locks_table(views: &[LockView]) -> Markup {
                     };
                     @if v.holders.is_empty() {
                         tr data-lock=(name) {
-                            td { (lock_link(name)) } td.muted { "free" } td {} td {} td {}
+                            td { (lock_link(name)) } td.muted { "free" } td {} td {} td {} td {}
                             td.num { (v.waiters) } td { (delay) }
                         }
                     }
@@ -584,6 +584,7 @@ fn locks_table(views: &[LockView]) -> Markup {
                                 @if v.limit > 1 { " " span.muted { "(limit " (v.limit) ")" } }
                             }
                             td.owner { (h.owner.as_str()) }
+                            td.mode { (h.mode.as_str()) }
                             td.num.fence { (h.fence.get()) }
                             td.num { (dur(h.held_ms)) }
                             td.num { (dur(h.ttl_remaining_ms)) }
@@ -1254,19 +1255,27 @@ fn lock_now(view: &LockView, now_wall_ms: u64) -> Markup {
                 "In lock-delay for " (dur(view.lock_delay_remaining_ms)) ". "
             }
         }
+        @for h in view.holders.iter().filter(|h| h.value.is_some()) {
+            p #election {
+                "Election leader: " span.owner { (h.owner.as_str()) }
+                ", term " b { (h.fence.get()) } ", value "
+                code.value { (h.value.as_ref().map(|v| v.as_str()).unwrap_or_default()) }
+            }
+        }
         h3 { "Holders" }
         table #holders {
             thead { tr {
-                th { "Owner" } th { "Fence" } th { "Held since (UTC)" } th { "Held for" }
-                th { "Expires in" }
+                th { "Owner" } th { "Mode" } th { "Fence" } th { "Held since (UTC)" }
+                th { "Held for" } th { "Expires in" }
             } }
             tbody {
                 @if view.holders.is_empty() {
-                    tr { td.muted colspan="5" { "free" } }
+                    tr { td.muted colspan="6" { "free" } }
                 }
                 @for h in &view.holders {
                     tr data-lock=(view.name.as_str()) {
                         td.owner { (h.owner.as_str()) }
+                        td.mode { (h.mode.as_str()) }
                         td.num.fence { (h.fence.get()) }
                         td { (since(h.held_ms)) }
                         td.num { (dur(h.held_ms)) }
@@ -1275,19 +1284,25 @@ fn lock_now(view: &LockView, now_wall_ms: u64) -> Markup {
                 }
             }
         }
-        h3 { "Waiters " span.muted #waiter-count { "(" (grouped(view.waiters)) " queued)" } }
+        h3 { "Waiters " span.muted #waiter-count {
+            "(" (grouped(view.waiters)) " queued: "
+            (grouped(view.waiters - view.shared_waiters)) " exclusive, "
+            (grouped(view.shared_waiters)) " shared)"
+        } }
         table #waiters {
             thead { tr {
-                th { "Position" } th { "Owner" } th { "Waiting since (UTC)" } th { "Waited" }
+                th { "Position" } th { "Owner" } th { "Mode" } th { "Waiting since (UTC)" }
+                th { "Waited" }
             } }
             tbody {
                 @if view.waiting.is_empty() {
-                    tr { td.muted colspan="4" { "nobody is waiting" } }
+                    tr { td.muted colspan="5" { "nobody is waiting" } }
                 }
                 @for w in &view.waiting {
                     tr.waiter {
                         td.num { (w.position + 1) }
                         td.owner { (w.owner.as_str()) }
+                        td.mode { (w.mode.as_str()) }
                         td { (since(w.waiting_ms)) }
                         td.num { (dur(w.waiting_ms)) }
                     }
