@@ -115,6 +115,15 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// Ends an `elect` with SIGTERM, which it forwards to its command.
+async fn stop(elect: &mut Child) {
+    // SAFETY: kill(2) on the test's own child; no memory is touched.
+    unsafe {
+        libc::kill(elect.id().unwrap() as i32, libc::SIGTERM);
+    }
+    timeout(STEP, elect.wait()).await.unwrap().unwrap();
+}
+
 fn scheduler() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/scheduler/scheduler.sh")
 }
@@ -359,7 +368,7 @@ async fn a_second_candidate_waits_and_gives_up_after_wait_with_124() {
         text(&out.stderr)
     );
     assert!(!marker.exists(), "a follower ran the command");
-    first.kill().await.unwrap();
+    stop(&mut first).await;
 }
 
 #[tokio::test]
@@ -426,7 +435,7 @@ async fn leader_prints_none_then_the_leader_and_watch_sees_a_takeover() {
         took["leader"]["term"].as_u64().unwrap() > one_term,
         "{took}"
     );
-    two.kill().await.unwrap();
+    stop(&mut two).await;
     watch.kill().await.unwrap();
 }
 
@@ -466,4 +475,45 @@ async fn bad_input_is_a_usage_error_naming_the_argument() {
     let json = finish(serve.cli().args(["leader", "", "--json"])).await;
     let v: Value = serde_json::from_slice(&json.stderr).unwrap();
     assert_eq!(v["error"]["code"], "usage");
+}
+
+/// An operator takes the election from the leader: the command is stopped and
+/// `elect` exits 75, as `run` does for a lost lock.
+#[tokio::test]
+async fn lost_leadership_stops_the_command_and_exits_75() {
+    let serve = Serve::start().await;
+    // The command is one process (exec), the leader of its own process group.
+    let script = "echo $$; exec sleep 20";
+    let mut elect = serve
+        .cli()
+        .args([
+            "elect", "lost:1", "v", "--ttl", "1s", "--json", "--", "sh", "-c", script,
+        ])
+        .spawn()
+        .unwrap();
+    let mut out = lines(elect.stdout.take().unwrap());
+    let mut err = lines(elect.stderr.take().unwrap());
+    let pgid: i32 = line_where(&mut out, "the command's pid", |_| true)
+        .await
+        .parse()
+        .unwrap();
+    let taken = finish(
+        serve
+            .cli()
+            .args(["force-release", "lost:1", "--reason", "test"]),
+    )
+    .await;
+    assert_eq!(taken.status.code(), Some(0), "{}", text(&taken.stderr));
+    let status = timeout(STEP, elect.wait()).await.unwrap().unwrap();
+    assert_eq!(status.code(), Some(75));
+    let lost = line_where(&mut err, "the lost-leadership message", |l| {
+        l.contains("lock_lost")
+    })
+    .await;
+    assert!(lost.contains("stopping the command"), "{lost}");
+    // SAFETY: kill(2) with signal 0 only asks whether the group exists.
+    let alive = unsafe { libc::kill(-pgid, 0) };
+    assert_eq!(alive, -1, "the command outlived the leadership");
+    let after = finish(serve.cli().args(["leader", "lost:1"])).await;
+    assert_eq!(after.status.code(), Some(1), "{}", text(&after.stdout));
 }
