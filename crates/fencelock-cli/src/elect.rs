@@ -164,10 +164,13 @@ async fn elect_command(args: ElectArgs) -> Result<u8, Failure> {
                 ),
                 _ => String::new(),
             };
-            let waited = args.wait.map(human).unwrap_or_else(|| "ever".into());
+            let waited = args
+                .wait
+                .map(|w| format!(" within {}", human(w)))
+                .unwrap_or_default();
             return Err(failure(
                 exit::NOT_ACQUIRED,
-                format!("did not become leader of {name:?} within {waited}{who}"),
+                format!("did not become leader of {name:?}{waited}{who}"),
             ));
         }
         Err(e) => return Err(e.into()),
