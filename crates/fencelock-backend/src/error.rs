@@ -37,6 +37,10 @@ pub enum ErrorKind {
     /// This backend cannot do what was asked honestly (see [`crate::Capabilities`]):
     /// e.g. a shared lock on a store without reader-writer locks.
     Unsupported,
+    /// A watch cannot resume where it left off: the server no longer has the events
+    /// after the last one seen (or never had them). Re-read the state and watch
+    /// again from now.
+    WatchCompacted,
 }
 
 impl ErrorKind {
@@ -57,6 +61,7 @@ impl ErrorKind {
             ErrorKind::Protocol => "protocol",
             ErrorKind::Internal => "internal",
             ErrorKind::Unsupported => "unsupported",
+            ErrorKind::WatchCompacted => "watch_compacted",
         }
     }
 

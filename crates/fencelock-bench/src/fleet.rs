@@ -196,6 +196,7 @@ pub async fn sessions(url: &str, pid: u32, spec: &SessionsSpec) -> anyhow::Resul
         .clone()
         .watch(pb::WatchRequest {
             prefix: "w4-expiry/".into(),
+            after: None,
         })
         .await?
         .into_inner();
@@ -454,7 +455,10 @@ pub async fn fifo_audit(
 ) -> anyhow::Result<tokio::task::JoinHandle<FifoAudit>> {
     let mut client = channels(&url, 1).await?.remove(0);
     let mut events = client
-        .watch(pb::WatchRequest { prefix })
+        .watch(pb::WatchRequest {
+            prefix,
+            after: None,
+        })
         .await?
         .into_inner();
     Ok(tokio::spawn(async move {

@@ -489,7 +489,13 @@ fn auth_config(file: FileAuth) -> Result<AuthConfig> {
 struct Storage {
     segment_bytes: Option<u64>,
     snapshot_after_bytes: Option<u64>,
+    /// Recent lock events kept for watches to resume from.
+    watch_history: Option<usize>,
 }
+
+/// The most `storage.watch_history` may be: each event kept costs a few hundred
+/// bytes of memory.
+const MAX_WATCH_HISTORY: usize = 10_000_000;
 
 /// Everything `serve` needs, resolved.
 #[derive(Debug, Clone)]
@@ -586,6 +592,12 @@ pub fn resolve(args: ServeArgs) -> Result<Settings> {
             bail!("storage.segment_bytes must be at least 1 MiB");
         }
         engine.segment_bytes = v;
+    }
+    if let Some(v) = file.storage.watch_history {
+        if v == 0 || v > MAX_WATCH_HISTORY {
+            bail!("storage.watch_history must be between 1 and {MAX_WATCH_HISTORY}, not {v}");
+        }
+        engine.watch_history = v;
     }
     if let Some(v) = file.storage.snapshot_after_bytes {
         engine.snapshot_after_bytes = v.max(1);
@@ -983,6 +995,20 @@ mod tests {
     }
 
     #[test]
+    fn watch_history_defaults_to_the_engine_s_and_is_read_from_the_file() {
+        assert_eq!(
+            resolve(args()).unwrap().server.engine.watch_history,
+            fencelock_server::engine::DEFAULT_WATCH_HISTORY
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[storage]\nwatch_history = 100\n").unwrap();
+        let mut a = args();
+        a.config = Some(path);
+        assert_eq!(resolve(a).unwrap().server.engine.watch_history, 100);
+    }
+
+    #[test]
     fn typos_and_bad_values_are_errors() {
         let dir = tempfile::tempdir().unwrap();
         for bad in [
@@ -995,6 +1021,8 @@ mod tests {
             "writer_poll_us = 10001",
             "[limits]\nmin_ttl_ms = 0",
             "[storage]\nsegment_bytes = 10",
+            "[storage]\nwatch_history = 0",
+            "[storage]\nwatch_history = 10000001",
             "[audit]\nmax_bytes = 10",
             "[audit]\nmax_age = 3",
             "[audit]\nmax_age_hours = 99999999999999999",

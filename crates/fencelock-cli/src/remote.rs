@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use clap::Args;
 use fencelock::{AcquireSpec, ErrorKind, FencelockBackend, Lease, LockBackend, ServerConfig};
-use fencelock::{EventKind, LockEvent, LockInfo, WaitEnd};
+use fencelock::{EventKind, LockEvent, LockInfo, WaitEnd, WatchPosition};
 use serde_json::{json, Value};
 
 use crate::exit;
@@ -464,14 +464,25 @@ pub struct WatchArgs {
     /// Only events of locks whose names start with this.
     #[arg(long, default_value = "")]
     pub prefix: String,
+    /// Resume after this event position (an event's `position` in `--json`)
+    /// instead of from now on.
+    #[arg(long, value_name = "POSITION")]
+    pub after: Option<String>,
     #[command(flatten)]
     pub connection: Connection,
 }
 
-/// Prints lock events as they happen, until interrupted or the server ends the stream.
+/// Prints lock events as they happen, until interrupted or the server ends the
+/// stream. A dropped connection or a server restart is resumed without a gap (the
+/// stream reconnects); a server that cannot resume is an error.
 pub async fn watch(args: WatchArgs) -> Result<(), Failure> {
+    let after = args
+        .after
+        .as_deref()
+        .map(str::parse::<WatchPosition>)
+        .transpose()?;
     let backend = args.connection.connect().await?;
-    let mut events = backend.watch(&args.prefix).await?;
+    let mut events = backend.watch_after(&args.prefix, after).await?;
     if !args.connection.json {
         eprintln!("watching{} (Ctrl-C to stop)", prefix_note(&args.prefix));
     }
@@ -554,7 +565,8 @@ fn event_json(e: &LockEvent) -> Value {
         "fence": e.fence,
         "owner": e.owner,
         "session": e.session,
-        "at_ms": e.at_ms,
+        "at": e.at().map(|t| humantime::format_rfc3339_millis(t).to_string()),
+        "position": e.position.map(|p| p.to_string()),
         "duration_ms": e.duration_ms,
         "reason": e.reason,
         "wait_end": wait_end_name(e.wait_end),

@@ -34,6 +34,7 @@ pub use image::{HolderImage, LeaseImage, LockImage, SessionImage, StateImage, Wa
 #[doc(hidden)]
 pub use machine::PlantedBugs;
 pub use machine::{Config, Core, HolderView, LockView, SessionView, Stats, MAX_FENCE_FLOOR};
+pub use machine::{WaiterView, MAX_VIEW_WAITERS};
 pub use types::{
     Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId, Tenant, TextError,
     TextProblem, TokenParseError, MAX_NAME_BYTES, MAX_OWNER_BYTES, MAX_REASON_BYTES,

@@ -239,6 +239,26 @@ pub struct LockView {
     pub waiters: usize,
     /// Lock-delay time left (0 if none).
     pub lock_delay_remaining_ms: u64,
+    /// The first queued requests, in queue order, at most [`MAX_VIEW_WAITERS`];
+    /// filled by [`Core::lock`] and [`Core::lock_at`] only (empty in
+    /// [`Core::locks`], so listing stays O(locks)).
+    pub waiting: Vec<WaiterView>,
+}
+
+/// Most waiters listed in one [`LockView::waiting`].
+pub const MAX_VIEW_WAITERS: usize = 100;
+
+/// The read-only view of one queued request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WaiterView {
+    /// Its place in the queue (0: next to be granted).
+    pub position: usize,
+    /// Its owner text.
+    pub owner: Owner,
+    /// Its session, if it asked for a session-held grant.
+    pub session: Option<SessionId>,
+    /// How long it has been queued.
+    pub waiting_ms: u64,
 }
 
 /// The read-only view of one open session (for operators; the id is the owner's
@@ -1382,9 +1402,30 @@ impl Core {
     /// between commands). Nothing is expired by it: a lease past its deadline shows
     /// 0 ms left until a command processes the expiry.
     pub fn lock_at(&self, name: &LockName, now_ms: u64) -> Option<LockView> {
-        self.locks
-            .get(&NameKey::of(name))
-            .map(|lock| self.view(name, lock, now_ms.max(self.now_ms)))
+        self.locks.get(&NameKey::of(name)).map(|lock| {
+            let now = now_ms.max(self.now_ms);
+            let mut view = self.view(name, lock, now);
+            view.waiting = self.waiter_views(lock, now);
+            view
+        })
+    }
+
+    /// The first [`MAX_VIEW_WAITERS`] queued requests of `lock`, in queue order.
+    fn waiter_views(&self, lock: &Lock, now: u64) -> Vec<WaiterView> {
+        lock.waiters
+            .iter()
+            .take(MAX_VIEW_WAITERS)
+            .enumerate()
+            .filter_map(|(position, t)| {
+                let w = self.waiters.get(t)?;
+                Some(WaiterView {
+                    position,
+                    owner: w.owner.clone(),
+                    session: w.session,
+                    waiting_ms: now.saturating_sub(w.enqueued_at_ms),
+                })
+            })
+            .collect()
     }
 
     /// Locks whose names start with `prefix`, in name order, starting after `after`,
@@ -1447,6 +1488,7 @@ impl Core {
             holders,
             waiters: lock.waiters.len(),
             lock_delay_remaining_ms: lock.blocked_until_ms.saturating_sub(now),
+            waiting: Vec::new(),
         }
     }
 

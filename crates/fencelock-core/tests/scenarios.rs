@@ -572,3 +572,28 @@ fn bounds_and_bad_arguments_give_the_right_error_kind() {
     after.now_ms = before.now_ms;
     assert_eq!(after, before, "an error changed the state");
 }
+
+/// A lock's view lists its first waiters in queue order with how long each has
+/// waited, bounded by `MAX_VIEW_WAITERS`; listing many locks leaves them out.
+#[test]
+fn a_lock_view_lists_its_first_waiters_in_queue_order() {
+    use fencelock_core::MAX_VIEW_WAITERS;
+    let mut c = Core::new(Config::default());
+    c.apply(0, acquire("a", 1).ttl(60_000).into()).unwrap();
+    let queued = MAX_VIEW_WAITERS as u128 + 5;
+    for t in 0..queued {
+        c.apply(10 + t as u64, acquire("a", 100 + t).wait(60_000).into())
+            .unwrap();
+    }
+    let view = c.lock_at(&name("a"), 1_000).expect("a exists");
+    assert_eq!(view.waiters, queued as usize);
+    assert_eq!(view.waiting.len(), MAX_VIEW_WAITERS);
+    for (i, w) in view.waiting.iter().enumerate() {
+        assert_eq!(w.position, i);
+        assert_eq!(w.owner.as_str(), format!("t{}", 100 + i));
+        assert_eq!(w.waiting_ms, 1_000 - 10 - i as u64);
+    }
+    let listed = c.locks("", None, 10);
+    assert_eq!(listed.len(), 1);
+    assert!(listed[0].waiting.is_empty(), "{listed:?}");
+}

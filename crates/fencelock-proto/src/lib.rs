@@ -40,6 +40,10 @@ pub const ERROR_CODE_METADATA: &str = "fencelock-error-code";
 pub const LEADER_METADATA: &str = "x-fencelock-leader";
 /// Metadata entry of a `Watch` that ended with DATA_LOSS: how many events it missed.
 pub const MISSED_EVENTS_METADATA: &str = "fencelock-missed-events";
+
+/// Response metadata of `Watch`: the position (`index.ordinal`) the stream starts
+/// after, so that a client that saw no event yet can still resume without a gap.
+pub const WATCH_START_METADATA: &str = "fencelock-watch-after";
 /// The error code of a malformed message.
 pub const INVALID_ARGUMENT_CODE: &str = "invalid_argument";
 

@@ -49,8 +49,12 @@ use crate::input::{self, invalid};
 
 /// Largest page of `GET /v1/audit`.
 pub const MAX_AUDIT_PAGE: usize = 1000;
-/// Most locks shown on the dashboard at once.
-pub const MAX_DASHBOARD_LOCKS: usize = 500;
+/// Locks on one page of the dashboard's list.
+pub const DASHBOARD_PAGE: usize = 100;
+/// Highest page number the list accepts.
+const MAX_PAGE: usize = 1_000_000;
+/// History rows on a lock's page (its newest audit entries).
+const HISTORY_ROWS: usize = 200;
 /// Recent events shown when a page loads.
 const RECENT_EVENTS: usize = 50;
 /// How often the live view re-renders the lock table (lease countdowns, health).
@@ -58,15 +62,28 @@ const REFRESH: Duration = Duration::from_secs(1);
 
 const HTMX_JS: &str = include_str!("../assets/htmx.min.js");
 const HTMX_SSE_JS: &str = include_str!("../assets/htmx-ext-sse.min.js");
-const STYLE: &str = "body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}\
-h1{font-size:1.3em;margin:0}h2{font-size:1.1em;margin:1.2em 0 .4em}\
+const DASHBOARD_JS: &str = include_str!("../assets/dashboard.js");
+/// The vendored chart library (uPlot, MIT, `assets/uPlot.LICENSE`), served under
+/// its version so it can be cached for good.
+const UPLOT_JS: &str = include_str!("../assets/uPlot-1.6.32.iife.min.js");
+const UPLOT_CSS: &str = include_str!("../assets/uPlot-1.6.32.min.css");
+const UPLOT_JS_PATH: &str = "/ui/assets/uPlot-1.6.32.iife.min.js";
+const UPLOT_CSS_PATH: &str = "/ui/assets/uPlot-1.6.32.min.css";
+/// Light by default, dark when the system asks for it (`prefers-color-scheme`).
+const STYLE: &str = ":root{color-scheme:light dark;--fg:#222;--bg:#fff;--muted:#777;--line:#ddd;\
+--head:#f4f4f4;--link:#0645ad;--err:#b00;--ok:#070;--warn:#a60}\
+@media (prefers-color-scheme:dark){:root{--fg:#ddd;--bg:#161616;--muted:#999;--line:#333;\
+--head:#242424;--link:#8ab4f8;--err:#ff6b6b;--ok:#6c6;--warn:#e0a040}}\
+body{font:14px system-ui,sans-serif;margin:1.5em;color:var(--fg);background:var(--bg)}\
+a{color:var(--link)}h1{font-size:1.3em;margin:0}h2{font-size:1.1em;margin:1.2em 0 .4em}h3{font-size:1em;margin:1em 0 .3em}\
 header{display:flex;gap:1em;align-items:baseline;justify-content:space-between}\
-table{border-collapse:collapse;width:100%}th,td{text-align:left;padding:.25em .6em;border-bottom:1px solid #ddd}\
-th{background:#f4f4f4}td.num{text-align:right;font-variant-numeric:tabular-nums}\
+table{border-collapse:collapse;width:100%}th,td{text-align:left;padding:.25em .6em;border-bottom:1px solid var(--line)}\
+th{background:var(--head)}td.num{text-align:right;font-variant-numeric:tabular-nums}\
 .health{display:flex;flex-wrap:wrap;gap:.5em 1.5em}.health div b{display:block;font-size:1.2em}\
-.muted{color:#777}.error{color:#b00}.ok{color:#070}form.inline{display:inline}\
-input[type=text],input[type=password]{padding:.3em;min-width:18em}button{padding:.3em .8em}\
-.kind-forced_release{color:#b00;font-weight:bold}.kind-expiry{color:#a60}";
+.muted{color:var(--muted)}.error{color:var(--err)}.ok{color:var(--ok)}form.inline{display:inline}\
+input[type=text],input[type=password]{padding:.3em;min-width:18em}input.short{min-width:5em;width:6em}button{padding:.3em .8em}\
+nav.pages{margin:.3em 0}#charts{display:flex;flex-wrap:wrap;gap:1em}.chart .u-title{font-size:1em}\
+.kind-forced_release{color:var(--err);font-weight:bold}.kind-expiry{color:var(--warn)}";
 
 /// Bytes left as they are in a URL path segment or query value; every other byte
 /// is percent-encoded.
@@ -118,7 +135,7 @@ fn utc(wall_ms: u64) -> String {
 
 /// Milliseconds since the Unix epoch as RFC 3339 UTC with milliseconds
 /// (`2026-03-02T12:30:45.123Z`; always three digits, so the text sorts).
-fn rfc3339(wall_ms: u64) -> String {
+pub(crate) fn rfc3339(wall_ms: u64) -> String {
     utc(wall_ms).replacen(' ', "T", 1) + "Z"
 }
 
@@ -132,8 +149,11 @@ fn page(title: &str, who: Option<&Principal>, body: Markup) -> Html<String> {
                 title { (title) " · fencelock" }
                 // A constant of this file, not user data.
                 style { (PreEscaped(STYLE)) }
+                link rel="stylesheet" href=(UPLOT_CSS_PATH);
                 script src="/ui/assets/htmx.min.js" {}
                 script src="/ui/assets/htmx-ext-sse.min.js" {}
+                script src=(UPLOT_JS_PATH) defer {}
+                script src="/ui/assets/dashboard.js" defer {}
             }
             body hx-ext="sse" {
                 header {
@@ -278,43 +298,255 @@ async fn logout() -> Response {
 }
 
 async fn asset(Path(file): Path<String>) -> Response {
-    let body = match file.as_str() {
-        "htmx.min.js" => HTMX_JS,
-        "htmx-ext-sse.min.js" => HTMX_SSE_JS,
+    const JS: &str = "text/javascript; charset=utf-8";
+    // A versioned file never changes under its name; the others may change with
+    // the server.
+    const FOR_GOOD: &str = "public, max-age=31536000, immutable";
+    const AN_HOUR: &str = "public, max-age=3600";
+    let (body, kind, cache) = match file.as_str() {
+        "htmx.min.js" => (HTMX_JS, JS, AN_HOUR),
+        "htmx-ext-sse.min.js" => (HTMX_SSE_JS, JS, AN_HOUR),
+        "dashboard.js" => (DASHBOARD_JS, JS, AN_HOUR),
+        f if Some(f) == UPLOT_JS_PATH.strip_prefix("/ui/assets/") => (UPLOT_JS, JS, FOR_GOOD),
+        f if Some(f) == UPLOT_CSS_PATH.strip_prefix("/ui/assets/") => {
+            (UPLOT_CSS, "text/css; charset=utf-8", FOR_GOOD)
+        }
         _ => return ApiError::new(ApiErrorKind::NotFound, "no such asset").into_response(),
     };
     (
-        [
-            (header::CONTENT_TYPE, "text/javascript; charset=utf-8"),
-            (header::CACHE_CONTROL, "public, max-age=3600"),
-        ],
+        [(header::CONTENT_TYPE, kind), (header::CACHE_CONTROL, cache)],
         body,
     )
         .into_response()
 }
 
-#[derive(Deserialize)]
-struct PrefixParams {
+/// The list's query string: `prefix`, `sort` (`name`, `held`, `waiters`),
+/// `contended` (`on`: only locks with waiters), `held_over` (a duration such as
+/// `30s`: only locks held at least that long) and `page` (from 1).
+#[derive(Deserialize, Default)]
+struct ListParams {
     #[serde(default)]
     prefix: String,
+    #[serde(default)]
+    sort: String,
+    #[serde(default)]
+    contended: String,
+    #[serde(default)]
+    held_over: String,
+    #[serde(default)]
+    page: String,
 }
 
-/// Locks under `prefix` that the caller may see, in name order.
-async fn visible_locks(
-    h: &Handle,
-    who: &Principal,
-    prefix: &str,
-) -> Result<Vec<LockView>, ApiError> {
-    let mut out = Vec::new();
-    for range in who.ranges(prefix)? {
-        let left = MAX_DASHBOARD_LOCKS.saturating_sub(out.len());
-        if left == 0 {
-            break;
+/// How the lock list is ordered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+enum Sort {
+    /// By name.
+    #[default]
+    Name,
+    /// Longest held first.
+    Held,
+    /// Most waiters first.
+    Waiters,
+}
+
+impl Sort {
+    fn as_str(self) -> &'static str {
+        match self {
+            Sort::Name => "name",
+            Sort::Held => "held",
+            Sort::Waiters => "waiters",
         }
-        out.extend(h.locks(range, None, left).await?);
     }
-    out.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(out)
+}
+
+/// A validated [`ListParams`]: what one page of the lock list shows.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct ListQuery {
+    prefix: String,
+    sort: Sort,
+    contended: bool,
+    /// Only locks held at least this long (0: every lock).
+    held_over_ms: u64,
+    /// The page, from 1.
+    page: usize,
+}
+
+impl Default for ListQuery {
+    fn default() -> ListQuery {
+        ListQuery::of_prefix(String::new())
+    }
+}
+
+impl ListQuery {
+    /// The first page of every lock under `prefix`, by name.
+    fn of_prefix(prefix: String) -> ListQuery {
+        ListQuery {
+            prefix,
+            sort: Sort::Name,
+            contended: false,
+            held_over_ms: 0,
+            page: 1,
+        }
+    }
+
+    /// The query of `p`, or a 400 `invalid_argument` naming the bad field.
+    fn parse(p: ListParams) -> Result<ListQuery, ApiError> {
+        let prefix = input::prefix(p.prefix)?;
+        let sort = match p.sort.as_str() {
+            "" | "name" => Sort::Name,
+            "held" => Sort::Held,
+            "waiters" => Sort::Waiters,
+            _ => return Err(invalid("sort", "must be name, held or waiters")),
+        };
+        let contended = match p.contended.as_str() {
+            "" | "off" | "false" => false,
+            "on" | "true" => true,
+            _ => return Err(invalid("contended", "must be on or off")),
+        };
+        let held_over_ms = match p.held_over.trim() {
+            "" => 0,
+            d => humantime::parse_duration(d)
+                .ok()
+                .and_then(|d| u64::try_from(d.as_millis()).ok())
+                .ok_or_else(|| invalid("held_over", "must be a duration such as 30s or 5m"))?,
+        };
+        let page = match p.page.trim() {
+            "" => 1,
+            n => n
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (1..=MAX_PAGE).contains(n))
+                .ok_or_else(|| invalid("page", format!("must be between 1 and {MAX_PAGE}")))?,
+        };
+        Ok(ListQuery {
+            prefix,
+            sort,
+            contended,
+            held_over_ms,
+            page,
+        })
+    }
+
+    /// Whether `v` passes the filters.
+    fn shows(&self, v: &LockView) -> bool {
+        (!self.contended || v.waiters > 0)
+            && (self.held_over_ms == 0 || held_ms(v) >= self.held_over_ms)
+    }
+
+    /// The query string of this query at page `page` (empty fields left out).
+    fn href(&self, page: usize) -> String {
+        let mut q = format!("/?prefix={}&sort={}", url(&self.prefix), self.sort.as_str());
+        if self.contended {
+            q.push_str("&contended=on");
+        }
+        if self.held_over_ms > 0 {
+            q.push_str(&format!("&held_over={}ms", self.held_over_ms));
+        }
+        q.push_str(&format!("&page={page}"));
+        q
+    }
+}
+
+/// How long the longest holder of `v` has held it (0 if free).
+fn held_ms(v: &LockView) -> u64 {
+    v.holders.iter().map(|h| h.held_ms).max().unwrap_or(0)
+}
+
+/// One page of the lock list and the counts around it.
+struct ListPage {
+    /// Locks on this page, in the query's order.
+    views: Vec<LockView>,
+    /// Locks under the prefix the caller may see.
+    total: usize,
+    /// Of those, the ones that pass the filters.
+    matched: usize,
+}
+
+/// The page `q.page` of the locks under `q.prefix` that `who` may see, filtered and
+/// sorted. One read of the engine's state (the path `GET /v1/locks` takes): it
+/// counts and sorts every visible lock under the prefix, but list views carry no
+/// waiter lists, so it costs O(locks), and only one page of views comes back.
+async fn visible_locks(h: &Handle, who: &Principal, q: &ListQuery) -> Result<ListPage, ApiError> {
+    let ranges = who.ranges(&q.prefix)?;
+    let q = q.clone();
+    h.read(move |core| {
+        let mut total = 0;
+        let mut shown: Vec<LockView> = Vec::new();
+        for range in &ranges {
+            for v in core.locks(range, None, usize::MAX) {
+                total += 1;
+                if q.shows(&v) {
+                    shown.push(v);
+                }
+            }
+        }
+        match q.sort {
+            Sort::Name => shown.sort_by(|a, b| a.name.cmp(&b.name)),
+            Sort::Held => {
+                shown.sort_by(|a, b| held_ms(b).cmp(&held_ms(a)).then(a.name.cmp(&b.name)))
+            }
+            Sort::Waiters => {
+                shown.sort_by(|a, b| b.waiters.cmp(&a.waiters).then(a.name.cmp(&b.name)))
+            }
+        }
+        let matched = shown.len();
+        let views = shown
+            .into_iter()
+            .skip((q.page - 1).saturating_mul(DASHBOARD_PAGE))
+            .take(DASHBOARD_PAGE)
+            .collect();
+        ListPage {
+            views,
+            total,
+            matched,
+        }
+    })
+    .await
+}
+
+/// `n` with thousands separators: `5,004`.
+fn grouped(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The lock table of one page, with the count line and the page links.
+fn list_html(list: &ListPage, q: &ListQuery) -> Markup {
+    let first = (q.page - 1) * DASHBOARD_PAGE;
+    let pages = list.matched.div_ceil(DASHBOARD_PAGE).max(1);
+    let filtered = q.contended || q.held_over_ms > 0;
+    html! {
+        p #lock-count {
+            @if list.views.is_empty() {
+                "Showing 0 of " (grouped(list.matched))
+            } @else {
+                "Showing " (grouped(first + 1)) "–" (grouped(first + list.views.len()))
+                " of " (grouped(list.matched))
+            }
+            @if filtered {
+                " matching (" (grouped(list.total)) " locks in all)"
+            } @else {
+                " locks"
+            }
+            @if pages > 1 {
+                " · page " (q.page) " of " (pages)
+            }
+        }
+        @if pages > 1 || q.page > 1 {
+            nav.pages {
+                @if q.page > 1 { a rel="prev" href=(q.href(q.page - 1)) { "← previous" } " " }
+                @if q.page < pages { a rel="next" href=(q.href(q.page + 1)) { "next →" } }
+            }
+        }
+        (locks_table(&list.views))
+    }
 }
 
 fn lock_link(name: &str) -> Markup {
@@ -581,19 +813,69 @@ fn visible_audit(h: &Handle, who: &Principal, query: &AuditQuery) -> Vec<AuditEn
     entries
 }
 
+/// The list form: prefix, sort and filters, as the query `q` has them.
+fn list_form(q: &ListQuery) -> Markup {
+    let held_over = if q.held_over_ms > 0 {
+        dur(q.held_over_ms).replace(' ', "")
+    } else {
+        String::new()
+    };
+    html! {
+        form #list-form method="get" action="/" {
+            label {
+                "Prefix "
+                input type="text" name="prefix" value=(q.prefix) placeholder="tenant:kind:";
+            }
+            " "
+            label {
+                "Sort "
+                select name="sort" {
+                    @for s in [Sort::Name, Sort::Held, Sort::Waiters] {
+                        option value=(s.as_str()) selected[s == q.sort] {
+                            (match s { Sort::Name => "name", Sort::Held => "held longest", Sort::Waiters => "most waiters" })
+                        }
+                    }
+                }
+            }
+            " "
+            label { input type="checkbox" name="contended" value="on" checked[q.contended]; " contended only" }
+            " "
+            label {
+                "Held longer than "
+                input.short type="text" name="held_over" value=(held_over) placeholder="30s";
+            }
+            " "
+            button { "Show" }
+        }
+    }
+}
+
+/// The query string of the live stream of the list `q`.
+fn stream_href(q: &ListQuery) -> String {
+    q.href(q.page).replacen("/?", "/ui/stream?", 1)
+}
+
 async fn index(
     State(h): State<Handle>,
     ext: Extensions,
     headers: HeaderMap,
-    params: Result<Query<PrefixParams>, QueryRejection>,
+    params: Result<Query<ListParams>, QueryRejection>,
 ) -> Response {
     let who = match page_caller(&ext, &headers, Action::Read, None) {
         Ok(p) => p,
         Err(r) => return *r,
     };
-    let prefix = params.map(|Query(p)| p.prefix).unwrap_or_default();
-    let table = match visible_locks(&h, &who, &prefix).await {
-        Ok(views) => locks_table(&views),
+    let Query(params) = params.unwrap_or_default();
+    let q = match ListQuery::parse(params) {
+        Ok(q) => q,
+        Err(e) => {
+            let body = html! { (error_p(e.message())) p { a href="/" { "← all locks" } } };
+            return (StatusCode::BAD_REQUEST, page("locks", Some(&who), body)).into_response();
+        }
+    };
+    let prefix = q.prefix.clone();
+    let table = match visible_locks(&h, &who, &q).await {
+        Ok(list) => list_html(&list, &q),
         Err(e) => error_p(e.message()),
     };
     let recent = visible_audit(
@@ -611,17 +893,16 @@ async fn index(
         .filter(|e| e.lock.as_deref().is_some_and(|l| l.starts_with(&prefix)))
         .take(RECENT_EVENTS);
     let body = html! {
-        form method="get" action="/" {
-            label {
-                "Prefix "
-                input type="text" name="prefix" value=(prefix) placeholder="tenant:kind:";
-            }
-            " "
-            button { "Show" }
-        }
-        div sse-connect={ "/ui/stream?prefix=" (url(&prefix)) } {
+        (list_form(&q))
+        div sse-connect=(stream_href(&q)) {
             h2 { "Health" }
             div #health sse-swap="health" { (health(&h, &who)) }
+            @if who.covers_everything() {
+                h2 { "Last hour " span.muted { "(per minute, this server)" } }
+                // The first data comes with the page (drawn as soon as the
+                // scripts run); `/ui/series` refreshes it.
+                div #charts data-src="/ui/series" data-series=(series_json(&h)) {}
+            }
             @if let Some(cluster) = cluster_html(&h) {
                 h2 { "Cluster" }
                 div #cluster sse-swap="cluster" { (cluster) }
@@ -640,6 +921,30 @@ async fn index(
     page("locks", Some(&who), body).into_response()
 }
 
+/// The last hour per minute as the JSON `/ui/series` answers.
+fn series_json(h: &Handle) -> String {
+    let minutes = h.metrics().series.last_hour(crate::audit::wall_ms());
+    serde_json::json!({ "minutes": minutes }).to_string()
+}
+
+/// `GET /ui/series`: the last hour per minute (grants, wait p50/p99, queued, peak
+/// waiters) as JSON for the charts. Whole-server figures, so only for a token
+/// that covers every lock, as the health panel's counts.
+async fn series_api(State(h): State<Handle>, ext: Extensions) -> Result<Response, ApiError> {
+    let who = auth::authorize(&ext, Action::Read, None)?;
+    if !who.covers_everything() {
+        return Err(ApiError::new(
+            ApiErrorKind::PermissionDenied,
+            "the charts count every lock; they need a token whose prefixes include every lock",
+        ));
+    }
+    Ok((
+        [(header::CONTENT_TYPE, "application/json")],
+        series_json(&h),
+    )
+        .into_response())
+}
+
 /// The live stream of a page: `locks` and `health` every [`REFRESH`] and after
 /// events, `event` per durable lock event, all from the page's shared [`LiveViews`]
 /// renderer. Counted against the token's stream quota. Ends when the server drains.
@@ -647,14 +952,14 @@ async fn stream(
     State(h): State<Handle>,
     Extension(views): Extension<LiveViews>,
     ext: Extensions,
-    params: Result<Query<PrefixParams>, QueryRejection>,
+    params: Result<Query<ListParams>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let who = auth::authorize(&ext, Action::Watch, None)?;
     let Query(params) = params.map_err(|e| invalid("query", e.body_text()))?;
-    let prefix = input::prefix(params.prefix)?;
-    who.ranges(&prefix)?;
+    let list = ListQuery::parse(params)?;
+    who.ranges(&list.prefix)?;
     let slot = who.open_stream()?;
-    let frames = views.subscribe(&h, &who, prefix)?;
+    let frames = views.subscribe(&h, &who, list)?;
     let stream = futures_util::stream::unfold((frames, slot), |(mut frames, slot)| async move {
         loop {
             match frames.recv().await {
@@ -698,11 +1003,12 @@ const MIN_RENDER_INTERVAL: Duration = Duration::from_millis(250);
 /// Frames a viewer may fall behind before it skips to the newest.
 const FRAMES_BUFFERED: usize = 8;
 
-/// What a live view shows: the prefix, and the prefixes of the token looking (the
-/// rows and counts it may see). Tokens with the same prefixes share a view.
+/// What a live view shows: the list (prefix, sort, filters, page), and the
+/// prefixes of the token looking (the rows and counts it may see). Tokens with the
+/// same prefixes share a view.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct ViewKey {
-    prefix: String,
+    list: ListQuery,
     scope: Vec<String>,
 }
 
@@ -734,12 +1040,12 @@ impl LiveViews {
         &self,
         h: &Handle,
         who: &Principal,
-        prefix: String,
+        list: ListQuery,
     ) -> Result<broadcast::Receiver<Arc<Frame>>, ApiError> {
         let mut scope: Vec<String> = who.prefixes().map(str::to_owned).collect();
         scope.sort_unstable();
         scope.dedup();
-        let key = ViewKey { prefix, scope };
+        let key = ViewKey { list, scope };
         let mut views = self.views.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(frames) = views.get(&key) {
             return Ok(frames.subscribe());
@@ -815,7 +1121,7 @@ async fn render_view(
     // Keeps an event's row if the view shows its lock; false once events end.
     let take = |got: Result<SharedEvent, RecvError>, rows: &mut Vec<String>| match got {
         Ok(e) => {
-            if e.name.as_str().starts_with(&key.prefix) && who.covers(e.name.as_str()) {
+            if e.name.as_str().starts_with(&key.list.prefix) && who.covers(e.name.as_str()) {
                 rows.extend(event_row(&e).map(Markup::into_string));
                 if rows.len() > RECENT_EVENTS {
                     rows.remove(0);
@@ -861,8 +1167,8 @@ async fn render_view(
         if views.retire(&h, &key, &frames, false) {
             return;
         }
-        let table = match visible_locks(&h, &who, &key.prefix).await {
-            Ok(locks) => locks_table(&locks),
+        let table = match visible_locks(&h, &who, &key.list).await {
+            Ok(list) => list_html(&list, &key.list),
             Err(e) => error_p(e.message()),
         };
         let frame = Frame {
@@ -930,23 +1236,79 @@ async fn lock_page(
             }
             div #force-result {}
         }
-        h2 { "History " span.muted { "(audit log, newest first)" } }
+        h2 { "History " span.muted { "(audit log, newest first, at most " (HISTORY_ROWS) ")" } }
         div #history { (history) }
     };
     page(name.as_str(), Some(&who), body).into_response()
 }
 
-/// The "now" table and the history table of a lock's page.
+/// The holders and waiters of a lock, as its page shows them.
+fn lock_now(view: &LockView, now_wall_ms: u64) -> Markup {
+    let since = |ago_ms: u64| utc(now_wall_ms.saturating_sub(ago_ms));
+    html! {
+        p {
+            @if view.limit > 1 { "Admits " (view.limit) " holders. " }
+            @if view.lock_delay_remaining_ms > 0 {
+                "In lock-delay for " (dur(view.lock_delay_remaining_ms)) ". "
+            }
+        }
+        h3 { "Holders" }
+        table #holders {
+            thead { tr {
+                th { "Owner" } th { "Fence" } th { "Held since (UTC)" } th { "Held for" }
+                th { "Expires in" }
+            } }
+            tbody {
+                @if view.holders.is_empty() {
+                    tr { td.muted colspan="5" { "free" } }
+                }
+                @for h in &view.holders {
+                    tr data-lock=(view.name.as_str()) {
+                        td.owner { (h.owner.as_str()) }
+                        td.num.fence { (h.fence.get()) }
+                        td { (since(h.held_ms)) }
+                        td.num { (dur(h.held_ms)) }
+                        td.num { (dur(h.ttl_remaining_ms)) }
+                    }
+                }
+            }
+        }
+        h3 { "Waiters " span.muted #waiter-count { "(" (grouped(view.waiters)) " queued)" } }
+        table #waiters {
+            thead { tr {
+                th { "Position" } th { "Owner" } th { "Waiting since (UTC)" } th { "Waited" }
+            } }
+            tbody {
+                @if view.waiting.is_empty() {
+                    tr { td.muted colspan="4" { "nobody is waiting" } }
+                }
+                @for w in &view.waiting {
+                    tr.waiter {
+                        td.num { (w.position + 1) }
+                        td.owner { (w.owner.as_str()) }
+                        td { (since(w.waiting_ms)) }
+                        td.num { (dur(w.waiting_ms)) }
+                    }
+                }
+            }
+        }
+        @if view.waiters > view.waiting.len() {
+            p.muted { "The first " (view.waiting.len()) " of " (grouped(view.waiters)) " waiters." }
+        }
+    }
+}
+
+/// The "now" section and the history table of a lock's page.
 async fn lock_sections(h: &Handle, name: &LockName) -> (Markup, Markup) {
     let current = match h.lock(name.clone()).await {
-        Ok(Some(view)) => locks_table(&[view]),
+        Ok(Some(view)) => lock_now(&view, crate::audit::wall_ms()),
         Ok(None) => html! { p.muted { "Not held, queued for or in lock-delay." } },
         Err(e) => error_p(e.message()),
     };
     let entries = h.audit(&AuditQuery {
         lock: Some(name.as_str().to_owned()),
         since_wall_ms: 0,
-        limit: MAX_AUDIT_PAGE,
+        limit: HISTORY_ROWS,
     });
     let history = html! {
         table {
@@ -960,6 +1322,12 @@ async fn lock_sections(h: &Handle, name: &LockName) -> (Markup, Markup) {
                         }
                     }
                 }
+            }
+        }
+        @if entries.len() == HISTORY_ROWS {
+            p.muted {
+                "The newest " (HISTORY_ROWS) " entries; older ones: "
+                code { "GET /v1/audit?lock=…" } "."
             }
         }
     };
@@ -1232,6 +1600,7 @@ pub fn routes() -> Router<Handle> {
         .route("/ui/logout", post(logout))
         .route("/ui/assets/{file}", get(asset))
         .route("/ui/stream", get(stream))
+        .route("/ui/series", get(series_api))
         .route("/ui/lock/{*name}", get(lock_page))
         .route("/ui/force-release", post(force_release_form))
         .layer(Extension(LiveViews::default()))
@@ -1400,9 +1769,7 @@ mod tests {
             State(h.clone()),
             anonymous_admin(),
             HeaderMap::new(),
-            Ok(Query(PrefixParams {
-                prefix: String::new(),
-            })),
+            Ok(Query(ListParams::default())),
         )
         .await;
         let body = axum::body::to_bytes(page.into_body(), 1 << 20)
@@ -1415,6 +1782,69 @@ mod tests {
             "{html}"
         );
         h.shutdown().await;
+    }
+
+    /// The chart library is served from the binary under its version, cached for
+    /// good; the page links exactly that path.
+    #[tokio::test]
+    async fn the_chart_library_is_served_versioned_and_cached_for_good() {
+        for (path, kind) in [
+            (UPLOT_JS_PATH, "text/javascript"),
+            (UPLOT_CSS_PATH, "text/css"),
+        ] {
+            let file = path.strip_prefix("/ui/assets/").unwrap().to_owned();
+            let r = asset(Path(file)).await;
+            assert_eq!(r.status(), StatusCode::OK, "{path}");
+            let h = r.headers();
+            assert!(h[header::CONTENT_TYPE].to_str().unwrap().starts_with(kind));
+            assert_eq!(
+                h[header::CACHE_CONTROL],
+                "public, max-age=31536000, immutable",
+                "{path}"
+            );
+        }
+        let r = asset(Path("dashboard.js".to_owned())).await;
+        assert_eq!(r.headers()[header::CACHE_CONTROL], "public, max-age=3600");
+        let html = page("x", None, html! {}).0;
+        assert!(html.contains(&format!("src=\"{UPLOT_JS_PATH}\"")), "{html}");
+        assert!(
+            html.contains(&format!("href=\"{UPLOT_CSS_PATH}\"")),
+            "{html}"
+        );
+    }
+
+    #[test]
+    fn the_list_query_is_validated_and_round_trips_through_its_links() {
+        let p = |sort: &str, contended: &str, held_over: &str, page: &str| ListParams {
+            prefix: "job:".into(),
+            sort: sort.into(),
+            contended: contended.into(),
+            held_over: held_over.into(),
+            page: page.into(),
+        };
+        let q = ListQuery::parse(p("held", "on", "1m 30s", "3")).unwrap();
+        assert_eq!(
+            (q.sort, q.contended, q.held_over_ms, q.page),
+            (Sort::Held, true, 90_000, 3)
+        );
+        assert_eq!(
+            q.href(4),
+            "/?prefix=job:&sort=held&contended=on&held_over=90000ms&page=4"
+        );
+        for bad in [
+            p("sideways", "", "", ""),
+            p("", "maybe", "", ""),
+            p("", "", "soon", ""),
+            p("", "", "", "0"),
+            p("", "", "", "-1"),
+        ] {
+            let e = ListQuery::parse(bad).unwrap_err();
+            assert_eq!(e.kind(), ApiErrorKind::InvalidArgument, "{e}");
+        }
+        assert_eq!(grouped(0), "0");
+        assert_eq!(grouped(999), "999");
+        assert_eq!(grouped(5_004), "5,004");
+        assert_eq!(grouped(1_234_567), "1,234,567");
     }
 
     #[test]
@@ -1472,7 +1902,11 @@ mod tests {
         let who = Principal::anonymous();
         let started = std::time::Instant::now();
         let mut viewers: Vec<_> = (0..VIEWERS)
-            .map(|_| views.subscribe(&h, &who, "job:".to_owned()).unwrap())
+            .map(|_| {
+                views
+                    .subscribe(&h, &who, ListQuery::of_prefix("job:".to_owned()))
+                    .unwrap()
+            })
             .collect();
         assert_eq!(views.len(), 1);
         for i in 0..CHANGES {
@@ -1520,13 +1954,19 @@ mod tests {
         let views = LiveViews::default();
         let who = Principal::anonymous();
         let _viewers: Vec<_> = (0..MAX_LIVE_VIEWS)
-            .map(|i| views.subscribe(&h, &who, format!("p{i}:")).unwrap())
+            .map(|i| {
+                views
+                    .subscribe(&h, &who, ListQuery::of_prefix(format!("p{i}:")))
+                    .unwrap()
+            })
             .collect();
         let e = views
-            .subscribe(&h, &who, "one-more:".to_owned())
+            .subscribe(&h, &who, ListQuery::of_prefix("one-more:".to_owned()))
             .unwrap_err();
         assert_eq!(e.kind(), ApiErrorKind::ResourceExhausted, "{e}");
         // Another viewer of a view already rendered is fine.
-        assert!(views.subscribe(&h, &who, "p0:".to_owned()).is_ok());
+        assert!(views
+            .subscribe(&h, &who, ListQuery::of_prefix("p0:".to_owned()))
+            .is_ok());
     }
 }

@@ -54,6 +54,7 @@ use crate::startup::{RecoveryError, StartError};
 
 mod delivery;
 mod handle;
+mod history;
 mod queue;
 mod recovery;
 mod replica;
@@ -64,8 +65,11 @@ mod writer;
 use delivery::Delivery;
 pub use handle::Handle;
 use handle::Shared;
+use history::History;
+pub use history::{Position, Resume, WatchEvent, DEFAULT_WATCH_HISTORY};
 pub use queue::ENGINE_QUEUE;
 use queue::{EngineRx, EngineTx};
+use recovery::recover_into;
 pub use recovery::{recover, Recovery, RecoveryReport, Replayed};
 use replica::{dir_id, Snapshotter};
 #[cfg(feature = "planted-bugs")]
@@ -116,6 +120,9 @@ pub struct EngineConfig {
     /// Cluster mode (`--node-id`, `--peers`, …): commands are replicated with Raft
     /// and the log lives in `data_dir/raft`. `None`: a single server.
     pub cluster: Option<crate::cluster::ClusterConfig>,
+    /// How many recent events the server keeps for watches to resume from (see
+    /// [`Position`]); a watch whose last event is older is told so.
+    pub watch_history: usize,
 }
 
 /// The default bound of the log writer's polling: up to this long after a small
@@ -143,6 +150,7 @@ impl EngineConfig {
             writer_poll: DEFAULT_WRITER_POLL,
             fence_floor: 0,
             cluster: None,
+            watch_history: DEFAULT_WATCH_HISTORY,
         }
     }
 }
@@ -257,8 +265,28 @@ impl Requester {
 /// Events a watcher may fall behind by before it is told it missed some.
 pub const EVENT_BUFFER: usize = 4096;
 
-/// A lock event after it became durable, for watchers.
-pub type SharedEvent = Arc<Event>;
+/// A lock event after it became durable, for watchers, with its position.
+pub type SharedEvent = Arc<WatchEvent>;
+
+/// Puts the events among `outcomes` of the record `meta` into `history`, at their
+/// positions (recovery: these were delivered before, watches may resume from them).
+fn record_events(history: &History, meta: &RecordMeta, outcomes: Vec<Outcome>) {
+    let events = outcomes.into_iter().filter_map(|o| match o {
+        Outcome::Event(event) => Some(event),
+        _ => None,
+    });
+    for (ordinal, event) in (0u32..).zip(events) {
+        history.push(Arc::new(WatchEvent {
+            position: Position {
+                index: meta.seq,
+                ordinal,
+            },
+            wall_ms: meta.wall_ms,
+            event,
+        }));
+    }
+    history.applied(meta.seq);
+}
 
 /// A read of the core, given the service time of the read (ms): what views count
 /// held and remaining time to. It returns the answer to send once durable
@@ -379,6 +407,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, StartError> {
         segment_bytes: config.segment_bytes,
         fsync: config.durability == Durability::Fsync,
     };
+    let history = Arc::new(History::new(config.watch_history, 0));
     let Recovery {
         mut log,
         mut core,
@@ -386,11 +415,12 @@ pub fn start(config: EngineConfig) -> Result<Handle, StartError> {
         mut recovered,
         replayed,
         audit,
-    } = recover(
+    } = recover_into(
         log_opts.clone(),
         &config.data_dir,
         &config.core,
         Some(&config.audit),
+        Some(&history),
     )?;
     let mut audit_store = audit.expect("asked for");
     let high_water = audit_store.high_water();
@@ -419,6 +449,10 @@ pub fn start(config: EngineConfig) -> Result<Handle, StartError> {
         actor: Some(SERVER_ACTOR.to_owned()),
     };
     next_seq += 1;
+    if recovered.records.is_empty() {
+        // Every earlier event went into the snapshot.
+        history.reset(meta.seq - 1);
+    }
     let recover_record = codec::encode_record(&meta, &Command::Recover);
     log.append(&recover_record).map_err(io)?;
     recovered.records.push(recover_record);
@@ -432,6 +466,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, StartError> {
         &result,
         &outcomes,
     ));
+    record_events(&history, &meta, outcomes);
     // The fence floor, logged like any command so replay and the replica agree;
     // only when it raises something (a restart past it logs nothing).
     let mut report = report;
@@ -458,6 +493,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, StartError> {
         log.append(&record).map_err(io)?;
         recovered.records.push(record);
         audit_entries.extend(audit::entries_for(&meta, &command, &result, &outcomes));
+        record_events(&history, &meta, outcomes);
         tracing::info!(
             floor = config.fence_floor,
             was = report.next_fence,
@@ -537,6 +573,8 @@ pub fn start(config: EngineConfig) -> Result<Handle, StartError> {
         writer: writer_tx.clone(),
         metrics: metrics.clone(),
         events: events.clone(),
+        history: history.clone(),
+        event_record: (0, 0),
         state: state_tx,
         records: Vec::new(),
         audit: Vec::new(),
@@ -569,6 +607,7 @@ pub fn start(config: EngineConfig) -> Result<Handle, StartError> {
             cluster: None,
             metrics,
             events,
+            history,
             state: state_rx,
             started: Instant::now(),
             recovery: report,
@@ -615,6 +654,11 @@ struct EngineTask {
     writer: std::sync::mpsc::Sender<WriterMsg>,
     metrics: Arc<Metrics>,
     events: broadcast::Sender<SharedEvent>,
+    /// Recent events, for watches to resume from.
+    history: Arc<History>,
+    /// The index and wall-clock time of the record whose outcomes are routed next:
+    /// its events' positions and time.
+    event_record: (u64, u64),
     state: watch::Sender<RunState>,
     records: Vec<Vec<u8>>,
     /// Audit entries of this batch.
@@ -815,6 +859,8 @@ impl EngineTask {
             self.next_seq += 1;
             self.records.push(codec::encode_record(&meta, &copy));
         }
+        // A command that is not logged changed nothing, so it made no event.
+        self.event_record = (meta.seq, meta.wall_ms);
         self.audit
             .extend(audit::entries_for(&meta, &copy, &result, &outcomes));
         self.outcomes.extend(outcomes);
@@ -914,9 +960,17 @@ impl EngineTask {
         // Events first, so watchers see a change no later than the clients it answers.
         let mut events: Vec<SharedEvent> = Vec::new();
         let mut outcomes = Vec::new();
+        let (index, wall_ms) = self.event_record;
         for outcome in std::mem::take(&mut self.outcomes) {
             match outcome {
-                Outcome::Event(event) => events.push(Arc::new(event)),
+                Outcome::Event(event) => {
+                    let ordinal = u32::try_from(events.len()).unwrap_or(u32::MAX);
+                    events.push(Arc::new(WatchEvent {
+                        position: Position { index, ordinal },
+                        wall_ms,
+                        event,
+                    }));
+                }
                 other => outcomes.push(other),
             }
         }
@@ -925,6 +979,7 @@ impl EngineTask {
                 events,
                 metrics: self.metrics.clone(),
                 sender: self.events.clone(),
+                history: self.history.clone(),
             });
         }
         for outcome in outcomes {
@@ -1030,6 +1085,7 @@ fn count_event(m: &Metrics, event: &Event) {
         EventKind::Granted => {
             m.grants.fetch_add(1, Ordering::Relaxed);
             m.acquire_wait.observe(event.duration_ms);
+            m.series.grant(crate::audit::wall_ms(), event.duration_ms);
         }
         EventKind::Ended(end) => {
             let counter = match end {
@@ -1043,7 +1099,8 @@ fn count_event(m: &Metrics, event: &Event) {
         EventKind::WaitEnded(WaitEnd::TimedOut) => {
             m.wait_timeouts.fetch_add(1, Ordering::Relaxed);
         }
-        EventKind::Queued | EventKind::WaitEnded(_) => {}
+        EventKind::Queued => m.series.queued(crate::audit::wall_ms()),
+        EventKind::WaitEnded(_) => {}
     }
 }
 
@@ -1093,6 +1150,8 @@ mod tests {
             writer,
             metrics: Arc::new(Metrics::default()),
             events,
+            history: Arc::new(History::new(16, 0)),
+            event_record: (0, 0),
             state,
             records: Vec::new(),
             audit: Vec::new(),

@@ -60,11 +60,15 @@ pub enum ApiErrorKind {
     NotLeader,
     /// A bug or an I/O failure on the server (500). Never caused by client input.
     Internal,
+    /// A watch cannot resume at the position it named: the events after it were
+    /// compacted away, or the position is not from this server's log (410). The
+    /// watcher re-reads the locks and watches again from now.
+    WatchCompacted,
 }
 
 impl ApiErrorKind {
     /// Every kind, in the order of the documentation.
-    pub const ALL: [ApiErrorKind; 19] = [
+    pub const ALL: [ApiErrorKind; 20] = [
         ApiErrorKind::InvalidJson,
         ApiErrorKind::InvalidArgument,
         ApiErrorKind::PayloadTooLarge,
@@ -84,6 +88,7 @@ impl ApiErrorKind {
         ApiErrorKind::Unavailable,
         ApiErrorKind::NotLeader,
         ApiErrorKind::Internal,
+        ApiErrorKind::WatchCompacted,
     ];
 
     /// The stable snake_case code.
@@ -108,6 +113,7 @@ impl ApiErrorKind {
             ApiErrorKind::Unavailable => "unavailable",
             ApiErrorKind::NotLeader => "not_leader",
             ApiErrorKind::Internal => "internal",
+            ApiErrorKind::WatchCompacted => "watch_compacted",
         }
     }
 
@@ -129,6 +135,7 @@ impl ApiErrorKind {
             ApiErrorKind::Cancelled => 499,
             ApiErrorKind::Unavailable | ApiErrorKind::NotLeader => 503,
             ApiErrorKind::Internal => 500,
+            ApiErrorKind::WatchCompacted => 410,
         }
     }
 }
@@ -337,6 +344,7 @@ mod tests {
                 ApiErrorKind::Unavailable => 16,
                 ApiErrorKind::NotLeader => 17,
                 ApiErrorKind::Internal => 18,
+                ApiErrorKind::WatchCompacted => 19,
             }
         }
         for (i, kind) in ApiErrorKind::ALL.iter().enumerate() {

@@ -26,7 +26,7 @@ use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::auth::{grpc_caller, Action};
-use crate::engine::{AcquireArgs, Handle, Requester, RunState, SharedEvent};
+use crate::engine::{AcquireArgs, Handle, Position, Requester, RunState, SharedEvent, WatchEvent};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::http::{MAX_BODY_BYTES, MAX_PAGE};
 use crate::input::{invalid, lock_name, owner, owner_token, prefix, request_id, session_id};
@@ -159,6 +159,7 @@ impl From<ApiError> for Status {
             ApiErrorKind::Cancelled => Code::Cancelled,
             ApiErrorKind::Internal => Code::Internal,
             ApiErrorKind::MethodNotAllowed => Code::Unimplemented,
+            ApiErrorKind::WatchCompacted => Code::OutOfRange,
         };
         let mut status = Status::new(code, error.message());
         status
@@ -334,6 +335,19 @@ fn event_pb(e: &fencelock_core::Event) -> pb::LockEvent {
         duration_ms: e.duration_ms,
         reason: e.reason.as_ref().map(|r| r.as_str().to_owned()),
         wait_end: wait_end.into(),
+        ..Default::default()
+    }
+}
+
+/// A watched event with its position and wall-clock time.
+fn watch_event_pb(e: &WatchEvent) -> pb::LockEvent {
+    pb::LockEvent {
+        position: Some(pb::WatchPosition {
+            index: e.position.index,
+            ordinal: e.position.ordinal,
+        }),
+        wall_ms: e.wall_ms,
+        ..event_pb(&e.event)
     }
 }
 
@@ -402,6 +416,11 @@ impl KeepAliveCall {
 
 /// The state of one `Watch` call.
 struct WatchCall {
+    /// Resumed: the events missed, sent before the live ones.
+    backlog: std::collections::VecDeque<SharedEvent>,
+    /// The last event sent (or the position resumed after): a live event at or
+    /// before it was in the backlog.
+    last: Option<Position>,
     events: broadcast::Receiver<SharedEvent>,
     /// Events are sent for names that start with any of these (the requested prefix,
     /// cut down to the caller's prefixes).
@@ -416,6 +435,13 @@ impl WatchCall {
     /// The next event whose name has the prefix, or the status to end with.
     async fn next(&mut self) -> Option<Result<pb::LockEvent, Status>> {
         loop {
+            if let Some(event) = self.backlog.pop_front() {
+                self.last = Some(event.position);
+                if self.wanted(&event) {
+                    return Some(Ok(watch_event_pb(&event)));
+                }
+                continue;
+            }
             let received = match &mut self.closing {
                 Some((0, _)) => {
                     let (_, status) = self.closing.take()?;
@@ -443,15 +469,13 @@ impl WatchCall {
                 },
             };
             match received {
-                Ok(event)
-                    if self
-                        .ranges
-                        .iter()
-                        .any(|r| event.name.as_str().starts_with(r.as_str())) =>
-                {
-                    return Some(Ok(event_pb(&event)));
+                Ok(event) if self.last.is_some_and(|last| event.position <= last) => {}
+                Ok(event) => {
+                    self.last = Some(event.position);
+                    if self.wanted(&event) {
+                        return Some(Ok(watch_event_pb(&event)));
+                    }
                 }
-                Ok(_) => {}
                 Err(broadcast::error::RecvError::Lagged(missed)) => {
                     let mut status = Status::data_loss(format!(
                         "this watcher fell behind and missed {missed} events; \
@@ -471,6 +495,13 @@ impl WatchCall {
                 }
             }
         }
+    }
+
+    /// Whether the event's lock is one this watch is about.
+    fn wanted(&self, event: &WatchEvent) -> bool {
+        self.ranges
+            .iter()
+            .any(|r| event.name.as_str().starts_with(r.as_str()))
     }
 
     fn into_stream(self) -> GrpcStream<pb::LockEvent> {
@@ -653,14 +684,31 @@ impl Locks for LocksService {
     ) -> Result<Response<Self::WatchStream>, Status> {
         let caller = grpc_caller(&request)?;
         caller.authorize(Action::Watch, None)?;
-        let prefix = prefix(request.into_inner().prefix)?;
+        let request = request.into_inner();
+        let prefix = prefix(request.prefix)?;
         let ranges = caller.ranges(&prefix)?;
         // Counted against the token's stream quota for as long as the stream lives.
         let slot = caller.open_stream()?;
+        let after = request.after.map(|p| Position {
+            index: p.index,
+            ordinal: p.ordinal,
+        });
+        // Subscribed before the response goes out: every event made durable after
+        // the client sees the stream open is delivered.
+        let (backlog, start, events) = match after {
+            Some(after) => {
+                let resume = self.handle.resume(after)?;
+                (resume.backlog.into(), after, resume.live)
+            }
+            None => {
+                let (start, live) = self.handle.watch_now();
+                (Default::default(), start, live)
+            }
+        };
         let call = WatchCall {
-            // Subscribed before the response goes out: every event made durable after
-            // the client sees the stream open is delivered.
-            events: self.handle.subscribe(),
+            backlog,
+            last: Some(start),
+            events,
             ranges,
             run: self.handle.watch_state(),
             closing: None,
@@ -668,7 +716,14 @@ impl Locks for LocksService {
         let stream = futures_util::StreamExt::inspect(call.into_stream(), move |_| {
             let _held = &slot;
         });
-        Ok(Response::new(Box::pin(stream)))
+        let mut response = Response::new(Box::pin(stream) as Self::WatchStream);
+        // Digits and a dot: always a valid header value.
+        if let Ok(value) = start.to_string().parse() {
+            response
+                .metadata_mut()
+                .insert(fencelock_proto::WATCH_START_METADATA, value);
+        }
+        Ok(response)
     }
 }
 
@@ -712,6 +767,8 @@ mod tests {
         config.durability = Durability::None;
         let handle = crate::engine::start(config).unwrap();
         let mut stream = WatchCall {
+            backlog: Default::default(),
+            last: None,
             events: handle.subscribe(),
             ranges: vec![String::new()],
             run: handle.watch_state(),

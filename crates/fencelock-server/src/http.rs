@@ -872,6 +872,7 @@ pub fn router(handle: Handle) -> Router {
         .route("/v1/admin/sessions/{handle}", delete(admin_close_session))
         .route("/v1/admin/snapshot", get(snapshot))
         .route("/v1/openapi.json", get(crate::openapi::document))
+        .route("/v1/watch", get(crate::watch_sse::watch))
         // Cluster membership and leadership (404 on a single server).
         .merge(crate::cluster::api::routes(Router::new()))
         .route("/healthz", get(healthz))

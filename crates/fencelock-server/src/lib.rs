@@ -22,8 +22,10 @@ pub mod metrics;
 pub mod openapi;
 pub mod origin;
 mod preface;
+pub mod series;
 pub mod startup;
 pub mod tls;
+pub mod watch_sse;
 pub mod wire;
 
 use std::net::SocketAddr;

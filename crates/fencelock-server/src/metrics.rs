@@ -153,6 +153,8 @@ pub struct Metrics {
     pub dashboard_views: AtomicU64,
     /// Cluster mode's Raft figures; rendered only in cluster mode.
     pub cluster: ClusterMetrics,
+    /// The last hour per minute, for the dashboard's charts.
+    pub series: crate::series::Series,
 }
 
 /// Raft figures of a cluster member (see [`CLUSTER_METRIC_NAMES`]).
@@ -219,6 +221,8 @@ impl Metrics {
             .store(stats.sessions as u64, Ordering::Relaxed);
         self.locks.store(stats.locks as u64, Ordering::Relaxed);
         self.next_fence.store(stats.next_fence, Ordering::Relaxed);
+        self.series
+            .waiters(crate::audit::wall_ms(), stats.waiters as u64);
     }
 }
 
@@ -251,6 +255,7 @@ impl Default for Metrics {
             dashboard_renders: AtomicU64::new(0),
             dashboard_views: AtomicU64::new(0),
             cluster: ClusterMetrics::default(),
+            series: Default::default(),
         }
     }
 }

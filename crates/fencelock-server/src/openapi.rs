@@ -52,6 +52,7 @@ the field. Answers may gain fields; none is removed or changes meaning within v1
         crate::http::admin_close_session,
         crate::http::snapshot,
         crate::dashboard::audit_api,
+        crate::watch_sse::watch,
         crate::cluster::api::status,
         crate::cluster::api::add_member,
         crate::cluster::api::remove_member,

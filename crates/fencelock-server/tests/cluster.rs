@@ -1406,3 +1406,72 @@ async fn a_single_servers_directory_is_imported_only_by_a_member_starting_alone(
         assert!(!dir.join("imported-single-node").exists());
     }
 }
+
+/// Watch positions are Raft log indexes, the same on every member: a watch
+/// resumed on another member after the last event seen on one gets exactly the
+/// events that followed (issue 22, item 5).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_watch_resumes_on_another_member_at_the_same_positions() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    let others: Vec<usize> = (0..3).filter(|i| *i != l).collect();
+    let (a, b) = (&cluster.members[others[0]], &cluster.members[others[1]]);
+    let within = Duration::from_secs(20);
+    let mut on_a = a
+        .client()
+        .send("GET", "/v1/watch?prefix=w:", &[], b"")
+        .await;
+    let head = on_a.read_until("\r\n\r\n", within).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let leader = cluster.members[l].client();
+    let mut fences = Vec::new();
+    for name in ["w:a", "w:b", "w:end"] {
+        let grant = acquire(&leader, json!({"name": name, "ttl_ms": 60_000}))
+            .await
+            .expect_json(200);
+        leader
+            .post(
+                "/v1/release",
+                &json!({"name": name, "owner_token": grant["owner_token"]}),
+            )
+            .await
+            .expect_json(200);
+        fences.push(fence(&grant));
+    }
+    let raw = on_a
+        .read_until("\"kind\":\"released\",\"name\":\"w:end\"", within)
+        .await;
+    let seen = support::sse_events(&format!("{head}{raw}"));
+    let whats = |events: &[support::Sse]| -> Vec<String> {
+        events
+            .iter()
+            .map(|e| format!("{} {} {}", e.event, e.data["name"], e.data["fence"]))
+            .collect()
+    };
+    assert_eq!(seen.len(), 6, "{:?}", whats(&seen));
+    for pair in seen.windows(2) {
+        let (x, y) = (&pair[0].id, &pair[1].id);
+        let index = |id: &str| id.split_once('.').unwrap().0.parse::<u64>().unwrap();
+        assert!(index(x) <= index(y), "{x} then {y}");
+        assert_ne!(x, y);
+    }
+
+    // On the other follower, after A's second event: the last four, same ids.
+    let after = &seen[1].id;
+    let mut on_b = b
+        .client()
+        .send(
+            "GET",
+            &format!("/v1/watch?prefix=w:&after={after}"),
+            &[],
+            b"",
+        )
+        .await;
+    let last = format!("id: {}\n", seen[5].id);
+    let raw = on_b.read_until(&last, within).await;
+    let resumed = support::sse_events(&raw);
+    assert_eq!(whats(&resumed), whats(&seen[2..]));
+    let ids = |events: &[support::Sse]| events.iter().map(|e| e.id.clone()).collect::<Vec<_>>();
+    assert_eq!(ids(&resumed), ids(&seen[2..]));
+    cluster.stop_all().await;
+}

@@ -225,3 +225,60 @@ async fn admins_force_release_same_origin_only_and_are_named_in_the_audit_log() 
     assert_eq!(last["reason"], "stuck worker");
     t.stop().await;
 }
+
+/// The list's sort, filters and pages, the charts' data and the lock page's waiter
+/// list follow the same rules: sign-in needed, a reader sees its prefixes only
+/// (counts included), and the whole-server charts need a token covering every lock.
+#[tokio::test]
+async fn new_dashboard_routes_follow_the_login_and_tenant_rules() {
+    let t = server().await;
+    acquire(&t, "a:1").await;
+    acquire(&t, "b:secret").await;
+    acquire(&t, "b:other").await;
+    for path in [
+        "/ui/series",
+        "/?sort=held&contended=on&page=1",
+        "/ui/lock/a:1",
+    ] {
+        assert_eq!(
+            t.client.get(path).await.status,
+            401,
+            "{path} without a cookie"
+        );
+    }
+    // The count is of the reader's locks only.
+    let html = get_as(&t, "/?sort=waiters", VIEWER).await.text();
+    assert!(html.contains("Showing 1–1 of 1 locks"), "{html}");
+    assert!(!html.contains("b:secret"), "{html}");
+    // Filtered, the count of all locks is still the reader's.
+    let html = get_as(&t, "/?held_over=1ms", VIEWER).await.text();
+    assert!(
+        !html.contains("of 3") && !html.contains("(3 locks"),
+        "{html}"
+    );
+    // Another prefix asked for outright is refused, not shown empty.
+    let r = get_as(&t, "/?prefix=b:&sort=held", VIEWER).await;
+    assert!(!r.text().contains("b:secret"), "{}", r.text());
+    // The charts count every tenant's traffic: not for a prefix-limited token.
+    get_as(&t, "/ui/series", VIEWER)
+        .await
+        .expect_error(403, "permission_denied");
+    assert!(!get_as(&t, "/", VIEWER)
+        .await
+        .text()
+        .contains("id=\"charts\""));
+    let series = get_as(&t, "/ui/series", OPS).await.expect_json(200);
+    let minutes = series["minutes"].as_array().expect("minutes");
+    assert_eq!(minutes.len(), 60);
+    let grants: u64 = minutes.iter().map(|m| m["grants"].as_u64().unwrap()).sum();
+    assert_eq!(grants, 3, "{series}");
+    assert!(get_as(&t, "/", OPS).await.text().contains("id=\"charts\""));
+    // Bad list parameters are a 400 with the field named, nothing else.
+    let r = get_as(&t, "/?sort=sideways", OPS).await;
+    assert_eq!(r.status, 400);
+    assert!(r.text().contains("sort"), "{}", r.text());
+    let r = get_as(&t, "/?held_over=soon", OPS).await;
+    assert_eq!(r.status, 400);
+    assert_eq!(get_as(&t, "/?page=0", OPS).await.status, 400);
+    t.stop().await;
+}

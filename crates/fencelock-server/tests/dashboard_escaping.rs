@@ -14,9 +14,11 @@ use support::{pct, TestServer, IO_TIMEOUT};
 const NAME: &str = "<script>alert(1)</script>";
 const OWNER: &str = "<script>alert(2)</script>";
 const REASON: &str = "<script>alert(3)</script>";
+const WAITER: &str = "<script>alert(4)</script>";
 const NAME_ESCAPED: &str = "&lt;script&gt;alert(1)&lt;/script&gt;";
 const OWNER_ESCAPED: &str = "&lt;script&gt;alert(2)&lt;/script&gt;";
 const REASON_ESCAPED: &str = "&lt;script&gt;alert(3)&lt;/script&gt;";
+const WAITER_ESCAPED: &str = "&lt;script&gt;alert(4)&lt;/script&gt;";
 
 /// `html` (the answer to `what`) has no `<script>` tag from user data, and has each
 /// of `escaped`.
@@ -56,15 +58,34 @@ async fn lock_names_owners_and_reasons_with_script_tags_are_escaped_everywhere()
     check("GET /?prefix=", &html, &[NAME_ESCAPED, OWNER_ESCAPED]);
     assert!(html.contains("value=\"&lt;script&gt;\""), "{html}");
     assert!(
-        html.contains("sse-connect=\"/ui/stream?prefix=%3Cscript%3E\""),
+        html.contains("sse-connect=\"/ui/stream?prefix=%3Cscript%3E&amp;sort=name&amp;page=1\""),
         "{html}"
     );
+
+    // A waiter with markup in its owner text: listed on the lock's page, and
+    // granted (so in the history) after the force-release below.
+    let waiter = c
+        .send_json(
+            "/v1/acquire",
+            &json!({"name": NAME, "ttl_ms": 600_000, "wait_ms": 60_000, "owner": WAITER}),
+        )
+        .await;
+    support::poll_until("the waiter is queued", IO_TIMEOUT, || async {
+        let v = c.get(&format!("/v1/locks/{}", pct(NAME))).await.json();
+        (v["waiters"] == 1).then_some(())
+    })
+    .await;
 
     let lock_page = format!("/ui/lock/{}", pct(NAME));
     let page = c.get(&lock_page).await;
     assert_eq!(page.status, 200);
     let html = page.text();
-    check("the lock's page", &html, &[NAME_ESCAPED, OWNER_ESCAPED]);
+    check(
+        "the lock's page",
+        &html,
+        &[NAME_ESCAPED, OWNER_ESCAPED, WAITER_ESCAPED],
+    );
+    assert!(html.contains("<tr class=\"waiter\">"), "{html}");
     // The title, the confirmation and the hidden form field are escaped too.
     assert!(
         html.contains(&format!("<title>{NAME_ESCAPED} · fencelock</title>")),
@@ -107,12 +128,15 @@ async fn lock_names_owners_and_reasons_with_script_tags_are_escaped_everywhere()
     );
     assert!(html.contains("hx-swap-oob=\"true\""), "{html}");
 
+    // The waiter got the lock.
+    let granted = waiter.response().await.expect_json(200);
+    assert_eq!(granted["name"], NAME, "{granted}");
     let page = c.get(&lock_page).await;
     assert_eq!(page.status, 200);
     check(
         "the lock's history",
         &page.text(),
-        &[NAME_ESCAPED, OWNER_ESCAPED, REASON_ESCAPED],
+        &[NAME_ESCAPED, OWNER_ESCAPED, REASON_ESCAPED, WAITER_ESCAPED],
     );
     let page = c.get("/").await;
     check(

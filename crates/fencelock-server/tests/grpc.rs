@@ -461,6 +461,7 @@ async fn watch_streams_events_of_the_prefix_only() {
     let mut events = c
         .watch(WatchRequest {
             prefix: "w:".to_owned(),
+            after: None,
         })
         .await
         .unwrap()
@@ -679,7 +680,11 @@ async fn bad_input_is_invalid_argument() {
     check("close a bad session id", c.close_session(close).await);
     check(
         "watch a 300-byte prefix",
-        c.watch(WatchRequest { prefix: long }).await,
+        c.watch(WatchRequest {
+            prefix: long,
+            after: None,
+        })
+        .await,
     );
 
     // A bad session id on the keepalive stream ends it with INVALID_ARGUMENT.

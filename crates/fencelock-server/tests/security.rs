@@ -216,6 +216,7 @@ fn endpoints(b_token: &str, session: &str) -> Vec<(&'static str, String, Option<
         ("GET", "/v1/admin/snapshot".into(), None),
         ("GET", "/metrics".into(), None),
         ("GET", "/v1/audit".into(), None),
+        ("GET", "/v1/watch?prefix=b:".into(), None),
         ("GET", "/no/such/route".into(), None),
     ]
 }
@@ -792,6 +793,7 @@ async fn every_grpc_call(
     ));
     let watch = WatchRequest {
         prefix: "b:".into(),
+        after: None,
     };
     out.push(("Watch", c.watch(req(watch, cr)).await.map(drop)));
     out
@@ -882,6 +884,7 @@ async fn grpc_watch_and_list_are_cut_down_to_the_prefixes() {
         .watch(req(
             WatchRequest {
                 prefix: String::new(),
+                after: None,
             },
             Some(&reader),
         ))

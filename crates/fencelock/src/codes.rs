@@ -31,6 +31,7 @@ pub(crate) fn kind_from_code(code: &str) -> ErrorKind {
         "unauthenticated" | "permission_denied" => ErrorKind::PermissionDenied,
         "unavailable" | "cancelled" | "not_leader" => ErrorKind::Unavailable,
         "internal" => ErrorKind::Internal,
+        "watch_compacted" => ErrorKind::WatchCompacted,
         _ => ErrorKind::Protocol,
     }
 }

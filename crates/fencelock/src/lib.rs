@@ -99,4 +99,4 @@ pub use fencelock_backend::{
 pub use guard::{LockGuard, LostReason};
 pub use server::{EventStream, FencelockBackend, ServerConfig, Transport};
 pub use session::{Session, SessionRequest};
-pub use view::{EventKind, HolderInfo, LockEvent, LockInfo, LockPage, WaitEnd};
+pub use view::{EventKind, HolderInfo, LockEvent, LockInfo, LockPage, WaitEnd, WatchPosition};

@@ -19,7 +19,7 @@ use fencelock_proto::wire::{Request as WireRequest, Response as WireResponse};
 
 use crate::codes::error_from_status;
 use crate::route::{self, Failure, Next, Route};
-use crate::view::{LockEvent, LockInfo, LockPage};
+use crate::view::{LockEvent, LockInfo, LockPage, WatchPosition};
 use crate::wire::WireClient;
 use crate::{Error, ErrorKind};
 use fencelock_backend::Backoff;
@@ -545,29 +545,75 @@ impl FencelockBackend {
         .await
     }
 
-    /// Durable lock events for names starting with `prefix`, from now on. The stream
-    /// ends with an error if the watcher fell behind or the server went away: re-read
-    /// the state and watch again.
+    /// Durable lock events for names starting with `prefix`, from now on. If the
+    /// connection drops, the server restarts or the watcher falls behind, the
+    /// stream reconnects (to any endpoint, with backoff) and resumes after the
+    /// last event it returned, missing and repeating none; if the server can no
+    /// longer resume there, [`EventStream::next`] fails with
+    /// [`ErrorKind::WatchCompacted`]: re-read the state and watch again.
     pub async fn watch(&self, prefix: &str) -> Result<EventStream, Error> {
+        self.watch_after(prefix, None).await
+    }
+
+    /// [`Self::watch`], resuming after `after` (the position of the last event seen,
+    /// [`LockEvent::position`]) instead of from now on.
+    pub async fn watch_after(
+        &self,
+        prefix: &str,
+        after: Option<WatchPosition>,
+    ) -> Result<EventStream, Error> {
+        let (inner, start) = self.open_watch(prefix, after).await?;
+        Ok(EventStream {
+            backend: self.clone(),
+            prefix: prefix.to_owned(),
+            last: start.or(after),
+            inner: Some(inner),
+            reconnect_for: DEFAULT_WATCH_RECONNECT,
+            ended: false,
+        })
+    }
+
+    /// Opens one `Watch` call: its stream and the position it starts after (sent by
+    /// the server in the response metadata).
+    async fn open_watch(
+        &self,
+        prefix: &str,
+        after: Option<WatchPosition>,
+    ) -> Result<(tonic::Streaming<pb::LockEvent>, Option<WatchPosition>), Error> {
         self.call(
             self.deadline(Duration::ZERO),
             self.rounds_until(),
             |node| async move {
                 let mut request = Request::new(pb::WatchRequest {
                     prefix: prefix.to_owned(),
+                    after: after.map(|p| pb::WatchPosition {
+                        index: p.index,
+                        ordinal: p.ordinal,
+                    }),
                 });
                 if let Some(auth) = &self.shared.authorization {
                     request.metadata_mut().insert("authorization", auth.clone());
                 }
-                let response = node.client.clone().watch(request).await;
-                Ok(EventStream {
-                    inner: response.map_err(error_from_status)?.into_inner(),
-                })
+                let response = node
+                    .client
+                    .clone()
+                    .watch(request)
+                    .await
+                    .map_err(error_from_status)?;
+                let start = response
+                    .metadata()
+                    .get(fencelock_proto::WATCH_START_METADATA)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse().ok());
+                Ok((response.into_inner(), start))
             },
         )
         .await
     }
 }
+
+/// How long an [`EventStream`] keeps trying to reconnect by default.
+pub const DEFAULT_WATCH_RECONNECT: Duration = Duration::from_secs(60);
 
 /// The `authorization` metadata of `config`'s token.
 fn authorization(
@@ -589,18 +635,115 @@ fn no_url() -> Error {
     Error::new(ErrorKind::InvalidArgument, "no server URL was given")
 }
 
-/// A stream of lock events from [`FencelockBackend::watch`].
+/// A stream of lock events from [`FencelockBackend::watch`]: it remembers the
+/// position of the last event it returned and, when the connection drops or the
+/// server restarts, reconnects and resumes after it.
 #[derive(Debug)]
 pub struct EventStream {
-    inner: tonic::Streaming<pb::LockEvent>,
+    backend: FencelockBackend,
+    prefix: String,
+    /// The last event returned (or where the watch began).
+    last: Option<WatchPosition>,
+    /// The open call; `None` while reconnecting.
+    inner: Option<tonic::Streaming<pb::LockEvent>>,
+    reconnect_for: Duration,
+    /// The server said it cannot resume: nothing more comes.
+    ended: bool,
 }
 
 impl EventStream {
     /// The next event; `Ok(None)` when the server ended the stream cleanly.
+    ///
+    /// A dropped connection, a server restart or a watcher that fell behind is
+    /// handled here: the stream reconnects (trying every endpoint, with backoff,
+    /// for up to [`Self::set_reconnect_for`]; default [`DEFAULT_WATCH_RECONNECT`])
+    /// and resumes after [`Self::position`]. Errors:
+    /// [`ErrorKind::WatchCompacted`] if the server can no longer resume there (the
+    /// stream is over: re-read the state and watch again);
+    /// [`ErrorKind::Unavailable`] if no server could be reached in time (calling
+    /// `next` again tries again, from the same position).
     pub async fn next(&mut self) -> Result<Option<LockEvent>, Error> {
-        let event = self.inner.message().await.map_err(error_from_status)?;
-        Ok(event.map(LockEvent::from))
+        if self.ended {
+            return Err(compacted_over());
+        }
+        let mut round = 0u32;
+        let mut reconnecting_since: Option<Instant> = None;
+        loop {
+            let inner = match &mut self.inner {
+                Some(inner) => inner,
+                None => match self.backend.open_watch(&self.prefix, self.last).await {
+                    Ok((inner, start)) => {
+                        self.last = self.last.or(start);
+                        self.inner.insert(inner)
+                    }
+                    Err(e) if e.kind() == ErrorKind::WatchCompacted => {
+                        self.ended = true;
+                        return Err(e);
+                    }
+                    Err(e) if e.kind().is_transient() => {
+                        let since = *reconnecting_since.get_or_insert_with(Instant::now);
+                        let delay = Backoff::default().delay(round);
+                        round = round.saturating_add(1);
+                        if since.elapsed() + delay >= self.reconnect_for {
+                            return Err(e);
+                        }
+                        tokio::time::sleep(delay).await;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                },
+            };
+            match inner.message().await {
+                Ok(Some(event)) => {
+                    let event = LockEvent::from(event);
+                    // Never twice: a resumed call starts after `last`.
+                    if let (Some(p), Some(last)) = (event.position, self.last) {
+                        if p <= last {
+                            continue;
+                        }
+                    }
+                    if event.position.is_some() {
+                        self.last = event.position;
+                    }
+                    return Ok(Some(event));
+                }
+                Ok(None) => return Ok(None),
+                Err(status) => {
+                    let lagged = status.code() == tonic::Code::DataLoss;
+                    let error = error_from_status(status);
+                    self.inner = None;
+                    if error.kind() == ErrorKind::WatchCompacted {
+                        self.ended = true;
+                        return Err(error);
+                    }
+                    // Without a position (a server too old to send one) there is
+                    // nothing to resume from.
+                    if self.last.is_none() || !(lagged || error.kind().is_transient()) {
+                        return Err(error);
+                    }
+                }
+            }
+        }
     }
+
+    /// The position of the last event returned (or where the watch began): what a
+    /// later [`FencelockBackend::watch_after`] resumes after.
+    pub fn position(&self) -> Option<WatchPosition> {
+        self.last
+    }
+
+    /// How long [`Self::next`] keeps trying to reconnect before it gives up with
+    /// [`ErrorKind::Unavailable`].
+    pub fn set_reconnect_for(&mut self, budget: Duration) {
+        self.reconnect_for = budget;
+    }
+}
+
+fn compacted_over() -> Error {
+    Error::new(
+        ErrorKind::WatchCompacted,
+        "this watch cannot resume; re-read the state and watch again",
+    )
 }
 
 fn endpoint(url: &str, config: &ServerConfig) -> Result<Endpoint, Error> {

@@ -161,6 +161,60 @@ pub struct LockEvent {
     pub reason: Option<String>,
     /// For [`EventKind::WaitEnded`]: why.
     pub wait_end: Option<WaitEnd>,
+    /// Where the event stands in the server's log (`None` from a server too old
+    /// to say): what a watch resumes after.
+    pub position: Option<WatchPosition>,
+    /// Wall-clock time of the change on the server, milliseconds since the Unix
+    /// epoch (0 from a server too old to say).
+    pub wall_ms: u64,
+}
+
+impl LockEvent {
+    /// Wall-clock time of the change on the server (`None` from a server too old
+    /// to say).
+    pub fn at(&self) -> Option<std::time::SystemTime> {
+        (self.wall_ms > 0)
+            .then(|| std::time::UNIX_EPOCH + std::time::Duration::from_millis(self.wall_ms))
+    }
+}
+
+/// Where a lock event stands in the server's log, the same after a restart:
+/// ordered by `index`, then `ordinal`. Written `index.ordinal` (the SSE event id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct WatchPosition {
+    /// The log record's sequence number (cluster mode: the Raft log index).
+    pub index: u64,
+    /// The event's ordinal among its record's events.
+    pub ordinal: u32,
+}
+
+impl std::fmt::Display for WatchPosition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.index, self.ordinal)
+    }
+}
+
+impl std::str::FromStr for WatchPosition {
+    type Err = crate::Error;
+
+    /// `index.ordinal`, as [`Display`](std::fmt::Display) writes it.
+    fn from_str(s: &str) -> Result<WatchPosition, crate::Error> {
+        let bad = || {
+            crate::Error::new(
+                crate::ErrorKind::InvalidArgument,
+                format!("invalid watch position {s:?}: expected INDEX.ORDINAL"),
+            )
+        };
+        let (index, ordinal) = s.split_once('.').ok_or_else(bad)?;
+        let digits = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+        if !digits(index) || !digits(ordinal) {
+            return Err(bad());
+        }
+        Ok(WatchPosition {
+            index: index.parse().map_err(|_| bad())?,
+            ordinal: ordinal.parse().map_err(|_| bad())?,
+        })
+    }
 }
 
 impl From<pb::Holder> for HolderInfo {
@@ -208,6 +262,11 @@ impl From<pb::LockEvent> for LockEvent {
             duration_ms: e.duration_ms,
             reason: e.reason,
             wait_end: WaitEnd::from_pb(e.wait_end),
+            position: e.position.map(|p| WatchPosition {
+                index: p.index,
+                ordinal: p.ordinal,
+            }),
+            wall_ms: e.wall_ms,
         }
     }
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use fencelock_core::{Grant, Reply};
 use tokio::sync::broadcast;
 
+use super::history::History;
 use super::queue::EngineTx;
 use super::{count_event, AcquireReply, CommandReply, Msg, SharedEvent};
 use crate::error::ApiError;
@@ -37,12 +38,14 @@ pub(super) enum Delivery {
         listeners: Vec<(u128, AcquireReply)>,
         error: ApiError,
     },
-    /// Watch events: counted in the metrics, then published (no watcher is not an
-    /// error).
+    /// Watch events: counted in the metrics, kept in the history, then published
+    /// (no watcher is not an error). History before publishing: a resuming watch
+    /// subscribes before it reads the history, so it misses none.
     Events {
         events: Vec<SharedEvent>,
         metrics: Arc<Metrics>,
         sender: broadcast::Sender<SharedEvent>,
+        history: Arc<History>,
     },
     /// A read's answer, its value already computed (`Msg::Read`).
     Read(Box<dyn FnOnce() + Send>),
@@ -107,7 +110,9 @@ impl Delivery {
                 events,
                 metrics,
                 sender,
+                history,
             } => {
+                history.push_all(&events);
                 for event in events {
                     count_event(&metrics, &event);
                     let _ = sender.send(event);

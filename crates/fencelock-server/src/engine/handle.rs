@@ -11,6 +11,7 @@ use fencelock_core::{
 };
 use tokio::sync::{broadcast, oneshot, watch};
 
+use super::history::{History, Position, Resume};
 use super::queue::{EngineTx, Refused};
 use super::typed;
 use super::writer::WriterMsg;
@@ -34,6 +35,8 @@ pub(super) struct Shared {
     pub(super) cluster: Option<Arc<ClusterShared>>,
     pub(super) metrics: Arc<Metrics>,
     pub(super) events: broadcast::Sender<SharedEvent>,
+    /// Recent events, for watches to resume from.
+    pub(super) history: Arc<History>,
     pub(super) state: watch::Receiver<RunState>,
     pub(super) started: Instant,
     pub(super) recovery: RecoveryReport,
@@ -504,6 +507,21 @@ impl Handle {
     /// than the channel's capacity is told how many events it missed.
     pub fn subscribe(&self) -> broadcast::Receiver<SharedEvent> {
         self.shared.events.subscribe()
+    }
+
+    /// A watch resumed after `after` (the position of the last event its client
+    /// saw): the events since, then live ones (the receiver may repeat some of the
+    /// backlog; drop events at or before the last one sent). Refused with
+    /// [`ApiErrorKind::WatchCompacted`] if this server no longer has (or never had)
+    /// the events right after `after`.
+    pub fn resume(&self, after: Position) -> Result<Resume, ApiError> {
+        self.shared.history.resume(&self.shared.events, after)
+    }
+
+    /// A watch from now on: the position it starts after, and the live events
+    /// (drop those at or before the position: they came before the watch).
+    pub fn watch_now(&self) -> (Position, broadcast::Receiver<SharedEvent>) {
+        self.shared.history.now(&self.shared.events)
     }
 
     /// Audit entries matching `query`, newest last. Every change acknowledged

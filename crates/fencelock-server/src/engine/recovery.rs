@@ -11,6 +11,8 @@ use crate::audit::{self, AuditConfig, AuditEntry, AuditStore};
 use crate::codec;
 use crate::startup::RecoveryError;
 
+use super::history::History;
+
 /// What recovery found at start.
 #[derive(Debug, Clone, Default)]
 pub struct RecoveryReport {
@@ -60,6 +62,17 @@ pub fn recover(
     config: &CoreConfig,
     audit: Option<&AuditConfig>,
 ) -> Result<Recovery, RecoveryError> {
+    recover_into(log_opts, dir, config, audit, None)
+}
+
+/// [`recover`], also filling `history` with the events of the records replayed.
+pub(crate) fn recover_into(
+    log_opts: LogOptions,
+    dir: &Path,
+    config: &CoreConfig,
+    audit: Option<&AuditConfig>,
+    history: Option<&History>,
+) -> Result<Recovery, RecoveryError> {
     let started = Instant::now();
     let (log, recovered) = Log::open(dir, log_opts.clone())
         .map_err(|e| RecoveryError::from_log("the data directory", e))?;
@@ -79,6 +92,7 @@ pub fn recover(
         &recovered.records,
         dir,
         open_audit.as_ref().map(|f| f as &AuditOpener),
+        history,
     )?;
     let stats = core.stats();
     let report = RecoveryReport {
@@ -120,6 +134,7 @@ pub(crate) fn replay(
     records: &[Vec<u8>],
     dir: &Path,
     open_audit: Option<&AuditOpener>,
+    history: Option<&History>,
 ) -> Result<(Core, Replayed, Option<AuditStore>), RecoveryError> {
     let corrupt = |what: String| RecoveryError::corrupt(dir, what);
     // The log records are decoded, and the audit store is opened (its index is
@@ -171,20 +186,30 @@ pub(crate) fn replay(
     let decoded = decoded
         .map_err(|(i, e)| corrupt(format!("corrupt log record {i} in {}: {e}", dir.display())))?;
     let mut replayed = Replayed::default();
+    if let (Some(history), Some((first, _))) = (history, decoded.first()) {
+        // The events of the records before these went into the snapshot.
+        history.reset(first.seq.saturating_sub(1));
+    }
     for (meta, command) in decoded {
         replayed.last_seq = replayed.last_seq.max(meta.seq);
-        // Replies and outcomes were delivered before the crash; only the state (and
-        // the audit entries a crash may have lost) matters.
+        // Replies were delivered before the crash; only the state, the audit
+        // entries a crash may have lost and the events watches resume from matter.
         match audit_high_water {
             Some(high_water) if meta.seq >= high_water.0 && meta.seq > 0 => {
                 let result = core.apply(meta.now_ms.max(core.now_ms()), command.clone());
                 let outcomes = core.take_outcomes();
                 let entries = audit::entries_for(&meta, &command, &result, &outcomes);
                 replayed.audit.extend(audit::missing(high_water, entries));
+                if let Some(history) = history {
+                    super::record_events(history, &meta, outcomes);
+                }
             }
             _ => {
                 let _ = core.apply(meta.now_ms.max(core.now_ms()), command);
-                core.discard_outcomes();
+                match history {
+                    Some(history) => super::record_events(history, &meta, core.take_outcomes()),
+                    None => core.discard_outcomes(),
+                }
             }
         }
     }

@@ -53,6 +53,7 @@ impl Snapshotter {
             &recovered.records,
             &self.dir,
             None,
+            None,
         ) {
             Ok((core, _, _)) => core,
             Err(e) => return self.fail(format!("replica: {e}")),

@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 type MetricsRx = openraft::alias::WatchReceiverOf<TypeConfig, openraft::RaftMetrics<TypeConfig>>;
 
+use super::history::History;
 use super::typed::{self, Acquired};
 use super::{
     AcquireReply, CommandReply, Delivery, EngineConfig, EngineTask, Handle, Msg, Requester,
@@ -533,6 +534,8 @@ impl EngineTask {
         result: &Result<Reply, fencelock_core::Error>,
     ) {
         let outcomes = self.core.take_outcomes();
+        // Its events stand at its Raft log index.
+        self.event_record = (meta.seq, meta.wall_ms);
         let entries = audit::entries_for(meta, command, result, &outcomes);
         let high_water = self.replica().audit_high_water;
         self.audit.extend(audit::missing(high_water, entries));
@@ -840,6 +843,9 @@ impl EngineTask {
                 match result {
                     Ok(core) => {
                         self.core = core;
+                        // The events up to the snapshot are not in this history.
+                        let index = meta.last_log_id.as_ref().map_or(0, |id| id.index);
+                        self.history.reset(index);
                         let applied_ms = self.core.now_ms();
                         let r = self.replica();
                         r.applied = meta.last_log_id;
@@ -1229,6 +1235,7 @@ where
     metrics.set_state_gauges(&core.stats());
     let (tx, rx) = super::queue::queue();
     let (events, _) = tokio::sync::broadcast::channel(EVENT_BUFFER);
+    let history = Arc::new(History::for_member(config.watch_history));
     let (state_tx, state_rx) = watch::channel(RunState::Running);
     let (sm_tx, sm_rx) = mpsc::channel(SM_QUEUE);
     let (attach_tx, attach_rx) = oneshot::channel();
@@ -1251,6 +1258,8 @@ where
         writer: std::sync::mpsc::channel().0,
         metrics: metrics.clone(),
         events: events.clone(),
+        history: history.clone(),
+        event_record: (0, 0),
         state: state_tx.clone(),
         records: Vec::new(),
         audit: Vec::new(),
@@ -1371,6 +1380,7 @@ where
             cluster: Some(shared.clone()),
             metrics,
             events,
+            history,
             state: state_rx,
             started: Instant::now(),
             recovery: super::RecoveryReport::default(),
@@ -1530,6 +1540,8 @@ pub async fn storage_for_tests(
         writer: std::sync::mpsc::channel().0,
         metrics: Arc::new(crate::metrics::Metrics::default()),
         events,
+        history: Arc::new(History::new(1, 0)),
+        event_record: (0, 0),
         state: state_tx,
         records: Vec::new(),
         audit: Vec::new(),

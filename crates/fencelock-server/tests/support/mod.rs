@@ -179,7 +179,12 @@ impl Pending {
         let deadline = Instant::now() + within;
         let mut seen = Vec::new();
         let mut buf = vec![0u8; 8192];
-        while find(&seen, needle.as_bytes()).is_none() {
+        // Only the bytes that came since the last look (and a needle's length
+        // before them) can hold a new match: a long stream is not scanned anew
+        // after every read.
+        let mut from = 0;
+        while find(&seen[from..], needle.as_bytes()).is_none() {
+            from = seen.len().saturating_sub(needle.len());
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(left, self.stream.read(&mut buf)).await {
                 Ok(Ok(n)) if n > 0 => seen.extend_from_slice(&buf[..n]),
@@ -511,4 +516,51 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
         let (n, v) = l.split_once(' ')?;
         (n == name).then(|| v.trim().parse().ok()).flatten()
     })
+}
+
+/// One Server-Sent Event: `id`, `event`, `data` (parsed as JSON when it is).
+#[derive(Debug, Clone)]
+pub struct Sse {
+    /// The `id:` field.
+    pub id: String,
+    /// The `event:` field.
+    pub event: String,
+    /// The `data:` field.
+    pub data: Value,
+}
+
+/// The SSE events in a raw HTTP/1.1 response, or a later part of it (chunked:
+/// every chunk's body is whole lines), heartbeat comments left out.
+pub fn sse_events(raw: &str) -> Vec<Sse> {
+    let body = match raw.split_once("\r\n\r\n") {
+        Some((head, body)) if head.starts_with("HTTP/") => body,
+        _ => raw,
+    };
+    let text: String = body
+        .split("\r\n")
+        .filter(|part| !part.is_empty() && !part.bytes().all(|b| b.is_ascii_hexdigit()))
+        .collect();
+    text.split("\n\n")
+        .filter_map(|block| {
+            let mut sse = Sse {
+                id: String::new(),
+                event: String::new(),
+                data: Value::Null,
+            };
+            for line in block.lines() {
+                let field = |name: &str| {
+                    line.strip_prefix(name)
+                        .map(|v| v.strip_prefix(' ').unwrap_or(v).to_owned())
+                };
+                if let Some(v) = field("id:") {
+                    sse.id = v;
+                } else if let Some(v) = field("event:") {
+                    sse.event = v;
+                } else if let Some(v) = field("data:") {
+                    sse.data = serde_json::from_str(&v).unwrap_or(Value::String(v));
+                }
+            }
+            (!sse.event.is_empty()).then_some(sse)
+        })
+        .collect()
 }

@@ -63,6 +63,7 @@ pub async fn watch_all(server: &TestServer) -> tonic::Streaming<proto::LockEvent
         .await
         .watch(proto::WatchRequest {
             prefix: String::new(),
+            after: None,
         })
         .await
         .unwrap()

@@ -1,0 +1,274 @@
+//! `GET /v1/watch?prefix=&after=`: lock events as Server-Sent Events.
+//!
+//! Each event is `id:` its [`Position`], `event:` its kind, `data:` its JSON (with
+//! the wall-clock time `at`, RFC 3339). A client that reconnects with the last id it
+//! saw (`after=`, or the standard `Last-Event-ID` header, which wins: a browser's
+//! `EventSource` sends it on its own when it reconnects to the same URL) gets every
+//! event since, then live ones, with no gap and no repeat. If the server cannot
+//! resume there the request is answered 410 `watch_compacted` before the stream
+//! starts; if it cannot go on during the stream (the engine stops), a last `end`
+//! event says why (`data: {"error":{"code","message"}}`) and the stream ends. A
+//! watcher that falls behind the live events catches up from the history on its
+//! own. Heartbeat comments keep idle connections open through proxies.
+//!
+//! Auth is the other `/v1` reads': the `watch` action, and only events of locks
+//! within the requested prefix and the token's prefixes (as the gRPC `Watch`).
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use fencelock_core::{EventKind, Fence, GrantEnd, WaitEnd};
+use serde::Deserialize;
+use serde_json::json;
+use tokio::sync::{broadcast, watch};
+use utoipa::IntoParams;
+
+use crate::auth::{Action, Caller, StreamSlot};
+use crate::engine::{Handle, Position, RunState, SharedEvent, WatchEvent};
+use crate::error::{ApiError, ApiErrorKind, CommonErrors, ErrorBody};
+use crate::input::{self, invalid};
+
+/// How often an idle stream sends a heartbeat comment.
+pub const HEARTBEAT: Duration = Duration::from_secs(15);
+
+/// The query of `GET /v1/watch`.
+#[derive(Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct WatchParams {
+    /// Only events of locks whose names start with this (default: all the token
+    /// may read).
+    #[serde(default)]
+    prefix: String,
+    /// Resume after this position (`INDEX.ORDINAL`, an event's `id`); the
+    /// `Last-Event-ID` header wins over it. Absent: from now on.
+    after: Option<String>,
+}
+
+/// The stable name of an event's kind (the SSE `event:` field and `kind`).
+pub fn kind_name(kind: EventKind) -> &'static str {
+    match kind {
+        EventKind::Granted => "granted",
+        EventKind::Ended(GrantEnd::Released) => "released",
+        EventKind::Ended(GrantEnd::Expired) => "expired",
+        EventKind::Ended(GrantEnd::ForceReleased) => "force_released",
+        EventKind::Queued => "queued",
+        EventKind::WaitEnded(_) => "wait_ended",
+    }
+}
+
+fn wait_end_name(end: WaitEnd) -> &'static str {
+    match end {
+        WaitEnd::TimedOut => "timed_out",
+        WaitEnd::SessionEnded => "session_ended",
+        WaitEnd::Cancelled => "cancelled",
+        WaitEnd::ServerRestarted => "server_restarted",
+    }
+}
+
+/// An event's JSON: `position`, `kind`, `name`, `fence`, `owner`, `session` (its
+/// handle, never the id), `at` (RFC 3339 wall clock), `wall_ms`, `at_ms` (service
+/// time), `duration_ms`, `reason`, `wait_end`.
+pub fn event_json(e: &WatchEvent) -> serde_json::Value {
+    let wait_end = match e.kind {
+        EventKind::WaitEnded(end) => Some(wait_end_name(end)),
+        _ => None,
+    };
+    json!({
+        "position": e.position.to_string(),
+        "kind": kind_name(e.kind),
+        "name": e.name.as_str(),
+        "fence": e.fence.map(Fence::get),
+        "owner": e.owner.as_str(),
+        "session": e.session.map(input::session_handle),
+        "at": crate::dashboard::rfc3339(e.wall_ms),
+        "wall_ms": e.wall_ms,
+        "at_ms": e.at_ms,
+        "duration_ms": e.duration_ms,
+        "reason": e.reason.as_ref().map(|r| r.as_str()),
+        "wait_end": wait_end,
+    })
+}
+
+/// The position a request resumes after: `Last-Event-ID` if sent, else `after`.
+fn resume_position(headers: &HeaderMap, after: Option<&str>) -> Result<Option<Position>, ApiError> {
+    if let Some(id) = headers.get("last-event-id") {
+        let id = id
+            .to_str()
+            .map_err(|_| invalid("Last-Event-ID", "must be a watch position INDEX.ORDINAL"))?;
+        return id.parse().map(Some);
+    }
+    after.map(str::parse).transpose()
+}
+
+/// Lock events as Server-Sent Events, resumable (see the module docs).
+#[utoipa::path(get, path = "/v1/watch", tag = "locks",
+    params(WatchParams),
+    responses(
+        (status = 200, description = "An event stream: `id:` the position, `event:` the kind, `data:` the event's JSON (`position`, `kind`, `name`, `fence`, `owner`, `session`, `at` (RFC 3339), `wall_ms`, `at_ms`, `duration_ms`, `reason`, `wait_end`); a last `end` event (`{\"error\":{\"code\",\"message\"}}`) if the stream cannot go on.", content_type = "text/event-stream", body = String),
+        (status = 410, description = "`watch_compacted`: the server cannot resume after that position (re-read the locks and watch from now).", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn watch(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+    headers: HeaderMap,
+    query: Result<Query<WatchParams>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(p) = query.map_err(|e| invalid("query", e.body_text()))?;
+    let prefix = input::prefix(p.prefix)?;
+    let after = resume_position(&headers, p.after.as_deref())?;
+    caller.authorize(Action::Watch, None)?;
+    let ranges = caller.ranges(&prefix)?;
+    let slot = caller.open_stream()?;
+    let (backlog, last, live) = match after {
+        Some(after) => {
+            let resume = h.resume(after)?;
+            (resume.backlog.into(), after, resume.live)
+        }
+        None => {
+            let (last, live) = h.watch_now();
+            (VecDeque::new(), last, live)
+        }
+    };
+    let run = h.watch_state();
+    let stream = SseWatch {
+        h,
+        backlog,
+        last,
+        live,
+        ranges,
+        run,
+        done: false,
+        _slot: slot,
+    };
+    let events = futures_util::stream::unfold(stream, |mut s| async move {
+        let event = s.next().await?;
+        Some((Ok::<_, Infallible>(event), s))
+    });
+    Ok(Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(HEARTBEAT))
+        .into_response())
+}
+
+/// One SSE watch.
+struct SseWatch {
+    h: Handle,
+    /// Events to send before the live ones.
+    backlog: VecDeque<SharedEvent>,
+    /// The last event sent, or where the watch began: live events at or before it
+    /// are repeats.
+    last: Position,
+    live: broadcast::Receiver<SharedEvent>,
+    ranges: Vec<String>,
+    run: watch::Receiver<RunState>,
+    done: bool,
+    _slot: StreamSlot,
+}
+
+impl SseWatch {
+    fn wanted(&self, event: &WatchEvent) -> bool {
+        self.ranges
+            .iter()
+            .any(|r| event.name.as_str().starts_with(r.as_str()))
+    }
+
+    fn sse(event: &WatchEvent) -> SseEvent {
+        SseEvent::default()
+            .id(event.position.to_string())
+            .event(kind_name(event.kind))
+            .data(event_json(event).to_string())
+    }
+
+    /// The last event of a stream that cannot go on.
+    fn end(&mut self, error: &ApiError) -> SseEvent {
+        self.done = true;
+        let body = json!({"error": {"code": error.kind().code(), "message": error.message()}});
+        SseEvent::default().event("end").data(body.to_string())
+    }
+
+    async fn next(&mut self) -> Option<SseEvent> {
+        loop {
+            if self.done {
+                return None;
+            }
+            if let Some(event) = self.backlog.pop_front() {
+                self.last = event.position;
+                if self.wanted(&event) {
+                    return Some(Self::sse(&event));
+                }
+                continue;
+            }
+            let received = tokio::select! {
+                received = self.live.recv() => Some(received),
+                _ = self.run.wait_for(|s| *s != RunState::Running) => None,
+            };
+            let Some(received) = received else {
+                let error = ApiError::new(
+                    ApiErrorKind::Unavailable,
+                    "the server is stopping; reconnect (with Last-Event-ID) to resume",
+                );
+                return Some(self.end(&error));
+            };
+            match received {
+                Ok(event) if event.position <= self.last => {}
+                Ok(event) => {
+                    self.last = event.position;
+                    if self.wanted(&event) {
+                        return Some(Self::sse(&event));
+                    }
+                }
+                // Fell behind the live channel: catch up from the history.
+                Err(broadcast::error::RecvError::Lagged(_)) => match self.h.resume(self.last) {
+                    Ok(resume) => {
+                        self.backlog = resume.backlog.into();
+                        self.live = resume.live;
+                    }
+                    Err(error) => return Some(self.end(&error)),
+                },
+                Err(broadcast::error::RecvError::Closed) => {
+                    let error = ApiError::new(ApiErrorKind::Unavailable, "the lock engine stopped");
+                    return Some(self.end(&error));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    #[test]
+    fn last_event_id_wins_over_after_and_bad_positions_are_400() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(resume_position(&headers, None).unwrap(), None);
+        assert_eq!(
+            resume_position(&headers, Some("3.1")).unwrap(),
+            Some(Position {
+                index: 3,
+                ordinal: 1
+            })
+        );
+        headers.insert("last-event-id", HeaderValue::from_static("9.2"));
+        assert_eq!(
+            resume_position(&headers, Some("3.1")).unwrap(),
+            Some(Position {
+                index: 9,
+                ordinal: 2
+            })
+        );
+        headers.insert("last-event-id", HeaderValue::from_static("nine"));
+        let err = resume_position(&headers, Some("3.1")).unwrap_err();
+        assert_eq!(err.kind().http_status(), 400, "{err}");
+        let err = resume_position(&HeaderMap::new(), Some("3")).unwrap_err();
+        assert_eq!(err.kind().http_status(), 400, "{err}");
+    }
+}
