@@ -600,6 +600,8 @@ fn args(name: &str, wait_ms: u64, request_id: &str) -> AcquireArgs {
         limit: 1,
         lock_delay_ms: 0,
         session: None,
+        mode: Default::default(),
+        value: None,
     }
 }
 

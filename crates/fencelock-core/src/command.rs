@@ -2,7 +2,9 @@
 
 use std::fmt;
 
-use crate::types::{Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId, Tenant};
+use crate::types::{
+    Fence, LockName, Mode, Owner, OwnerToken, Reason, RequestId, SessionId, Tenant, Value,
+};
 
 /// One principal's quotas, carried inside the logged command that they limit (so
 /// replay decides exactly as the live server did, whatever the configuration says
@@ -51,6 +53,11 @@ pub struct Acquire {
     pub tenant: Option<Tenant>,
     /// The principal's quota; `None` = unlimited (anonymous, or an old record).
     pub quota: Option<Quota>,
+    /// Exclusive (a writer, the default) or shared (a reader).
+    pub mode: Mode,
+    /// An election campaign's value: the grant is the election's leader and
+    /// publishes it. Exclusive grants only.
+    pub value: Option<Value>,
 }
 
 /// A state change proposed to the core. Every command is logged before its reply is
@@ -59,6 +66,35 @@ pub struct Acquire {
 pub enum Command {
     /// Take a lock (or a semaphore slot), or queue for it.
     Acquire(Acquire),
+    /// Take several locks as one request: all of them or none, queued on every
+    /// lock at once and granted only when it can be granted on each at the same
+    /// time. Each part names its own lock, token, mode and limit; every other field
+    /// must be the same in all parts. 1..=[`MAX_NAMES_PER_REQUEST`](crate::MAX_NAMES_PER_REQUEST)
+    /// distinct names.
+    AcquireAll(Vec<Acquire>),
+    /// Turn an exclusive grant into a shared one without releasing it: the fence is
+    /// kept, and readers queued right behind may be granted with it.
+    Downgrade {
+        /// The lock.
+        name: LockName,
+        /// The grant's owner token.
+        token: OwnerToken,
+    },
+    /// Change the value an election's leader publishes.
+    Proclaim {
+        /// The election (its lock).
+        name: LockName,
+        /// The leader's owner token.
+        token: OwnerToken,
+        /// The new value.
+        value: Value,
+    },
+    /// Give several grants back in one transition (all or nothing: every one must
+    /// be held, or already released by its token).
+    ReleaseAll {
+        /// The grants, as (lock, owner token).
+        grants: Vec<(LockName, OwnerToken)>,
+    },
     /// Extend a held lease. With a session-held lock this keeps the session alive.
     Renew {
         /// The lock.
@@ -145,6 +181,8 @@ pub struct Grant {
     pub ttl_ms: u64,
     /// The session holding it, if any.
     pub session: Option<SessionId>,
+    /// How it holds the lock.
+    pub mode: Mode,
 }
 
 /// The direct answer to a command.
@@ -152,6 +190,30 @@ pub struct Grant {
 pub enum Reply {
     /// The lock was granted now (or earlier, to the same `request_id`).
     Granted(Grant),
+    /// Every lock of an [`Command::AcquireAll`] was granted now (or earlier, to the
+    /// same `request_id`), in the order asked.
+    GrantedAll(Vec<Grant>),
+    /// An [`Command::AcquireAll`] waits in every queue; an [`Outcome::GrantedAll`]
+    /// or an [`Outcome::WaitEnded`] for each part follows later.
+    QueuedAll {
+        /// The parts' tokens, in the order asked.
+        tokens: Vec<OwnerToken>,
+    },
+    /// The grant is shared now.
+    Downgraded {
+        /// The grant, now shared, with its fence kept.
+        grant: Grant,
+        /// Whether this command changed it (`false`: it was already shared).
+        downgraded: bool,
+    },
+    /// The leader's value was changed.
+    Proclaimed(Grant),
+    /// Several grants were given back; one flag per grant, as for
+    /// [`Reply::Released`].
+    ReleasedAll {
+        /// Whether each was released by this command.
+        released: Vec<bool>,
+    },
     /// The request waits in the queue; an [`Outcome::Granted`] or
     /// [`Outcome::WaitEnded`] with this token follows later.
     Queued {
@@ -244,6 +306,10 @@ pub enum EventKind {
     Queued,
     /// A request left the queue without a grant.
     WaitEnded(WaitEnd),
+    /// An exclusive grant became shared (its fence kept).
+    Downgraded,
+    /// An election's leader published a new value (in [`Event::value`]).
+    Proclaimed,
 }
 
 /// A lock event, for watchers, metrics and audit.
@@ -267,6 +333,10 @@ pub struct Event {
     pub duration_ms: u64,
     /// For forced releases: the operator's reason.
     pub reason: Option<Reason>,
+    /// The grant's or request's mode.
+    pub mode: Mode,
+    /// The election value, for `Granted` and `Proclaimed` of a leader.
+    pub value: Option<Value>,
 }
 
 /// Something the driver must act on after a command, besides its direct reply.
@@ -274,6 +344,9 @@ pub struct Event {
 pub enum Outcome {
     /// A queued request was granted (hand-off); answer the waiting client.
     Granted(Grant),
+    /// A queued [`Command::AcquireAll`] was granted on every lock at once; answer
+    /// the waiting client (listening on the first part's token).
+    GrantedAll(Vec<Grant>),
     /// A queued request left the queue without a grant; answer the waiting client.
     WaitEnded {
         /// The queued request's token.

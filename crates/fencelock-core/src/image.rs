@@ -2,7 +2,7 @@
 //! the core stays free of any serialization format.
 
 use crate::command::GrantEnd;
-use crate::types::{Fence, LockName, Owner, OwnerToken, RequestId, SessionId, Tenant};
+use crate::types::{Fence, LockName, Mode, Owner, OwnerToken, RequestId, SessionId, Tenant, Value};
 
 /// The whole state of a [`crate::Core`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +67,10 @@ pub struct HolderImage {
     pub lock_delay_ms: u64,
     /// The principal it counts against (`None`: not recorded).
     pub tenant: Option<Tenant>,
+    /// Exclusive or shared.
+    pub mode: Mode,
+    /// An election leader's value.
+    pub value: Option<Value>,
 }
 
 /// One queued request.
@@ -90,6 +94,13 @@ pub struct WaiterImage {
     pub wait_deadline_ms: u64,
     /// The principal it counts against (`None`: not recorded).
     pub tenant: Option<Tenant>,
+    /// Exclusive or shared.
+    pub mode: Mode,
+    /// An election campaign's value.
+    pub value: Option<Value>,
+    /// For a part of a multi-lock request: every part's token, in the order asked
+    /// (this one included). Empty for a single request.
+    pub group: Vec<OwnerToken>,
 }
 
 /// One open session.

@@ -9,9 +9,13 @@
 //!
 //! What it guarantees (each is checked by [`Core::check_invariants`] and by the
 //! property tests against a reference model):
-//! - a lock never has more than `limit` holders;
+//! - a lock never has more than `limit` holders, and never an exclusive holder
+//!   together with a shared one;
 //! - fences are strictly increasing across every grant and never reused;
-//! - queued requests are granted strictly in FIFO order, directly on release or
+//! - a multi-lock request ([`Command::AcquireAll`]) holds all of its locks or none,
+//!   and every lock's queue agrees with one global arrival order, so no two
+//!   requests can wait for each other;
+//! - queued requests are granted strictly in FIFO order across modes, directly on release or
 //!   expiry (hand-off in the same transition), and never after their wait or their
 //!   session is over;
 //! - after an expiry or a forced release with `lock_delay_ms`, nobody is granted the
@@ -33,10 +37,12 @@ pub use image::{HolderImage, LeaseImage, LockImage, SessionImage, StateImage, Wa
 #[cfg(feature = "planted-bugs")]
 #[doc(hidden)]
 pub use machine::PlantedBugs;
-pub use machine::{Config, Core, HolderView, LockView, SessionView, Stats, MAX_FENCE_FLOOR};
+pub use machine::{
+    Config, Core, HolderView, LockView, SessionView, Stats, MAX_FENCE_FLOOR, MAX_NAMES_PER_REQUEST,
+};
 pub use machine::{WaiterView, MAX_VIEW_WAITERS};
 pub use types::{
-    Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId, Tenant, TextError,
-    TextProblem, TokenParseError, MAX_NAME_BYTES, MAX_OWNER_BYTES, MAX_REASON_BYTES,
-    MAX_REQUEST_ID_BYTES, MAX_TENANT_BYTES,
+    Fence, LockName, Mode, Owner, OwnerToken, Reason, RequestId, SessionId, Tenant, TextError,
+    TextProblem, TokenParseError, Value, MAX_NAME_BYTES, MAX_OWNER_BYTES, MAX_REASON_BYTES,
+    MAX_REQUEST_ID_BYTES, MAX_TENANT_BYTES, MAX_VALUE_BYTES,
 };

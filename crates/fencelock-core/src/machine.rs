@@ -2,6 +2,7 @@
 
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
 
 use crate::command::{
     Acquire, Command, Error, ErrorKind, Event, EventKind, Grant, GrantEnd, InvariantError,
@@ -9,7 +10,9 @@ use crate::command::{
 };
 use crate::idhash::IdMap;
 use crate::image::{HolderImage, LeaseImage, LockImage, SessionImage, StateImage, WaiterImage};
-use crate::types::{Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId, Tenant};
+use crate::types::{
+    Fence, LockName, Mode, Owner, OwnerToken, Reason, RequestId, SessionId, Tenant, Value,
+};
 
 /// A live state that breaks an invariant.
 fn broken(message: impl Into<String>) -> InvariantError {
@@ -24,6 +27,10 @@ fn bad_image(message: impl Into<String>) -> InvariantError {
 /// The highest fence floor [`Command::RaiseFenceFloor`] accepts: 2^63, which leaves
 /// 2^63 fences (centuries at any rate) before the counter could run out.
 pub const MAX_FENCE_FLOOR: u64 = 1 << 63;
+
+/// Most names in one multi-lock request ([`Command::AcquireAll`]) or one
+/// [`Command::ReleaseAll`].
+pub const MAX_NAMES_PER_REQUEST: usize = 64;
 
 /// Bounds and ranges the core enforces. Every queue and table is bounded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,6 +95,8 @@ struct Holder {
     granted_at_ms: u64,
     lock_delay_ms: u64,
     tenant: Option<Tenant>,
+    mode: Mode,
+    value: Option<Value>,
 }
 
 #[derive(Debug, Clone)]
@@ -101,13 +110,19 @@ struct Waiter {
     enqueued_at_ms: u64,
     wait_deadline_ms: u64,
     tenant: Option<Tenant>,
+    mode: Mode,
+    value: Option<Value>,
+    /// A multi-lock request's parts (this one included), in the order asked.
+    group: Option<Arc<[OwnerToken]>>,
 }
 
 #[derive(Debug, Clone, Default)]
 struct Lock {
     limit: u32,
-    /// Tokens of the holders, in grant order.
+    /// Tokens of the holders, in grant order (so in fence order).
     holders: Vec<OwnerToken>,
+    /// How many of the holders are shared.
+    shared: usize,
     /// Tokens of queued requests, FIFO.
     waiters: VecDeque<OwnerToken>,
     /// No grants before this service time (lock-delay).
@@ -224,6 +239,10 @@ pub struct HolderView {
     pub held_ms: u64,
     /// Lease time left (the session's, if session-held).
     pub ttl_remaining_ms: u64,
+    /// Exclusive or shared.
+    pub mode: Mode,
+    /// An election leader's value.
+    pub value: Option<Value>,
 }
 
 /// The read-only view of one lock.
@@ -294,6 +313,10 @@ pub struct Stats {
     pub sessions: usize,
     /// The fence the next grant will get.
     pub next_fence: u64,
+    /// Grants currently held in shared mode (the rest are exclusive).
+    pub shared_holders: usize,
+    /// Requests currently queued in shared mode (the rest are exclusive).
+    pub shared_waiters: usize,
 }
 
 /// The sans-IO lock state machine.
@@ -324,6 +347,9 @@ pub struct Core {
     recent_ends: IdMap<OwnerToken, (LockName, GrantEnd)>,
     recent_order: VecDeque<OwnerToken>,
     outcomes: Vec<Outcome>,
+    /// Shared holders and shared waiters, for [`Stats`].
+    shared_holders: usize,
+    shared_waiters: usize,
     #[cfg(feature = "planted-bugs")]
     planted: PlantedBugs,
 }
@@ -347,10 +373,40 @@ pub struct PlantedBugs {
     /// An acquire retried with its request id while queued goes to the back of
     /// the queue (as if the retry were a new request): it loses its place.
     pub requeue_retries: bool,
+    /// A reader arriving while readers hold the lock is granted at once, even past
+    /// a queued writer.
+    pub reader_jumps_writer: bool,
+    /// A multi-lock request at the head of one queue is granted that lock alone,
+    /// without waiting to be grantable on all of its locks.
+    pub partial_multi_grant: bool,
+    /// An election campaign is granted the last fence issued again instead of a
+    /// new one: a term reused.
+    pub reuse_term: bool,
 }
 
 fn err(kind: ErrorKind, message: impl Into<String>) -> Error {
     Error::new(kind, message)
+}
+
+/// Whether `lock` can take one more holder in `mode` now (lock-delay and the queue
+/// aside): exclusive and shared holders never mix; exclusive holders are at most
+/// `limit`; shared ones at most `limit`, or `max_limit` on a lock with `limit` 1
+/// (a reader-writer lock admits any number of readers).
+fn admits(lock: &Lock, mode: Mode, max_limit: u32) -> bool {
+    let exclusive = lock.holders.len() - lock.shared;
+    match mode {
+        Mode::Exclusive => lock.shared == 0 && exclusive < lock.limit as usize,
+        Mode::Shared => exclusive == 0 && lock.shared < reader_limit(lock.limit, max_limit),
+    }
+}
+
+/// Most shared holders a lock with `limit` admits.
+fn reader_limit(limit: u32, max_limit: u32) -> usize {
+    if limit == 1 {
+        max_limit.max(1) as usize
+    } else {
+        limit as usize
+    }
 }
 
 fn check_range(what: &str, value: u64, min: u64, max: u64) -> Result<(), Error> {
@@ -380,6 +436,8 @@ impl Core {
             recent_ends: IdMap::default(),
             recent_order: VecDeque::new(),
             outcomes: Vec::new(),
+            shared_holders: 0,
+            shared_waiters: 0,
             #[cfg(feature = "planted-bugs")]
             planted: PlantedBugs::default(),
         }
@@ -443,6 +501,8 @@ impl Core {
             waiters: self.waiters.len(),
             sessions: self.sessions.len(),
             next_fence: self.next_fence,
+            shared_holders: self.shared_holders,
+            shared_waiters: self.shared_waiters,
         }
     }
 
@@ -454,6 +514,10 @@ impl Core {
         self.process_deadlines();
         let reply = match command {
             Command::Acquire(acquire) => self.acquire(acquire),
+            Command::AcquireAll(parts) => self.acquire_all(parts),
+            Command::Downgrade { name, token } => self.downgrade(name, token),
+            Command::Proclaim { name, token, value } => self.proclaim(name, token, value),
+            Command::ReleaseAll { grants } => self.release_all(grants),
             Command::Renew {
                 name,
                 token,
@@ -510,8 +574,8 @@ impl Core {
         check_range(what, ttl_ms, self.config.min_ttl_ms, self.config.max_ttl_ms)
     }
 
-    fn acquire(&mut self, a: Acquire) -> Result<Reply, Error> {
-        // Arguments.
+    /// Checks one acquire's arguments (the parts that need no state).
+    fn check_acquire_args(&self, a: &Acquire) -> Result<(), Error> {
         match (a.ttl_ms, a.session) {
             (Some(_), Some(_)) => {
                 return Err(err(
@@ -532,6 +596,17 @@ impl Core {
         check_range("limit", u64::from(a.limit), 1, u64::from(c.max_limit))?;
         check_range("wait_ms", a.wait_ms, 0, c.max_wait_ms)?;
         check_range("lock_delay_ms", a.lock_delay_ms, 0, c.max_lock_delay_ms)?;
+        if a.value.is_some() && (a.mode != Mode::Exclusive || a.limit != 1) {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                "an election campaign (an acquire with a value) is exclusive with limit 1",
+            ));
+        }
+        Ok(())
+    }
+
+    fn acquire(&mut self, a: Acquire) -> Result<Reply, Error> {
+        self.check_acquire_args(&a)?;
 
         // Idempotent retry: the same request id on the same lock gets the same answer.
         if let Some(request_id) = &a.request_id {
@@ -607,6 +682,11 @@ impl Core {
         // With a million locks every walk costs a few microseconds of string
         // compares; this path used to walk it three times.
         let at_capacity = self.locks.len() >= self.config.max_locks;
+        let max_limit = self.config.max_limit;
+        #[cfg(feature = "planted-bugs")]
+        let jump = self.planted.reader_jumps_writer && a.mode == Mode::Shared;
+        #[cfg(not(feature = "planted-bugs"))]
+        let jump = false;
         let (available, queue_len) = match self.locks.entry(NameKey::of(&a.name)) {
             Entry::Occupied(mut entry) => {
                 let lock = entry.get_mut();
@@ -619,12 +699,15 @@ impl Core {
                         ),
                     ));
                 }
-                let free = (lock.holders.len() as u64) < u64::from(lock.limit);
+                let free = admits(lock, a.mode, max_limit);
                 let blocked = lock.blocked_until_ms > now;
-                let available = free && !blocked && lock.waiters.is_empty();
+                // Strict FIFO across modes: anyone queued (a writer above all) goes
+                // first, so readers cannot starve a writer.
+                let queue_clear = lock.waiters.is_empty() || (jump && lock.shared > 0);
+                let available = free && !blocked && queue_clear;
                 if available {
                     lock.holders.push(a.token);
-                    assert!(lock.holders.len() <= lock.limit as usize);
+                    lock.shared += usize::from(a.mode == Mode::Shared);
                 }
                 (available, lock.waiters.len())
             }
@@ -641,6 +724,7 @@ impl Core {
                 entry.insert(Lock {
                     limit: a.limit,
                     holders: vec![a.token],
+                    shared: usize::from(a.mode == Mode::Shared),
                     ..Lock::default()
                 });
                 (true, 0)
@@ -658,6 +742,9 @@ impl Core {
                 enqueued_at_ms: now,
                 wait_deadline_ms: now,
                 tenant: a.tenant,
+                mode: a.mode,
+                value: a.value,
+                group: None,
             };
             let grant = self.grant_pushed(a.token, waiter);
             return Ok(Reply::Granted(grant));
@@ -723,6 +810,7 @@ impl Core {
         lock.waiters.push_back(a.token);
         let position = lock.waiters.len() - 1;
         self.count(a.tenant.as_ref(), |u| u.waiting += 1);
+        self.shared_waiters += usize::from(a.mode == Mode::Shared);
         self.outcomes.push(Outcome::Event(Event {
             kind: EventKind::Queued,
             name: a.name.clone(),
@@ -733,6 +821,8 @@ impl Core {
             at_ms: now,
             duration_ms: 0,
             reason: None,
+            mode: a.mode,
+            value: a.value.clone(),
         }));
         self.waiters.insert(
             a.token,
@@ -746,6 +836,9 @@ impl Core {
                 enqueued_at_ms: now,
                 wait_deadline_ms: deadline,
                 tenant: a.tenant,
+                mode: a.mode,
+                value: a.value,
+                group: None,
             },
         );
         Ok(Reply::Queued {
@@ -761,16 +854,21 @@ impl Core {
             .get_mut(&NameKey::of(&w.name))
             .expect("lock exists for a grant");
         lock.holders.push(token);
-        assert!(lock.holders.len() <= lock.limit as usize);
+        lock.shared += usize::from(w.mode == Mode::Shared);
         self.grant_pushed(token, w)
     }
 
     /// [`Core::grant`] once `token` is already pushed onto its lock's holders.
     fn grant_pushed(&mut self, token: OwnerToken, w: Waiter) -> Grant {
         let now = self.now_ms;
+        #[cfg(feature = "planted-bugs")]
+        if self.planted.reuse_term && w.value.is_some() && self.next_fence > 1 {
+            self.next_fence -= 1;
+        }
         let fence = Fence::new(self.next_fence).expect("fences start at 1");
         assert!(self.next_fence < u64::MAX, "fence space exhausted");
         self.next_fence += 1;
+        self.shared_holders += usize::from(w.mode == Mode::Shared);
         let lease = match (w.session, w.ttl_ms) {
             (Some(id), _) => {
                 self.sessions
@@ -806,6 +904,8 @@ impl Core {
             at_ms: now,
             duration_ms: now - w.enqueued_at_ms,
             reason: None,
+            mode: w.mode,
+            value: w.value.clone(),
         }));
         self.holders.insert(
             token,
@@ -818,6 +918,8 @@ impl Core {
                 granted_at_ms: now,
                 lock_delay_ms: w.lock_delay_ms,
                 tenant: w.tenant,
+                mode: w.mode,
+                value: w.value,
             },
         );
         self.grant_of(token)
@@ -835,25 +937,38 @@ impl Core {
             token,
             ttl_ms,
             session,
+            mode: h.mode,
         }
     }
 
-    /// Grants queued requests while the lock has free slots and is not in lock-delay.
-    /// Removes the lock record once nothing refers to it.
+    /// Grants queued requests, in queue order, while the head of the queue can be
+    /// granted and the lock is not in lock-delay; a multi-lock request only once it
+    /// heads, and can be granted on, every one of its locks. Follows every lock a
+    /// multi-lock grant or wait end touched. Removes lock records nothing refers to.
     fn hand_off(&mut self, name: &LockName) {
+        let mut work = vec![name.clone()];
+        while let Some(name) = work.pop() {
+            self.hand_off_one(&name, &mut work);
+        }
+    }
+
+    fn hand_off_one(&mut self, name: &LockName, work: &mut Vec<LockName>) {
         let now = self.now_ms;
+        let max_limit = self.config.max_limit;
         loop {
-            let Some(lock) = self.locks.get_mut(&NameKey::of(name)) else {
+            let Some(lock) = self.locks.get(&NameKey::of(name)) else {
                 return;
             };
-            let free = lock.holders.len() < lock.limit as usize;
-            if !free || lock.blocked_until_ms > now {
+            if lock.blocked_until_ms > now {
                 break;
             }
             let Some(&token) = lock.waiters.front() else {
                 break;
             };
-            let w = self.take_waiter(token);
+            let w = &self.waiters[&token];
+            if !admits(lock, w.mode, max_limit) {
+                break;
+            }
             // Never grant to a request whose wait or session is over at this instant
             // (deadlines are exclusive). Same-instant deadlines may not have been
             // processed yet, so this is a real path, not just a guard.
@@ -869,13 +984,77 @@ impl Core {
                 } else {
                     WaitEnd::TimedOut
                 };
-                self.push_wait_ended(token, w, reason);
+                work.extend(self.end_waits(token, reason));
                 continue;
             }
-            let grant = self.grant(token, w);
-            self.outcomes.push(Outcome::Granted(grant));
+            let Some(group) = w.group.clone() else {
+                let w = self.take_waiter(token);
+                let grant = self.grant(token, w);
+                self.outcomes.push(Outcome::Granted(grant));
+                continue;
+            };
+            #[cfg(feature = "planted-bugs")]
+            if self.planted.partial_multi_grant {
+                let w = self.take_waiter(token);
+                let grant = self.grant(token, w);
+                self.outcomes.push(Outcome::Granted(grant));
+                continue;
+            }
+            if !self.grantable(token) {
+                break;
+            }
+            let mut grants = Vec::with_capacity(group.len());
+            for &part in group.iter() {
+                let w = self.take_waiter(part);
+                if w.name != *name {
+                    work.push(w.name.clone());
+                }
+                grants.push(self.grant(part, w));
+            }
+            self.outcomes.push(Outcome::GrantedAll(grants));
         }
         self.drop_lock_if_unused(name);
+    }
+
+    /// Whether the queued request `token` (every part of it, for a multi-lock
+    /// request) heads its queue and can be granted now.
+    fn grantable(&self, token: OwnerToken) -> bool {
+        let Some(w) = self.waiters.get(&token) else {
+            return false;
+        };
+        let parts: &[OwnerToken] = match &w.group {
+            Some(group) => group,
+            None => std::slice::from_ref(&token),
+        };
+        parts.iter().all(|part| {
+            let Some(w) = self.waiters.get(part) else {
+                return false;
+            };
+            self.locks.get(&NameKey::of(&w.name)).is_some_and(|lock| {
+                lock.blocked_until_ms <= self.now_ms
+                    && lock.waiters.front() == Some(part)
+                    && admits(lock, w.mode, self.config.max_limit)
+            })
+        })
+    }
+
+    /// Ends the wait of `token` and, for a multi-lock request, of every other part
+    /// still queued. Returns the locks whose queues changed (to hand off).
+    fn end_waits(&mut self, token: OwnerToken, reason: WaitEnd) -> Vec<LockName> {
+        let parts: Vec<OwnerToken> = match self.waiters.get(&token) {
+            Some(w) => match &w.group {
+                Some(group) => group.to_vec(),
+                None => vec![token],
+            },
+            None => return Vec::new(),
+        };
+        let mut names = Vec::with_capacity(parts.len());
+        for t in parts {
+            if self.waiters.contains_key(&t) {
+                names.push(self.end_wait(t, reason));
+            }
+        }
+        names
     }
 
     fn drop_lock_if_unused(&mut self, name: &LockName) {
@@ -914,6 +1093,10 @@ impl Core {
             .get_mut(&NameKey::of(&h.name))
             .expect("holder's lock exists");
         lock.holders.retain(|t| *t != token);
+        if h.mode == Mode::Shared {
+            lock.shared -= 1;
+            self.shared_holders -= 1;
+        }
         if end != GrantEnd::Released && h.lock_delay_ms > 0 {
             let until = now + h.lock_delay_ms;
             if until > lock.blocked_until_ms {
@@ -946,6 +1129,8 @@ impl Core {
             at_ms: now,
             duration_ms: now - h.granted_at_ms,
             reason,
+            mode: h.mode,
+            value: h.value,
         }));
         h.fence
     }
@@ -967,6 +1152,7 @@ impl Core {
     fn take_waiter(&mut self, token: OwnerToken) -> Waiter {
         let w = self.waiters.remove(&token).expect("taking a live waiter");
         self.count(w.tenant.as_ref(), |u| u.waiting -= 1);
+        self.shared_waiters -= usize::from(w.mode == Mode::Shared);
         self.timers
             .remove(&(w.wait_deadline_ms, Timer::Wait(token)));
         if let Some(id) = w.session {
@@ -999,6 +1185,8 @@ impl Core {
             at_ms: self.now_ms,
             duration_ms: self.now_ms - w.enqueued_at_ms,
             reason: None,
+            mode: w.mode,
+            value: w.value,
         }));
         self.outcomes.push(Outcome::WaitEnded {
             token,
@@ -1107,6 +1295,406 @@ impl Core {
         Err(self.not_held_error(&name, token))
     }
 
+    /// A multi-lock request: all of its locks or none (see [`Command::AcquireAll`]).
+    fn acquire_all(&mut self, parts: Vec<Acquire>) -> Result<Reply, Error> {
+        let Some(first) = parts.first() else {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                "a multi-lock request names at least one lock",
+            ));
+        };
+        if parts.len() > MAX_NAMES_PER_REQUEST {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "a multi-lock request names at most {MAX_NAMES_PER_REQUEST} locks, got {}",
+                    parts.len()
+                ),
+            ));
+        }
+        let mut names = BTreeSet::new();
+        let mut tokens = BTreeSet::new();
+        for p in &parts {
+            self.check_acquire_args(p)?;
+            let same = p.ttl_ms == first.ttl_ms
+                && p.wait_ms == first.wait_ms
+                && p.owner == first.owner
+                && p.request_id == first.request_id
+                && p.lock_delay_ms == first.lock_delay_ms
+                && p.session == first.session
+                && p.tenant == first.tenant
+                && p.quota == first.quota;
+            if !same {
+                return Err(err(
+                    ErrorKind::InvalidArgument,
+                    "the parts of a multi-lock request differ in more than name, token, mode and limit",
+                ));
+            }
+            if p.value.is_some() {
+                return Err(err(
+                    ErrorKind::InvalidArgument,
+                    "an election campaign names one election, not a set",
+                ));
+            }
+            if !names.insert(p.name.clone()) {
+                return Err(err(
+                    ErrorKind::InvalidArgument,
+                    format!("lock {} appears twice in a multi-lock request", p.name),
+                ));
+            }
+            if !tokens.insert(p.token)
+                || self.holders.contains_key(&p.token)
+                || self.waiters.contains_key(&p.token)
+            {
+                return Err(err(
+                    ErrorKind::InvalidArgument,
+                    "owner token already in use",
+                ));
+            }
+        }
+        let n = parts.len();
+
+        // Idempotent retry: every part must still be where the first request left it.
+        if let Some(request_id) = &first.request_id {
+            let found: Vec<Option<OwnerToken>> = parts
+                .iter()
+                .map(|p| {
+                    self.request_ids
+                        .get(&(p.name.clone(), request_id.clone()))
+                        .copied()
+                })
+                .collect();
+            if found.iter().any(Option::is_some) {
+                let found: Vec<OwnerToken> = found.into_iter().flatten().collect();
+                if found.len() == n && found.iter().all(|t| self.holders.contains_key(t)) {
+                    return Ok(Reply::GrantedAll(
+                        found.into_iter().map(|t| self.grant_of(t)).collect(),
+                    ));
+                }
+                if found.len() == n && found.iter().all(|t| self.waiters.contains_key(t)) {
+                    return Ok(Reply::QueuedAll { tokens: found });
+                }
+                return Err(err(
+                    ErrorKind::InvalidArgument,
+                    "this request_id belongs to another request on some of these locks, or to one partly released",
+                ));
+            }
+        }
+
+        if let Some(id) = first.session {
+            let session = self
+                .sessions
+                .get(&id)
+                .filter(|s| s.tenant == first.tenant)
+                .ok_or_else(|| Self::session_missing(id))?;
+            if session.holders.len() + session.waiters.len() + n > self.config.max_locks_per_session
+            {
+                return Err(err(
+                    ErrorKind::ResourceExhausted,
+                    format!(
+                        "session {id} would hold or wait for more than {} locks",
+                        self.config.max_locks_per_session
+                    ),
+                ));
+            }
+        }
+        if self.next_fence.saturating_add(n as u64) == u64::MAX {
+            return Err(err(ErrorKind::ResourceExhausted, "fence space exhausted"));
+        }
+        if let (Some(tenant), Some(quota)) = (&first.tenant, &first.quota) {
+            let used = self.usage_of(tenant);
+            if used.held + used.waiting + n as u64 > u64::from(quota.max_held_locks) {
+                return Err(err(
+                    ErrorKind::QuotaExceeded,
+                    format!(
+                        "principal {tenant} would hold or wait for more than its quota of {} locks (max_held_locks)",
+                        quota.max_held_locks
+                    ),
+                ));
+            }
+        }
+
+        let now = self.now_ms;
+        let mut vacant = 0;
+        let mut unavailable: Option<LockName> = None;
+        for p in &parts {
+            match self.locks.get(&NameKey::of(&p.name)) {
+                Some(lock) => {
+                    if lock.limit != p.limit {
+                        return Err(err(
+                            ErrorKind::LimitMismatch,
+                            format!(
+                                "lock {} exists with limit {}, request asked for {}",
+                                p.name, lock.limit, p.limit
+                            ),
+                        ));
+                    }
+                    let available = admits(lock, p.mode, self.config.max_limit)
+                        && lock.blocked_until_ms <= now
+                        && lock.waiters.is_empty();
+                    if !available && unavailable.is_none() {
+                        unavailable = Some(p.name.clone());
+                    }
+                }
+                None => vacant += 1,
+            }
+        }
+        if self.locks.len() + vacant > self.config.max_locks {
+            return Err(err(
+                ErrorKind::ResourceExhausted,
+                format!(
+                    "the server holds its maximum of {} locks",
+                    self.config.max_locks
+                ),
+            ));
+        }
+
+        if unavailable.is_none() {
+            let mut grants = Vec::with_capacity(n);
+            for p in parts {
+                let lock = self.locks.entry(NameKey::of(&p.name)).or_insert(Lock {
+                    limit: p.limit,
+                    ..Lock::default()
+                });
+                lock.holders.push(p.token);
+                lock.shared += usize::from(p.mode == Mode::Shared);
+                let waiter = Waiter {
+                    name: p.name,
+                    owner: p.owner,
+                    request_id: p.request_id,
+                    ttl_ms: p.ttl_ms,
+                    session: p.session,
+                    lock_delay_ms: p.lock_delay_ms,
+                    enqueued_at_ms: now,
+                    wait_deadline_ms: now,
+                    tenant: p.tenant,
+                    mode: p.mode,
+                    value: None,
+                    group: None,
+                };
+                grants.push(self.grant_pushed(p.token, waiter));
+            }
+            return Ok(Reply::GrantedAll(grants));
+        }
+        if first.wait_ms == 0 {
+            let name = unavailable.map(|n| n.to_string()).unwrap_or_default();
+            return Err(err(
+                ErrorKind::Held,
+                format!("lock {name} is held, in lock-delay or queued for"),
+            ));
+        }
+        let crowded = parts.iter().any(|p| {
+            self.locks
+                .get(&NameKey::of(&p.name))
+                .is_some_and(|l| l.waiters.len() >= self.config.max_waiters_per_lock)
+        });
+        if crowded || self.waiters.len() + n > self.config.max_waiters {
+            return Err(err(
+                ErrorKind::ResourceExhausted,
+                "too many queued requests for one of these locks",
+            ));
+        }
+        if let (Some(tenant), Some(quota)) = (&first.tenant, &first.quota) {
+            if self.usage_of(tenant).waiting + n as u64 > u64::from(quota.max_waiters) {
+                return Err(err(
+                    ErrorKind::QuotaExceeded,
+                    format!(
+                        "principal {tenant} would have more than its quota of {} queued acquires (max_waiters)",
+                        quota.max_waiters
+                    ),
+                ));
+            }
+        }
+
+        // Queue on every lock in this one transition: every queue then orders this
+        // request after everything queued before it, so no two multi-lock requests
+        // can each wait behind the other.
+        let deadline = now.saturating_add(first.wait_ms);
+        let group: Arc<[OwnerToken]> = parts.iter().map(|p| p.token).collect();
+        for p in parts {
+            if let Some(request_id) = &p.request_id {
+                self.request_ids
+                    .insert((p.name.clone(), request_id.clone()), p.token);
+            }
+            if let Some(id) = p.session {
+                if let Some(s) = self.sessions.get_mut(&id) {
+                    s.waiters.insert(p.token);
+                }
+            }
+            self.timers.insert((deadline, Timer::Wait(p.token)));
+            let lock = self.locks.entry(NameKey::of(&p.name)).or_insert(Lock {
+                limit: p.limit,
+                ..Lock::default()
+            });
+            lock.waiters.push_back(p.token);
+            self.count(p.tenant.as_ref(), |u| u.waiting += 1);
+            self.shared_waiters += usize::from(p.mode == Mode::Shared);
+            self.outcomes.push(Outcome::Event(Event {
+                kind: EventKind::Queued,
+                name: p.name.clone(),
+                fence: None,
+                owner: p.owner.clone(),
+                session: p.session,
+                tenant: p.tenant.clone(),
+                at_ms: now,
+                duration_ms: 0,
+                reason: None,
+                mode: p.mode,
+                value: None,
+            }));
+            self.waiters.insert(
+                p.token,
+                Waiter {
+                    name: p.name,
+                    owner: p.owner,
+                    request_id: p.request_id,
+                    ttl_ms: p.ttl_ms,
+                    session: p.session,
+                    lock_delay_ms: p.lock_delay_ms,
+                    enqueued_at_ms: now,
+                    wait_deadline_ms: deadline,
+                    tenant: p.tenant,
+                    mode: p.mode,
+                    value: None,
+                    group: Some(group.clone()),
+                },
+            );
+        }
+        Ok(Reply::QueuedAll {
+            tokens: group.to_vec(),
+        })
+    }
+
+    fn downgrade(&mut self, name: LockName, token: OwnerToken) -> Result<Reply, Error> {
+        let Some(h) = self.holder_of(&name, token) else {
+            return Err(self.not_held_error(&name, token));
+        };
+        if h.mode == Mode::Shared {
+            return Ok(Reply::Downgraded {
+                grant: self.grant_of(token),
+                downgraded: false,
+            });
+        }
+        if h.value.is_some() {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                "an election's leader holds it exclusively: resign instead of downgrading",
+            ));
+        }
+        let lock = self
+            .locks
+            .get_mut(&NameKey::of(&name))
+            .expect("holder's lock exists");
+        if lock.holders.len() > 1 {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!("{name} has other exclusive holders (a semaphore): only a sole writer can downgrade"),
+            ));
+        }
+        lock.shared += 1;
+        self.shared_holders += 1;
+        let h = self.holders.get_mut(&token).expect("checked above");
+        h.mode = Mode::Shared;
+        let event = Event {
+            kind: EventKind::Downgraded,
+            name: name.clone(),
+            fence: Some(h.fence),
+            owner: h.owner.clone(),
+            session: match h.lease {
+                Lease::Session(id) => Some(id),
+                Lease::Own { .. } => None,
+            },
+            tenant: h.tenant.clone(),
+            at_ms: self.now_ms,
+            duration_ms: self.now_ms - h.granted_at_ms,
+            reason: None,
+            mode: Mode::Shared,
+            value: None,
+        };
+        self.outcomes.push(Outcome::Event(event));
+        // Readers queued right behind may join now.
+        self.hand_off(&name);
+        Ok(Reply::Downgraded {
+            grant: self.grant_of(token),
+            downgraded: true,
+        })
+    }
+
+    fn proclaim(
+        &mut self,
+        name: LockName,
+        token: OwnerToken,
+        value: Value,
+    ) -> Result<Reply, Error> {
+        let Some(h) = self.holder_of(&name, token) else {
+            return Err(self.not_held_error(&name, token));
+        };
+        let limit = self.locks[&NameKey::of(&name)].limit;
+        if h.mode != Mode::Exclusive || limit != 1 {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!("only the exclusive holder of {name} (limit 1) leads it and can proclaim"),
+            ));
+        }
+        let h = self.holders.get_mut(&token).expect("checked above");
+        h.value = Some(value.clone());
+        let event = Event {
+            kind: EventKind::Proclaimed,
+            name,
+            fence: Some(h.fence),
+            owner: h.owner.clone(),
+            session: match h.lease {
+                Lease::Session(id) => Some(id),
+                Lease::Own { .. } => None,
+            },
+            tenant: h.tenant.clone(),
+            at_ms: self.now_ms,
+            duration_ms: self.now_ms - h.granted_at_ms,
+            reason: None,
+            mode: Mode::Exclusive,
+            value: Some(value),
+        };
+        self.outcomes.push(Outcome::Event(event));
+        Ok(Reply::Proclaimed(self.grant_of(token)))
+    }
+
+    fn release_all(&mut self, grants: Vec<(LockName, OwnerToken)>) -> Result<Reply, Error> {
+        if grants.is_empty() || grants.len() > MAX_NAMES_PER_REQUEST {
+            return Err(err(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "release 1 to {MAX_NAMES_PER_REQUEST} grants at once, got {}",
+                    grants.len()
+                ),
+            ));
+        }
+        let mut seen = BTreeSet::new();
+        for (name, token) in &grants {
+            if !seen.insert(*token) {
+                return Err(err(
+                    ErrorKind::InvalidArgument,
+                    format!("owner token for {name} appears twice"),
+                ));
+            }
+            let held = self.holder_of(name, *token).is_some();
+            if !held && self.recent_end(name, *token) != Some(GrantEnd::Released) {
+                return Err(self.not_held_error(name, *token));
+            }
+        }
+        let mut released = Vec::with_capacity(grants.len());
+        for (name, token) in &grants {
+            let held = self.holder_of(name, *token).is_some();
+            if held {
+                self.end_grant(*token, GrantEnd::Released, None);
+            }
+            released.push(held);
+        }
+        for (name, _) in &grants {
+            self.hand_off(name);
+        }
+        Ok(Reply::ReleasedAll { released })
+    }
+
     fn force_release(
         &mut self,
         name: LockName,
@@ -1140,8 +1728,9 @@ impl Core {
     fn cancel_wait(&mut self, name: &LockName, token: OwnerToken) -> Reply {
         let queued = self.waiters.get(&token).is_some_and(|w| w.name == *name);
         if queued {
-            self.end_wait(token, WaitEnd::Cancelled);
-            self.hand_off(name);
+            for name in self.end_waits(token, WaitEnd::Cancelled) {
+                self.hand_off(&name);
+            }
         }
         Reply::WaitCancelled { cancelled: queued }
     }
@@ -1229,10 +1818,10 @@ impl Core {
         let holders: Vec<OwnerToken> = s.holders.iter().copied().collect();
         let deadline = s.deadline_ms;
         // Waiters go first, so no hand-off below can grant to this session.
-        let mut names: Vec<LockName> = waiters
-            .into_iter()
-            .map(|token| self.end_wait(token, WaitEnd::SessionEnded))
-            .collect();
+        let mut names: Vec<LockName> = Vec::new();
+        for token in waiters {
+            names.extend(self.end_waits(token, WaitEnd::SessionEnded));
+        }
         self.timers.remove(&(deadline, Timer::Session(id)));
         names.extend(holders.iter().map(|t| self.holders[t].name.clone()));
         let count = holders.len();
@@ -1265,8 +1854,9 @@ impl Core {
                     self.hand_off(&name);
                 }
                 Timer::Wait(token) => {
-                    let name = self.end_wait(token, WaitEnd::TimedOut);
-                    self.hand_off(&name);
+                    for name in self.end_waits(token, WaitEnd::TimedOut) {
+                        self.hand_off(&name);
+                    }
                 }
                 Timer::Unblock(name) => {
                     self.hand_off(&name);
@@ -1285,8 +1875,10 @@ impl Core {
             .flat_map(|l| l.waiters.iter().copied())
             .collect();
         for token in queued {
-            let name = self.end_wait(token, WaitEnd::ServerRestarted);
-            self.drop_lock_if_unused(&name);
+            if self.waiters.contains_key(&token) {
+                let name = self.end_wait(token, WaitEnd::ServerRestarted);
+                self.drop_lock_if_unused(&name);
+            }
         }
         self.refresh_leases();
     }
@@ -1479,6 +2071,8 @@ impl Core {
                     session,
                     held_ms: now - h.granted_at_ms,
                     ttl_remaining_ms: deadline.saturating_sub(now),
+                    mode: h.mode,
+                    value: h.value.clone(),
                 }
             })
             .collect();
@@ -1492,33 +2086,155 @@ impl Core {
         }
     }
 
+    /// One lock's holders: exclusive and shared never together, each within its
+    /// bound, fences increasing in grant order, values on exclusive holders only,
+    /// and `lock.shared` counting the shared ones. `holder` looks a token up.
+    fn check_modes(
+        max_limit: u32,
+        name: &LockName,
+        lock: &Lock,
+        holder: impl Fn(&OwnerToken) -> Option<(Mode, Fence, bool)>,
+    ) -> Result<(), String> {
+        let mut shared = 0;
+        let mut last: Option<Fence> = None;
+        for t in &lock.holders {
+            let (mode, fence, valued) =
+                holder(t).ok_or_else(|| format!("{name}: unknown holder"))?;
+            if mode == Mode::Shared {
+                shared += 1;
+                if valued {
+                    return Err(format!("{name}: a shared holder carries an election value"));
+                }
+            }
+            if last.is_some_and(|l| l >= fence) {
+                return Err(format!(
+                    "{name}: holders' fences are not increasing in grant order"
+                ));
+            }
+            last = Some(fence);
+        }
+        if shared != lock.shared {
+            return Err(format!("{name}: shared holder count out of step"));
+        }
+        let exclusive = lock.holders.len() - shared;
+        if exclusive > 0 && shared > 0 {
+            return Err(format!(
+                "{name}: an exclusive holder together with shared holders"
+            ));
+        }
+        if exclusive > lock.limit as usize {
+            return Err(format!(
+                "{name}: {exclusive} holders > limit {}",
+                lock.limit
+            ));
+        }
+        if shared > reader_limit(lock.limit, max_limit) {
+            return Err(format!(
+                "{name}: {shared} shared holders > {} readers",
+                reader_limit(lock.limit, max_limit)
+            ));
+        }
+        Ok(())
+    }
+
+    /// The queues: no queue stalls with a grantable request at its head (FIFO
+    /// across modes, hand-off complete), every multi-lock request waits on all of
+    /// its locks (never partly granted), and all queues order requests the same
+    /// way (so no two requests wait for each other: no deadlock). O(waiters).
+    fn check_queues(&self) -> Result<(), String> {
+        // A request's place in the global order: its group's first token.
+        let id = |t: &OwnerToken| -> Option<OwnerToken> {
+            let w = self.waiters.get(t)?;
+            Some(w.group.as_ref().map_or(*t, |g| g[0]))
+        };
+        let mut after: HashMap<OwnerToken, Vec<OwnerToken>> = HashMap::new();
+        let mut before: HashMap<OwnerToken, usize> = HashMap::new();
+        for (token, w) in &self.waiters {
+            if let Some(group) = &w.group {
+                if !group.contains(token) {
+                    return Err(format!("{}: a multi-lock part outside its group", w.name));
+                }
+                let mut names = BTreeSet::new();
+                for part in group.iter() {
+                    let p = self.waiters.get(part).ok_or_else(|| {
+                        format!("{}: a multi-lock request partly granted", w.name)
+                    })?;
+                    // One request: the same group, session and wait on every lock.
+                    let same = p.group.as_deref() == Some(&group[..])
+                        && p.session == w.session
+                        && p.wait_deadline_ms == w.wait_deadline_ms;
+                    if !same || !names.insert(p.name.clone()) {
+                        return Err(format!("{}: a multi-lock request's parts disagree", w.name));
+                    }
+                }
+            }
+            let Some(lock) = self.locks.get(&NameKey::of(&w.name)) else {
+                return Err(format!("{}: waiter of no lock", w.name));
+            };
+            if lock.waiters.front() != Some(token) {
+                continue;
+            }
+            if self.grantable(*token) {
+                return Err(format!(
+                    "{}: the head of the queue could be granted (FIFO stalled)",
+                    w.name
+                ));
+            }
+            before.entry(id(token).unwrap_or(*token)).or_insert(0);
+            for pair in lock.waiters.iter().collect::<Vec<_>>().windows(2) {
+                let (a, b) = (id(pair[0]), id(pair[1]));
+                let (Some(a), Some(b)) = (a, b) else {
+                    return Err(format!("{}: unknown waiter", w.name));
+                };
+                after.entry(a).or_default().push(b);
+                *before.entry(b).or_insert(0) += 1;
+                before.entry(a).or_insert(0);
+            }
+        }
+        // Kahn's algorithm: the queues agree with one order iff their union of
+        // "queued right before" edges has no cycle.
+        let mut ready: Vec<OwnerToken> = before
+            .iter()
+            .filter(|(_, n)| **n == 0)
+            .map(|(t, _)| *t)
+            .collect();
+        let mut done = 0;
+        while let Some(t) = ready.pop() {
+            done += 1;
+            for next in after.get(&t).map(Vec::as_slice).unwrap_or_default() {
+                let n = before.get_mut(next).ok_or("queue order index broken")?;
+                *n -= 1;
+                if *n == 0 {
+                    ready.push(*next);
+                }
+            }
+        }
+        if done != before.len() {
+            return Err("queues order multi-lock requests differently (a deadlock cycle)".into());
+        }
+        Ok(())
+    }
+
     /// Checks every internal invariant; returns the first broken one. O(state).
     pub fn check_invariants(&self) -> Result<(), InvariantError> {
         let mut fences = Vec::with_capacity(self.holders.len());
         let mut counted_holders = 0;
         let mut counted_waiters = 0;
+        let mut shared_holders = 0;
         for (key, lock) in &self.locks {
             let name = &key.name;
-            if lock.holders.len() > lock.limit as usize {
-                return Err(broken(format!(
-                    "{name}: {} holders > limit {}",
-                    lock.holders.len(),
-                    lock.limit
-                )));
-            }
+            Self::check_modes(self.config.max_limit, name, lock, |t| {
+                self.holders
+                    .get(t)
+                    .map(|h| (h.mode, h.fence, h.value.is_some()))
+            })
+            .map_err(broken)?;
+            shared_holders += lock.shared;
             if lock.holders.is_empty()
                 && lock.waiters.is_empty()
                 && lock.blocked_until_ms <= self.now_ms
             {
                 return Err(broken(format!("{name}: unused lock record kept")));
-            }
-            if !lock.waiters.is_empty()
-                && lock.holders.len() < lock.limit as usize
-                && lock.blocked_until_ms <= self.now_ms
-            {
-                return Err(broken(format!(
-                    "{name}: free slot while requests are queued"
-                )));
             }
             for t in &lock.holders {
                 let h = self
@@ -1582,6 +2298,15 @@ impl Core {
         if counted_holders != self.holders.len() || counted_waiters != self.waiters.len() {
             return Err(broken("holder or waiter table out of step with the locks"));
         }
+        let shared_waiters = self
+            .waiters
+            .values()
+            .filter(|w| w.mode == Mode::Shared)
+            .count();
+        if shared_holders != self.shared_holders || shared_waiters != self.shared_waiters {
+            return Err(broken("shared holder or waiter counts out of step"));
+        }
+        self.check_queues().map_err(broken)?;
         for (id, s) in &self.sessions {
             if s.deadline_ms <= self.now_ms {
                 return Err(broken(format!("session {id} past its lease")));
@@ -1647,6 +2372,8 @@ impl Core {
                             granted_at_ms: h.granted_at_ms,
                             lock_delay_ms: h.lock_delay_ms,
                             tenant: h.tenant.clone(),
+                            mode: h.mode,
+                            value: h.value.clone(),
                         }
                     })
                     .collect(),
@@ -1665,6 +2392,9 @@ impl Core {
                             enqueued_at_ms: w.enqueued_at_ms,
                             wait_deadline_ms: w.wait_deadline_ms,
                             tenant: w.tenant.clone(),
+                            mode: w.mode,
+                            value: w.value.clone(),
+                            group: w.group.as_deref().map(<[_]>::to_vec).unwrap_or_default(),
                         }
                     })
                     .collect(),
@@ -1773,23 +2503,12 @@ impl Core {
             if l.limit == 0 {
                 return Err(bad_image(format!("lock {name} has limit 0")));
             }
-            if l.holders.len() > l.limit as usize {
-                return Err(bad_image(format!(
-                    "{name}: {} holders > limit {}",
-                    l.holders.len(),
-                    l.limit
-                )));
-            }
             let blocked = l.blocked_until_ms > now;
             if l.holders.is_empty() && l.waiters.is_empty() && !blocked {
                 return Err(bad_image(format!("{name}: unused lock record kept")));
             }
-            if !l.waiters.is_empty() && l.holders.len() < l.limit as usize && !blocked {
-                return Err(bad_image(format!(
-                    "{name}: free slot while requests are queued"
-                )));
-            }
             let mut lock = Lock {
+                shared: l.holders.iter().filter(|h| h.mode == Mode::Shared).count(),
                 limit: l.limit,
                 blocked_until_ms: l.blocked_until_ms,
                 holders: Vec::with_capacity(l.holders.len()),
@@ -1852,6 +2571,7 @@ impl Core {
                 }
                 lock.holders.push(h.token);
                 core.count(h.tenant.as_ref(), |u| u.held += 1);
+                core.shared_holders += usize::from(h.mode == Mode::Shared);
                 let dup = core.holders.insert(
                     h.token,
                     Holder {
@@ -1863,6 +2583,8 @@ impl Core {
                         granted_at_ms: h.granted_at_ms,
                         lock_delay_ms: h.lock_delay_ms,
                         tenant: h.tenant,
+                        mode: h.mode,
+                        value: h.value,
                     },
                 );
                 if dup.is_some() || core.waiters.contains_key(&h.token) {
@@ -1910,6 +2632,7 @@ impl Core {
                 timers.push((w.wait_deadline_ms, Timer::Wait(w.token)));
                 lock.waiters.push_back(w.token);
                 core.count(w.tenant.as_ref(), |u| u.waiting += 1);
+                core.shared_waiters += usize::from(w.mode == Mode::Shared);
                 let dup = core.waiters.insert(
                     w.token,
                     Waiter {
@@ -1922,12 +2645,20 @@ impl Core {
                         enqueued_at_ms: w.enqueued_at_ms,
                         wait_deadline_ms: w.wait_deadline_ms,
                         tenant: w.tenant,
+                        mode: w.mode,
+                        value: w.value,
+                        group: (!w.group.is_empty()).then(|| w.group.into()),
                     },
                 );
                 if dup.is_some() || core.holders.contains_key(&w.token) {
                     return Err(bad_image(format!("owner token {} appears twice", w.token)));
                 }
             }
+            let holders = &core.holders;
+            Self::check_modes(core.config.max_limit, &name, &lock, |t| {
+                holders.get(t).map(|h| (h.mode, h.fence, h.value.is_some()))
+            })
+            .map_err(bad_image)?;
             let key = NameKey::new(name);
             if locks.last().is_some_and(|(last, _)| *last >= key) {
                 return Err(bad_image(format!(
@@ -1947,6 +2678,7 @@ impl Core {
         }
         core.locks = locks.into_iter().collect();
         core.timers = timers.into_iter().collect();
+        core.check_queues().map_err(bad_image)?;
         debug_assert_eq!(core.check_invariants(), Ok(()));
         Ok(core)
     }

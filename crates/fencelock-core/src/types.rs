@@ -244,6 +244,59 @@ impl Reason {
     }
 }
 
+/// Longest election value, in bytes of UTF-8.
+pub const MAX_VALUE_BYTES: usize = 4096;
+
+/// How a grant holds its lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum Mode {
+    /// A writer: never together with a shared holder (on a lock with `limit` 1, the
+    /// only holder; on a semaphore, one of at most `limit` exclusive holders).
+    #[default]
+    Exclusive,
+    /// A reader: any number of readers together (up to `limit`, or up to
+    /// [`Config::max_limit`](crate::Config::max_limit) on a lock with `limit` 1),
+    /// never with an exclusive holder.
+    Shared,
+}
+
+impl Mode {
+    /// `"exclusive"` or `"shared"`, as on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Exclusive => "exclusive",
+            Mode::Shared => "shared",
+        }
+    }
+
+    /// Parses `"exclusive"` or `"shared"`.
+    pub fn parse(text: &str) -> Option<Mode> {
+        match text {
+            "exclusive" => Some(Mode::Exclusive),
+            "shared" => Some(Mode::Shared),
+            _ => None,
+        }
+    }
+}
+
+/// An election value (what a leader publishes, e.g. its address): UTF-8, at most
+/// [`MAX_VALUE_BYTES`] bytes, no control characters, may be empty.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Hash)]
+pub struct Value(std::sync::Arc<str>);
+
+impl Value {
+    /// Validates `value` and wraps it.
+    pub fn new(value: &str) -> Result<Value, TextError> {
+        check_text("value", value, true, MAX_VALUE_BYTES)?;
+        Ok(Value(value.into()))
+    }
+
+    /// The value as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
 /// A fencing token: strictly increasing across every grant the server ever makes.
 ///
 /// Zero is never a fence, so a resource can start from "last seen = 0".

@@ -31,8 +31,8 @@ use std::collections::BTreeMap;
 use common::{config_strategy, owner_of, render_command, steps_strategy, Step};
 use fencelock_core::{
     Acquire, Command, Config, Core, ErrorKind, Event, EventKind, Fence, Grant, GrantEnd,
-    HolderImage, LeaseImage, LockImage, LockName, Outcome, Owner, OwnerToken, Reason, Reply,
-    RequestId, SessionId, SessionImage, StateImage, WaitEnd, WaiterImage,
+    HolderImage, LeaseImage, LockImage, LockName, Mode, Outcome, Owner, OwnerToken, Reason, Reply,
+    RequestId, SessionId, SessionImage, StateImage, Value, WaitEnd, WaiterImage,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{TestCaseError, TestRunner};
@@ -40,6 +40,27 @@ use proptest::test_runner::{TestCaseError, TestRunner};
 // ---------------------------------------------------------------------------------
 // The reference model.
 // ---------------------------------------------------------------------------------
+
+/// Whether `lock` takes one more holder in `mode`, as docs/design.md says: exclusive
+/// and shared never together; exclusive ones up to `limit`; shared ones up to
+/// `limit`, or `max_limit` when `limit` is 1.
+fn admits(lock: &MLock, mode: Mode, max_limit: u32) -> bool {
+    let shared = lock
+        .holders
+        .iter()
+        .filter(|h| h.mode == Mode::Shared)
+        .count();
+    let exclusive = lock.holders.len() - shared;
+    let readers = if lock.limit == 1 {
+        max_limit as usize
+    } else {
+        lock.limit as usize
+    };
+    match mode {
+        Mode::Exclusive => shared == 0 && exclusive < lock.limit as usize,
+        Mode::Shared => exclusive == 0 && shared < readers,
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MLease {
@@ -56,6 +77,8 @@ struct MHolder {
     lease: MLease,
     granted_at: u64,
     lock_delay: u64,
+    mode: Mode,
+    value: Option<Value>,
 }
 
 #[derive(Debug, Clone)]
@@ -68,6 +91,8 @@ struct MWaiter {
     lock_delay: u64,
     enqueued_at: u64,
     wait_deadline: u64,
+    mode: Mode,
+    value: Option<Value>,
 }
 
 #[derive(Debug, Clone)]
@@ -152,6 +177,7 @@ impl Model {
             token: h.token,
             ttl_ms,
             session,
+            mode: h.mode,
         }
     }
 
@@ -177,6 +203,8 @@ impl Model {
             lease,
             granted_at: self.now,
             lock_delay: w.lock_delay,
+            mode: w.mode,
+            value: w.value.clone(),
         };
         let name = self.locks[li].name.clone();
         out.events.push(Event {
@@ -189,6 +217,8 @@ impl Model {
             at_ms: self.now,
             duration_ms: self.now - w.enqueued_at,
             reason: None,
+            mode: w.mode,
+            value: w.value.clone(),
         });
         let grant = self.grant_value(&name, &h);
         self.locks[li].holders.push(h);
@@ -256,6 +286,8 @@ impl Model {
             at_ms: self.now,
             duration_ms: self.now - h.granted_at,
             reason,
+            mode: h.mode,
+            value: h.value.clone(),
         });
         h.fence
     }
@@ -277,6 +309,8 @@ impl Model {
             at_ms: self.now,
             duration_ms: self.now - w.enqueued_at,
             reason: None,
+            mode: w.mode,
+            value: w.value.clone(),
         });
         out.wait_ends.push((w.token, name, why));
     }
@@ -286,9 +320,9 @@ impl Model {
     fn hand_off(&mut self, li: usize, out: &mut MOut) {
         loop {
             let lock = &self.locks[li];
-            if lock.holders.len() >= lock.limit as usize
-                || lock.blocked_until > self.now
+            if lock.blocked_until > self.now
                 || lock.queue.is_empty()
+                || !admits(lock, lock.queue[0].mode, self.cfg.max_limit)
             {
                 return;
             }
@@ -457,6 +491,15 @@ impl Model {
         self.process_deadlines(&mut out);
         let reply = match command {
             Command::Acquire(a) => self.acquire(a, &mut out),
+            Command::Downgrade { name, token } => self.downgrade(name, *token, &mut out),
+            Command::Proclaim { name, token, value } => {
+                self.proclaim(name, *token, value, &mut out)
+            }
+            Command::AcquireAll(_) | Command::ReleaseAll { .. } => {
+                unreachable!(
+                    "multi-lock requests are checked by tests/kinds.rs, not generated here"
+                )
+            }
             Command::Renew {
                 name,
                 token,
@@ -592,6 +635,83 @@ impl Model {
         (reply, out)
     }
 
+    fn downgrade(&mut self, name: &LockName, token: OwnerToken, out: &mut MOut) -> MReply {
+        let Some((li, hi)) = self.find_holder(name, token) else {
+            return Err(self.not_held(name, token));
+        };
+        let h = &self.locks[li].holders[hi];
+        if h.mode == Mode::Shared {
+            let grant = self.grant_value(name, h);
+            return Ok(Reply::Downgraded {
+                grant,
+                downgraded: false,
+            });
+        }
+        if h.value.is_some() || self.locks[li].holders.len() > 1 {
+            return Err(ErrorKind::InvalidArgument);
+        }
+        let h = &mut self.locks[li].holders[hi];
+        h.mode = Mode::Shared;
+        out.events.push(Event {
+            tenant: common::model_tenant(),
+            kind: EventKind::Downgraded,
+            name: name.clone(),
+            fence: Fence::new(h.fence),
+            owner: h.owner.clone(),
+            session: match h.lease {
+                MLease::Session(id) => Some(id),
+                MLease::Own { .. } => None,
+            },
+            at_ms: self.now,
+            duration_ms: self.now - h.granted_at,
+            reason: None,
+            mode: Mode::Shared,
+            value: None,
+        });
+        self.hand_off(li, out);
+        let (li, hi) = self.find_holder(name, token).expect("still held");
+        let grant = self.grant_value(name, &self.locks[li].holders[hi]);
+        Ok(Reply::Downgraded {
+            grant,
+            downgraded: true,
+        })
+    }
+
+    fn proclaim(
+        &mut self,
+        name: &LockName,
+        token: OwnerToken,
+        value: &Value,
+        out: &mut MOut,
+    ) -> MReply {
+        let Some((li, hi)) = self.find_holder(name, token) else {
+            return Err(self.not_held(name, token));
+        };
+        if self.locks[li].limit != 1 || self.locks[li].holders[hi].mode != Mode::Exclusive {
+            return Err(ErrorKind::InvalidArgument);
+        }
+        let h = &mut self.locks[li].holders[hi];
+        h.value = Some(value.clone());
+        out.events.push(Event {
+            tenant: common::model_tenant(),
+            kind: EventKind::Proclaimed,
+            name: name.clone(),
+            fence: Fence::new(h.fence),
+            owner: h.owner.clone(),
+            session: match h.lease {
+                MLease::Session(id) => Some(id),
+                MLease::Own { .. } => None,
+            },
+            at_ms: self.now,
+            duration_ms: self.now - h.granted_at,
+            reason: None,
+            mode: Mode::Exclusive,
+            value: Some(value.clone()),
+        });
+        let h = &self.locks[li].holders[hi];
+        Ok(Reply::Proclaimed(self.grant_value(name, h)))
+    }
+
     fn keep_alive(&mut self, id: SessionId) -> MReply {
         let now = self.now;
         let s = self
@@ -641,6 +761,7 @@ impl Model {
             || a.limit > self.cfg.max_limit
             || a.wait_ms > self.cfg.max_wait_ms
             || a.lock_delay_ms > self.cfg.max_lock_delay_ms
+            || (a.value.is_some() && (a.mode != Mode::Exclusive || a.limit != 1))
         {
             return Err(InvalidArgument);
         }
@@ -718,9 +839,11 @@ impl Model {
             lock_delay: a.lock_delay_ms,
             enqueued_at: self.now,
             wait_deadline: self.now + a.wait_ms,
+            mode: a.mode,
+            value: a.value.clone(),
         };
         let lock = &self.locks[li];
-        let available = lock.holders.len() < lock.limit as usize
+        let available = admits(lock, a.mode, self.cfg.max_limit)
             && lock.blocked_until <= self.now
             && lock.queue.is_empty();
         if available {
@@ -745,6 +868,8 @@ impl Model {
             at_ms: self.now,
             duration_ms: 0,
             reason: None,
+            mode: a.mode,
+            value: a.value.clone(),
         });
         let lock = &mut self.locks[li];
         lock.queue.push(w);
@@ -794,6 +919,8 @@ impl Model {
                         },
                         granted_at_ms: h.granted_at,
                         lock_delay_ms: h.lock_delay,
+                        mode: h.mode,
+                        value: h.value.clone(),
                     })
                     .collect(),
                 waiters: l
@@ -809,6 +936,9 @@ impl Model {
                         lock_delay_ms: w.lock_delay,
                         enqueued_at_ms: w.enqueued_at,
                         wait_deadline_ms: w.wait_deadline,
+                        mode: w.mode,
+                        value: w.value.clone(),
+                        group: Vec::new(),
                     })
                     .collect(),
             })
@@ -963,14 +1093,21 @@ impl RunChecks {
             );
         }
 
-        // At most `limit` holders.
+        // At most `limit` exclusive holders, never one with a shared holder.
         for l in &after.locks {
+            let shared = l.holders.iter().filter(|h| h.mode == Mode::Shared).count();
+            let exclusive = l.holders.len() - shared;
             ensure!(
-                l.holders.len() <= l.limit as usize,
+                exclusive <= l.limit as usize,
                 "{}: {} holders > limit {}",
                 l.name,
-                l.holders.len(),
+                exclusive,
                 l.limit
+            );
+            ensure!(
+                exclusive == 0 || shared == 0,
+                "{}: a writer together with {shared} readers",
+                l.name
             );
         }
         Ok(())
@@ -1009,6 +1146,9 @@ fn run(config: Config, steps: &[Step], coverage: &mut Coverage) -> Result<(), Te
         for o in outcomes {
             match o {
                 Outcome::Granted(g) => handoffs.push(g),
+                Outcome::GrantedAll(_) => {
+                    return Err(fail("a multi-lock grant from single acquires".into()))
+                }
                 Outcome::WaitEnded {
                     token,
                     name,
@@ -1138,6 +1278,7 @@ impl Coverage {
         }
         for o in outcomes {
             match o {
+                Outcome::GrantedAll(_) => {}
                 Outcome::Granted(g) => {
                     self.handoffs += 1;
                     self.session_handoffs += usize::from(g.session.is_some());
@@ -1223,6 +1364,8 @@ fn model_agrees_on_a_fixed_busy_script() {
                 session: s.map(sid),
                 tenant: common::model_tenant(),
                 quota: None,
+                mode: fencelock_core::Mode::Exclusive,
+                value: None,
             })
         };
     let step = |dt_ms, command| Step { dt_ms, command };

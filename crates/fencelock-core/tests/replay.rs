@@ -115,6 +115,8 @@ fn busy_image() -> StateImage {
         granted_at_ms: 90,
         lock_delay_ms: 0,
         tenant: None,
+        mode: fencelock_core::Mode::Exclusive,
+        value: None,
     };
     let own = |deadline_ms| LeaseImage::Own {
         ttl_ms: 30,
@@ -130,6 +132,9 @@ fn busy_image() -> StateImage {
         enqueued_at_ms: 95,
         wait_deadline_ms: 150,
         tenant: None,
+        mode: fencelock_core::Mode::Exclusive,
+        value: None,
+        group: Vec::new(),
     };
     StateImage {
         now_ms: 100,

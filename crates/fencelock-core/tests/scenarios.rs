@@ -59,10 +59,28 @@ fn render(reply: &Result<Reply, fencelock_core::Error>, outcomes: &[Outcome]) ->
         Ok(Reply::Recovered) => "recovered".into(),
         Ok(Reply::Promoted) => "promoted".into(),
         Ok(Reply::FenceFloorRaised { next_fence }) => format!("next-fence={next_fence}"),
+        Ok(Reply::GrantedAll(grants)) => {
+            let grants: Vec<String> = grants.iter().map(|g| render_grant("", g)).collect();
+            format!("granted-all [{}]", grants.join(";"))
+        }
+        Ok(Reply::QueuedAll { tokens }) => {
+            let tokens: Vec<String> = tokens.iter().map(|t| format!("t{}", t.as_u128())).collect();
+            format!("queued-all {}", tokens.join(" "))
+        }
+        Ok(Reply::Downgraded { grant, downgraded }) => {
+            format!("{} downgraded={downgraded}", render_grant("shared", grant))
+        }
+        Ok(Reply::Proclaimed(g)) => render_grant("proclaimed", g),
+        Ok(Reply::ReleasedAll { released }) => format!("released-all {released:?}"),
     }];
     for o in outcomes {
         match o {
             Outcome::Granted(g) => lines.push(render_grant("-> granted", g)),
+            Outcome::GrantedAll(grants) => {
+                for g in grants {
+                    lines.push(render_grant("-> granted-all", g));
+                }
+            }
             Outcome::WaitEnded {
                 token,
                 name,
@@ -111,6 +129,8 @@ fn acquire(lock: &str, token: u128) -> Acq {
         session: None,
         tenant: None,
         quota: None,
+        mode: fencelock_core::Mode::Exclusive,
+        value: None,
     })
 }
 

@@ -32,6 +32,8 @@ fn acquire(lock: &str, t: u128, who: &str, session: Option<SessionId>, wait_ms: 
         session,
         tenant: Some(tenant(who)),
         quota: Some(QUOTA),
+        mode: fencelock_core::Mode::Exclusive,
+        value: None,
     })
 }
 
@@ -288,6 +290,8 @@ proptest! {
                     session: session.map(sid),
                     tenant: Some(tenant(WHO[who])),
                     quota: Some(QUOTA),
+                    mode: fencelock_core::Mode::Exclusive,
+                    value: None,
                 }),
                 Step::Release { lock, t } => Command::Release { name: name(LOCKS[lock]), token: tok(t) },
                 Step::Open { id, who } => Command::OpenSession {

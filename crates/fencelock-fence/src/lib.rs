@@ -54,6 +54,15 @@
 //!
 //! A rising count is good news and bad news: a holder lost its lock and kept working,
 //! and the fence stopped it.
+//!
+//! # Readers
+//!
+//! With reader-writer locks, readers fence their reads too. The resource keeps the
+//! largest fence it has seen from reads and writes, and the last write's fence; a
+//! read is accepted if its fence is larger than the last write's (and raises the
+//! largest seen), a write only if its fence is larger than every fence seen, reads
+//! included. [`ReadWriteFence`] is that rule for one resource; see
+//! [`readers`](mod@readers).
 #![deny(missing_docs)]
 
 use std::fmt::Write as _;
@@ -66,6 +75,7 @@ pub mod http;
 mod memory;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+pub mod readers;
 
 pub use error::{ErrorKind, FenceError};
 pub use file::FileGate;
@@ -74,6 +84,7 @@ pub use http::{FenceLayer, FenceService, RequestHead, FENCING_TOKEN_HEADER};
 pub use memory::MemoryGate;
 #[cfg(feature = "postgres")]
 pub use postgres::{PgFence, PgGate, PgWrite};
+pub use readers::ReadWriteFence;
 
 /// "Apply this write only if its fence is greater than the last fence accepted for
 /// this resource, atomically with the write."

@@ -198,6 +198,9 @@ pub(crate) fn command(op: u8, input: &mut Input<'_>) -> Command {
                 // so the kept regression inputs replay unchanged.
                 tenant: None,
                 quota: None,
+                // Exclusive, no value: as above, the kept inputs replay unchanged.
+                mode: fencelock_core::Mode::Exclusive,
+                value: None,
             })
         }
         5 | 6 => Command::Renew {

@@ -22,7 +22,9 @@
 //! requests are answered). [`Op::Cancel`] abandons a waiting acquire (its `id` is the
 //! acquire's): the server answers it with the error `cancelled` — after the acquire's
 //! own answer if that was already sent, in which case the client should release a
-//! grant it no longer wants. With authentication on, the first request is
+//! grant it no longer wants. (Only a single acquire is cancelled so: a multi-lock
+//! request or a campaign runs to its answer, and grants that find the connection gone
+//! are released.) With authentication on, the first request is
 //! [`Op::Hello`] carrying the bearer token. A frame longer than the server's limit, or
 //! one that does not parse, is answered with an error; a frame whose length cannot be
 //! trusted ends the connection.
@@ -36,7 +38,11 @@
 use prost::Message;
 
 pub use crate::sink::Sink;
-use crate::{AcquireRequest, Grant, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse};
+use crate::{
+    AcquireAllRequest, AcquireAllResponse, AcquireRequest, CampaignRequest, DowngradeRequest,
+    Grant, LeaderRequest, LeaderResponse, ProclaimRequest, ReleaseAllRequest, ReleaseAllResponse,
+    ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse,
+};
 
 /// What a client sends first.
 pub const CLIENT_MAGIC: [u8; 8] = *b"\xF1flw/1\r\n";
@@ -65,6 +71,20 @@ pub enum Op {
     Cancel = 5,
     /// Either way: are you there? Answered with [`Op::Pong`] (empty message).
     Ping = 6,
+    /// Client → server: an [`AcquireAllRequest`] (several locks, all or none).
+    /// Answered with [`Op::GrantedAll`]; [`Op::Cancel`] abandons it like an acquire.
+    AcquireAll = 7,
+    /// Client → server: a [`ReleaseAllRequest`]. Answered with [`Op::ReleasedAll`].
+    ReleaseAll = 8,
+    /// Client → server: a [`DowngradeRequest`]. Answered with [`Op::Grant`].
+    Downgrade = 9,
+    /// Client → server: a [`CampaignRequest`] (waits like an acquire). Answered with
+    /// [`Op::Grant`].
+    Campaign = 10,
+    /// Client → server: a [`ProclaimRequest`]. Answered with [`Op::Grant`].
+    Proclaim = 11,
+    /// Client → server: a [`LeaderRequest`]. Answered with [`Op::Leader`].
+    Leader = 12,
     /// Server → client: the connection is authenticated (empty message).
     Welcome = 0x81,
     /// Server → client: a [`Grant`].
@@ -75,6 +95,12 @@ pub enum Op {
     Released = 0x84,
     /// Answer to [`Op::Ping`].
     Pong = 0x86,
+    /// Server → client: an [`AcquireAllResponse`].
+    GrantedAll = 0x87,
+    /// Server → client: a [`ReleaseAllResponse`].
+    ReleasedAll = 0x88,
+    /// Server → client: a [`LeaderResponse`].
+    LeaderIs = 0x89,
     /// Server → client: the request failed ([`WireError`]).
     Error = 0xFF,
 }
@@ -89,6 +115,15 @@ impl Op {
             4 => Op::Release,
             5 => Op::Cancel,
             6 => Op::Ping,
+            7 => Op::AcquireAll,
+            8 => Op::ReleaseAll,
+            9 => Op::Downgrade,
+            10 => Op::Campaign,
+            11 => Op::Proclaim,
+            12 => Op::Leader,
+            0x87 => Op::GrantedAll,
+            0x88 => Op::ReleasedAll,
+            0x89 => Op::LeaderIs,
             0x81 => Op::Welcome,
             0x82 => Op::Grant,
             0x83 => Op::Renewed,
@@ -143,6 +178,18 @@ pub enum Request {
     Cancel,
     /// See [`Op::Ping`].
     Ping,
+    /// See [`Op::AcquireAll`].
+    AcquireAll(AcquireAllRequest),
+    /// See [`Op::ReleaseAll`].
+    ReleaseAll(ReleaseAllRequest),
+    /// See [`Op::Downgrade`].
+    Downgrade(DowngradeRequest),
+    /// See [`Op::Campaign`].
+    Campaign(CampaignRequest),
+    /// See [`Op::Proclaim`].
+    Proclaim(ProclaimRequest),
+    /// See [`Op::Leader`].
+    Leader(LeaderRequest),
 }
 
 /// A response, decoded.
@@ -160,6 +207,12 @@ pub enum Response {
     Pong,
     /// See [`Op::Error`].
     Error(WireError),
+    /// See [`Op::GrantedAll`].
+    GrantedAll(AcquireAllResponse),
+    /// See [`Op::ReleasedAll`].
+    ReleasedAll(ReleaseAllResponse),
+    /// See [`Op::LeaderIs`].
+    Leader(LeaderResponse),
 }
 
 /// Why a frame could not be read. `id` is the frame's id when the header was whole, so
@@ -254,6 +307,12 @@ pub fn decode_request(frame: &[u8]) -> Result<(u64, Request), FrameError> {
             expect_empty(id, "Ping", message)?;
             Request::Ping
         }
+        Some(Op::AcquireAll) => Request::AcquireAll(decode(id, "AcquireAll", message)?),
+        Some(Op::ReleaseAll) => Request::ReleaseAll(decode(id, "ReleaseAll", message)?),
+        Some(Op::Downgrade) => Request::Downgrade(decode(id, "Downgrade", message)?),
+        Some(Op::Campaign) => Request::Campaign(decode(id, "Campaign", message)?),
+        Some(Op::Proclaim) => Request::Proclaim(decode(id, "Proclaim", message)?),
+        Some(Op::Leader) => Request::Leader(decode(id, "Leader", message)?),
         _ => {
             return Err(frame_error(
                 Some(id),
@@ -280,6 +339,9 @@ pub fn decode_response(frame: &[u8]) -> Result<(u64, Response), FrameError> {
             Response::Pong
         }
         Some(Op::Error) => Response::Error(decode(id, "Error", message)?),
+        Some(Op::GrantedAll) => Response::GrantedAll(decode(id, "GrantedAll", message)?),
+        Some(Op::ReleasedAll) => Response::ReleasedAll(decode(id, "ReleasedAll", message)?),
+        Some(Op::LeaderIs) => Response::Leader(decode(id, "Leader", message)?),
         _ => {
             return Err(frame_error(
                 Some(id),
@@ -329,6 +391,12 @@ pub fn encode_request(out: &mut Vec<u8>, id: u64, request: &Request) {
         Request::Release(m) => encode(out, Op::Release, id, Some(m)),
         Request::Cancel => encode(out, Op::Cancel, id, None),
         Request::Ping => encode(out, Op::Ping, id, None),
+        Request::AcquireAll(m) => encode(out, Op::AcquireAll, id, Some(m)),
+        Request::ReleaseAll(m) => encode(out, Op::ReleaseAll, id, Some(m)),
+        Request::Downgrade(m) => encode(out, Op::Downgrade, id, Some(m)),
+        Request::Campaign(m) => encode(out, Op::Campaign, id, Some(m)),
+        Request::Proclaim(m) => encode(out, Op::Proclaim, id, Some(m)),
+        Request::Leader(m) => encode(out, Op::Leader, id, Some(m)),
     }
 }
 
@@ -344,6 +412,9 @@ pub fn encode_response(out: &mut Vec<u8>, id: u64, response: &Response) {
         Response::Released(m) => encode(out, Op::Released, id, Some(m)),
         Response::Pong => encode(out, Op::Pong, id, None),
         Response::Error(m) => encode(out, Op::Error, id, Some(m)),
+        Response::GrantedAll(m) => encode(out, Op::GrantedAll, id, Some(m)),
+        Response::ReleasedAll(m) => encode(out, Op::ReleasedAll, id, Some(m)),
+        Response::Leader(m) => encode(out, Op::LeaderIs, id, Some(m)),
     }
 }
 
@@ -372,7 +443,44 @@ mod tests {
                 limit: 3,
                 lock_delay_ms: 10,
                 session: None,
+                mode: "shared".into(),
             }),
+            Request::AcquireAll(AcquireAllRequest {
+                names: vec!["a".into(), "b".into()],
+                ttl_ms: Some(1_000),
+                wait_ms: 10,
+                owner: "w".into(),
+                request_id: Some("r-2".into()),
+                limit: 1,
+                lock_delay_ms: 0,
+                session: None,
+                mode: "exclusive".into(),
+            }),
+            Request::ReleaseAll(ReleaseAllRequest {
+                grants: vec![ReleaseRequest {
+                    name: "a".into(),
+                    owner_token: "t".into(),
+                }],
+            }),
+            Request::Downgrade(DowngradeRequest {
+                name: "a".into(),
+                owner_token: "t".into(),
+            }),
+            Request::Campaign(CampaignRequest {
+                name: "e".into(),
+                value: "host:1".into(),
+                ttl_ms: Some(1_000),
+                wait_ms: 5,
+                owner: "w".into(),
+                request_id: None,
+                session: None,
+            }),
+            Request::Proclaim(ProclaimRequest {
+                name: "e".into(),
+                owner_token: "t".into(),
+                value: "host:2".into(),
+            }),
+            Request::Leader(LeaderRequest { name: "e".into() }),
             Request::Renew(RenewRequest {
                 name: "a".into(),
                 owner_token: "t".into(),
@@ -404,6 +512,19 @@ mod tests {
                 owner_token: "t".into(),
                 ttl_ms: 1000,
                 session: Some("s".into()),
+                mode: "shared".into(),
+            }),
+            Response::GrantedAll(AcquireAllResponse { grants: vec![] }),
+            Response::ReleasedAll(ReleaseAllResponse {
+                released: vec![true, false],
+            }),
+            Response::Leader(LeaderResponse {
+                leader: Some(crate::Leader {
+                    name: "e".into(),
+                    value: "host:2".into(),
+                    term: 9,
+                    owner: "w".into(),
+                }),
             }),
             Response::Renewed(RenewResponse {
                 name: "a".into(),

@@ -37,7 +37,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use fencelock_core::{
-    Command, Error as CoreError, EventKind, GrantEnd, Outcome, Reply, SessionId, Tenant, WaitEnd,
+    Command, Error as CoreError, EventKind, GrantEnd, Mode, Outcome, Reply, SessionId, Tenant,
+    WaitEnd,
 };
 use fencelock_log::{Log, LogError, LogErrorKind, LogOptions};
 
@@ -94,11 +95,17 @@ pub enum AuditKind {
     SessionEnd,
     /// A renew was refused (`detail`: `not_held`, `expired`, …). Not a state change.
     RenewFailed,
+    /// A holder turned its exclusive grant into a shared one (fence kept).
+    Downgrade,
+    /// An election's leader published a new value (`detail`: the value).
+    Proclaim,
 }
 
 impl AuditKind {
     /// Every kind.
-    pub(crate) const ALL: [AuditKind; 7] = [
+    pub(crate) const ALL: [AuditKind; 9] = [
+        AuditKind::Downgrade,
+        AuditKind::Proclaim,
         AuditKind::Grant,
         AuditKind::Handoff,
         AuditKind::Release,
@@ -118,6 +125,8 @@ impl AuditKind {
             AuditKind::ForcedRelease => "forced_release",
             AuditKind::SessionEnd => "session_end",
             AuditKind::RenewFailed => "renew_failed",
+            AuditKind::Downgrade => "downgrade",
+            AuditKind::Proclaim => "proclaim",
         }
     }
 
@@ -130,6 +139,8 @@ impl AuditKind {
             AuditKind::ForcedRelease => 5,
             AuditKind::SessionEnd => 6,
             AuditKind::RenewFailed => 7,
+            AuditKind::Downgrade => 8,
+            AuditKind::Proclaim => 9,
         }
     }
 
@@ -266,8 +277,15 @@ pub fn entries_for(
         };
         let kind = match ev.kind {
             EventKind::Granted => {
-                let direct = matches!(result, Ok(Reply::Granted(g)) if Some(g.fence) == ev.fence && g.name == ev.name)
-                    && matches!(command, Command::Acquire(_));
+                let direct = match (command, result) {
+                    (Command::Acquire(_), Ok(Reply::Granted(g))) => {
+                        Some(g.fence) == ev.fence && g.name == ev.name
+                    }
+                    (Command::AcquireAll(_), Ok(Reply::GrantedAll(gs))) => gs
+                        .iter()
+                        .any(|g| Some(g.fence) == ev.fence && g.name == ev.name),
+                    _ => false,
+                };
                 if direct {
                     AuditKind::Grant
                 } else {
@@ -296,6 +314,8 @@ pub fn entries_for(
                 }
                 continue;
             }
+            EventKind::Downgraded => AuditKind::Downgrade,
+            EventKind::Proclaimed => AuditKind::Proclaim,
             EventKind::Queued | EventKind::WaitEnded(_) => continue,
         };
         let mut entry = AuditEntry::new(meta, kind);
@@ -320,6 +340,12 @@ pub fn entries_for(
         }
         if kind == AuditKind::ForcedRelease {
             entry.reason = ev.reason.as_ref().map(|r| r.as_str().to_owned());
+        }
+        if matches!(kind, AuditKind::Grant | AuditKind::Handoff) && ev.mode == Mode::Shared {
+            entry.detail = Some("shared".to_owned());
+        }
+        if kind == AuditKind::Proclaim {
+            entry.detail = ev.value.as_ref().map(|v| v.as_str().to_owned());
         }
         out.push(entry);
     }

@@ -7,8 +7,9 @@
 //! format from the future, never a torn write.
 
 use fencelock_core::{
-    Acquire, Command, Fence, GrantEnd, HolderImage, LeaseImage, LockImage, LockName, Owner,
-    OwnerToken, Quota, Reason, RequestId, SessionId, SessionImage, StateImage, Tenant, WaiterImage,
+    Acquire, Command, Fence, GrantEnd, HolderImage, LeaseImage, LockImage, LockName, Mode, Owner,
+    OwnerToken, Quota, Reason, RequestId, SessionId, SessionImage, StateImage, Tenant, Value,
+    WaiterImage,
 };
 
 /// Format version of log records written before the audit log (no metadata).
@@ -19,7 +20,12 @@ const RECORD_VERSION_2: u8 = 2;
 /// Format version of log records: version 2, plus the principal and its quota at the
 /// end of `Acquire` and `OpenSession` (versions 1 and 2 decode with neither: their
 /// sessions are owned by nobody, their grants count against nobody's quota).
-const RECORD_VERSION: u8 = 3;
+const RECORD_VERSION_3: u8 = 3;
+/// Format version of log records: version 3, plus the mode (u8: 0 exclusive, 1
+/// shared) and the election value (optional string) at the end of every acquire,
+/// and the multi-lock, downgrade, proclaim and release-all commands. Older versions
+/// decode as exclusive acquires without a value.
+const RECORD_VERSION: u8 = 4;
 /// Format version of snapshots before principals (decoded with none recorded).
 const SNAPSHOT_VERSION_1: u8 = 1;
 /// Format version of snapshots: version 1 plus a table of the principals (after
@@ -27,7 +33,12 @@ const SNAPSHOT_VERSION_1: u8 = 1;
 /// session, holder and queued request, its principal as an index into it (u32: 0 =
 /// none, i = the i-th name). A million holders of one token cost 4 bytes each, not
 /// its name each, and decode to one shared name.
-const SNAPSHOT_VERSION: u8 = 2;
+const SNAPSHOT_VERSION_2: u8 = 2;
+/// Format version of snapshots: version 2, plus after every holder its mode and
+/// value, and after every queued request its mode, value and multi-lock group
+/// (count, then the parts' tokens). Older versions decode as exclusive, without
+/// values or groups.
+const SNAPSHOT_VERSION: u8 = 3;
 /// A snapshot starts with these bytes (inside the log layer's checksummed envelope).
 const SNAPSHOT_MAGIC: &[u8; 8] = b"FLSNAP01";
 
@@ -215,6 +226,48 @@ impl<'a> Dec<'a> {
         }
         Ok(n)
     }
+
+    /// An acquire's fields; `principals` and `kinds` say whether the record's
+    /// version carries the principal and quota, and the mode and value.
+    fn acquire(&mut self, principals: bool, kinds: bool) -> Result<Acquire, DecodeError> {
+        let mut a = Acquire {
+            name: self.name()?,
+            token: OwnerToken::from_u128(self.u128()?),
+            ttl_ms: self.opt_u64()?,
+            wait_ms: self.u64()?,
+            owner: self.owner()?,
+            request_id: self.request_id()?,
+            limit: self.u32()?,
+            lock_delay_ms: self.u64()?,
+            session: self.opt_u128()?.map(SessionId::from_u128),
+            tenant: None,
+            quota: None,
+            mode: Mode::Exclusive,
+            value: None,
+        };
+        if principals {
+            a.tenant = self.tenant()?;
+            a.quota = self.quota()?;
+        }
+        if kinds {
+            (a.mode, a.value) = self.mode_value()?;
+        }
+        Ok(a)
+    }
+
+    fn mode_value(&mut self) -> Result<(Mode, Option<Value>), DecodeError> {
+        let mode = match self.u8()? {
+            0 => Mode::Exclusive,
+            1 => Mode::Shared,
+            b => return Err(bad(format!("bad mode {b}"))),
+        };
+        let value = match self.opt_str()? {
+            Some(v) => Some(Value::new(v).map_err(|e| bad(e.to_string()))?),
+            None => None,
+        };
+        Ok((mode, value))
+    }
+
     fn tenant(&mut self) -> Result<Option<Tenant>, DecodeError> {
         self.opt_str()?
             .map(|s| Tenant::new(s).map_err(|e| bad(e.to_string())))
@@ -252,6 +305,10 @@ mod tag {
     pub const RECOVER: u8 = 10;
     pub const RAISE_FENCE_FLOOR: u8 = 11;
     pub const PROMOTE: u8 = 12;
+    pub const ACQUIRE_ALL: u8 = 13;
+    pub const DOWNGRADE: u8 = 14;
+    pub const PROCLAIM: u8 = 15;
+    pub const RELEASE_ALL: u8 = 16;
 }
 
 /// What a log record carries besides its command: enough to rebuild the audit
@@ -283,16 +340,33 @@ pub fn encode_record(meta: &RecordMeta, command: &Command) -> Vec<u8> {
     match command {
         Command::Acquire(a) => {
             e.u8(tag::ACQUIRE);
-            e.str(a.name.as_str());
-            e.u128(a.token.as_u128());
-            e.opt_u64(a.ttl_ms);
-            e.u64(a.wait_ms);
-            e.str(a.owner.as_str());
-            e.opt_str(a.request_id.as_ref().map(RequestId::as_str));
-            e.u32(a.limit);
-            e.u64(a.lock_delay_ms);
-            e.opt_u128(a.session.map(SessionId::as_u128));
-            e.tenant_quota(a.tenant.as_ref(), a.quota.as_ref());
+            e.acquire(a);
+        }
+        Command::AcquireAll(parts) => {
+            e.u8(tag::ACQUIRE_ALL);
+            e.u32(parts.len() as u32);
+            for a in parts {
+                e.acquire(a);
+            }
+        }
+        Command::Downgrade { name, token } => {
+            e.u8(tag::DOWNGRADE);
+            e.str(name.as_str());
+            e.u128(token.as_u128());
+        }
+        Command::Proclaim { name, token, value } => {
+            e.u8(tag::PROCLAIM);
+            e.str(name.as_str());
+            e.u128(token.as_u128());
+            e.str(value.as_str());
+        }
+        Command::ReleaseAll { grants } => {
+            e.u8(tag::RELEASE_ALL);
+            e.u32(grants.len() as u32);
+            for (name, token) in grants {
+                e.str(name.as_str());
+                e.u128(token.as_u128());
+            }
         }
         Command::Renew {
             name,
@@ -365,7 +439,7 @@ pub fn decode_record(bytes: &[u8]) -> Result<(RecordMeta, Command), DecodeError>
             now_ms: d.time()?,
             ..RecordMeta::default()
         },
-        RECORD_VERSION_2 | RECORD_VERSION => RecordMeta {
+        RECORD_VERSION_2 | RECORD_VERSION_3 | RECORD_VERSION => RecordMeta {
             now_ms: d.time()?,
             seq: d.u64()?,
             wall_ms: d.u64()?,
@@ -373,21 +447,35 @@ pub fn decode_record(bytes: &[u8]) -> Result<(RecordMeta, Command), DecodeError>
         },
         v => return Err(bad(format!("unknown record version {v}"))),
     };
-    let principals = version >= RECORD_VERSION;
+    let principals = version >= RECORD_VERSION_3;
+    let kinds = version >= RECORD_VERSION;
     let command = match d.u8()? {
-        tag::ACQUIRE => Command::Acquire(Acquire {
+        tag::ACQUIRE => Command::Acquire(d.acquire(principals, kinds)?),
+        tag::ACQUIRE_ALL if kinds => {
+            let n = d.count()?;
+            let mut parts = Vec::with_capacity(n.min(64));
+            for _ in 0..n {
+                parts.push(d.acquire(principals, kinds)?);
+            }
+            Command::AcquireAll(parts)
+        }
+        tag::DOWNGRADE if kinds => Command::Downgrade {
             name: d.name()?,
             token: OwnerToken::from_u128(d.u128()?),
-            ttl_ms: d.opt_u64()?,
-            wait_ms: d.u64()?,
-            owner: d.owner()?,
-            request_id: d.request_id()?,
-            limit: d.u32()?,
-            lock_delay_ms: d.u64()?,
-            session: d.opt_u128()?.map(SessionId::from_u128),
-            tenant: if principals { d.tenant()? } else { None },
-            quota: if principals { d.quota()? } else { None },
-        }),
+        },
+        tag::PROCLAIM if kinds => Command::Proclaim {
+            name: d.name()?,
+            token: OwnerToken::from_u128(d.u128()?),
+            value: Value::new(d.str()?).map_err(|e| bad(e.to_string()))?,
+        },
+        tag::RELEASE_ALL if kinds => {
+            let n = d.count()?;
+            let mut grants = Vec::with_capacity(n.min(64));
+            for _ in 0..n {
+                grants.push((d.name()?, OwnerToken::from_u128(d.u128()?)));
+            }
+            Command::ReleaseAll { grants }
+        }
         tag::RENEW => Command::Renew {
             name: d.name()?,
             token: OwnerToken::from_u128(d.u128()?),
@@ -487,6 +575,28 @@ pub fn decode_replicated(bytes: &[u8]) -> Result<Replicated, DecodeError> {
 }
 
 impl Enc {
+    fn acquire(&mut self, a: &Acquire) {
+        self.str(a.name.as_str());
+        self.u128(a.token.as_u128());
+        self.opt_u64(a.ttl_ms);
+        self.u64(a.wait_ms);
+        self.str(a.owner.as_str());
+        self.opt_str(a.request_id.as_ref().map(RequestId::as_str));
+        self.u32(a.limit);
+        self.u64(a.lock_delay_ms);
+        self.opt_u128(a.session.map(SessionId::as_u128));
+        self.tenant_quota(a.tenant.as_ref(), a.quota.as_ref());
+        self.mode_value(a.mode, a.value.as_ref());
+    }
+
+    fn mode_value(&mut self, mode: Mode, value: Option<&Value>) {
+        self.u8(match mode {
+            Mode::Exclusive => 0,
+            Mode::Shared => 1,
+        });
+        self.opt_str(value.map(Value::as_str));
+    }
+
     fn tenant_quota(&mut self, tenant: Option<&Tenant>, quota: Option<&Quota>) {
         self.opt_str(tenant.map(Tenant::as_str));
         match quota {
@@ -517,7 +627,8 @@ pub fn encode_snapshot(image: &StateImage) -> Vec<u8> {
 /// [`encode_snapshot`] in format `version` (an older one only for tests: it drops
 /// the principals).
 fn encode_snapshot_version(image: &StateImage, version: u8) -> Vec<u8> {
-    let principals = version >= SNAPSHOT_VERSION;
+    let principals = version >= SNAPSHOT_VERSION_2;
+    let kinds = version >= SNAPSHOT_VERSION;
     let mut e = Enc::default();
     e.0.extend_from_slice(SNAPSHOT_MAGIC);
     e.u8(version);
@@ -587,6 +698,9 @@ fn encode_snapshot_version(image: &StateImage, version: u8) -> Vec<u8> {
             if principals {
                 e.u32(index(h.tenant.as_ref()));
             }
+            if kinds {
+                e.mode_value(h.mode, h.value.as_ref());
+            }
         }
         e.u32(l.waiters.len() as u32);
         for w in &l.waiters {
@@ -600,6 +714,13 @@ fn encode_snapshot_version(image: &StateImage, version: u8) -> Vec<u8> {
             e.u64(w.wait_deadline_ms);
             if principals {
                 e.u32(index(w.tenant.as_ref()));
+            }
+            if kinds {
+                e.mode_value(w.mode, w.value.as_ref());
+                e.u32(w.group.len() as u32);
+                for t in &w.group {
+                    e.u128(t.as_u128());
+                }
             }
         }
     }
@@ -619,10 +740,11 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
         return Err(bad("not a fencelock snapshot (bad magic)"));
     }
     let version = d.u8()?;
-    if version != SNAPSHOT_VERSION && version != SNAPSHOT_VERSION_1 {
+    if !(SNAPSHOT_VERSION_1..=SNAPSHOT_VERSION).contains(&version) {
         return Err(bad(format!("unknown snapshot version {version}")));
     }
-    let principals = version >= SNAPSHOT_VERSION;
+    let principals = version >= SNAPSHOT_VERSION_2;
+    let kinds = version >= SNAPSHOT_VERSION;
     let now_ms = d.time()?;
     let next_fence = d.u64()?;
     let mut table: Vec<Tenant> = Vec::new();
@@ -681,7 +803,7 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
         let blocked_until_ms = d.time()?;
         let mut holders = Vec::new();
         for _ in 0..d.count()? {
-            holders.push(HolderImage {
+            let mut holder = HolderImage {
                 token: OwnerToken::from_u128(d.u128()?),
                 fence: d.fence()?,
                 owner: owner(&mut d)?,
@@ -697,11 +819,17 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
                 granted_at_ms: d.time()?,
                 lock_delay_ms: d.time()?,
                 tenant: tenant(&mut d)?,
-            });
+                mode: Mode::Exclusive,
+                value: None,
+            };
+            if kinds {
+                (holder.mode, holder.value) = d.mode_value()?;
+            }
+            holders.push(holder);
         }
         let mut waiters = Vec::new();
         for _ in 0..d.count()? {
-            waiters.push(WaiterImage {
+            let mut waiter = WaiterImage {
                 token: OwnerToken::from_u128(d.u128()?),
                 owner: d.owner()?,
                 request_id: d.request_id()?,
@@ -711,7 +839,17 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<StateImage, DecodeError> {
                 enqueued_at_ms: d.time()?,
                 wait_deadline_ms: d.time()?,
                 tenant: tenant(&mut d)?,
-            });
+                mode: Mode::Exclusive,
+                value: None,
+                group: Vec::new(),
+            };
+            if kinds {
+                (waiter.mode, waiter.value) = d.mode_value()?;
+                for _ in 0..d.count()? {
+                    waiter.group.push(OwnerToken::from_u128(d.u128()?));
+                }
+            }
+            waiters.push(waiter);
         }
         locks.push(LockImage {
             name,
@@ -781,6 +919,8 @@ mod tests {
                 session: None,
                 tenant: None,
                 quota: None,
+                mode: Mode::Exclusive,
+                value: None,
             }),
             Command::Acquire(Acquire {
                 name: name("a"),
@@ -794,6 +934,8 @@ mod tests {
                 session: Some(session),
                 tenant: Some(Tenant::new("worker").unwrap()),
                 quota: None,
+                mode: Mode::Exclusive,
+                value: None,
             }),
             Command::Renew {
                 name: name("a"),
@@ -818,7 +960,158 @@ mod tests {
             },
             Command::CloseSession { id: session },
             Command::Recover,
+            Command::Acquire(Acquire {
+                mode: Mode::Shared,
+                ..kinds_acquire("r", 5)
+            }),
+            Command::Acquire(Acquire {
+                value: Some(Value::new("host-1:8080").unwrap()),
+                ..kinds_acquire("leader", 6)
+            }),
+            Command::AcquireAll(vec![
+                kinds_acquire("x", 7),
+                Acquire {
+                    mode: Mode::Shared,
+                    ..kinds_acquire("y", 8)
+                },
+            ]),
+            Command::Downgrade {
+                name: name("x"),
+                token: OwnerToken::from_u128(7),
+            },
+            Command::Proclaim {
+                name: name("leader"),
+                token: OwnerToken::from_u128(6),
+                value: Value::new("host-1:9090").unwrap(),
+            },
+            Command::ReleaseAll {
+                grants: vec![
+                    (name("x"), OwnerToken::from_u128(7)),
+                    (name("y"), OwnerToken::from_u128(8)),
+                ],
+            },
         ]
+    }
+
+    fn kinds_acquire(lock: &str, token: u128) -> Acquire {
+        Acquire {
+            name: name(lock),
+            token: OwnerToken::from_u128(token),
+            ttl_ms: Some(1_000),
+            wait_ms: 100,
+            owner: Owner::new("k").unwrap(),
+            request_id: Some(RequestId::new("k1").unwrap()),
+            limit: 1,
+            lock_delay_ms: 0,
+            session: None,
+            tenant: Some(Tenant::new("worker").unwrap()),
+            quota: None,
+            mode: Mode::Exclusive,
+            value: None,
+        }
+    }
+
+    /// Records written before modes, values and multi-locks (version 3) decode as
+    /// exclusive acquires without a value; a version 3 record cannot carry the
+    /// new commands.
+    #[test]
+    fn version_3_records_decode_as_exclusive_acquires() {
+        let meta = RecordMeta {
+            seq: 4,
+            now_ms: 10,
+            wall_ms: 2,
+            actor: Some("worker".into()),
+        };
+        // Written by hand as version 3 laid an acquire out: no mode, no value.
+        let mut v3 = vec![3u8];
+        v3.extend_from_slice(&10u64.to_le_bytes());
+        v3.extend_from_slice(&4u64.to_le_bytes());
+        v3.extend_from_slice(&2u64.to_le_bytes());
+        let mut e = Enc::default();
+        e.opt_str(Some("worker"));
+        e.u8(tag::ACQUIRE);
+        e.str("a");
+        e.u128(1);
+        e.opt_u64(Some(1_000));
+        e.u64(0);
+        e.str("host:1");
+        e.opt_str(None);
+        e.u32(1);
+        e.u64(0);
+        e.opt_u128(None);
+        e.opt_str(Some("worker"));
+        e.u8(0);
+        v3.extend_from_slice(&e.0);
+        let (got_meta, command) = decode_record(&v3).unwrap();
+        assert_eq!(got_meta, meta);
+        assert_eq!(
+            command,
+            Command::Acquire(Acquire {
+                name: name("a"),
+                token: OwnerToken::from_u128(1),
+                ttl_ms: Some(1_000),
+                wait_ms: 0,
+                owner: Owner::new("host:1").unwrap(),
+                request_id: None,
+                limit: 1,
+                lock_delay_ms: 0,
+                session: None,
+                tenant: Some(Tenant::new("worker").unwrap()),
+                quota: None,
+                mode: Mode::Exclusive,
+                value: None,
+            })
+        );
+        // The same record in version 4 carries the mode and value after it.
+        let v4 = encode_record(&meta, &command);
+        assert_eq!(&v4[1..], [&v3[1..], &[0, 0][..]].concat());
+        let downgrade = Command::Downgrade {
+            name: name("a"),
+            token: OwnerToken::from_u128(1),
+        };
+        let mut new_in_v3 = encode_record(&meta, &downgrade);
+        new_in_v3[0] = 3;
+        assert!(decode_record(&new_in_v3).is_err());
+    }
+
+    #[test]
+    fn snapshots_carry_modes_values_and_multi_lock_groups() {
+        let mut core = Core::new(Config::default());
+        for (i, c) in sample_commands().into_iter().skip(12).take(3).enumerate() {
+            core.apply(i as u64, c).unwrap();
+        }
+        // Queued behind the shared `y` part: a writer, then a multi-lock.
+        core.apply(
+            3,
+            Command::AcquireAll(vec![
+                Acquire {
+                    request_id: None,
+                    ..kinds_acquire("y", 20)
+                },
+                Acquire {
+                    request_id: None,
+                    ..kinds_acquire("r", 21)
+                },
+            ]),
+        )
+        .unwrap();
+        let image = core.export();
+        assert!(image
+            .locks
+            .iter()
+            .any(|l| l.waiters.iter().any(|w| w.group.len() == 2)));
+        assert!(image
+            .locks
+            .iter()
+            .any(|l| l.holders.iter().any(|h| h.value.is_some())));
+        assert_eq!(decode_snapshot(&encode_snapshot(&image)).unwrap(), image);
+        // A version 2 snapshot decodes as exclusive, without values or groups.
+        let v2 = decode_snapshot(&encode_snapshot_version(&image, SNAPSHOT_VERSION_2)).unwrap();
+        assert!(v2.locks.iter().all(|l| l
+            .holders
+            .iter()
+            .all(|h| h.mode == Mode::Exclusive && h.value.is_none())
+            && l.waiters.iter().all(|w| w.group.is_empty())));
     }
 
     #[test]
@@ -885,10 +1178,16 @@ mod tests {
                     Command::Acquire(Acquire {
                         tenant: None,
                         quota: None,
+                        mode: Mode::Exclusive,
+                        value: None,
                         ..a
                     }),
                     true,
                 ),
+                Command::AcquireAll(_)
+                | Command::Downgrade { .. }
+                | Command::Proclaim { .. }
+                | Command::ReleaseAll { .. } => continue,
                 Command::OpenSession {
                     id, ttl_ms, owner, ..
                 } => (
@@ -905,6 +1204,10 @@ mod tests {
             };
             let mut v2 = encode_record(&meta, &with_none);
             v2[0] = 2;
+            if matches!(with_none, Command::Acquire(_)) {
+                // Version 4 appends the mode (exclusive) and an absent value.
+                assert_eq!(v2.split_off(v2.len() - 2), [0, 0]);
+            }
             if had {
                 // Version 3 appends an absent principal and an absent quota.
                 assert_eq!(v2.split_off(v2.len() - 2), [0, 0]);
@@ -962,6 +1265,8 @@ mod tests {
                 session: Some(session),
                 tenant: Some(Tenant::new("worker").unwrap()),
                 quota: None,
+                mode: Mode::Exclusive,
+                value: None,
             }),
         )
         .unwrap();

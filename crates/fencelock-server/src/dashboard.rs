@@ -776,6 +776,8 @@ fn event_row(e: &Event) -> Option<Markup> {
         EventKind::Ended(GrantEnd::Released) => "release",
         EventKind::Ended(GrantEnd::Expired) => "expiry",
         EventKind::Ended(GrantEnd::ForceReleased) => "forced_release",
+        EventKind::Downgraded => "downgrade",
+        EventKind::Proclaimed => "proclaim",
         EventKind::Queued | EventKind::WaitEnded(_) => return None,
     };
     let row = EventRow {
@@ -1882,6 +1884,8 @@ mod tests {
                 limit: 1,
                 lock_delay_ms: 0,
                 session: None,
+                mode: Default::default(),
+                value: None,
             },
         )
         .await

@@ -38,9 +38,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencelock_core::{
-    Acquire, Command, Config as CoreConfig, Core, Error as CoreError, ErrorKind, Event, EventKind,
-    Grant, GrantEnd, LockName, Outcome, Owner, OwnerToken, Quota, Reply, RequestId, SessionId,
-    SessionView, Tenant, WaitEnd,
+    Command, Config as CoreConfig, Core, Error as CoreError, ErrorKind, Event, EventKind, Grant,
+    GrantEnd, LockName, Mode, Outcome, Owner, OwnerToken, Quota, Reply, RequestId, SessionId,
+    SessionView, Tenant, Value, WaitEnd,
 };
 use fencelock_log::LogOptions;
 use tokio::sync::{broadcast, oneshot, watch};
@@ -187,6 +187,10 @@ pub struct AcquireArgs {
     pub lock_delay_ms: u64,
     /// Hold under this session.
     pub session: Option<SessionId>,
+    /// Exclusive (a writer) or shared (a reader).
+    pub mode: Mode,
+    /// An election campaign's value (exclusive, limit 1).
+    pub value: Option<Value>,
 }
 
 /// Who sends a command to the engine: the actor its audit entries name, the
@@ -303,10 +307,12 @@ pub(crate) type GrantSink = Box<dyn FnOnce(Result<Grant, ApiError>) -> bool + Se
 /// [`GrantSink`]).
 pub(crate) type ReplySink = Box<dyn FnOnce(Result<Reply, ApiError>) + Send>;
 
-/// An acquire's answer: to a future awaiting it, or to a sink.
+/// An acquire's answer: to a future awaiting it, or to a sink; a multi-lock
+/// request's (all its grants) to a future.
 enum AcquireReply {
     Channel(oneshot::Sender<Result<Grant, ApiError>>),
     Sink(GrantSink),
+    All(oneshot::Sender<Result<Vec<Grant>, ApiError>>),
 }
 
 impl AcquireReply {
@@ -315,6 +321,20 @@ impl AcquireReply {
         match self {
             AcquireReply::Channel(tx) => tx.send(result).is_ok(),
             AcquireReply::Sink(sink) => sink(result),
+            AcquireReply::All(tx) => tx.send(result.map(|g| vec![g])).is_ok(),
+        }
+    }
+
+    /// Delivers a multi-lock request's grants (in the order asked).
+    fn send_all(self, result: Result<Vec<Grant>, ApiError>) -> bool {
+        match self {
+            AcquireReply::All(tx) => tx.send(result).is_ok(),
+            // Only a multi-lock request's listener is ever given several grants.
+            single => single.send(result.and_then(|grants| {
+                grants.into_iter().next().ok_or_else(|| {
+                    ApiError::new(ApiErrorKind::Internal, "a multi-lock grant without grants")
+                })
+            })),
         }
     }
 }
@@ -338,8 +358,9 @@ impl CommandReply {
 }
 
 enum Msg {
+    /// A `Command::Acquire` or `Command::AcquireAll`.
     Acquire {
-        acquire: Acquire,
+        command: Command,
         caller: Requester,
         listener: u128,
         reply: AcquireReply,
@@ -764,11 +785,11 @@ impl EngineTask {
     fn handle(&mut self, msg: Msg) {
         match msg {
             Msg::Acquire {
-                acquire,
+                command,
                 caller,
                 listener,
                 reply,
-            } => self.acquire(acquire, caller, listener, reply),
+            } => self.acquire(command, caller, listener, reply),
             Msg::Command {
                 command: command @ Command::Release { .. },
                 caller,
@@ -916,22 +937,30 @@ impl EngineTask {
 
     fn acquire(
         &mut self,
-        acquire: Acquire,
+        command: Command,
         caller: Requester,
         listener: u128,
         reply: AcquireReply,
     ) {
-        if self.draining && acquire.wait_ms > 0 {
+        let Some((name, wait_ms)) = acquire_target(&command) else {
+            let err = ApiError::new(ApiErrorKind::InvalidArgument, "name at least one lock");
+            self.deliveries
+                .push(Delivery::refused(listener, reply, err));
+            return;
+        };
+        if self.draining && wait_ms > 0 {
             let err = ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
             self.deliveries
                 .push(Delivery::refused(listener, reply, err));
             return;
         }
-        let name = acquire.name.clone();
-        let result = self.apply_logged(Command::Acquire(acquire), caller);
+        let result = self.apply_logged(command, caller);
         self.route_outcomes();
         match result.map_err(ApiError::from).and_then(typed::acquired) {
             Ok(Acquired::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
+            Ok(Acquired::GrantedAll(grants)) => {
+                self.deliver_grants(grants, vec![(listener, reply)]);
+            }
             Ok(Acquired::Queued(token)) => {
                 self.listeners
                     .entry(token)
@@ -951,6 +980,16 @@ impl EngineTask {
     fn deliver_grant(&mut self, grant: Grant, listeners: Vec<(u128, AcquireReply)>) {
         self.deliveries.push(Delivery::Granted {
             grant,
+            listeners,
+            orphans: Some(self.self_tx.clone()),
+        });
+    }
+
+    /// [`Self::deliver_grant`] for a multi-lock request's grants: all released if
+    /// nobody takes them.
+    fn deliver_grants(&mut self, grants: Vec<Grant>, listeners: Vec<(u128, AcquireReply)>) {
+        self.deliveries.push(Delivery::GrantedAll {
+            grants,
             listeners,
             orphans: Some(self.self_tx.clone()),
         });
@@ -987,6 +1026,14 @@ impl EngineTask {
                 Outcome::Granted(grant) => {
                     let listeners = self.take_listeners(grant.token);
                     self.deliver_grant(grant, listeners);
+                }
+                // Its client listens on the first part's token.
+                Outcome::GrantedAll(grants) => {
+                    let listeners = match grants.first() {
+                        Some(first) => self.take_listeners(first.token),
+                        None => Vec::new(),
+                    };
+                    self.deliver_grants(grants, listeners);
                 }
                 Outcome::WaitEnded {
                     token,
@@ -1100,7 +1147,24 @@ fn count_event(m: &Metrics, event: &Event) {
             m.wait_timeouts.fetch_add(1, Ordering::Relaxed);
         }
         EventKind::Queued => m.series.queued(crate::audit::wall_ms()),
-        EventKind::WaitEnded(_) => {}
+        EventKind::WaitEnded(_) | EventKind::Downgraded | EventKind::Proclaimed => {}
+    }
+    match (event.kind, event.mode) {
+        (EventKind::Granted, Mode::Shared) => m.grants_shared.fetch_add(1, Ordering::Relaxed),
+        (EventKind::Granted, Mode::Exclusive) => m.grants_exclusive.fetch_add(1, Ordering::Relaxed),
+        (EventKind::Downgraded, _) => m.downgrades.fetch_add(1, Ordering::Relaxed),
+        (EventKind::Proclaimed, _) => m.proclaims.fetch_add(1, Ordering::Relaxed),
+        _ => 0,
+    };
+}
+
+/// The lock an acquire message waits on (a multi-lock request's first) and how long
+/// it may wait; `None` for an empty multi-lock request or another command.
+fn acquire_target(command: &Command) -> Option<(LockName, u64)> {
+    match command {
+        Command::Acquire(a) => Some((a.name.clone(), a.wait_ms)),
+        Command::AcquireAll(parts) => parts.first().map(|a| (a.name.clone(), a.wait_ms)),
+        _ => None,
     }
 }
 
@@ -1129,6 +1193,8 @@ mod tests {
             limit: 1,
             lock_delay_ms: 0,
             session: None,
+            mode: Default::default(),
+            value: None,
         }
     }
 

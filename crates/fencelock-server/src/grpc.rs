@@ -194,7 +194,151 @@ pub(crate) fn acquire_args(
         limit: r.limit.max(1),
         lock_delay_ms: r.lock_delay_ms,
         session: r.session.as_deref().map(session_id).transpose()?,
+        mode: crate::input::mode(Some(&r.mode))?,
+        value: None,
     })
+}
+
+/// `AcquireAll` by `caller` (gRPC and the wire protocol): the grants in the order
+/// asked. Dropping the future takes the request out of every queue.
+pub(crate) async fn acquire_all_call(
+    handle: &Handle,
+    caller: &crate::auth::Principal,
+    r: pb::AcquireAllRequest,
+) -> Result<pb::AcquireAllResponse, ApiError> {
+    let names = crate::input::names(&r.names)?;
+    for name in &names {
+        caller.authorize(Action::Acquire, Some(name.as_str()))?;
+    }
+    let mode = crate::input::mode(Some(&r.mode))?;
+    let owner = owner(&r.owner)?;
+    let request_id = caller.scope_request_id(request_id(r.request_id.as_deref())?)?;
+    let session = r.session.as_deref().map(session_id).transpose()?;
+    caller.take_acquire_attempt()?;
+    let parts = names
+        .into_iter()
+        .map(|name| AcquireArgs {
+            name,
+            ttl_ms: r.ttl_ms,
+            wait_ms: r.wait_ms,
+            owner: owner.clone(),
+            request_id: request_id.clone(),
+            limit: r.limit.max(1),
+            lock_delay_ms: r.lock_delay_ms,
+            session,
+            mode,
+            value: None,
+        })
+        .collect();
+    let grants = handle.acquire_all(&Requester::of(caller), parts).await?;
+    Ok(pb::AcquireAllResponse {
+        grants: grants.into_iter().map(grant_pb).collect(),
+    })
+}
+
+/// `ReleaseAll` by `caller` (gRPC and the wire protocol).
+pub(crate) async fn release_all_call(
+    handle: &Handle,
+    caller: &crate::auth::Principal,
+    r: pb::ReleaseAllRequest,
+) -> Result<pb::ReleaseAllResponse, ApiError> {
+    let max = fencelock_core::MAX_NAMES_PER_REQUEST;
+    if r.grants.is_empty() || r.grants.len() > max {
+        return Err(invalid(
+            "grants",
+            format!("release 1 to {max} grants at once, got {}", r.grants.len()),
+        ));
+    }
+    let mut grants = Vec::with_capacity(r.grants.len());
+    for g in &r.grants {
+        let name = lock_name("name", &g.name)?;
+        caller.authorize(Action::Release, Some(name.as_str()))?;
+        grants.push((name, owner_token(&g.owner_token)?));
+    }
+    caller.take_request()?;
+    let released = handle.release_all(&Requester::of(caller), grants).await?;
+    Ok(pb::ReleaseAllResponse { released })
+}
+
+/// `Downgrade` by `caller` (gRPC and the wire protocol).
+pub(crate) async fn downgrade_call(
+    handle: &Handle,
+    caller: &crate::auth::Principal,
+    r: pb::DowngradeRequest,
+) -> Result<pb::Grant, ApiError> {
+    let name = lock_name("name", &r.name)?;
+    caller.authorize(Action::Renew, Some(name.as_str()))?;
+    let token = owner_token(&r.owner_token)?;
+    caller.take_request()?;
+    let grant = handle
+        .downgrade(&Requester::of(caller), name, token)
+        .await?;
+    Ok(grant_pb(grant))
+}
+
+/// `Campaign` by `caller` (gRPC and the wire protocol): the leader's grant, its
+/// fence the term.
+pub(crate) async fn campaign_call(
+    handle: &Handle,
+    caller: &crate::auth::Principal,
+    r: pb::CampaignRequest,
+) -> Result<pb::Grant, ApiError> {
+    let name = lock_name("name", &r.name)?;
+    caller.authorize(Action::Acquire, Some(name.as_str()))?;
+    let args = AcquireArgs {
+        name,
+        ttl_ms: r.ttl_ms,
+        wait_ms: r.wait_ms,
+        owner: owner(&r.owner)?,
+        request_id: caller.scope_request_id(request_id(r.request_id.as_deref())?)?,
+        limit: 1,
+        lock_delay_ms: 0,
+        session: r.session.as_deref().map(session_id).transpose()?,
+        mode: fencelock_core::Mode::Exclusive,
+        value: Some(crate::input::value(&r.value)?),
+    };
+    caller.take_acquire_attempt()?;
+    Ok(grant_pb(
+        handle.acquire(&Requester::of(caller), args).await?,
+    ))
+}
+
+/// `Proclaim` by `caller` (gRPC and the wire protocol).
+pub(crate) async fn proclaim_call(
+    handle: &Handle,
+    caller: &crate::auth::Principal,
+    r: pb::ProclaimRequest,
+) -> Result<pb::Grant, ApiError> {
+    let name = lock_name("name", &r.name)?;
+    caller.authorize(Action::Renew, Some(name.as_str()))?;
+    let token = owner_token(&r.owner_token)?;
+    let value = crate::input::value(&r.value)?;
+    caller.take_request()?;
+    let grant = handle
+        .proclaim(&Requester::of(caller), name, token, value)
+        .await?;
+    Ok(grant_pb(grant))
+}
+
+/// `Leader` by `caller` (gRPC and the wire protocol).
+pub(crate) async fn leader_call(
+    handle: &Handle,
+    caller: &crate::auth::Principal,
+    r: pb::LeaderRequest,
+) -> Result<pb::LeaderResponse, ApiError> {
+    let name = lock_name("name", &r.name)?;
+    caller.authorize(Action::Read, Some(name.as_str()))?;
+    let view = handle.lock(name.clone()).await?;
+    let leader = view
+        .as_ref()
+        .and_then(crate::http::leader_of)
+        .map(|h| pb::Leader {
+            name: name.to_string(),
+            value: h.value.as_ref().map_or("", |v| v.as_str()).to_owned(),
+            term: h.fence.get(),
+            owner: h.owner.as_str().to_owned(),
+        });
+    Ok(pb::LeaderResponse { leader })
 }
 
 /// `Acquire` by `caller`: shared by gRPC and the wire protocol ([`crate::wire`]).
@@ -282,6 +426,7 @@ pub(crate) fn grant_pb(g: Grant) -> pb::Grant {
         owner_token: g.token.to_string(),
         ttl_ms: g.ttl_ms,
         session: g.session.map(|s| s.to_string()),
+        mode: g.mode.as_str().to_owned(),
     }
 }
 
@@ -299,6 +444,8 @@ fn lock_info(v: LockView) -> pb::LockInfo {
                 ttl_remaining_ms: h.ttl_remaining_ms,
                 // The handle, never the id: readers see this view.
                 session: h.session.map(crate::input::session_handle),
+                mode: h.mode.as_str().to_owned(),
+                value: h.value.map(|v| v.as_str().to_owned()),
             })
             .collect(),
         waiters: v.waiters as u64,
@@ -315,6 +462,8 @@ fn event_pb(e: &fencelock_core::Event) -> pb::LockEvent {
             (pb::EventKind::ForceReleased, pb::WaitEnd::Unspecified)
         }
         EventKind::Queued => (pb::EventKind::Queued, pb::WaitEnd::Unspecified),
+        EventKind::Downgraded => (pb::EventKind::Downgraded, pb::WaitEnd::Unspecified),
+        EventKind::Proclaimed => (pb::EventKind::Proclaimed, pb::WaitEnd::Unspecified),
         EventKind::WaitEnded(end) => (
             pb::EventKind::WaitEnded,
             match end {
@@ -335,6 +484,8 @@ fn event_pb(e: &fencelock_core::Event) -> pb::LockEvent {
         duration_ms: e.duration_ms,
         reason: e.reason.as_ref().map(|r| r.as_str().to_owned()),
         wait_end: wait_end.into(),
+        mode: e.mode.as_str().to_owned(),
+        value: e.value.as_ref().map(|v| v.as_str().to_owned()),
         ..Default::default()
     }
 }
@@ -525,6 +676,70 @@ struct LocksService {
 
 #[tonic::async_trait]
 impl Locks for LocksService {
+    async fn acquire_all(
+        &self,
+        request: Request<pb::AcquireAllRequest>,
+    ) -> Result<Response<pb::AcquireAllResponse>, Status> {
+        let caller = grpc_caller(&request)?;
+        // Awaited here: a cancelled call drops it, which leaves every queue.
+        let grants = acquire_all_call(&self.handle, &caller, request.into_inner()).await?;
+        Ok(Response::new(grants))
+    }
+
+    async fn release_all(
+        &self,
+        request: Request<pb::ReleaseAllRequest>,
+    ) -> Result<Response<pb::ReleaseAllResponse>, Status> {
+        let caller = grpc_caller(&request)?;
+        let released = release_all_call(&self.handle, &caller, request.into_inner()).await?;
+        Ok(Response::new(released))
+    }
+
+    async fn downgrade(
+        &self,
+        request: Request<pb::DowngradeRequest>,
+    ) -> Result<Response<pb::Grant>, Status> {
+        let caller = grpc_caller(&request)?;
+        let grant = downgrade_call(&self.handle, &caller, request.into_inner()).await?;
+        Ok(Response::new(grant))
+    }
+
+    async fn campaign(
+        &self,
+        request: Request<pb::CampaignRequest>,
+    ) -> Result<Response<pb::Grant>, Status> {
+        let caller = grpc_caller(&request)?;
+        let grant = campaign_call(&self.handle, &caller, request.into_inner()).await?;
+        Ok(Response::new(grant))
+    }
+
+    async fn proclaim(
+        &self,
+        request: Request<pb::ProclaimRequest>,
+    ) -> Result<Response<pb::Grant>, Status> {
+        let caller = grpc_caller(&request)?;
+        let grant = proclaim_call(&self.handle, &caller, request.into_inner()).await?;
+        Ok(Response::new(grant))
+    }
+
+    async fn resign(
+        &self,
+        request: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let caller = grpc_caller(&request)?;
+        let released = release_call(&self.handle, &caller, request.into_inner()).await?;
+        Ok(Response::new(released))
+    }
+
+    async fn leader(
+        &self,
+        request: Request<pb::LeaderRequest>,
+    ) -> Result<Response<pb::LeaderResponse>, Status> {
+        let caller = grpc_caller(&request)?;
+        let leader = leader_call(&self.handle, &caller, request.into_inner()).await?;
+        Ok(Response::new(leader))
+    }
+
     async fn acquire(
         &self,
         request: Request<pb::AcquireRequest>,
@@ -792,6 +1007,8 @@ mod tests {
                         limit: 1,
                         lock_delay_ms: 0,
                         session: None,
+                        mode: Default::default(),
+                        value: None,
                     },
                 )
                 .await

@@ -150,8 +150,14 @@ fn too_large(max_body_bytes: usize) -> ApiError {
 #[serde(deny_unknown_fields)]
 #[schema(as = AcquireRequest)]
 pub(crate) struct AcquireBody {
-    /// The lock: 1–256 bytes of UTF-8 without control or invisible characters.
-    name: String,
+    /// The lock: 1–256 bytes of UTF-8 without control or invisible characters. Or
+    /// `names` instead, for a multi-lock request.
+    #[serde(default, deserialize_with = "present")]
+    name: Option<String>,
+    /// Several locks as one request (1–64 distinct names): all granted or none,
+    /// answered as `{"grants": [...]}` in the order asked.
+    #[serde(default, deserialize_with = "present")]
+    names: Option<Vec<String>>,
     /// The lease, 10 ms–24 h. Required without `session`, absent with it (the
     /// session's lease holds the lock).
     ttl_ms: Option<u64>,
@@ -167,6 +173,7 @@ pub(crate) struct AcquireBody {
     lock_delay_ms: Option<u64>,
     /// A session id: the lock lives as long as the session.
     session: Option<String>,
+    mode: Option<String>,
 }
 
 /// `POST /v1/renew`.
@@ -187,9 +194,88 @@ pub(crate) struct RenewBody {
 #[serde(deny_unknown_fields)]
 #[schema(as = ReleaseRequest)]
 pub(crate) struct ReleaseBody {
+    /// The lock (one grant; or `grants` for several).
+    #[serde(default, deserialize_with = "present")]
+    name: Option<String>,
+    /// The token of the grant (`token` is accepted too).
+    #[serde(alias = "token", default, deserialize_with = "present")]
+    owner_token: Option<String>,
+    /// Several grants released in one step (1–64).
+    #[serde(default, deserialize_with = "present")]
+    grants: Option<Vec<GrantRef>>,
+}
+
+/// A field that may be absent (another field replaces it) but, when present, is
+/// never `null`: `null` stays a malformed body, as for a required field.
+fn present<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(d).map(Some)
+}
+
+/// A grant named by its lock and owner token.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct GrantRef {
     /// The lock.
     name: String,
-    /// The token of the grant.
+    /// The token of the grant (`token` is accepted too).
+    #[serde(alias = "token")]
+    owner_token: String,
+}
+
+/// `POST /v1/downgrade`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(as = DowngradeRequest)]
+pub(crate) struct DowngradeBody {
+    /// The lock.
+    name: String,
+    /// The token of the exclusive grant (`token` is accepted too).
+    #[serde(alias = "token")]
+    owner_token: String,
+}
+
+/// `POST /v1/elections/{name}/campaign`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(as = CampaignRequest)]
+pub(crate) struct CampaignBody {
+    /// What the leader publishes (≤ 4096 bytes, no control characters).
+    value: String,
+    /// The lease, as for an acquire.
+    ttl_ms: Option<u64>,
+    /// How long to wait to lead (default 0).
+    wait_ms: Option<u64>,
+    /// Who campaigns.
+    owner: Option<String>,
+    /// Idempotency key.
+    request_id: Option<String>,
+    /// A session id: lead as long as the session lives.
+    session: Option<String>,
+}
+
+/// `POST /v1/elections/{name}/proclaim`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(as = ProclaimRequest)]
+pub(crate) struct ProclaimBody {
+    /// The leader's token (`token` is accepted too).
+    #[serde(alias = "token")]
+    owner_token: String,
+    /// The new value.
+    value: String,
+}
+
+/// `POST /v1/elections/{name}/resign`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(as = ResignRequest)]
+pub(crate) struct ResignBody {
+    /// The leader's token (`token` is accepted too).
+    #[serde(alias = "token")]
     owner_token: String,
 }
 
@@ -260,6 +346,80 @@ pub(crate) struct GrantJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     session: Option<String>,
+    /// `exclusive` (a writer) or `shared` (a reader).
+    mode: &'static str,
+}
+
+/// The grants of a multi-lock request, in the order asked.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Grants)]
+pub(crate) struct GrantsJson {
+    /// One grant per name.
+    grants: Vec<GrantJson>,
+}
+
+/// What an acquire answers: one grant, or for `names` all of them.
+#[derive(Serialize, ToSchema)]
+#[serde(untagged)]
+#[schema(as = AcquireAnswer)]
+pub(crate) enum AcquireAnswer {
+    /// One lock's grant.
+    One(GrantJson),
+    /// A multi-lock request's grants.
+    Several(GrantsJson),
+}
+
+/// The answer to a release of several grants.
+#[derive(Serialize, ToSchema)]
+#[schema(as = ReleasedAll)]
+pub(crate) struct ReleasedAllJson {
+    /// Per grant, in the order given: `false` only if its token had released it.
+    released: Vec<bool>,
+}
+
+/// What a release answers: for one grant or, for `grants`, for each.
+#[derive(Serialize, ToSchema)]
+#[serde(untagged)]
+#[schema(as = ReleaseAnswer)]
+pub(crate) enum ReleaseAnswer {
+    /// One grant's release.
+    One(ReleasedJson),
+    /// Several grants' releases.
+    Several(ReleasedAllJson),
+}
+
+/// The answer to a resignation.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Resigned)]
+pub(crate) struct ResignedJson {
+    /// `false` only if this token had resigned already.
+    released: bool,
+}
+
+/// An election's leader.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Leader)]
+pub(crate) struct LeaderInfoJson {
+    /// The election.
+    name: String,
+    /// The leader's owner text.
+    owner: String,
+    /// The value it campaigned with or last proclaimed.
+    value: String,
+    /// Its term: the fence of its grant.
+    term: u64,
+    /// How long it has led.
+    held_ms: u64,
+    /// Time left on its lease.
+    ttl_remaining_ms: u64,
+}
+
+/// Who leads an election.
+#[derive(Serialize, ToSchema)]
+#[schema(as = LeaderAnswer)]
+pub(crate) struct LeaderJson {
+    /// `null` when nobody leads.
+    leader: Option<LeaderInfoJson>,
 }
 
 /// A renewed grant.
@@ -382,6 +542,7 @@ impl From<Grant> for GrantJson {
             owner_token: g.token.to_string(),
             ttl_ms: g.ttl_ms,
             session: g.session.map(|s| s.to_string()),
+            mode: g.mode.as_str(),
         }
     }
 }
@@ -402,6 +563,12 @@ pub(crate) struct HolderJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     session: Option<String>,
+    /// `exclusive` (a writer) or `shared` (a reader).
+    mode: &'static str,
+    /// An election leader's value.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    value: Option<String>,
 }
 
 /// A lock as it is now.
@@ -435,6 +602,8 @@ impl From<LockView> for LockJson {
                     ttl_remaining_ms: h.ttl_remaining_ms,
                     // The handle, never the id: readers see this view.
                     session: h.session.map(input::session_handle),
+                    mode: h.mode.as_str(),
+                    value: h.value.map(|v| v.as_str().to_owned()),
                 })
                 .collect(),
             waiters: v.waiters,
@@ -447,11 +616,49 @@ fn name(s: &str) -> Result<LockName, ApiError> {
     input::lock_name("name", s)
 }
 
-/// Takes a lock (or queues for it up to `wait_ms`).
+/// A body without a required field, answered as serde's missing fields are (the
+/// field is optional in the body's type only because `names`/`grants` may replace it).
+fn missing_field(field: &str) -> ApiError {
+    invalid(field, "is missing; this route requires it")
+}
+
+fn name_of(s: &str) -> Result<LockName, ApiError> {
+    name(s)
+}
+
+/// `POST /v1/release {"grants": [...]}`: several grants in one step.
+async fn release_all(
+    h: &Handle,
+    caller: &crate::auth::Principal,
+    grants: Vec<GrantRef>,
+) -> Result<Json<ReleasedAllJson>, ApiError> {
+    if grants.is_empty() || grants.len() > fencelock_core::MAX_NAMES_PER_REQUEST {
+        return Err(invalid(
+            "grants",
+            format!(
+                "release 1 to {} grants at once, got {}",
+                fencelock_core::MAX_NAMES_PER_REQUEST,
+                grants.len()
+            ),
+        ));
+    }
+    let mut parsed = Vec::with_capacity(grants.len());
+    for g in &grants {
+        let name = name(&g.name)?;
+        caller.authorize(Action::Release, Some(name.as_str()))?;
+        parsed.push((name, input::owner_token(&g.owner_token)?));
+    }
+    caller.take_request()?;
+    let released = h.release_all(&Requester::of(caller), parsed).await?;
+    Ok(Json(ReleasedAllJson { released }))
+}
+
+/// Takes a lock (or queues for it up to `wait_ms`); with `names`, several as one
+/// request, all or none.
 #[utoipa::path(post, path = "/v1/acquire", tag = "locks",
     request_body = AcquireBody,
     responses(
-        (status = 200, description = "Granted.", body = GrantJson),
+        (status = 200, description = "Granted: a grant, or for `names` `{\"grants\": [...]}` in the order asked.", body = AcquireAnswer),
         (status = 404, description = "`session_not_found`: `session` names no open session of this caller.", body = ErrorBody),
         (status = 409, description = "`held` (not waiting), `timeout` (`wait_ms` ran out) or `limit_mismatch` (held with another `limit`).", body = ErrorBody),
         CommonErrors,
@@ -460,21 +667,201 @@ pub(crate) async fn acquire(
     State(h): State<Handle>,
     Caller(caller): Caller,
     JsonBody(b): JsonBody<AcquireBody>,
+) -> Result<Json<AcquireAnswer>, ApiError> {
+    let names = match (&b.name, &b.names) {
+        (Some(one), None) => vec![name(one)?],
+        (None, Some(list)) => input::names(list)?,
+        (None, None) => return Err(missing_field("name")),
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                "name",
+                "give either name (one lock) or names (several), not both",
+            ))
+        }
+    };
+    for n in &names {
+        caller.authorize(Action::Acquire, Some(n.as_str()))?;
+    }
+    let mode = input::mode(b.mode.as_deref())?;
+    let owner = input::owner(b.owner.as_deref().unwrap_or(""))?;
+    let request_id = caller.scope_request_id(input::request_id(b.request_id.as_deref())?)?;
+    let session = b.session.as_deref().map(input::session_id).transpose()?;
+    caller.take_acquire_attempt()?;
+    let multi = b.names.is_some();
+    let mut args: Vec<AcquireArgs> = names
+        .into_iter()
+        .map(|name| AcquireArgs {
+            name,
+            ttl_ms: b.ttl_ms,
+            wait_ms: b.wait_ms.unwrap_or(0),
+            owner: owner.clone(),
+            request_id: request_id.clone(),
+            limit: b.limit.unwrap_or(1),
+            lock_delay_ms: b.lock_delay_ms.unwrap_or(0),
+            session,
+            mode,
+            value: None,
+        })
+        .collect();
+    let requester = Requester::of(&caller);
+    if multi {
+        let grants = h.acquire_all(&requester, args).await?;
+        let grants: Vec<GrantJson> = grants.into_iter().map(GrantJson::from).collect();
+        return Ok(Json(AcquireAnswer::Several(GrantsJson { grants })));
+    }
+    let Some(one) = args.pop() else {
+        return Err(invalid("name", "name a lock"));
+    };
+    let grant: GrantJson = h.acquire(&requester, one).await?.into();
+    Ok(Json(AcquireAnswer::One(grant)))
+}
+
+/// Turns an exclusive grant into a shared one without releasing it: the fence is
+/// kept, and readers queued right behind it are granted with it.
+#[utoipa::path(post, path = "/v1/downgrade", tag = "locks",
+    request_body = DowngradeBody,
+    responses(
+        (status = 200, description = "Downgraded (or shared already): the grant, now `shared`.", body = GrantJson),
+        (status = 409, description = "`not_held` or `expired`.", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn downgrade(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+    JsonBody(b): JsonBody<DowngradeBody>,
 ) -> Result<Json<GrantJson>, ApiError> {
     let name = name(&b.name)?;
+    caller.authorize(Action::Renew, Some(name.as_str()))?;
+    caller.take_request()?;
+    let token = input::owner_token(&b.owner_token)?;
+    let grant = h.downgrade(&Requester::of(&caller), name, token).await?;
+    Ok(Json(grant.into()))
+}
+
+fn election(path: Result<Path<String>, PathRejection>) -> Result<LockName, ApiError> {
+    let Path(raw) = path.map_err(path_error)?;
+    name(&raw)
+}
+
+/// Waits (up to `wait_ms`) to lead the election; the grant's fence is the term.
+#[utoipa::path(post, path = "/v1/elections/{name}/campaign", tag = "elections",
+    params(("name" = String, Path, description = "The election (a lock name).")),
+    request_body = CampaignBody,
+    responses(
+        (status = 200, description = "Leading: the leader's grant.", body = GrantJson),
+        (status = 409, description = "`held` (not waiting) or `timeout`.", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn campaign(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+    path: Result<Path<String>, PathRejection>,
+    JsonBody(b): JsonBody<CampaignBody>,
+) -> Result<Json<GrantJson>, ApiError> {
+    let name = election(path)?;
     caller.authorize(Action::Acquire, Some(name.as_str()))?;
-    caller.take_acquire_attempt()?;
     let args = AcquireArgs {
         name,
         ttl_ms: b.ttl_ms,
         wait_ms: b.wait_ms.unwrap_or(0),
         owner: input::owner(b.owner.as_deref().unwrap_or(""))?,
         request_id: caller.scope_request_id(input::request_id(b.request_id.as_deref())?)?,
-        limit: b.limit.unwrap_or(1),
-        lock_delay_ms: b.lock_delay_ms.unwrap_or(0),
+        limit: 1,
+        lock_delay_ms: 0,
         session: b.session.as_deref().map(input::session_id).transpose()?,
+        mode: fencelock_core::Mode::Exclusive,
+        value: Some(input::value(&b.value)?),
     };
+    caller.take_acquire_attempt()?;
     Ok(Json(h.acquire(&Requester::of(&caller), args).await?.into()))
+}
+
+/// The leader publishes a new value.
+#[utoipa::path(post, path = "/v1/elections/{name}/proclaim", tag = "elections",
+    params(("name" = String, Path, description = "The election.")),
+    request_body = ProclaimBody,
+    responses(
+        (status = 200, description = "Proclaimed: the leader's grant.", body = GrantJson),
+        (status = 409, description = "`not_held` or `expired`: the token no longer leads.", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn proclaim(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+    path: Result<Path<String>, PathRejection>,
+    JsonBody(b): JsonBody<ProclaimBody>,
+) -> Result<Json<GrantJson>, ApiError> {
+    let name = election(path)?;
+    caller.authorize(Action::Renew, Some(name.as_str()))?;
+    let token = input::owner_token(&b.owner_token)?;
+    let value = input::value(&b.value)?;
+    caller.take_request()?;
+    let grant = h
+        .proclaim(&Requester::of(&caller), name, token, value)
+        .await?;
+    Ok(Json(grant.into()))
+}
+
+/// Gives leadership up (a release of the leader's grant).
+#[utoipa::path(post, path = "/v1/elections/{name}/resign", tag = "elections",
+    params(("name" = String, Path, description = "The election.")),
+    request_body = ResignBody,
+    responses(
+        (status = 200, description = "Resigned (or, for a repeat, resigned already).", body = ResignedJson),
+        (status = 409, description = "`not_held` or `expired`.", body = ErrorBody),
+        CommonErrors,
+    ))]
+pub(crate) async fn resign(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+    path: Result<Path<String>, PathRejection>,
+    JsonBody(b): JsonBody<ResignBody>,
+) -> Result<Json<ResignedJson>, ApiError> {
+    let name = election(path)?;
+    caller.authorize(Action::Release, Some(name.as_str()))?;
+    let token = input::owner_token(&b.owner_token)?;
+    caller.take_request()?;
+    let released = h.release(&Requester::of(&caller), name, token).await?;
+    Ok(Json(ResignedJson { released }))
+}
+
+/// Who leads the election now (its sole exclusive holder), or `null`.
+#[utoipa::path(get, path = "/v1/elections/{name}", tag = "elections",
+    params(
+        ("name" = String, Path, description = "The election."),
+        ShowParams,
+    ),
+    responses(
+        (status = 200, description = "The leader, or `null`.", body = LeaderJson),
+        CommonErrors,
+    ))]
+pub(crate) async fn leader(
+    State(h): State<Handle>,
+    Caller(caller): Caller,
+    path: Result<Path<String>, PathRejection>,
+    query: Result<Query<ShowParams>, QueryRejection>,
+) -> Result<Json<LeaderJson>, ApiError> {
+    let name = election(path)?;
+    let Query(p) = query.map_err(|e| invalid("query", e.body_text()))?;
+    caller.authorize(Action::Read, Some(name.as_str()))?;
+    let view = h.lock_with(name.clone(), p.stale).await?;
+    let leader = view.as_ref().and_then(leader_of).map(|h| LeaderInfoJson {
+        name: name.to_string(),
+        owner: h.owner.as_str().to_owned(),
+        value: h.value.as_ref().map_or("", |v| v.as_str()).to_owned(),
+        term: h.fence.get(),
+        held_ms: h.held_ms,
+        ttl_remaining_ms: h.ttl_remaining_ms,
+    });
+    Ok(Json(LeaderJson { leader }))
+}
+
+/// An election's leader: the one exclusive holder of a lock that admits one.
+pub(crate) fn leader_of(view: &LockView) -> Option<&fencelock_core::HolderView> {
+    match view.holders.as_slice() {
+        [h] if view.limit == 1 && h.mode == fencelock_core::Mode::Exclusive => Some(h),
+        _ => None,
+    }
 }
 
 /// Renews a grant's lease; the fence stays.
@@ -508,7 +895,7 @@ pub(crate) async fn renew(
 #[utoipa::path(post, path = "/v1/release", tag = "locks",
     request_body = ReleaseBody,
     responses(
-        (status = 200, description = "Released (or, for a repeat, already released).", body = ReleasedJson),
+        (status = 200, description = "Released (or, for a repeat, already released); for `grants`, per grant.", body = ReleaseAnswer),
         (status = 409, description = "`not_held` or `expired`.", body = ErrorBody),
         CommonErrors,
     ))]
@@ -516,16 +903,31 @@ pub(crate) async fn release(
     State(h): State<Handle>,
     Caller(caller): Caller,
     JsonBody(b): JsonBody<ReleaseBody>,
-) -> Result<Json<ReleasedJson>, ApiError> {
-    let name = name(&b.name)?;
+) -> Result<Json<ReleaseAnswer>, ApiError> {
+    let (name, token) = match (b.name, b.owner_token, b.grants) {
+        (Some(name), Some(token), None) => (name, token),
+        (None, None, Some(grants)) => {
+            let Json(all) = release_all(&h, &caller, grants).await?;
+            return Ok(Json(ReleaseAnswer::Several(all)));
+        }
+        (None, _, None) => return Err(missing_field("name")),
+        (Some(_), None, None) => return Err(missing_field("owner_token")),
+        _ => {
+            return Err(invalid(
+                "name",
+                "give name and owner_token (one grant) or grants (several), not both",
+            ))
+        }
+    };
+    let name = name_of(&name)?;
     caller.authorize(Action::Release, Some(name.as_str()))?;
     caller.take_request()?;
-    let token = input::owner_token(&b.owner_token)?;
+    let token = input::owner_token(&token)?;
     let released = h.release(&Requester::of(&caller), name, token).await?;
-    Ok(Json(ReleasedJson {
+    Ok(Json(ReleaseAnswer::One(ReleasedJson {
         released,
         reason: (!released).then_some("already_released"),
-    }))
+    })))
 }
 
 /// An admin releases a lock it does not hold, with a reason for the audit log.
@@ -862,6 +1264,11 @@ pub fn router(handle: Handle) -> Router {
         .route("/v1/acquire", post(acquire))
         .route("/v1/renew", post(renew))
         .route("/v1/release", post(release))
+        .route("/v1/downgrade", post(downgrade))
+        .route("/v1/elections/{name}", get(leader))
+        .route("/v1/elections/{name}/campaign", post(campaign))
+        .route("/v1/elections/{name}/proclaim", post(proclaim))
+        .route("/v1/elections/{name}/resign", post(resign))
         .route("/v1/locks", get(list_locks))
         .route("/v1/locks/{*name}", get(show_lock))
         .route("/v1/sessions", post(open_session))
@@ -944,6 +1351,8 @@ mod tests {
             limit: 1,
             lock_delay_ms: 0,
             session: None,
+            mode: Default::default(),
+            value: None,
         };
         let planted: GrantSink = Box::new(|_| panic!("planted: a sink that panics"));
         handle

@@ -1,7 +1,9 @@
 //! Parsing of client input into the core's types, shared by HTTP and gRPC so both
 //! accept and refuse exactly the same things, with the same messages.
 
-use fencelock_core::{LockName, LockView, Owner, OwnerToken, RequestId, SessionId};
+use fencelock_core::{
+    LockName, LockView, Mode, Owner, OwnerToken, RequestId, SessionId, Value, MAX_NAMES_PER_REQUEST,
+};
 
 use crate::engine::Handle;
 use crate::error::{ApiError, ApiErrorKind};
@@ -19,6 +21,50 @@ pub fn invalid(field: &str, e: impl std::fmt::Display) -> ApiError {
 /// A lock name from the field `field`.
 pub fn lock_name(field: &str, s: &str) -> Result<LockName, ApiError> {
     LockName::new(s).map_err(|e| invalid(field, e))
+}
+
+/// A lock mode: `exclusive` (also when absent or empty) or `shared`.
+pub fn mode(s: Option<&str>) -> Result<Mode, ApiError> {
+    match s {
+        None | Some("") => Ok(Mode::Exclusive),
+        Some(text) => Mode::parse(text).ok_or_else(|| {
+            invalid(
+                "mode",
+                format!("must be \"exclusive\" or \"shared\", got {text:?}"),
+            )
+        }),
+    }
+}
+
+/// An election value (at most 4096 bytes, no control characters).
+pub fn value(s: &str) -> Result<Value, ApiError> {
+    Value::new(s).map_err(|e| invalid("value", e))
+}
+
+/// The names of a multi-lock request: 1 to [`MAX_NAMES_PER_REQUEST`], distinct,
+/// each a valid lock name.
+pub fn names(list: &[String]) -> Result<Vec<LockName>, ApiError> {
+    if list.is_empty() {
+        return Err(invalid("names", "name at least one lock"));
+    }
+    if list.len() > MAX_NAMES_PER_REQUEST {
+        return Err(invalid(
+            "names",
+            format!(
+                "at most {MAX_NAMES_PER_REQUEST} locks in one request, got {}",
+                list.len()
+            ),
+        ));
+    }
+    let mut names: Vec<LockName> = Vec::with_capacity(list.len());
+    for s in list {
+        let name = lock_name("names", s)?;
+        if names.contains(&name) {
+            return Err(invalid("names", format!("{name} appears twice")));
+        }
+        names.push(name);
+    }
+    Ok(names)
 }
 
 /// An owner token (32 hex digits).

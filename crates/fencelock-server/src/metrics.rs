@@ -153,6 +153,18 @@ pub struct Metrics {
     pub dashboard_views: AtomicU64,
     /// Cluster mode's Raft figures; rendered only in cluster mode.
     pub cluster: ClusterMetrics,
+    /// Grants made in exclusive mode.
+    pub grants_exclusive: AtomicU64,
+    /// Grants made in shared mode.
+    pub grants_shared: AtomicU64,
+    /// Gauge: shared grants held now.
+    pub held_shared: AtomicU64,
+    /// Gauge: shared acquires queued now.
+    pub waiters_shared: AtomicU64,
+    /// Exclusive grants downgraded to shared.
+    pub downgrades: AtomicU64,
+    /// New values election leaders proclaimed.
+    pub proclaims: AtomicU64,
     /// The last hour per minute, for the dashboard's charts.
     pub series: crate::series::Series,
 }
@@ -221,6 +233,10 @@ impl Metrics {
             .store(stats.sessions as u64, Ordering::Relaxed);
         self.locks.store(stats.locks as u64, Ordering::Relaxed);
         self.next_fence.store(stats.next_fence, Ordering::Relaxed);
+        self.held_shared
+            .store(stats.shared_holders as u64, Ordering::Relaxed);
+        self.waiters_shared
+            .store(stats.shared_waiters as u64, Ordering::Relaxed);
         self.series
             .waiters(crate::audit::wall_ms(), stats.waiters as u64);
     }
@@ -255,6 +271,12 @@ impl Default for Metrics {
             dashboard_renders: AtomicU64::new(0),
             dashboard_views: AtomicU64::new(0),
             cluster: ClusterMetrics::default(),
+            grants_exclusive: AtomicU64::new(0),
+            grants_shared: AtomicU64::new(0),
+            held_shared: AtomicU64::new(0),
+            waiters_shared: AtomicU64::new(0),
+            downgrades: AtomicU64::new(0),
+            proclaims: AtomicU64::new(0),
             series: Default::default(),
         }
     }
@@ -304,6 +326,11 @@ pub const METRIC_NAMES: &[&str] = &[
     "fencelock_connections_refused_per_ip_total",
     "fencelock_connections_closed_total",
     "fencelock_unauthenticated_connections",
+    "fencelock_grants_by_mode_total",
+    "fencelock_held_locks_by_mode",
+    "fencelock_waiters_by_mode",
+    "fencelock_downgrades_total",
+    "fencelock_proclaims_total",
 ];
 
 impl Metrics {
@@ -462,8 +489,61 @@ impl Metrics {
             "# HELP {name} Connections not yet authenticated.\n# TYPE {name} gauge\n{name} {}",
             load(&c.unauthenticated)
         );
+        self.render_kinds(&mut out, load);
         self.render_cluster(&mut out);
         out
+    }
+
+    /// The lock-kind families: grants, holders and waiters per mode, downgrades
+    /// and proclaims. Exclusive holders and waiters are the totals less the shared.
+    fn render_kinds(&self, out: &mut String, load: impl Fn(&AtomicU64) -> u64) {
+        let held = load(&self.held);
+        let waiting = load(&self.waiters);
+        let (held_shared, waiting_shared) = (load(&self.held_shared), load(&self.waiters_shared));
+        let families = [
+            (
+                METRIC_NAMES[25],
+                "Grants made, by mode.",
+                "counter",
+                [load(&self.grants_exclusive), load(&self.grants_shared)],
+            ),
+            (
+                METRIC_NAMES[26],
+                "Grants held now, by mode.",
+                "gauge",
+                [held.saturating_sub(held_shared), held_shared],
+            ),
+            (
+                METRIC_NAMES[27],
+                "Acquires queued now, by mode.",
+                "gauge",
+                [waiting.saturating_sub(waiting_shared), waiting_shared],
+            ),
+        ];
+        for (name, help, kind, [exclusive, shared]) in families {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{mode=\"exclusive\"}} {exclusive}\n{name}{{mode=\"shared\"}} {shared}"
+            );
+        }
+        for (name, help, value) in [
+            (
+                METRIC_NAMES[28],
+                "Exclusive grants downgraded to shared.",
+                &self.downgrades,
+            ),
+            (
+                METRIC_NAMES[29],
+                "New values proclaimed by election leaders.",
+                &self.proclaims,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                load(value)
+            );
+        }
     }
 
     /// Records what openraft reports of this member.

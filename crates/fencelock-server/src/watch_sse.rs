@@ -60,6 +60,8 @@ pub fn kind_name(kind: EventKind) -> &'static str {
         EventKind::Ended(GrantEnd::ForceReleased) => "force_released",
         EventKind::Queued => "queued",
         EventKind::WaitEnded(_) => "wait_ended",
+        EventKind::Downgraded => "downgraded",
+        EventKind::Proclaimed => "proclaimed",
     }
 }
 
@@ -74,7 +76,8 @@ fn wait_end_name(end: WaitEnd) -> &'static str {
 
 /// An event's JSON: `position`, `kind`, `name`, `fence`, `owner`, `session` (its
 /// handle, never the id), `at` (RFC 3339 wall clock), `wall_ms`, `at_ms` (service
-/// time), `duration_ms`, `reason`, `wait_end`.
+/// time), `duration_ms`, `reason`, `wait_end`, `mode` (`exclusive` or `shared`), `value`
+/// (an election's, on `granted` of a leader and `proclaimed`).
 pub fn event_json(e: &WatchEvent) -> serde_json::Value {
     let wait_end = match e.kind {
         EventKind::WaitEnded(end) => Some(wait_end_name(end)),
@@ -93,6 +96,8 @@ pub fn event_json(e: &WatchEvent) -> serde_json::Value {
         "duration_ms": e.duration_ms,
         "reason": e.reason.as_ref().map(|r| r.as_str()),
         "wait_end": wait_end,
+        "mode": e.mode.as_str(),
+        "value": e.value.as_ref().map(|v| v.as_str()),
     })
 }
 
@@ -111,7 +116,7 @@ fn resume_position(headers: &HeaderMap, after: Option<&str>) -> Result<Option<Po
 #[utoipa::path(get, path = "/v1/watch", tag = "locks",
     params(WatchParams),
     responses(
-        (status = 200, description = "An event stream: `id:` the position, `event:` the kind, `data:` the event's JSON (`position`, `kind`, `name`, `fence`, `owner`, `session`, `at` (RFC 3339), `wall_ms`, `at_ms`, `duration_ms`, `reason`, `wait_end`); a last `end` event (`{\"error\":{\"code\",\"message\"}}`) if the stream cannot go on.", content_type = "text/event-stream", body = String),
+        (status = 200, description = "An event stream: `id:` the position, `event:` the kind, `data:` the event's JSON (`position`, `kind`, `name`, `fence`, `owner`, `session`, `at` (RFC 3339), `wall_ms`, `at_ms`, `duration_ms`, `reason`, `wait_end`, `mode`, `value`); a last `end` event (`{\"error\":{\"code\",\"message\"}}`) if the stream cannot go on.", content_type = "text/event-stream", body = String),
         (status = 410, description = "`watch_compacted`: the server cannot resume after that position (re-read the locks and watch from now).", body = ErrorBody),
         CommonErrors,
     ))]

@@ -666,12 +666,87 @@ impl Connection {
             Request::Hello(_) | Request::Cancel | Request::Ping => {
                 unreachable!("answered without the engine")
             }
+            kind => {
+                self.register(id, None);
+                self.spawn_kind_call(id, caller, kind);
+                Ok(())
+            }
         };
         if let Err(e) = sent {
             // Refused before the engine saw it, or the engine is gone.
             self.unregister(id);
             self.refuse(id, e);
         }
+    }
+
+    /// Runs a multi-lock, downgrade or election request on its own task and answers
+    /// it when done. Such a request is not cancelled by [`Request::Cancel`] (only a
+    /// single acquire is); grants that find the connection gone are released.
+    fn spawn_kind_call(&self, id: u64, caller: Principal, request: Request) {
+        let handle = self.options.handle.clone();
+        let outbox = self.outbox.clone();
+        tokio::spawn(async move {
+            let (response, granted) = match request {
+                Request::AcquireAll(r) => match grpc::acquire_all_call(&handle, &caller, r).await {
+                    Ok(all) => {
+                        let granted = all.grants.clone();
+                        (Response::GrantedAll(all), granted)
+                    }
+                    Err(e) => (error_response(&e), Vec::new()),
+                },
+                Request::Campaign(r) => match grpc::campaign_call(&handle, &caller, r).await {
+                    Ok(grant) => (Response::Grant(grant.clone()), vec![grant]),
+                    Err(e) => (error_response(&e), Vec::new()),
+                },
+                Request::ReleaseAll(r) => {
+                    let answer = grpc::release_all_call(&handle, &caller, r).await;
+                    (
+                        answer.map_or_else(|e| error_response(&e), Response::ReleasedAll),
+                        Vec::new(),
+                    )
+                }
+                Request::Downgrade(r) => {
+                    let answer = grpc::downgrade_call(&handle, &caller, r).await;
+                    (
+                        answer.map_or_else(|e| error_response(&e), Response::Grant),
+                        Vec::new(),
+                    )
+                }
+                Request::Proclaim(r) => {
+                    let answer = grpc::proclaim_call(&handle, &caller, r).await;
+                    (
+                        answer.map_or_else(|e| error_response(&e), Response::Grant),
+                        Vec::new(),
+                    )
+                }
+                Request::Leader(r) => {
+                    let answer = grpc::leader_call(&handle, &caller, r).await;
+                    (
+                        answer.map_or_else(|e| error_response(&e), Response::Leader),
+                        Vec::new(),
+                    )
+                }
+                other => {
+                    let e = ApiError::new(
+                        ApiErrorKind::Internal,
+                        format!("{other:?} is not run on its own task"),
+                    );
+                    (error_response(&e), Vec::new())
+                }
+            };
+            if !outbox.answer(id, &response) && !granted.is_empty() {
+                // Nobody took the grants: give them back rather than let them
+                // sit until their leases end.
+                let grants = granted
+                    .iter()
+                    .filter_map(|g| {
+                        let name = fencelock_core::LockName::new(&g.name).ok()?;
+                        Some((name, g.owner_token.parse().ok()?))
+                    })
+                    .collect();
+                let _ = handle.release_all(&Requester::of(&caller), grants).await;
+            }
+        });
     }
 
     fn register(&self, id: u64, listener: Option<u128>) {

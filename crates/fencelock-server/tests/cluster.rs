@@ -1407,6 +1407,63 @@ async fn a_single_servers_directory_is_imported_only_by_a_member_starting_alone(
     }
 }
 
+/// The lock kinds go through the Raft log like every command: a queued multi-lock is
+/// answered by the leader once granted on every lock, and every member applies the
+/// same readers and election value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lock_kinds_work_through_the_raft_log() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    let c = cluster.members[l].client();
+    let a = acquire(&c, json!({"name": "kc:a", "ttl_ms": 30000}))
+        .await
+        .expect_json(200);
+    let pending = c
+        .send_json(
+            "/v1/acquire",
+            &json!({"names": ["kc:b", "kc:a"], "ttl_ms": 30000, "wait_ms": 20000}),
+        )
+        .await;
+    eventually("the multi-lock queues", || async move {
+        (c.get("/v1/locks/kc:a").await.json()["waiters"] == 1).then_some(())
+    })
+    .await;
+    c.post(
+        "/v1/release",
+        &json!({"name": "kc:a", "owner_token": a["owner_token"]}),
+    )
+    .await
+    .expect_json(200);
+    let all = pending.response().await.expect_json(200);
+    assert_eq!(all["grants"].as_array().map(Vec::len), Some(2), "{all}");
+    for _ in 0..2 {
+        acquire(
+            &c,
+            json!({"name": "kc:rw", "ttl_ms": 30000, "mode": "shared"}),
+        )
+        .await
+        .expect_json(200);
+    }
+    c.post(
+        "/v1/elections/kc:e/campaign",
+        &json!({"value": "m1", "ttl_ms": 30000}),
+    )
+    .await
+    .expect_json(200);
+    for (_, m) in cluster.running() {
+        let fc = m.client();
+        eventually("every member applied the kinds", || async move {
+            let rw = fc.get("/v1/locks/kc:rw?stale=true").await.json();
+            let e = fc.get("/v1/locks/kc:e?stale=true").await.json();
+            let readers = rw["holders"].as_array().map(Vec::len) == Some(2)
+                && rw["holders"][1]["mode"] == "shared";
+            (readers && e["holders"][0]["value"] == "m1").then_some(())
+        })
+        .await;
+    }
+    cluster.stop_all().await;
+}
+
 /// Watch positions are Raft log indexes, the same on every member: a watch
 /// resumed on another member after the last event seen on one gets exactly the
 /// events that followed (issue 22, item 5).

@@ -111,7 +111,8 @@ async fn acquire_renew_release_follow_the_contract() {
         json!({"name": name, "ttl_ms": 30_000, "owner": "worker-1"}),
     )
     .await;
-    assert_eq!(keys(&g), ["fence", "name", "owner_token", "ttl_ms"]);
+    assert_eq!(keys(&g), ["fence", "mode", "name", "owner_token", "ttl_ms"]);
+    assert_eq!(g["mode"], "exclusive");
     assert_eq!(g["name"], name);
     assert_eq!(g["ttl_ms"], 30_000);
 
@@ -157,7 +158,10 @@ async fn acquire_renew_release_follow_the_contract() {
     let holders = v["holders"].as_array().unwrap();
     assert_eq!(holders.len(), 1);
     let h = &holders[0];
-    assert_eq!(keys(h), ["fence", "held_ms", "owner", "ttl_remaining_ms"]);
+    assert_eq!(
+        keys(h),
+        ["fence", "held_ms", "mode", "owner", "ttl_remaining_ms"]
+    );
     assert_eq!(h["fence"], g["fence"]);
     assert_eq!(h["owner"], "worker-1");
     assert!(h["held_ms"].as_u64().unwrap() >= 195, "held_ms counts: {h}");
@@ -424,7 +428,7 @@ async fn sessions_hold_many_locks_and_close_releases_them() {
     let g1 = grant(&c, json!({"name": "s:1", "session": id, "owner": "o1"})).await;
     assert_eq!(
         keys(&g1),
-        ["fence", "name", "owner_token", "session", "ttl_ms"]
+        ["fence", "mode", "name", "owner_token", "session", "ttl_ms"]
     );
     assert_eq!(g1["session"], id.as_str());
     assert_eq!(g1["ttl_ms"], 30_000);

@@ -508,6 +508,94 @@ async fn real_answers_of_every_operation_match_the_document() {
     assert_eq!(again["reason"], "already_released");
     k.check("POST", "/v1/release", &c.post("/v1/release", &wrong).await);
 
+    // Lock kinds: a multi-lock and its release together, a downgrade, an election.
+    let all = k.check(
+        "POST",
+        "/v1/acquire",
+        &c.post(
+            "/v1/acquire",
+            &json!({"names": ["doc:m1", "doc:m2"], "ttl_ms": 30_000, "mode": "shared"}),
+        )
+        .await,
+    );
+    let refs: Vec<Value> = all["grants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| json!({"name": g["name"], "owner_token": g["owner_token"]}))
+        .collect();
+    let both = c.post("/v1/release", &json!({ "grants": refs })).await;
+    assert_eq!(
+        k.check("POST", "/v1/release", &both)["released"],
+        json!([true, true])
+    );
+    let w = k.check(
+        "POST",
+        "/v1/acquire",
+        &c.post("/v1/acquire", &json!({"name": "doc:w", "ttl_ms": 30_000}))
+            .await,
+    );
+    let down = json!({"name": "doc:w", "owner_token": w["owner_token"]});
+    k.check(
+        "POST",
+        "/v1/downgrade",
+        &c.post("/v1/downgrade", &down).await,
+    );
+    let stranger = json!({"name": "doc:w", "owner_token": "3".repeat(32)});
+    k.check(
+        "POST",
+        "/v1/downgrade",
+        &c.post("/v1/downgrade", &stranger).await,
+    );
+    let campaign = "/v1/elections/{name}/campaign";
+    let lead = k.check(
+        "POST",
+        campaign,
+        &c.post(
+            "/v1/elections/doc:e/campaign",
+            &json!({"value": "v1", "ttl_ms": 30_000}),
+        )
+        .await,
+    );
+    let rival = json!({"value": "v2", "ttl_ms": 30_000});
+    let held = c.post("/v1/elections/doc:e/campaign", &rival).await;
+    k.check("POST", campaign, &held);
+    let proclaim = "/v1/elections/{name}/proclaim";
+    let leader_token = lead["owner_token"].clone();
+    let new_value = json!({"owner_token": leader_token, "value": "v3"});
+    let r = c.post("/v1/elections/doc:e/proclaim", &new_value).await;
+    k.check("POST", proclaim, &r);
+    let not_leader = json!({"owner_token": "3".repeat(32), "value": "v"});
+    let r = c.post("/v1/elections/doc:e/proclaim", &not_leader).await;
+    k.check("POST", proclaim, &r);
+    let led = k.check(
+        "GET",
+        "/v1/elections/{name}",
+        &c.get("/v1/elections/doc:e").await,
+    );
+    assert_eq!(led["leader"]["value"], "v3");
+    k.check(
+        "GET",
+        "/v1/elections/{name}",
+        &c.get("/v1/elections/a%01b").await,
+    );
+    let resign = "/v1/elections/{name}/resign";
+    let r = c
+        .post(
+            "/v1/elections/doc:e/resign",
+            &json!({ "owner_token": leader_token }),
+        )
+        .await;
+    k.check("POST", resign, &r);
+    let r = c.post("/v1/elections/doc:e/resign", &json!({})).await;
+    k.check("POST", resign, &r);
+    let nobody = k.check(
+        "GET",
+        "/v1/elections/{name}",
+        &c.get("/v1/elections/doc:e").await,
+    );
+    assert_eq!(nobody, json!({"leader": null}));
+
     // Sessions.
     let session = k.check(
         "POST",

@@ -27,6 +27,8 @@ fn args(name: &str, ttl_ms: u64) -> AcquireArgs {
         limit: 1,
         lock_delay_ms: 0,
         session: None,
+        mode: Default::default(),
+        value: None,
     }
 }
 

@@ -298,6 +298,8 @@ async fn a_lagging_sse_watcher_catches_up_from_the_history() {
             limit: 1,
             lock_delay_ms: 0,
             session: None,
+            mode: Default::default(),
+            value: None,
         };
         let grant = h.acquire(&anyone, args).await.unwrap();
         assert!(h.release(&anyone, name, grant.token).await.unwrap());

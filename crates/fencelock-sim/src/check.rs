@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
 use fencelock_core::{
-    Command, Core, Error as CoreError, EventKind, Grant, LockName, Outcome, OwnerToken, Reply,
-    SessionId,
+    Command, Core, Error as CoreError, EventKind, Grant, LockName, Mode, Outcome, OwnerToken,
+    Reply, SessionId,
 };
 
 /// The invariants the simulation checks on every step.
@@ -85,7 +85,7 @@ pub(crate) struct Checker {
     pub(crate) at_ms: u64,
     limits: BTreeMap<LockName, u32>,
     /// Server view (from events): fences held per lock, this server lifetime.
-    live: BTreeMap<LockName, BTreeSet<u64>>,
+    live: BTreeMap<LockName, BTreeMap<u64, Mode>>,
     /// Highest fence granted in this server lifetime.
     last_granted: u64,
     /// Queued requests per lock, FIFO, this server lifetime.
@@ -130,6 +130,21 @@ impl Checker {
         self.limits.get(name).copied().unwrap_or(1) as usize
     }
 
+    /// At most `limit` writers, and never a writer with another holder (readers are
+    /// not counted against the limit of a reader-writer lock).
+    fn check_holders(&mut self, name: &LockName) {
+        let limit = self.limit(name);
+        let Some(held) = self.live.get(name) else {
+            return;
+        };
+        let readers = held.values().filter(|m| **m == Mode::Shared).count();
+        let writers = held.len() - readers;
+        if writers > limit || (writers > 0 && readers > 0) {
+            let detail = format!("{name} has holders {held:?}, limit {limit}");
+            self.fail(Invariant::HolderLimit, detail);
+        }
+    }
+
     /// One command applied at service time `now` with its reply and outcomes; if it
     /// is logged, its record number is `record`.
     pub(crate) fn on_apply(
@@ -155,12 +170,16 @@ impl Checker {
                             );
                         }
                         self.last_granted = self.last_granted.max(fence);
-                        let limit = self.limit(&e.name);
                         let held = self.live.entry(e.name.clone()).or_default();
-                        held.insert(fence);
-                        if held.len() > limit {
-                            let detail = format!("{} has holders {held:?}, limit {limit}", e.name);
-                            self.fail(Invariant::HolderLimit, detail);
+                        held.insert(fence, e.mode);
+                        self.check_holders(&e.name);
+                    }
+                    EventKind::Downgraded => {
+                        let fence = e.fence.map_or(0, |f| f.get());
+                        if let Some(mode) =
+                            self.live.get_mut(&e.name).and_then(|h| h.get_mut(&fence))
+                        {
+                            *mode = Mode::Shared;
                         }
                     }
                     EventKind::Ended(_) => {
@@ -170,8 +189,10 @@ impl Checker {
                         }
                         self.unsynced_ended.push((record, fence));
                     }
-                    EventKind::Queued | EventKind::WaitEnded(_) => {}
+                    EventKind::Queued | EventKind::WaitEnded(_) | EventKind::Proclaimed => {}
                 },
+                // The simulated clients ask for one lock at a time.
+                Outcome::GrantedAll(_) => {}
                 Outcome::Granted(grant) => {
                     let queue = self.queues.entry(grant.name.clone()).or_default();
                     match queue.front().copied() {
@@ -326,8 +347,13 @@ impl Checker {
         self.queues.clear();
         self.last_granted = 0;
         for lock in image.locks {
-            let fences: BTreeSet<u64> = lock.holders.iter().map(|h| h.fence.get()).collect();
-            self.last_granted = self.last_granted.max(fences.last().copied().unwrap_or(0));
+            let fences: BTreeMap<u64, Mode> = lock
+                .holders
+                .iter()
+                .map(|h| (h.fence.get(), h.mode))
+                .collect();
+            let last = fences.keys().next_back().copied().unwrap_or(0);
+            self.last_granted = self.last_granted.max(last);
             self.live.insert(lock.name.clone(), fences);
             let queue = lock
                 .waiters
@@ -424,6 +450,8 @@ mod tests {
             at_ms: 0,
             duration_ms: 0,
             reason: None,
+            mode: fencelock_core::Mode::Exclusive,
+            value: None,
         })
     }
 
@@ -434,6 +462,7 @@ mod tests {
             token: OwnerToken::from_u128(token),
             ttl_ms: 100,
             session: None,
+            mode: fencelock_core::Mode::Exclusive,
         }
     }
 
@@ -450,6 +479,8 @@ mod tests {
             session: None,
             tenant: None,
             quota: None,
+            mode: fencelock_core::Mode::Exclusive,
+            value: None,
         })
     }
 
@@ -491,6 +522,35 @@ mod tests {
         let both = [event(EventKind::Granted, 1), event(EventKind::Granted, 2)];
         c.on_apply(1, 0, &Command::Tick, &Ok(Reply::Ticked), &both);
         assert_eq!(broken(&c), Some(Invariant::HolderLimit));
+    }
+
+    fn shared(kind: EventKind, fence: u64) -> Outcome {
+        let Outcome::Event(mut e) = event(kind, fence) else {
+            unreachable!("an event")
+        };
+        e.mode = fencelock_core::Mode::Shared;
+        Outcome::Event(e)
+    }
+
+    #[test]
+    fn readers_share_a_mutex_but_never_with_a_writer() {
+        let mut c = checker();
+        let readers = [shared(EventKind::Granted, 1), shared(EventKind::Granted, 2)];
+        c.on_apply(1, 0, &Command::Tick, &Ok(Reply::Ticked), &readers);
+        assert_eq!(broken(&c), None);
+        let writer = [event(EventKind::Granted, 3)];
+        c.on_apply(2, 1, &Command::Tick, &Ok(Reply::Ticked), &writer);
+        assert_eq!(broken(&c), Some(Invariant::HolderLimit));
+
+        // A downgraded writer counts as a reader.
+        let mut c = checker();
+        let history = [
+            event(EventKind::Granted, 1),
+            event(EventKind::Downgraded, 1),
+            shared(EventKind::Granted, 2),
+        ];
+        c.on_apply(1, 0, &Command::Tick, &Ok(Reply::Ticked), &history);
+        assert_eq!(broken(&c), None);
     }
 
     #[test]

@@ -10,12 +10,17 @@
 //! and client deaths.
 //! After the faults stop, a quiet tail lets every lease free.
 //!
+//! Some seeds add a reader-writer lock (`rw`), which clients take shared or
+//! exclusive (readers do not write the resource); a writer that has written may
+//! downgrade to a reader before it releases.
+//!
 //! Invariants checked on every step (see [`Invariant`]): at most `limit` holders per
-//! lock; fences of acknowledged grants strictly increasing per lock and never handed
+//! lock, and never a writer with another holder; fences of acknowledged grants strictly increasing per lock and never handed
 //! out twice, across crashes; the resource never accepts a write whose fence is not
 //! newer than one it accepted; FIFO grants; no grant to a request whose wait or
 //! session ended; no acknowledged grant lost across a crash; no more clients
-//! believing they hold a lock than its limit; and, at the end, every lease freed.
+//! believing they hold a lock than its limit (nor a writer believing it while a
+//! reader does); and, at the end, every lease freed.
 //!
 //! The same seed gives the same run, bit for bit (one SplitMix64 seed, forked into
 //! independent streams; only ordered maps; no wall clock, threads or I/O).
@@ -82,6 +87,9 @@ pub enum PlantedBug {
     /// command: safe, but a dead holder's lease never frees on a quiet server (shows
     /// the liveness check works).
     NoExpiryTimer,
+    /// A reader arriving while readers hold a reader-writer lock is granted at once,
+    /// past a queued writer (`PlantedBugs::reader_jumps_writer`).
+    ReaderJumpsWriter,
 }
 
 impl PlantedBug {
@@ -93,6 +101,7 @@ impl PlantedBug {
             PlantedBug::ReleaseByNameOnly => "release-by-name-only",
             PlantedBug::GrantExpiredWaiters => "grant-expired-waiters",
             PlantedBug::NoExpiryTimer => "no-expiry-timer",
+            PlantedBug::ReaderJumpsWriter => "reader-jumps-writer",
         }
     }
 
@@ -102,12 +111,13 @@ impl PlantedBug {
     }
 
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 5] = [
+    pub const ALL: [PlantedBug; 6] = [
         PlantedBug::NoFenceCheckAtResource,
         PlantedBug::FenceCounterNotDurable,
         PlantedBug::ReleaseByNameOnly,
         PlantedBug::GrantExpiredWaiters,
         PlantedBug::NoExpiryTimer,
+        PlantedBug::ReaderJumpsWriter,
     ];
 }
 

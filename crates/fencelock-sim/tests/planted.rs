@@ -68,6 +68,20 @@ fn granting_an_expired_waiter_is_caught() {
     );
 }
 
+/// A reader granted past a queued writer on the simulation's reader-writer lock:
+/// the checker sees a direct grant while a request is queued.
+#[test]
+fn a_reader_granted_past_a_queued_writer_is_caught() {
+    caught(
+        PlantedBug::ReaderJumpsWriter,
+        &[
+            Invariant::FifoOrder,
+            Invariant::HolderLimit,
+            Invariant::MutualExclusion,
+        ],
+    );
+}
+
 #[test]
 fn a_server_that_never_arms_its_timer_is_caught_by_the_liveness_check() {
     caught(PlantedBug::NoExpiryTimer, &[Invariant::Liveness]);
@@ -96,6 +110,8 @@ fn usage_count_drift_is_caught_by_the_invariant_check() {
             session: None,
             tenant: Some(Tenant::new("a").expect("valid")),
             quota: None,
+            mode: fencelock_core::Mode::Exclusive,
+            value: None,
         };
         core.apply(0, Command::Acquire(acquire)).expect("granted");
         // Expiry, applied by a check-free path: the debug build's after-command

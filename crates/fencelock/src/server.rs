@@ -24,7 +24,8 @@ use crate::wire::WireClient;
 use crate::{Error, ErrorKind};
 use fencelock_backend::Backoff;
 use fencelock_backend::{
-    AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Lease, LockBackend, SessionLease,
+    validate_value, AcquireSpec, BoxFuture, Capabilities, FenceGuarantee, Leader, Lease,
+    LockBackend, SessionLease,
 };
 use tokio_rustls::rustls::pki_types::ServerName;
 
@@ -793,7 +794,120 @@ impl LockBackend for FencelockBackend {
         caps.sessions = true;
         caps.semaphores = true;
         caps.monotonic_leases = true;
+        caps.shared = true;
+        caps.downgrade = true;
+        caps.elections = true;
         caps
+    }
+
+    fn downgrade<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            self.call(
+                self.deadline(Duration::ZERO),
+                self.rounds_until(),
+                |node| async move {
+                    let message = pb::DowngradeRequest {
+                        name: lease.name.clone(),
+                        owner_token: lease.owner_token.clone(),
+                    };
+                    node.client
+                        .clone()
+                        .downgrade(self.request(message, Duration::ZERO))
+                        .await
+                        .map(|_| ())
+                        .map_err(error_from_status)
+                },
+            )
+            .await
+        })
+    }
+
+    fn campaign<'a>(
+        &'a self,
+        spec: &'a AcquireSpec,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<Lease, Error>> {
+        Box::pin(async move {
+            spec.validate()?;
+            validate_value(value)?;
+            let wait = spec.wait.min(MAX_WAIT_PER_CALL);
+            let wait_until = Instant::now() + wait;
+            // gRPC, not flw/1: dropping the call leaves the queue.
+            let grant = self
+                .call(self.deadline(wait), wait_until, |node| async move {
+                    let wait = wait_until.saturating_duration_since(Instant::now());
+                    let message = pb::CampaignRequest {
+                        name: spec.name.clone(),
+                        value: value.to_owned(),
+                        ttl_ms: spec.session.is_none().then(|| ms(spec.ttl)),
+                        wait_ms: ms(wait),
+                        owner: spec.owner.clone(),
+                        request_id: Some(spec.request_id.clone()),
+                        session: spec.session.clone(),
+                    };
+                    node.client
+                        .clone()
+                        .campaign(self.request(message, wait))
+                        .await
+                        .map(tonic::Response::into_inner)
+                        .map_err(error_from_status)
+                })
+                .await?;
+            Ok(lease_of(grant))
+        })
+    }
+
+    fn proclaim<'a>(
+        &'a self,
+        lease: &'a Lease,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            validate_value(value)?;
+            self.call(
+                self.deadline(Duration::ZERO),
+                self.rounds_until(),
+                |node| async move {
+                    let message = pb::ProclaimRequest {
+                        name: lease.name.clone(),
+                        owner_token: lease.owner_token.clone(),
+                        value: value.to_owned(),
+                    };
+                    node.client
+                        .clone()
+                        .proclaim(self.request(message, Duration::ZERO))
+                        .await
+                        .map(|_| ())
+                        .map_err(error_from_status)
+                },
+            )
+            .await
+        })
+    }
+
+    fn leader<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<Leader>, Error>> {
+        Box::pin(async move {
+            let answer = self
+                .call(
+                    self.deadline(Duration::ZERO),
+                    self.rounds_until(),
+                    |node| async move {
+                        let message = pb::LeaderRequest {
+                            name: name.to_owned(),
+                        };
+                        node.client
+                            .clone()
+                            .leader(self.request(message, Duration::ZERO))
+                            .await
+                            .map(tonic::Response::into_inner)
+                            .map_err(error_from_status)
+                    },
+                )
+                .await?;
+            Ok(answer
+                .leader
+                .map(|l| Leader::new(l.name, l.value, l.term, l.owner)))
+        })
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
@@ -816,6 +930,7 @@ impl LockBackend for FencelockBackend {
                         limit: spec.limit,
                         lock_delay_ms: ms(spec.lock_delay),
                         session: spec.session.clone(),
+                        mode: spec.mode.as_str().to_owned(),
                     };
                     match node.wire() {
                         Some(wire) => {
@@ -1051,6 +1166,95 @@ impl FencelockBackend {
             },
         )
         .await
+    }
+}
+
+/// The lease of a grant.
+fn lease_of(grant: pb::Grant) -> Lease {
+    Lease::new(
+        grant.name,
+        grant.fence,
+        grant.owner_token,
+        Duration::from_millis(grant.ttl_ms),
+    )
+}
+
+impl FencelockBackend {
+    /// Acquires every lock in `names` as one request: all or none, waiting up to
+    /// `spec.wait`, each with its own lease and fence, in the order given. `spec`
+    /// gives everything but the name (its `name` is not used). The server queues
+    /// the request on every lock at once, so two callers asking for overlapping
+    /// sets in different orders never deadlock. 1 to 64 distinct names.
+    pub async fn acquire_all(
+        &self,
+        names: &[&str],
+        spec: &AcquireSpec,
+    ) -> Result<Vec<Lease>, Error> {
+        if names.is_empty() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "name at least one lock",
+            ));
+        }
+        let wait = spec.wait.min(MAX_WAIT_PER_CALL);
+        let wait_until = Instant::now() + wait;
+        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        let names = &names;
+        // gRPC, not flw/1: dropping the call leaves every queue.
+        let all = self
+            .call(self.deadline(wait), wait_until, |node| async move {
+                let wait = wait_until.saturating_duration_since(Instant::now());
+                let message = pb::AcquireAllRequest {
+                    names: names.clone(),
+                    ttl_ms: spec.session.is_none().then(|| ms(spec.ttl)),
+                    wait_ms: ms(wait),
+                    owner: spec.owner.clone(),
+                    request_id: Some(spec.request_id.clone()),
+                    limit: spec.limit,
+                    lock_delay_ms: ms(spec.lock_delay),
+                    session: spec.session.clone(),
+                    mode: spec.mode.as_str().to_owned(),
+                };
+                node.client
+                    .clone()
+                    .acquire_all(self.request(message, wait))
+                    .await
+                    .map(tonic::Response::into_inner)
+                    .map_err(error_from_status)
+            })
+            .await?;
+        Ok(all.grants.into_iter().map(lease_of).collect())
+    }
+
+    /// Releases several leases in one step; per lease, whether this call released
+    /// it (`false`: already released by its token).
+    pub async fn release_all(&self, leases: &[Lease]) -> Result<Vec<bool>, Error> {
+        let grants: Vec<pb::ReleaseRequest> = leases
+            .iter()
+            .map(|l| pb::ReleaseRequest {
+                name: l.name.clone(),
+                owner_token: l.owner_token.clone(),
+            })
+            .collect();
+        let grants = &grants;
+        let answer = self
+            .call(
+                self.deadline(Duration::ZERO),
+                self.rounds_until(),
+                |node| async move {
+                    let message = pb::ReleaseAllRequest {
+                        grants: grants.clone(),
+                    };
+                    node.client
+                        .clone()
+                        .release_all(self.request(message, Duration::ZERO))
+                        .await
+                        .map(tonic::Response::into_inner)
+                        .map_err(error_from_status)
+                },
+            )
+            .await?;
+        Ok(answer.released)
     }
 }
 

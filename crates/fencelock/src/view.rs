@@ -64,6 +64,10 @@ pub enum EventKind {
     Queued,
     /// A request left the queue without a grant; [`LockEvent::wait_end`] says why.
     WaitEnded,
+    /// An exclusive grant became shared (its fence kept).
+    Downgraded,
+    /// An election's leader published a new value.
+    Proclaimed,
     /// A kind this client does not know (from a newer server).
     Unknown,
 }
@@ -78,6 +82,8 @@ impl EventKind {
             EventKind::ForceReleased => "force_released",
             EventKind::Queued => "queued",
             EventKind::WaitEnded => "wait_ended",
+            EventKind::Downgraded => "downgraded",
+            EventKind::Proclaimed => "proclaimed",
             EventKind::Unknown => "unknown",
         }
     }
@@ -90,6 +96,8 @@ impl EventKind {
             Ok(pb::EventKind::ForceReleased) => EventKind::ForceReleased,
             Ok(pb::EventKind::Queued) => EventKind::Queued,
             Ok(pb::EventKind::WaitEnded) => EventKind::WaitEnded,
+            Ok(pb::EventKind::Downgraded) => EventKind::Downgraded,
+            Ok(pb::EventKind::Proclaimed) => EventKind::Proclaimed,
             Ok(pb::EventKind::Unspecified) | Err(_) => EventKind::Unknown,
         }
     }

@@ -594,6 +594,7 @@ mod tests {
             owner_token: "t".into(),
             ttl_ms: 1000,
             session: None,
+            mode: "exclusive".into(),
         })
     }
 

@@ -6,7 +6,8 @@
 use std::fmt;
 
 use fencelock_core::{
-    Acquire, Command, Config, Fence, LockName, Owner, OwnerToken, Reason, RequestId, SessionId,
+    Acquire, Command, Config, Fence, LockName, Mode, Owner, OwnerToken, Reason, RequestId,
+    SessionId, Value,
 };
 use proptest::prelude::*;
 
@@ -129,23 +130,50 @@ fn acquire_strategy() -> impl Strategy<Value = Command> {
         1 => prop_oneof![Just(0u32), Just(4)].prop_map(Some),
     ];
     let delay = prop_oneof![16 => Just(0u64), 15 => 1u64..=25, 1 => 26u64..=30];
-    (name_token_strategy(), lease, wait, request_id, limit, delay).prop_map(
-        |((n, token), (ttl_ms, session), wait_ms, request_id, limit, lock_delay_ms)| {
-            Command::Acquire(Acquire {
-                name: name(NAMES[n]),
-                token,
-                ttl_ms,
-                wait_ms,
-                owner: owner_of(token),
-                request_id: request_id.map(|r| RequestId::new(r).expect("valid")),
-                limit: limit.unwrap_or(n as u32 + 1),
-                lock_delay_ms,
-                session,
-                tenant: model_tenant(),
-                quota: None,
-            })
-        },
+    // Mostly exclusive, often shared; sometimes an election campaign (with a
+    // value), which is refused unless exclusive with limit 1.
+    let kind = prop_oneof![
+        6 => Just((Mode::Exclusive, None)),
+        4 => Just((Mode::Shared, None)),
+        1 => Just((Mode::Exclusive, Some("v0"))),
+        1 => Just((Mode::Shared, Some("v1"))),
+    ];
+    (
+        name_token_strategy(),
+        lease,
+        wait,
+        request_id,
+        limit,
+        delay,
+        kind,
     )
+        .prop_map(
+            |(
+                (n, token),
+                (ttl_ms, session),
+                wait_ms,
+                request_id,
+                limit,
+                lock_delay_ms,
+                (mode, value),
+            )| {
+                Command::Acquire(Acquire {
+                    name: name(NAMES[n]),
+                    token,
+                    ttl_ms,
+                    wait_ms,
+                    owner: owner_of(token),
+                    request_id: request_id.map(|r| RequestId::new(r).expect("valid")),
+                    limit: limit.unwrap_or(n as u32 + 1),
+                    lock_delay_ms,
+                    session,
+                    tenant: model_tenant(),
+                    quota: None,
+                    mode,
+                    value: value.map(|v| Value::new(v).expect("valid")),
+                })
+            },
+        )
 }
 
 fn command_strategy() -> impl Strategy<Value = Command> {
@@ -158,6 +186,13 @@ fn command_strategy() -> impl Strategy<Value = Command> {
     let fence = prop_oneof![Just(None), (1u64..=25).prop_map(Fence::new)];
     prop_oneof![
         14 => acquire_strategy(),
+        3 => name_token_strategy()
+            .prop_map(|(n, token)| Command::Downgrade { name: name(NAMES[n]), token }),
+        2 => name_token_strategy().prop_map(|(n, token)| Command::Proclaim {
+            name: name(NAMES[n]),
+            token,
+            value: Value::new(&format!("v{}", token.as_u128())).expect("valid"),
+        }),
         4 => (name_token_strategy(), renew_ttl).prop_map(|((n, token), ttl_ms)| {
             Command::Renew { name: name(NAMES[n]), token, ttl_ms }
         }),
@@ -217,7 +252,31 @@ pub fn render_command(c: &Command) -> String {
             if let Some(r) = &a.request_id {
                 s += &format!(" rid={}", r.as_str());
             }
+            if a.mode == Mode::Shared {
+                s += " shared";
+            }
+            if let Some(v) = &a.value {
+                s += &format!(" value={}", v.as_str());
+            }
             s
+        }
+        Command::AcquireAll(parts) => {
+            let parts: Vec<String> = parts
+                .iter()
+                .map(|a| render_command(&Command::Acquire(a.clone())))
+                .collect();
+            format!("all[{}]", parts.join("; "))
+        }
+        Command::Downgrade { name, token } => format!("downgrade {name} {}", t(token)),
+        Command::Proclaim { name, token, value } => {
+            format!("proclaim {name} {} {}", t(token), value.as_str())
+        }
+        Command::ReleaseAll { grants } => {
+            let grants: Vec<String> = grants
+                .iter()
+                .map(|(n, tk)| format!("{n} {}", t(tk)))
+                .collect();
+            format!("release-all [{}]", grants.join(", "))
         }
         Command::Renew {
             name,

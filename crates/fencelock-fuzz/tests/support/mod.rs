@@ -55,6 +55,8 @@ pub fn commands() -> Vec<Command> {
                 max_held_locks: 2,
                 max_waiters: 1,
             }),
+            mode: Default::default(),
+            value: None,
         }),
         Command::Acquire(Acquire {
             name: name("b"),
@@ -68,6 +70,8 @@ pub fn commands() -> Vec<Command> {
             session: None,
             tenant: None,
             quota: None,
+            mode: Default::default(),
+            value: None,
         }),
         Command::Renew {
             name: name("a"),

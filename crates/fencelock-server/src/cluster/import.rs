@@ -402,6 +402,8 @@ mod tests {
                     session: None,
                     tenant: None,
                     quota: None,
+                    mode: Default::default(),
+                    value: None,
                 }),
             )
             .unwrap();

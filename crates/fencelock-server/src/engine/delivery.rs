@@ -32,6 +32,13 @@ pub(super) enum Delivery {
         listeners: Vec<(u128, AcquireReply)>,
         orphans: Option<EngineTx>,
     },
+    /// A multi-lock request's grants (see `Granted`): all released if nobody
+    /// takes them.
+    GrantedAll {
+        grants: Vec<Grant>,
+        listeners: Vec<(u128, AcquireReply)>,
+        orphans: Option<EngineTx>,
+    },
     /// An acquire refused, or waits ended (timed out, cancelled, drained): the
     /// same error to every listener.
     Refused {
@@ -91,6 +98,24 @@ impl Delivery {
                         name: grant.name,
                         token: grant.token,
                     });
+                }
+            }
+            Delivery::GrantedAll {
+                grants,
+                listeners,
+                orphans,
+            } => {
+                let mut delivered = false;
+                for (_, reply) in listeners {
+                    delivered |= reply.send_all(Ok(grants.clone()));
+                }
+                if let (false, Some(orphans)) = (delivered, orphans) {
+                    for grant in grants {
+                        let _ = orphans.send(Msg::ReleaseOrphan {
+                            name: grant.name,
+                            token: grant.token,
+                        });
+                    }
                 }
             }
             Delivery::Refused {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use fencelock_core::{
     Acquire, Command, Core, Fence, Grant, LockName, LockView, Owner, OwnerToken, Reason, Reply,
-    SessionId, SessionView,
+    SessionId, SessionView, Value,
 };
 use tokio::sync::{broadcast, oneshot, watch};
 
@@ -63,22 +63,29 @@ pub(super) fn acquire_msg(
     reply: AcquireReply,
 ) -> Msg {
     Msg::Acquire {
+        command: Command::Acquire(acquire_of(caller, args)),
         caller: caller.clone(),
-        acquire: Acquire {
-            name: args.name,
-            token: OwnerToken::from_u128(random_u128()),
-            ttl_ms: args.ttl_ms,
-            wait_ms: args.wait_ms,
-            owner: args.owner,
-            request_id: args.request_id,
-            limit: args.limit,
-            lock_delay_ms: args.lock_delay_ms,
-            session: args.session,
-            tenant: caller.tenant.clone(),
-            quota: caller.quota,
-        },
         listener,
         reply,
+    }
+}
+
+/// The core's acquire for `args`, with a fresh owner token.
+fn acquire_of(caller: &Requester, args: AcquireArgs) -> Acquire {
+    Acquire {
+        name: args.name,
+        token: OwnerToken::from_u128(random_u128()),
+        ttl_ms: args.ttl_ms,
+        wait_ms: args.wait_ms,
+        owner: args.owner,
+        request_id: args.request_id,
+        limit: args.limit,
+        lock_delay_ms: args.lock_delay_ms,
+        session: args.session,
+        tenant: caller.tenant.clone(),
+        quota: caller.quota,
+        mode: args.mode,
+        value: args.value,
     }
 }
 
@@ -101,6 +108,38 @@ impl Drop for AcquireGuard {
                     name: grant.name,
                     token: grant.token,
                 });
+            }
+            Ok(Err(_)) | Err(oneshot::error::TryRecvError::Closed) => {}
+            Err(oneshot::error::TryRecvError::Empty) => {
+                let _ = self.shared.tx.send(Msg::CancelListener {
+                    listener: self.listener,
+                });
+            }
+        }
+    }
+}
+
+/// [`AcquireGuard`] for a multi-lock request: cancels its wait if the future is
+/// dropped, releases its grants if they arrived but were never read.
+struct AcquireAllGuard {
+    shared: Arc<Shared>,
+    listener: u128,
+    rx: Option<oneshot::Receiver<Result<Vec<Grant>, ApiError>>>,
+}
+
+impl Drop for AcquireAllGuard {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else {
+            return;
+        };
+        match rx.try_recv() {
+            Ok(Ok(grants)) => {
+                for grant in grants {
+                    let _ = self.shared.tx.send(Msg::ReleaseOrphan {
+                        name: grant.name,
+                        token: grant.token,
+                    });
+                }
             }
             Ok(Err(_)) | Err(oneshot::error::TryRecvError::Closed) => {}
             Err(oneshot::error::TryRecvError::Empty) => {
@@ -228,6 +267,76 @@ impl Handle {
         let result = guard.rx.as_mut().expect("set above").await;
         guard.rx = None;
         result.unwrap_or_else(|_| Err(unavailable()))
+    }
+
+    /// Acquires several locks as one request (see `Command::AcquireAll`): all of
+    /// them or none, waiting up to the parts' `wait_ms` (the same in every part, as
+    /// are every field but the name, mode and limit). The grants come back in the
+    /// order asked. Dropping the future cancels the wait; grants that arrive for a
+    /// dropped future are released.
+    pub async fn acquire_all(
+        &self,
+        caller: &Requester,
+        parts: Vec<AcquireArgs>,
+    ) -> Result<Vec<Grant>, ApiError> {
+        let listener = self.new_listener();
+        let (tx, rx) = oneshot::channel();
+        let parts = parts.into_iter().map(|a| acquire_of(caller, a)).collect();
+        self.send(Msg::Acquire {
+            command: Command::AcquireAll(parts),
+            caller: caller.clone(),
+            listener,
+            reply: AcquireReply::All(tx),
+        })?;
+        let mut guard = AcquireAllGuard {
+            shared: self.shared.clone(),
+            listener,
+            rx: Some(rx),
+        };
+        let Some(rx) = guard.rx.as_mut() else {
+            return Err(unavailable());
+        };
+        let result = rx.await;
+        guard.rx = None;
+        result.unwrap_or_else(|_| Err(unavailable()))
+    }
+
+    /// Turns an exclusive grant into a shared one (fence kept). `Ok` also when it
+    /// was shared already.
+    pub async fn downgrade(
+        &self,
+        caller: &Requester,
+        name: LockName,
+        token: OwnerToken,
+    ) -> Result<Grant, ApiError> {
+        typed::downgraded(
+            self.command(caller, Command::Downgrade { name, token })
+                .await?,
+        )
+    }
+
+    /// Changes the value an election's leader publishes.
+    pub async fn proclaim(
+        &self,
+        caller: &Requester,
+        name: LockName,
+        token: OwnerToken,
+        value: Value,
+    ) -> Result<Grant, ApiError> {
+        typed::proclaimed(
+            self.command(caller, Command::Proclaim { name, token, value })
+                .await?,
+        )
+    }
+
+    /// Releases several grants in one step; per grant, `false` if its token had
+    /// released it already.
+    pub async fn release_all(
+        &self,
+        caller: &Requester,
+        grants: Vec<(LockName, OwnerToken)>,
+    ) -> Result<Vec<bool>, ApiError> {
+        typed::released_all(self.command(caller, Command::ReleaseAll { grants }).await?)
     }
 
     /// A fresh listener id for [`Handle::acquire_to`].

@@ -262,6 +262,8 @@ mod tests {
                 at_ms: 0,
                 duration_ms: 0,
                 reason: None,
+                mode: Default::default(),
+                value: None,
             },
         })
     }

@@ -573,12 +573,24 @@ impl EngineTask {
     fn handle_replicated(&mut self, msg: Msg) {
         match msg {
             Msg::Acquire {
-                acquire,
+                command,
                 caller,
                 listener,
                 reply,
             } => {
-                if self.draining && acquire.wait_ms > 0 {
+                let Some((name, wait_ms)) = super::acquire_target(&command) else {
+                    let err =
+                        ApiError::new(ApiErrorKind::InvalidArgument, "name at least one lock");
+                    self.deliveries
+                        .push(Delivery::refused(listener, reply, err));
+                    return;
+                };
+                let ttl_ms = match &command {
+                    Command::Acquire(a) => a.ttl_ms,
+                    Command::AcquireAll(parts) => parts.first().and_then(|a| a.ttl_ms),
+                    _ => None,
+                };
+                if self.draining && wait_ms > 0 {
                     let err =
                         ApiError::new(ApiErrorKind::Unavailable, "the server is shutting down");
                     self.deliveries
@@ -586,7 +598,7 @@ impl EngineTask {
                     return;
                 }
                 let refused = self
-                    .check_ttl("ttl_ms", acquire.ttl_ms)
+                    .check_ttl("ttl_ms", ttl_ms)
                     .err()
                     .or_else(|| self.refused_while_importing())
                     .or_else(|| self.replica().leading.is_none().then(|| self.not_leader()));
@@ -598,7 +610,7 @@ impl EngineTask {
                 #[cfg(feature = "planted-bugs")]
                 if self.replica().bugs.apply_before_commit {
                     let now = self.clock.now_ms().max(self.core.now_ms());
-                    let speculative = self.core.apply(now, Command::Acquire(acquire.clone()));
+                    let speculative = self.core.apply(now, command.clone());
                     self.core.discard_outcomes();
                     if let Ok(Reply::Granted(grant)) = speculative {
                         self.deliveries.push(Delivery::Granted {
@@ -606,13 +618,12 @@ impl EngineTask {
                             listeners: vec![(listener, reply)],
                             orphans: None,
                         });
-                        self.propose(Command::Acquire(acquire), caller, None);
+                        self.propose(command, caller, None);
                         return;
                     }
                 }
-                let name = acquire.name.clone();
                 self.propose(
-                    Command::Acquire(acquire),
+                    command,
                     caller,
                     Some(Pending::Acquire {
                         listener,
@@ -940,6 +951,9 @@ impl EngineTask {
                 reply,
             }) => match result.map_err(ApiError::from).and_then(typed::acquired) {
                 Ok(Acquired::Granted(grant)) => self.deliver_grant(grant, vec![(listener, reply)]),
+                Ok(Acquired::GrantedAll(grants)) => {
+                    self.deliver_grants(grants, vec![(listener, reply)]);
+                }
                 Ok(Acquired::Queued(token)) => {
                     self.listeners
                         .entry(token)
@@ -1059,6 +1073,10 @@ impl EngineTask {
             match outcome {
                 fencelock_core::Outcome::Granted(grant)
                     if !self.listeners.contains_key(&grant.token) => {}
+                fencelock_core::Outcome::GrantedAll(grants)
+                    if !grants
+                        .first()
+                        .is_some_and(|g| self.listeners.contains_key(&g.token)) => {}
                 fencelock_core::Outcome::WaitEnded { token, .. }
                     if !self.listeners.contains_key(&token) => {}
                 other => kept.push(other),

@@ -14,6 +14,8 @@ use crate::error::{ApiError, ApiErrorKind};
 pub(crate) enum Acquired {
     /// Granted now.
     Granted(Grant),
+    /// A multi-lock request, granted now (in the order asked).
+    GrantedAll(Vec<Grant>),
     /// Queued: the grant (or the end of the wait) follows as an outcome for `token`.
     Queued(OwnerToken),
 }
@@ -23,6 +25,9 @@ pub(crate) fn acquired(reply: Reply) -> Result<Acquired, ApiError> {
     match reply {
         Reply::Granted(grant) => Ok(Acquired::Granted(grant)),
         Reply::Queued { token, .. } => Ok(Acquired::Queued(token)),
+        Reply::GrantedAll(grants) if !grants.is_empty() => Ok(Acquired::GrantedAll(grants)),
+        // A multi-lock request's client listens on its first part.
+        Reply::QueuedAll { tokens } if !tokens.is_empty() => Ok(Acquired::Queued(tokens[0])),
         other => Err(mismatch("an acquire", &other)),
     }
 }
@@ -40,6 +45,30 @@ pub(crate) fn released(reply: Reply) -> Result<bool, ApiError> {
     match reply {
         Reply::Released { released } => Ok(released),
         other => Err(mismatch("a release", &other)),
+    }
+}
+
+/// A downgrade's reply: the grant, now shared.
+pub(crate) fn downgraded(reply: Reply) -> Result<Grant, ApiError> {
+    match reply {
+        Reply::Downgraded { grant, .. } => Ok(grant),
+        other => Err(mismatch("a downgrade", &other)),
+    }
+}
+
+/// A proclaim's reply: the leader's grant.
+pub(crate) fn proclaimed(reply: Reply) -> Result<Grant, ApiError> {
+    match reply {
+        Reply::Proclaimed(grant) => Ok(grant),
+        other => Err(mismatch("a proclaim", &other)),
+    }
+}
+
+/// A release-all's reply: per grant, whether this command released it.
+pub(crate) fn released_all(reply: Reply) -> Result<Vec<bool>, ApiError> {
+    match reply {
+        Reply::ReleasedAll { released } => Ok(released),
+        other => Err(mismatch("a release of several grants", &other)),
     }
 }
 

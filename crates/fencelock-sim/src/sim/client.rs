@@ -2,7 +2,7 @@
 //! third of the TTL, lost at send + ttl − margin, release with the owner token), and
 //! the session API's for session clients.
 
-use fencelock_core::RequestId;
+use fencelock_core::{Mode, RequestId};
 
 use super::{
     grid, Acquiring, Answer, Client, Ev, Failure, Holding, Request, Rpc, Session, Sim, State,
@@ -71,6 +71,7 @@ impl Sim {
             limit: lock.limit,
             lock_delay_ms: a.lock_delay_ms,
             session,
+            mode: a.mode,
         };
         self.send_request(i, request, wait_ms + RPC_TIMEOUT_MS);
     }
@@ -123,7 +124,8 @@ impl Sim {
             ) => {
                 let base = a.first_sent.unwrap_or(outstanding.sent);
                 let lock = &self.locks[a.lock];
-                let writes_total = if lock.limit == 1 {
+                // Readers read; only a writer of a mutex writes the resource.
+                let writes_total = if lock.limit == 1 && a.mode == Mode::Exclusive {
                     c.rng.range(1, 3) as u32
                 } else {
                     0
@@ -133,6 +135,7 @@ impl Sim {
                 self.stats.session_grants += u64::from(a.session.is_some());
                 c.state = State::Holding(Holding {
                     lock: a.lock,
+                    mode: a.mode,
                     session: a.session,
                     ttl_ms,
                     fence,
@@ -176,6 +179,8 @@ impl Sim {
                 h.renew_attempt = 0;
                 self.clients[i].state = State::Holding(h);
             }
+            // Already acting as a reader since it was sent: nothing changes.
+            (State::Holding(h), Answer::Downgraded) => self.clients[i].state = State::Holding(h),
             (State::Holding(_), Answer::Failed(Failure::Unavailable)) => self.renew_transient(i),
             // The client library starts over when the confirmation finds the grant
             // gone; it does not hold the lock either way.
@@ -355,8 +360,16 @@ impl Sim {
                     let request_id =
                         RequestId::new(&format!("c{i}-{}", c.requests)).expect("valid");
                     let lock_delay_ms = [0, 0, 0, 50, 100][c.rng.index(5)];
+                    // Drawn only on a reader-writer lock: other locks' runs stay
+                    // as they were.
+                    let mode = if self.locks[lock].rw && c.rng.chance(500) {
+                        Mode::Shared
+                    } else {
+                        Mode::Exclusive
+                    };
                     c.state = State::Acquiring(Acquiring {
                         lock,
+                        mode,
                         lock_delay_ms,
                         session,
                         ttl_ms,
@@ -443,6 +456,25 @@ impl Sim {
                         );
                         continue;
                     }
+                    // A writer of a reader-writer lock that has written may turn
+                    // reader before it releases. It acts as a reader from the send
+                    // on: the server may let readers in before the answer arrives.
+                    let may_downgrade = self.locks[h.lock].rw
+                        && h.mode == Mode::Exclusive
+                        && c.rpc.is_none()
+                        && h.writes_done >= h.writes_total
+                        && now < h.release_at;
+                    if may_downgrade && c.rng.chance(500) {
+                        h.mode = Mode::Shared;
+                        let request = Request::Downgrade {
+                            name: self.locks[h.lock].name.clone(),
+                            token: h.token,
+                        };
+                        self.clients[i].state = State::Holding(h);
+                        self.send_request(i, request, RPC_TIMEOUT_MS);
+                        break;
+                    }
+                    let c = &mut self.clients[i];
                     if h.writes_done >= h.writes_total && now >= h.release_at {
                         let name = self.locks[h.lock].name.clone();
                         c.state = State::Releasing {

@@ -6,7 +6,8 @@ use std::cmp::Ordering;
 use std::collections::{BTreeMap, BinaryHeap};
 
 use fencelock_core::{
-    Command, Core, ErrorKind, Grant, LockName, Owner, OwnerToken, RequestId, SessionId, StateImage,
+    Command, Core, ErrorKind, Grant, LockName, Mode, Owner, OwnerToken, RequestId, SessionId,
+    StateImage,
 };
 use fencelock_fence::MemoryGate;
 
@@ -27,6 +28,8 @@ const TAIL_MS: u64 = 6_000;
 const MAX_EVENTS: u64 = 2_000_000;
 /// A client's answer timeout for renew and release requests.
 const RPC_TIMEOUT_MS: u64 = 300;
+/// Mixed into the seed for the draw of the reader-writer lock.
+const RW_SEED: u64 = 0x7277_6c6f_636b;
 
 fn grid(ms: u64) -> u64 {
     (ms / GRID_MS).max(1) * GRID_MS
@@ -43,6 +46,7 @@ enum Request {
         limit: u32,
         lock_delay_ms: u64,
         session: Option<SessionId>,
+        mode: Mode,
     },
     Renew {
         name: LockName,
@@ -50,6 +54,10 @@ enum Request {
         ttl_ms: u64,
     },
     Release {
+        name: LockName,
+        token: OwnerToken,
+    },
+    Downgrade {
         name: LockName,
         token: OwnerToken,
     },
@@ -87,6 +95,7 @@ enum Answer {
         ttl_ms: u64,
     },
     Released,
+    Downgraded,
     SessionOpened {
         id: SessionId,
         ttl_ms: u64,
@@ -202,6 +211,8 @@ struct Rpc {
 #[derive(Debug, Clone)]
 struct Acquiring {
     lock: usize,
+    /// Shared (a reader) only on a reader-writer lock.
+    mode: Mode,
     /// Chubby's lock-delay after this holder's lease expires (usually 0).
     lock_delay_ms: u64,
     /// The session the request is made on (session clients).
@@ -217,6 +228,8 @@ struct Acquiring {
 #[derive(Debug, Clone)]
 struct Holding {
     lock: usize,
+    /// A reader never writes to the resource.
+    mode: Mode,
     /// Held on this session of the client's: valid while the session is.
     session: Option<SessionId>,
     ttl_ms: u64,
@@ -285,6 +298,8 @@ struct Client {
 struct LockSpec {
     name: LockName,
     limit: u32,
+    /// A reader-writer lock: clients take it shared or exclusive.
+    rw: bool,
 }
 
 /// Which faults this seed injects, and how much.
@@ -345,17 +360,29 @@ impl Sim {
         let mut locks = vec![LockSpec {
             name: LockName::new("lock:a").expect("valid"),
             limit: 1,
+            rw: false,
         }];
         if setup.chance(600) {
             locks.push(LockSpec {
                 name: LockName::new("lock:b").expect("valid"),
                 limit: 1,
+                rw: false,
             });
         }
         if setup.chance(400) {
             locks.push(LockSpec {
                 name: LockName::new("sem").expect("valid"),
                 limit: 2,
+                rw: false,
+            });
+        }
+        // Drawn from a generator of its own, so every other choice of the seed stays
+        // as it was.
+        if Rng::new(seed ^ RW_SEED).chance(500) {
+            locks.push(LockSpec {
+                name: LockName::new("rw").expect("valid"),
+                limit: 1,
+                rw: true,
             });
         }
         let clients = (0..setup.range(2, 5))
@@ -654,10 +681,11 @@ impl Sim {
     }
 
     /// Mutual exclusion as the clients see it: no more clients believe they hold a
-    /// lock (before their own conservative deadline) than its limit.
+    /// lock (before their own conservative deadline) than its limit, and never a
+    /// writer together with a reader (readers are not counted against the limit).
     fn check_beliefs(&mut self) {
         for (l, lock) in self.locks.iter().enumerate() {
-            let believers: Vec<(usize, u64)> = self
+            let believers: Vec<(usize, u64, Mode)> = self
                 .clients
                 .iter()
                 .enumerate()
@@ -668,12 +696,14 @@ impl Sim {
                             && h.lock == l
                             && self.now < Sim::hold_deadline(c, h) =>
                     {
-                        Some((i, h.fence))
+                        Some((i, h.fence, h.mode))
                     }
                     _ => None,
                 })
                 .collect();
-            if believers.len() > lock.limit as usize {
+            let readers = believers.iter().filter(|b| b.2 == Mode::Shared).count();
+            let writers = believers.len() - readers;
+            if writers > lock.limit as usize || (writers > 0 && readers > 0) {
                 let detail = format!(
                     "{}: clients (client, fence) {believers:?} all believe they hold it (limit {})",
                     lock.name, lock.limit

@@ -58,6 +58,8 @@ impl Sim {
         });
         for outcome in outcomes {
             match outcome {
+                // The simulated clients ask for one lock at a time.
+                Outcome::GrantedAll(_) => {}
                 Outcome::Granted(grant) => {
                     self.mix(5 << 32 | grant.fence.get());
                     for (client, rpc) in self
@@ -157,6 +159,7 @@ impl Sim {
                 limit,
                 lock_delay_ms,
                 session,
+                mode,
             } => {
                 let token = OwnerToken::from_u128(
                     u128::from(self.server.rng.next_u64()) << 64
@@ -177,6 +180,8 @@ impl Sim {
                     // (and checked) without a quota changing what the sim expects.
                     tenant: Some(sim_tenant()),
                     quota: None,
+                    mode,
+                    value: None,
                 }));
                 match result {
                     Ok(Reply::Granted(grant)) => {
@@ -217,6 +222,13 @@ impl Sim {
                         ttl_ms: grant.ttl_ms,
                     },
                     Ok(other) => unreachable!("renew replied {other:?}"),
+                    Err(e) => Answer::Failed(failure_of(e.kind())),
+                };
+                self.server.pending.push((from, rpc, answer, None));
+            }
+            Request::Downgrade { name, token } => {
+                let answer = match self.server_apply(Command::Downgrade { name, token }) {
+                    Ok(_) => Answer::Downgraded,
                     Err(e) => Answer::Failed(failure_of(e.kind())),
                 };
                 self.server.pending.push((from, rpc, answer, None));
@@ -312,8 +324,8 @@ impl Sim {
         PlantedBugs {
             release_by_name_only: self.options.planted == Some(PlantedBug::ReleaseByNameOnly),
             grant_expired_waiters: self.options.planted == Some(PlantedBug::GrantExpiredWaiters),
-            leak_usage_on_expiry: false,
-            requeue_retries: false,
+            reader_jumps_writer: self.options.planted == Some(PlantedBug::ReaderJumpsWriter),
+            ..PlantedBugs::default()
         }
     }
 
