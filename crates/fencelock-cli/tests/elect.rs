@@ -395,12 +395,16 @@ async fn leader_prints_none_then_the_leader_and_watch_sees_a_takeover() {
 
     let mut one = serve
         .cli()
-        .args([
-            "elect", "svc", "addr-1", "--ttl", "1s", "--json", "--", "sleep", "60",
-        ])
+        .args(["elect", "svc", "addr-1", "--ttl", "1s", "--json", "--"])
+        .args(["sh", "-c", "echo $$; exec sleep 60"])
         .spawn()
         .unwrap();
+    let mut one_out = lines(one.stdout.take().unwrap());
     let mut one_err = lines(one.stderr.take().unwrap());
+    let one_group: i32 = line_where(&mut one_out, "addr-1's command", |_| true)
+        .await
+        .parse()
+        .unwrap();
     let one_term = leading_term(&line_where(&mut one_err, "addr-1 leading", is_leading).await);
 
     let shown = finish(serve.cli().args(["leader", "svc", "--json"])).await;
@@ -426,7 +430,12 @@ async fn leader_prints_none_then_the_leader_and_watch_sees_a_takeover() {
         .args(["elect", "svc", "addr-2", "--json", "--", "sleep", "60"])
         .spawn()
         .unwrap();
+    // Dies without resigning: addr-2 takes over once the 1 s lease runs out.
     one.kill().await.unwrap();
+    // SAFETY: kill(2) on the process group of the test's own grandchild.
+    unsafe {
+        libc::kill(-one_group, libc::SIGKILL);
+    }
     let took: Value = serde_json::from_str(
         &line_where(&mut seen, "addr-2 in the watch", |l| l.contains("addr-2")).await,
     )
