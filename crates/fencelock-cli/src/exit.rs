@@ -12,7 +12,8 @@ pub const USAGE: u8 = 2;
 pub const UNAVAILABLE: u8 = 69;
 /// The token is missing, wrong, or not allowed to do this (sysexits' `EX_NOPERM`).
 pub const NO_PERMISSION: u8 = 77;
-/// `run`: the lock was lost while the command ran, so it was stopped
+/// `run`, `elect`: the lock (leadership) was lost while the command ran, so it was
+/// stopped
 /// (sysexits' `EX_TEMPFAIL`: try again).
 pub const LOCK_LOST: u8 = 75;
 /// The lock was not acquired within `--wait` (as `timeout(1)` reports a timeout).
@@ -37,15 +38,15 @@ pub const STORAGE_IO: u8 = 74;
 /// Every exit code: its number, its name (the `code` of `--json` errors) and what it
 /// means. `fencelock help exit-codes`, the man page and the README show this table.
 pub const TABLE: &[(u8, &str, &str)] = &[
-    (0, "ok", "success; `run`: the command's own exit code (128+N if it was killed by signal N)"),
-    (FAILURE, "failure", "any other failure: no such lock, a corrupt backup, storage failed while serving"),
+    (0, "ok", "success; `run`, `elect`: the command's own exit code (128+N if it was killed by signal N)"),
+    (FAILURE, "failure", "any other failure: no such lock, no leader, a corrupt backup, storage failed while serving"),
     (USAGE, "usage", "bad flags, input or configuration"),
     (CORRUPT_DATA, "corrupt_data", "`serve`: the data directory holds data that fails validation"),
     (UNAVAILABLE, "unavailable", "the server could not be reached or is unavailable (`cluster`: no leader answered within --wait)"),
     (CANNOT_LISTEN, "cannot_listen", "`serve`: an address could not be bound"),
     (CANNOT_CREATE, "cannot_create", "`serve`: the data directory is in use by another server; `backup`: --out exists (add --force)"),
     (STORAGE_IO, "storage_io", "`serve`: reading or writing the data directory failed"),
-    (LOCK_LOST, "lock_lost", "`run`: the lock was lost while the command ran; the command was stopped"),
+    (LOCK_LOST, "lock_lost", "`run`, `elect`: the lock (leadership) was lost while the command ran; the command was stopped"),
     (NO_PERMISSION, "not_permitted", "not authenticated (no token, or one the server does not know) or not allowed"),
     (NOT_ACQUIRED, "not_acquired", "the lock was not acquired (held, and not freed within --wait)"),
     (CANNOT_EXECUTE, "cannot_execute", "`run`: the command could not be executed"),

@@ -6,6 +6,7 @@
 mod audit_cmd;
 mod cluster_cmd;
 mod config;
+mod elect;
 mod exit;
 mod explain;
 mod http_get;
@@ -57,6 +58,19 @@ enum Commands {
     /// then SIGKILL after --grace); 77 not authenticated or not allowed; 126/127 the
     /// command could not be executed / was not found.
     Run(run::RunArgs),
+    /// Run a command while leading an election (renewed while it runs; the command
+    /// is stopped if leadership is lost).
+    ///
+    /// `fencelock elect NAME VALUE -- COMMAND [ARGS…]`: waits to lead (up to --wait,
+    /// by default for ever), then runs the command as `run` does, with
+    /// FENCELOCK_ELECTION, FENCELOCK_VALUE and the term in FENCELOCK_TERM and
+    /// FENCELOCK_FENCE (pass it as the fence with every write). Resigns when the
+    /// command ends. Exit codes as `run`'s: the command's own; 124 not leading within
+    /// --wait; 75 leadership was lost and the command was stopped.
+    Elect(elect::ElectArgs),
+    /// Show who leads an election (owner, value, term; exit 1 if nobody does), or
+    /// with --watch every change of leader.
+    Leader(elect::LeaderArgs),
     /// Take a lock once (no renewal) and print the grant with its owner token.
     Acquire(remote::AcquireArgs),
     /// Extend a lease taken with `acquire`.
@@ -157,6 +171,11 @@ fn main() -> ExitCode {
             fence_floor,
         } => restore(&from, &data_dir, fence_floor),
         Commands::Run(args) => return client_runtime(run::run(args)),
+        Commands::Elect(args) => return client_runtime(elect::elect(args)),
+        Commands::Leader(args) => {
+            let json = args.connection.json;
+            return client_command(elect::leader(args), json);
+        }
         Commands::Acquire(args) => {
             let json = args.connection.json;
             return client_command(remote::acquire(args), json);

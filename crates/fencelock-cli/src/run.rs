@@ -20,7 +20,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
-use fencelock::{Client, LockOptions};
+use fencelock::{Client, LockOptions, LostReason};
 use serde_json::json;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
@@ -68,25 +68,26 @@ pub async fn run(args: RunArgs) -> ExitCode {
     match run_command(args).await {
         Ok(code) => ExitCode::from(code),
         Err(f) => {
-            say(&f, json);
+            say("run", &f, json);
             ExitCode::from(f.code)
         }
     }
 }
 
-fn failure(code: u8, message: impl std::fmt::Display) -> Failure {
+pub(crate) fn failure(code: u8, message: impl std::fmt::Display) -> Failure {
     Failure {
         message: message.to_string(),
         code,
     }
 }
 
-/// Prints `run`'s own message: `fencelock run: …`, or JSON (see [`Failure::print`]).
-fn say(f: &Failure, json: bool) {
+/// Prints a subcommand's own message: `fencelock WHO: …`, or JSON (see
+/// [`Failure::print`]).
+pub(crate) fn say(who: &str, f: &Failure, json: bool) {
     if json {
         f.print(true);
     } else {
-        eprintln!("fencelock run: {}", f.message);
+        eprintln!("fencelock {who}: {}", f.message);
     }
 }
 
@@ -138,111 +139,169 @@ async fn run_command(args: RunArgs) -> Result<u8, Failure> {
         );
     }
 
-    // Signal handlers before the child exists, so no signal is missed.
-    let handler = |kind: SignalKind| {
-        signal(kind).map_err(|e| {
-            failure(
-                exit::FAILURE,
-                format!("cannot install signal handlers: {e}"),
-            )
-        })
+    let env = [
+        ("FENCELOCK_LOCK", name.clone()),
+        ("FENCELOCK_FENCE", guard.fence().to_string()),
+    ];
+    let child = Supervise {
+        who: "run",
+        name: &name,
+        command: &args.command,
+        env: &env,
+        grace: args.grace,
+        json: args.connection.json,
     };
-    let mut int = handler(SignalKind::interrupt())?;
-    let mut term = handler(SignalKind::terminate())?;
-    let mut hup = handler(SignalKind::hangup())?;
-    let mut quit = handler(SignalKind::quit())?;
-    let mut usr1 = handler(SignalKind::user_defined1())?;
-    let mut usr2 = handler(SignalKind::user_defined2())?;
-
-    let terminal = Terminal::foreground();
-    let mut command = std::process::Command::new(&args.command[0]);
-    command
-        .args(&args.command[1..])
-        .env("FENCELOCK_LOCK", &name)
-        .env("FENCELOCK_FENCE", guard.fence().to_string())
-        .process_group(0);
-    if terminal.is_some() {
-        // SAFETY: the closure runs in the child between fork and exec and only makes
-        // async-signal-safe calls (getpid, sigprocmask, tcsetpgrp).
-        unsafe {
-            command.pre_exec(|| {
-                // The child takes the terminal itself, before it can read it: the
-                // parent's own tcsetpgrp may come after the exec.
-                set_foreground(libc::STDIN_FILENO, libc::getpid());
-                Ok(())
-            });
+    match child.run(guard.lost()).await {
+        Ok(Ended::Exited(code)) => {
+            if let Err(e) = guard.release().await {
+                eprintln!("fencelock run: the command finished, but releasing {name:?} failed (it will expire): {e}");
+            }
+            Ok(code)
+        }
+        Ok(Ended::Lost) => {
+            // Best effort: the grant may still exist if only renewals failed.
+            let _ = tokio::time::timeout(Duration::from_secs(2), guard.release()).await;
+            Ok(exit::LOCK_LOST)
+        }
+        Err(f) => {
+            let _ = tokio::time::timeout(Duration::from_secs(2), guard.release()).await;
+            Err(f)
         }
     }
-    let child = match command.spawn() {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = guard.release().await;
-            let code = match e.kind() {
-                std::io::ErrorKind::NotFound => exit::COMMAND_NOT_FOUND,
-                _ => exit::CANNOT_EXECUTE,
-            };
-            return Err(failure(
-                code,
-                format!("cannot run {:?}: {e}", args.command[0]),
-            ));
-        }
-    };
-    let pgid = child.id() as libc::pid_t;
-    if let Some(t) = &terminal {
-        t.give(pgid);
-    }
-    // Given back on every way out, even an early return.
-    let _terminal_back = TerminalBack(terminal.as_ref(), pgid);
-    let mut states = watch_child(pgid);
-    let lost = guard.lost();
-    tokio::pin!(lost);
+}
 
-    loop {
-        tokio::select! {
-            state = states.recv() => match state {
-                // Job control (Ctrl-Z, a read or write from the background) stops
-                // `run` with its command; a SIGSTOP someone sent is theirs to undo.
-                Some(ChildState::Stopped(signal))
-                    if matches!(signal, libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU) =>
-                {
-                    if let Some(t) = &terminal {
-                        t.suspend_with(pgid, signal);
+/// How a supervised command ended.
+#[derive(Debug)]
+pub(crate) enum Ended {
+    /// By itself, with this exit code (128 + N if killed by signal N).
+    Exited(u8),
+    /// The lock (or leadership) was lost, so it was stopped.
+    Lost,
+}
+
+/// A command run while something is held (`run`'s lock, `elect`'s leadership): in
+/// its own process group, in the terminal's foreground, with signals forwarded, and
+/// stopped (SIGTERM, SIGKILL after `grace`) when what is held is lost.
+pub(crate) struct Supervise<'a> {
+    /// The subcommand, for messages (`fencelock run: …`).
+    pub who: &'static str,
+    /// The lock or election held, for messages.
+    pub name: &'a str,
+    /// The command and its arguments.
+    pub command: &'a [String],
+    /// Added to the command's environment.
+    pub env: &'a [(&'static str, String)],
+    /// After a loss: how long the command has after SIGTERM before SIGKILL.
+    pub grace: Duration,
+    /// Messages as JSON lines.
+    pub json: bool,
+}
+
+impl Supervise<'_> {
+    /// Runs the command until it ends or `lost` resolves. The caller releases what
+    /// it holds afterwards, also after an error (the command could not be started).
+    pub(crate) async fn run(
+        &self,
+        lost: impl std::future::Future<Output = LostReason>,
+    ) -> Result<Ended, Failure> {
+        let who = self.who;
+        let Some((program, arguments)) = self.command.split_first() else {
+            return Err(failure(exit::USAGE, "the command is missing"));
+        };
+        // Signal handlers before the child exists, so no signal is missed.
+        let handler = |kind: SignalKind| {
+            signal(kind).map_err(|e| {
+                failure(
+                    exit::FAILURE,
+                    format!("cannot install signal handlers: {e}"),
+                )
+            })
+        };
+        let mut int = handler(SignalKind::interrupt())?;
+        let mut term = handler(SignalKind::terminate())?;
+        let mut hup = handler(SignalKind::hangup())?;
+        let mut quit = handler(SignalKind::quit())?;
+        let mut usr1 = handler(SignalKind::user_defined1())?;
+        let mut usr2 = handler(SignalKind::user_defined2())?;
+
+        let terminal = Terminal::foreground();
+        let mut command = std::process::Command::new(program);
+        command
+            .args(arguments)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .process_group(0);
+        if terminal.is_some() {
+            // SAFETY: the closure runs in the child between fork and exec and only makes
+            // async-signal-safe calls (getpid, sigprocmask, tcsetpgrp).
+            unsafe {
+                command.pre_exec(|| {
+                    // The child takes the terminal itself, before it can read it: the
+                    // parent's own tcsetpgrp may come after the exec.
+                    set_foreground(libc::STDIN_FILENO, libc::getpid());
+                    Ok(())
+                });
+            }
+        }
+        let child = match command.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                let code = match e.kind() {
+                    std::io::ErrorKind::NotFound => exit::COMMAND_NOT_FOUND,
+                    _ => exit::CANNOT_EXECUTE,
+                };
+                return Err(failure(code, format!("cannot run {program:?}: {e}")));
+            }
+        };
+        let pgid = child.id() as libc::pid_t;
+        if let Some(t) = &terminal {
+            t.give(pgid);
+        }
+        // Given back on every way out, even an early return.
+        let _terminal_back = TerminalBack(terminal.as_ref(), pgid);
+        let mut states = watch_child(pgid);
+        tokio::pin!(lost);
+
+        loop {
+            tokio::select! {
+                state = states.recv() => match state {
+                    // Job control (Ctrl-Z, a read or write from the background) stops
+                    // the supervisor with its command; a SIGSTOP someone sent is theirs
+                    // to undo.
+                    Some(ChildState::Stopped(signal))
+                        if matches!(signal, libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU) =>
+                    {
+                        if let Some(t) = &terminal {
+                            t.suspend_with(pgid, signal);
+                        }
                     }
-                }
-                Some(ChildState::Stopped(_)) => {}
-                Some(ChildState::Exited(code)) => {
-                    if let Err(e) = guard.release().await {
-                        eprintln!("fencelock run: the command finished, but releasing {name:?} failed (it will expire): {e}");
+                    Some(ChildState::Stopped(_)) => {}
+                    Some(ChildState::Exited(code)) => return Ok(Ended::Exited(code)),
+                    None => return Err(failure(exit::FAILURE, "lost track of the command")),
+                },
+                _ = int.recv() => signal_group(pgid, libc::SIGINT),
+                _ = term.recv() => signal_group(pgid, libc::SIGTERM),
+                _ = hup.recv() => signal_group(pgid, libc::SIGHUP),
+                _ = quit.recv() => signal_group(pgid, libc::SIGQUIT),
+                _ = usr1.recv() => signal_group(pgid, libc::SIGUSR1),
+                _ = usr2.recv() => signal_group(pgid, libc::SIGUSR2),
+                reason = &mut lost => {
+                    let error = reason.into_error(self.name);
+                    let message = format!(
+                        "{}; stopping the command (SIGTERM, SIGKILL after {})",
+                        crate::explain::client_error(&error),
+                        human(self.grace)
+                    );
+                    say(who, &failure(exit::LOCK_LOST, message), self.json);
+                    signal_group(pgid, libc::SIGTERM);
+                    // A stopped command would not act on SIGTERM until continued.
+                    signal_group(pgid, libc::SIGCONT);
+                    let ended = tokio::time::timeout(self.grace, exited(&mut states)).await;
+                    if ended.is_err() {
+                        signal_group(pgid, libc::SIGKILL);
+                        exited(&mut states).await;
                     }
-                    return Ok(code);
+                    return Ok(Ended::Lost);
                 }
-                None => return Err(failure(exit::FAILURE, "lost track of the command")),
-            },
-            _ = int.recv() => signal_group(pgid, libc::SIGINT),
-            _ = term.recv() => signal_group(pgid, libc::SIGTERM),
-            _ = hup.recv() => signal_group(pgid, libc::SIGHUP),
-            _ = quit.recv() => signal_group(pgid, libc::SIGQUIT),
-            _ = usr1.recv() => signal_group(pgid, libc::SIGUSR1),
-            _ = usr2.recv() => signal_group(pgid, libc::SIGUSR2),
-            reason = &mut lost => {
-                let error = reason.into_error(&name);
-                let message = format!(
-                    "{}; stopping the command (SIGTERM, SIGKILL after {})",
-                    crate::explain::client_error(&error),
-                    human(args.grace)
-                );
-                say(&failure(exit::LOCK_LOST, message), args.connection.json);
-                signal_group(pgid, libc::SIGTERM);
-                // A stopped command would not act on SIGTERM until continued.
-                signal_group(pgid, libc::SIGCONT);
-                let ended = tokio::time::timeout(args.grace, exited(&mut states)).await;
-                if ended.is_err() {
-                    signal_group(pgid, libc::SIGKILL);
-                    exited(&mut states).await;
-                }
-                // Best effort: the grant may still exist if only renewals failed.
-                let _ = tokio::time::timeout(Duration::from_secs(2), guard.release()).await;
-                return Ok(exit::LOCK_LOST);
             }
         }
     }
