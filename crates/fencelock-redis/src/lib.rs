@@ -108,7 +108,7 @@
 //! # Reader-writer locks and elections: none
 //!
 //! A shared request, a downgrade and every election call answer
-//! [`ErrorKind::Unsupported`](fencelock_backend::ErrorKind::Unsupported), and
+//! [`ErrorKind::Unsupported`], and
 //! `Capabilities::shared`, `downgrade` and `elections` are false. Redisson's
 //! `RReadWriteLock` in Lua would work while one server keeps every write, but what it
 //! adds is exactly what a failover or an unpersisted restart loses: a writer waits on

@@ -657,7 +657,7 @@ impl EventStream {
     ///
     /// A dropped connection, a server restart or a watcher that fell behind is
     /// handled here: the stream reconnects (trying every endpoint, with backoff,
-    /// for up to [`Self::set_reconnect_for`]; default [`DEFAULT_WATCH_RECONNECT`])
+    /// for up to [`Self::set_reconnect_for`]; default 60 s)
     /// and resumes after [`Self::position`]. Errors:
     /// [`ErrorKind::WatchCompacted`] if the server can no longer resume there (the
     /// stream is over: re-read the state and watch again);
