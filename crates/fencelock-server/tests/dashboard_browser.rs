@@ -185,7 +185,10 @@ async fn the_dashboard_in_chromium_at_10_and_10000_locks() {
     for w in 0..3 {
         assert!(dom.contains(&format!("waiter-{w}")), "no waiter-{w}: {dom}");
     }
-    assert_eq!(text_of(&dom, "waiter-count"), "(3 queued: 3 exclusive, 0 shared)");
+    assert_eq!(
+        text_of(&dom, "waiter-count"),
+        "(3 queued: 3 exclusive, 0 shared)"
+    );
     screenshot(&lock_url, "lock-page.png").await;
 
     // Contended only: the one lock with waiters.

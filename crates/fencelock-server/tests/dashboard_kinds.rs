@@ -80,8 +80,13 @@ async fn modes_waiters_per_mode_and_election_values_are_shown() {
         )
         .await
         .expect_json(200);
-    let term = campaign["fence"].as_u64().expect("a campaign answers a fence");
-    let html = c.get(&format!("/ui/lock/{}", pct("scheduler"))).await.text();
+    let term = campaign["fence"]
+        .as_u64()
+        .expect("a campaign answers a fence");
+    let html = c
+        .get(&format!("/ui/lock/{}", pct("scheduler")))
+        .await
+        .text();
     assert!(
         html.contains(&format!(
             "Election leader: <span class=\"owner\">node-7</span>, term <b>{term}</b>, value \
