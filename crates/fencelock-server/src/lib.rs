@@ -194,6 +194,9 @@ impl Server {
         config.limits.check()?;
         let authenticator = auth::Authenticator::with_limits(&config.auth, &config.limits)?;
         let tls = config.tls.as_ref().map(TlsConfig::acceptor).transpose()?;
+        // Built before the first request: an unauthenticated connection that asks for
+        // it must be answered well within `limits.auth_timeout`, even on a busy host.
+        let _ = openapi::json();
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| StartError::listen("", config.listen, e))?;
@@ -423,7 +426,8 @@ async fn serve(
         tokio::spawn(async move {
             // Dropping the connection's future closes it. Once this resolves the
             // connection can no longer be admitted, so it has nothing in flight
-            // beyond `/healthz`, `/readyz` and refusals.
+            // beyond the open routes (`/healthz`, `/readyz`, the API description)
+            // and refusals.
             tokio::select! {
                 () = connection.serve(stream, ticket.clone()) => {}
                 () = ticket.unauthenticated_end() => {}
