@@ -19,12 +19,10 @@
 //!
 //! Requests are multiplexed: the client picks a fresh `id` per request and the server
 //! answers each with the same `id`, in any order (an acquire may wait while later
-//! requests are answered). [`Op::Cancel`] abandons a waiting acquire (its `id` is the
-//! acquire's): the server answers it with the error `cancelled` — after the acquire's
-//! own answer if that was already sent, in which case the client should release a
-//! grant it no longer wants. (Only a single acquire is cancelled so: a multi-lock
-//! request or a campaign runs to its answer, and grants that find the connection gone
-//! are released.) With authentication on, the first request is
+//! requests are answered). [`Op::Cancel`] abandons a waiting acquire, multi-lock or
+//! campaign (its `id` is the request's): the server answers it with the error
+//! `cancelled` — after the request's own answer if that was already sent, in which
+//! case the client should release a grant it no longer wants. With authentication on, the first request is
 //! [`Op::Hello`] carrying the bearer token. A frame longer than the server's limit, or
 //! one that does not parse, is answered with an error; a frame whose length cannot be
 //! trusted ends the connection.
@@ -79,7 +77,7 @@ pub enum Op {
     /// Client → server: a [`DowngradeRequest`]. Answered with [`Op::Grant`].
     Downgrade = 9,
     /// Client → server: a [`CampaignRequest`] (waits like an acquire). Answered with
-    /// [`Op::Grant`].
+    /// [`Op::Grant`]; [`Op::Cancel`] abandons it like an acquire.
     Campaign = 10,
     /// Client → server: a [`ProclaimRequest`]. Answered with [`Op::Grant`].
     Proclaim = 11,

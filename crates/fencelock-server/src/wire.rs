@@ -22,7 +22,8 @@
 //! something is answered); a connection that sends nothing for [`IDLE_TIMEOUT`] is
 //! closed (the client pings while idle), and so is one with no request in flight
 //! for `Limits::idle_timeout` (pings do not count; see `IdleCheck` in `lib.rs`). A
-//! waiting acquire leaves the queue on [`Op::Cancel`], or when the connection ends.
+//! waiting acquire, multi-lock or campaign leaves the queue on [`Op::Cancel`], or
+//! when the connection ends.
 //! Every request gets exactly one answer; a cancelled one gets `cancelled` (after its
 //! real answer, if that was sent first — the client then gives back a grant it no
 //! longer wants), and a grant that finds its request cancelled or its connection
@@ -47,7 +48,7 @@ use fencelock_proto::wire::{self, Request, Response, Sink, WireError};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpStream;
-use tokio::sync::{watch, Notify};
+use tokio::sync::{oneshot, watch, Notify};
 use tokio::time::Instant;
 
 use crate::admission::{Admission, Ticket};
@@ -344,6 +345,9 @@ struct OutState {
     in_flight: HashMap<u64, Option<u128>>,
     /// How many of them are acquires.
     acquires: usize,
+    /// The requests run on their own task (see `spawn_kind_call`), by id: sending
+    /// (or dropping) stops the task's call, which leaves any queue it waits in.
+    stops: HashMap<u64, oneshot::Sender<()>>,
     /// The connection ended: answers still to come are refused.
     closed: bool,
     /// The task waits for an answer (room to read, or the last one before it ends).
@@ -378,6 +382,7 @@ impl Outbox {
             Some(Some(_)) => state.acquires -= 1,
             Some(None) => {}
         }
+        state.stops.remove(&id);
         wire::encode_response(&mut state.out, id, response);
         self.push(&mut state);
         if state.task_waits {
@@ -416,6 +421,8 @@ impl Outbox {
         state.closed = true;
         state.direct = None;
         state.acquires = 0;
+        // Dropping the senders stops the calls still waiting.
+        state.stops.clear();
         state.in_flight.drain().filter_map(|(_, l)| l).collect()
     }
 
@@ -528,17 +535,24 @@ impl Connection {
                 // Taken out of the queue if it still waits; a grant on its way finds
                 // it gone and is released by the engine. Either way the client hears
                 // `cancelled` for the id, after any answer it was sent.
-                let listener = {
+                let (listener, stop) = {
                     let mut state = self.outbox.lock();
                     let listener = state.in_flight.get(&id).copied().flatten();
                     if listener.is_some() {
                         state.in_flight.remove(&id);
                         state.acquires -= 1;
                     }
-                    listener
+                    let stop = state.stops.remove(&id);
+                    if stop.is_some() {
+                        state.in_flight.remove(&id);
+                    }
+                    (listener, stop)
                 };
                 if let Some(listener) = listener {
                     self.options.handle.cancel_listener(listener);
+                }
+                if let Some(stop) = stop {
+                    let _ = stop.send(());
                 }
                 let cancelled = ApiError::new(ApiErrorKind::Cancelled, "cancelled by the client");
                 self.reply(id, &error_response(&cancelled));
@@ -680,59 +694,73 @@ impl Connection {
     }
 
     /// Runs a multi-lock, downgrade or election request on its own task and answers
-    /// it when done. Such a request is not cancelled by [`Request::Cancel`] (only a
-    /// single acquire is); grants that find the connection gone are released.
+    /// it when done. [`Request::Cancel`] or the connection's end stops the call (a
+    /// waiting multi-lock or campaign leaves its queues); grants that find the request
+    /// cancelled or the connection gone are released.
     fn spawn_kind_call(&self, id: u64, caller: Principal, request: Request) {
         let handle = self.options.handle.clone();
         let outbox = self.outbox.clone();
+        let (stop, stopped) = oneshot::channel();
+        self.outbox.lock().stops.insert(id, stop);
         tokio::spawn(async move {
-            let (response, granted) = match request {
-                Request::AcquireAll(r) => match grpc::acquire_all_call(&handle, &caller, r).await {
-                    Ok(all) => {
-                        let granted = all.grants.clone();
-                        (Response::GrantedAll(all), granted)
+            let call = async {
+                match request {
+                    Request::AcquireAll(r) => {
+                        match grpc::acquire_all_call(&handle, &caller, r).await {
+                            Ok(all) => {
+                                let granted = all.grants.clone();
+                                (Response::GrantedAll(all), granted)
+                            }
+                            Err(e) => (error_response(&e), Vec::new()),
+                        }
                     }
-                    Err(e) => (error_response(&e), Vec::new()),
-                },
-                Request::Campaign(r) => match grpc::campaign_call(&handle, &caller, r).await {
-                    Ok(grant) => (Response::Grant(grant.clone()), vec![grant]),
-                    Err(e) => (error_response(&e), Vec::new()),
-                },
-                Request::ReleaseAll(r) => {
-                    let answer = grpc::release_all_call(&handle, &caller, r).await;
-                    (
-                        answer.map_or_else(|e| error_response(&e), Response::ReleasedAll),
-                        Vec::new(),
-                    )
+                    Request::Campaign(r) => match grpc::campaign_call(&handle, &caller, r).await {
+                        Ok(grant) => (Response::Grant(grant.clone()), vec![grant]),
+                        Err(e) => (error_response(&e), Vec::new()),
+                    },
+                    Request::ReleaseAll(r) => {
+                        let answer = grpc::release_all_call(&handle, &caller, r).await;
+                        (
+                            answer.map_or_else(|e| error_response(&e), Response::ReleasedAll),
+                            Vec::new(),
+                        )
+                    }
+                    Request::Downgrade(r) => {
+                        let answer = grpc::downgrade_call(&handle, &caller, r).await;
+                        (
+                            answer.map_or_else(|e| error_response(&e), Response::Grant),
+                            Vec::new(),
+                        )
+                    }
+                    Request::Proclaim(r) => {
+                        let answer = grpc::proclaim_call(&handle, &caller, r).await;
+                        (
+                            answer.map_or_else(|e| error_response(&e), Response::Grant),
+                            Vec::new(),
+                        )
+                    }
+                    Request::Leader(r) => {
+                        let answer = grpc::leader_call(&handle, &caller, r).await;
+                        (
+                            answer.map_or_else(|e| error_response(&e), Response::Leader),
+                            Vec::new(),
+                        )
+                    }
+                    other => {
+                        let e = ApiError::new(
+                            ApiErrorKind::Internal,
+                            format!("{other:?} is not run on its own task"),
+                        );
+                        (error_response(&e), Vec::new())
+                    }
                 }
-                Request::Downgrade(r) => {
-                    let answer = grpc::downgrade_call(&handle, &caller, r).await;
-                    (
-                        answer.map_or_else(|e| error_response(&e), Response::Grant),
-                        Vec::new(),
-                    )
-                }
-                Request::Proclaim(r) => {
-                    let answer = grpc::proclaim_call(&handle, &caller, r).await;
-                    (
-                        answer.map_or_else(|e| error_response(&e), Response::Grant),
-                        Vec::new(),
-                    )
-                }
-                Request::Leader(r) => {
-                    let answer = grpc::leader_call(&handle, &caller, r).await;
-                    (
-                        answer.map_or_else(|e| error_response(&e), Response::Leader),
-                        Vec::new(),
-                    )
-                }
-                other => {
-                    let e = ApiError::new(
-                        ApiErrorKind::Internal,
-                        format!("{other:?} is not run on its own task"),
-                    );
-                    (error_response(&e), Vec::new())
-                }
+            };
+            let (response, granted) = tokio::select! {
+                biased;
+                answered = call => answered,
+                // Cancelled, or the connection ended: dropping the call leaves any
+                // queue it waits in, and the client has its answer already.
+                _ = stopped => return,
             };
             if !outbox.answer(id, &response) && !granted.is_empty() {
                 // Nobody took the grants: give them back rather than let them

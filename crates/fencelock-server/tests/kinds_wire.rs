@@ -33,10 +33,14 @@ impl Conn {
         }
     }
 
-    async fn call(&mut self, id: u64, request: Request) -> Response {
+    async fn send(&mut self, id: u64, request: Request) {
         let mut out = Vec::new();
         wire::encode_request(&mut out, id, &request);
         self.stream.write_all(&out).await.expect("sent");
+    }
+
+    /// The next answer, whichever request it is for.
+    async fn recv(&mut self) -> (u64, Response) {
         let read = async {
             loop {
                 if let Some(n) =
@@ -50,9 +54,14 @@ impl Conn {
                 assert!(n > 0, "the server closed the connection");
             }
         };
-        let (got, response) = tokio::time::timeout(IO_TIMEOUT, read)
+        tokio::time::timeout(IO_TIMEOUT, read)
             .await
-            .expect("an answer in time");
+            .expect("an answer in time")
+    }
+
+    async fn call(&mut self, id: u64, request: Request) -> Response {
+        self.send(id, request).await;
+        let (got, response) = self.recv().await;
         assert_eq!(got, id);
         response
     }
@@ -223,4 +232,119 @@ async fn bad_kind_inputs_over_the_wire_are_invalid_arguments() {
         x.mode, "exclusive",
         "w:x was never taken by a refused request"
     );
+}
+
+/// Waiters queued on `name`, as the HTTP API counts them.
+async fn waiters(server: &TestServer, name: &str) -> u64 {
+    let view = server.client.get(&format!("/v1/locks/{name}")).await;
+    view.json()["waiters"].as_u64().unwrap_or(0)
+}
+
+#[tokio::test]
+async fn cancel_takes_a_waiting_multi_lock_and_campaign_out_of_their_queues() {
+    let server = TestServer::start().await;
+    let mut holder = Conn::open(&server).await;
+    let held = grant(holder.call(1, acquire("w:cm:a", "")).await);
+    let leader = grant(
+        holder
+            .call(
+                2,
+                Request::Campaign(CampaignRequest {
+                    name: "w:cm:e".into(),
+                    value: "first".into(),
+                    ttl_ms: Some(30_000),
+                    ..Default::default()
+                }),
+            )
+            .await,
+    );
+
+    let mut waiter = Conn::open(&server).await;
+    waiter
+        .send(
+            5,
+            Request::AcquireAll(AcquireAllRequest {
+                names: vec!["w:cm:b".into(), "w:cm:a".into()],
+                ttl_ms: Some(30_000),
+                wait_ms: 20_000,
+                ..Default::default()
+            }),
+        )
+        .await;
+    waiter
+        .send(
+            6,
+            Request::Campaign(CampaignRequest {
+                name: "w:cm:e".into(),
+                value: "second".into(),
+                ttl_ms: Some(30_000),
+                wait_ms: 20_000,
+                ..Default::default()
+            }),
+        )
+        .await;
+    // Both wait: each queue holds one waiter (the ping orders after the sends).
+    assert_eq!(waiter.call(99, Request::Ping).await, Response::Pong);
+    let deadline = tokio::time::Instant::now() + IO_TIMEOUT;
+    while waiters(&server, "w:cm:a").await + waiters(&server, "w:cm:e").await < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "never queued");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        waiters(&server, "w:cm:b").await,
+        1,
+        "a multi-lock joins every queue"
+    );
+
+    for id in [5, 6] {
+        waiter.send(id, Request::Cancel).await;
+        let (got, answer) = waiter.recv().await;
+        assert_eq!((got, error_code(&answer)), (id, "cancelled"));
+    }
+    // Out of every queue, and nothing else answered for them.
+    assert_eq!(waiter.call(100, Request::Ping).await, Response::Pong);
+    let deadline = tokio::time::Instant::now() + IO_TIMEOUT;
+    loop {
+        let left = [
+            waiters(&server, "w:cm:a").await,
+            waiters(&server, "w:cm:b").await,
+            waiters(&server, "w:cm:e").await,
+        ];
+        if left == [0, 0, 0] {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "cancelled requests still queued: {left:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    // So the holders' releases hand nothing to the cancelled requests.
+    holder
+        .call(
+            3,
+            Request::Release(ReleaseRequest {
+                name: held.name.clone(),
+                owner_token: held.owner_token.clone(),
+            }),
+        )
+        .await;
+    holder
+        .call(
+            4,
+            Request::Release(ReleaseRequest {
+                name: leader.name.clone(),
+                owner_token: leader.owner_token.clone(),
+            }),
+        )
+        .await;
+    for name in ["w:cm:a", "w:cm:b", "w:cm:e"] {
+        let view = server.client.get(&format!("/v1/locks/{name}")).await;
+        let holders = view.json()["holders"].as_array().map_or(0, Vec::len);
+        assert_eq!(
+            holders, 0,
+            "{name} was granted to a cancelled request: {view:?}"
+        );
+    }
+    assert_eq!(waiter.call(101, Request::Ping).await, Response::Pong);
 }
