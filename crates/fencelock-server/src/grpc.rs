@@ -29,7 +29,7 @@ use crate::auth::{grpc_caller, Action};
 use crate::engine::{AcquireArgs, Handle, Position, Requester, RunState, SharedEvent, WatchEvent};
 use crate::error::{ApiError, ApiErrorKind};
 use crate::http::{MAX_BODY_BYTES, MAX_PAGE};
-use crate::input::{invalid, lock_name, owner, owner_token, prefix, request_id, session_id};
+use crate::input::{invalid, lock_name, owner, prefix, session_id};
 
 /// Messages, server and client generated from `fencelock/v1/locks.proto` (the
 /// `fencelock-proto` crate).
@@ -177,26 +177,47 @@ impl From<ApiError> for Status {
     }
 }
 
+/// What an acquire or campaign asks, before it is checked.
+fn acquire_input<'a>(
+    ttl_ms: Option<u64>,
+    wait_ms: u64,
+    owner: &'a str,
+    request_id: Option<&'a str>,
+    session: Option<&'a str>,
+) -> crate::input::AcquireInput<'a> {
+    crate::input::AcquireInput {
+        ttl_ms,
+        wait_ms,
+        owner,
+        request_id,
+        limit: 1,
+        lock_delay_ms: 0,
+        session,
+        mode: None,
+        value: None,
+    }
+}
+
 /// The arguments of an acquire by `caller`, once it is allowed (role, prefix, rate).
 pub(crate) fn acquire_args(
     caller: &crate::auth::Principal,
     r: pb::AcquireRequest,
 ) -> Result<AcquireArgs, ApiError> {
     let name = lock_name("name", &r.name)?;
-    caller.authorize(Action::Acquire, Some(name.as_str()))?;
-    caller.take_acquire_attempt()?;
-    Ok(AcquireArgs {
-        name,
-        ttl_ms: r.ttl_ms,
-        wait_ms: r.wait_ms,
-        owner: owner(&r.owner)?,
-        request_id: caller.scope_request_id(request_id(r.request_id.as_deref())?)?,
+    crate::input::AcquireInput {
+        // Protobuf's absent is 0.
         limit: r.limit.max(1),
         lock_delay_ms: r.lock_delay_ms,
-        session: r.session.as_deref().map(session_id).transpose()?,
-        mode: crate::input::mode(Some(&r.mode))?,
-        value: None,
-    })
+        mode: Some(&r.mode),
+        ..acquire_input(
+            r.ttl_ms,
+            r.wait_ms,
+            &r.owner,
+            r.request_id.as_deref(),
+            r.session.as_deref(),
+        )
+    }
+    .one(caller, name)
 }
 
 /// `AcquireAll` by `caller` (gRPC and the wire protocol): the grants in the order
@@ -207,29 +228,19 @@ pub(crate) async fn acquire_all_call(
     r: pb::AcquireAllRequest,
 ) -> Result<pb::AcquireAllResponse, ApiError> {
     let names = crate::input::names(&r.names)?;
-    for name in &names {
-        caller.authorize(Action::Acquire, Some(name.as_str()))?;
+    let parts = crate::input::AcquireInput {
+        limit: r.limit.max(1),
+        lock_delay_ms: r.lock_delay_ms,
+        mode: Some(&r.mode),
+        ..acquire_input(
+            r.ttl_ms,
+            r.wait_ms,
+            &r.owner,
+            r.request_id.as_deref(),
+            r.session.as_deref(),
+        )
     }
-    let mode = crate::input::mode(Some(&r.mode))?;
-    let owner = owner(&r.owner)?;
-    let request_id = caller.scope_request_id(request_id(r.request_id.as_deref())?)?;
-    let session = r.session.as_deref().map(session_id).transpose()?;
-    caller.take_acquire_attempt()?;
-    let parts = names
-        .into_iter()
-        .map(|name| AcquireArgs {
-            name,
-            ttl_ms: r.ttl_ms,
-            wait_ms: r.wait_ms,
-            owner: owner.clone(),
-            request_id: request_id.clone(),
-            limit: r.limit.max(1),
-            lock_delay_ms: r.lock_delay_ms,
-            session,
-            mode,
-            value: None,
-        })
-        .collect();
+    .args(caller, names)?;
     let grants = handle.acquire_all(&Requester::of(caller), parts).await?;
     Ok(pb::AcquireAllResponse {
         grants: grants.into_iter().map(grant_pb).collect(),
@@ -242,20 +253,12 @@ pub(crate) async fn release_all_call(
     caller: &crate::auth::Principal,
     r: pb::ReleaseAllRequest,
 ) -> Result<pb::ReleaseAllResponse, ApiError> {
-    let max = fencelock_core::MAX_NAMES_PER_REQUEST;
-    if r.grants.is_empty() || r.grants.len() > max {
-        return Err(invalid(
-            "grants",
-            format!("release 1 to {max} grants at once, got {}", r.grants.len()),
-        ));
-    }
-    let mut grants = Vec::with_capacity(r.grants.len());
-    for g in &r.grants {
-        let name = lock_name("name", &g.name)?;
-        caller.authorize(Action::Release, Some(name.as_str()))?;
-        grants.push((name, owner_token(&g.owner_token)?));
-    }
-    caller.take_request()?;
+    let grants = crate::input::grants(
+        caller,
+        r.grants
+            .iter()
+            .map(|g| (g.name.as_str(), g.owner_token.as_str())),
+    )?;
     let released = handle.release_all(&Requester::of(caller), grants).await?;
     Ok(pb::ReleaseAllResponse { released })
 }
@@ -266,10 +269,7 @@ pub(crate) async fn downgrade_call(
     caller: &crate::auth::Principal,
     r: pb::DowngradeRequest,
 ) -> Result<pb::Grant, ApiError> {
-    let name = lock_name("name", &r.name)?;
-    caller.authorize(Action::Renew, Some(name.as_str()))?;
-    let token = owner_token(&r.owner_token)?;
-    caller.take_request()?;
+    let (name, token) = crate::input::held(caller, Action::Renew, &r.name, &r.owner_token)?;
     let grant = handle
         .downgrade(&Requester::of(caller), name, token)
         .await?;
@@ -284,20 +284,17 @@ pub(crate) async fn campaign_call(
     r: pb::CampaignRequest,
 ) -> Result<pb::Grant, ApiError> {
     let name = lock_name("name", &r.name)?;
-    caller.authorize(Action::Acquire, Some(name.as_str()))?;
-    let args = AcquireArgs {
-        name,
-        ttl_ms: r.ttl_ms,
-        wait_ms: r.wait_ms,
-        owner: owner(&r.owner)?,
-        request_id: caller.scope_request_id(request_id(r.request_id.as_deref())?)?,
-        limit: 1,
-        lock_delay_ms: 0,
-        session: r.session.as_deref().map(session_id).transpose()?,
-        mode: fencelock_core::Mode::Exclusive,
-        value: Some(crate::input::value(&r.value)?),
-    };
-    caller.take_acquire_attempt()?;
+    let args = crate::input::AcquireInput {
+        value: Some(&r.value),
+        ..acquire_input(
+            r.ttl_ms,
+            r.wait_ms,
+            &r.owner,
+            r.request_id.as_deref(),
+            r.session.as_deref(),
+        )
+    }
+    .one(caller, name)?;
     Ok(grant_pb(
         handle.acquire(&Requester::of(caller), args).await?,
     ))
@@ -309,11 +306,8 @@ pub(crate) async fn proclaim_call(
     caller: &crate::auth::Principal,
     r: pb::ProclaimRequest,
 ) -> Result<pb::Grant, ApiError> {
-    let name = lock_name("name", &r.name)?;
-    caller.authorize(Action::Renew, Some(name.as_str()))?;
-    let token = owner_token(&r.owner_token)?;
     let value = crate::input::value(&r.value)?;
-    caller.take_request()?;
+    let (name, token) = crate::input::held(caller, Action::Renew, &r.name, &r.owner_token)?;
     let grant = handle
         .proclaim(&Requester::of(caller), name, token, value)
         .await?;
@@ -372,10 +366,8 @@ pub(crate) fn renew_args(
     caller: &crate::auth::Principal,
     r: &pb::RenewRequest,
 ) -> Result<(LockName, OwnerToken, Option<u64>), ApiError> {
-    let name = lock_name("name", &r.name)?;
-    caller.authorize(Action::Renew, Some(name.as_str()))?;
-    caller.take_request()?;
-    Ok((name, owner_token(&r.owner_token)?, r.ttl_ms))
+    let (name, token) = crate::input::held(caller, Action::Renew, &r.name, &r.owner_token)?;
+    Ok((name, token, r.ttl_ms))
 }
 
 /// The answer to a successful renew.
@@ -403,10 +395,7 @@ pub(crate) fn release_args(
     caller: &crate::auth::Principal,
     r: &pb::ReleaseRequest,
 ) -> Result<(LockName, OwnerToken), ApiError> {
-    let name = lock_name("name", &r.name)?;
-    caller.authorize(Action::Release, Some(name.as_str()))?;
-    caller.take_request()?;
-    Ok((name, owner_token(&r.owner_token)?))
+    crate::input::held(caller, Action::Release, &r.name, &r.owner_token)
 }
 
 /// The answer to a release: whether this call released the grant.

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use crate::auth::{Action, Caller};
-use crate::engine::{AcquireArgs, Handle, Requester, RunState};
+use crate::engine::{Handle, Requester, RunState};
 use crate::error::{ApiError, ApiErrorKind, CommonErrors, ErrorBody};
 use crate::input::{self, invalid};
 
@@ -622,34 +622,19 @@ fn missing_field(field: &str) -> ApiError {
     invalid(field, "is missing; this route requires it")
 }
 
-fn name_of(s: &str) -> Result<LockName, ApiError> {
-    name(s)
-}
-
 /// `POST /v1/release {"grants": [...]}`: several grants in one step.
 async fn release_all(
     h: &Handle,
     caller: &crate::auth::Principal,
     grants: Vec<GrantRef>,
 ) -> Result<Json<ReleasedAllJson>, ApiError> {
-    if grants.is_empty() || grants.len() > fencelock_core::MAX_NAMES_PER_REQUEST {
-        return Err(invalid(
-            "grants",
-            format!(
-                "release 1 to {} grants at once, got {}",
-                fencelock_core::MAX_NAMES_PER_REQUEST,
-                grants.len()
-            ),
-        ));
-    }
-    let mut parsed = Vec::with_capacity(grants.len());
-    for g in &grants {
-        let name = name(&g.name)?;
-        caller.authorize(Action::Release, Some(name.as_str()))?;
-        parsed.push((name, input::owner_token(&g.owner_token)?));
-    }
-    caller.take_request()?;
-    let released = h.release_all(&Requester::of(caller), parsed).await?;
+    let grants = input::grants(
+        caller,
+        grants
+            .iter()
+            .map(|g| (g.name.as_str(), g.owner_token.as_str())),
+    )?;
+    let released = h.release_all(&Requester::of(caller), grants).await?;
     Ok(Json(ReleasedAllJson { released }))
 }
 
@@ -679,30 +664,19 @@ pub(crate) async fn acquire(
             ))
         }
     };
-    for n in &names {
-        caller.authorize(Action::Acquire, Some(n.as_str()))?;
-    }
-    let mode = input::mode(b.mode.as_deref())?;
-    let owner = input::owner(b.owner.as_deref().unwrap_or(""))?;
-    let request_id = caller.scope_request_id(input::request_id(b.request_id.as_deref())?)?;
-    let session = b.session.as_deref().map(input::session_id).transpose()?;
-    caller.take_acquire_attempt()?;
     let multi = b.names.is_some();
-    let mut args: Vec<AcquireArgs> = names
-        .into_iter()
-        .map(|name| AcquireArgs {
-            name,
-            ttl_ms: b.ttl_ms,
-            wait_ms: b.wait_ms.unwrap_or(0),
-            owner: owner.clone(),
-            request_id: request_id.clone(),
-            limit: b.limit.unwrap_or(1),
-            lock_delay_ms: b.lock_delay_ms.unwrap_or(0),
-            session,
-            mode,
-            value: None,
-        })
-        .collect();
+    let mut args = input::AcquireInput {
+        ttl_ms: b.ttl_ms,
+        wait_ms: b.wait_ms.unwrap_or(0),
+        owner: b.owner.as_deref().unwrap_or(""),
+        request_id: b.request_id.as_deref(),
+        limit: b.limit.unwrap_or(1),
+        lock_delay_ms: b.lock_delay_ms.unwrap_or(0),
+        session: b.session.as_deref(),
+        mode: b.mode.as_deref(),
+        value: None,
+    }
+    .args(&caller, names)?;
     let requester = Requester::of(&caller);
     if multi {
         let grants = h.acquire_all(&requester, args).await?;
@@ -730,10 +704,7 @@ pub(crate) async fn downgrade(
     Caller(caller): Caller,
     JsonBody(b): JsonBody<DowngradeBody>,
 ) -> Result<Json<GrantJson>, ApiError> {
-    let name = name(&b.name)?;
-    caller.authorize(Action::Renew, Some(name.as_str()))?;
-    caller.take_request()?;
-    let token = input::owner_token(&b.owner_token)?;
+    let (name, token) = input::held(&caller, Action::Renew, &b.name, &b.owner_token)?;
     let grant = h.downgrade(&Requester::of(&caller), name, token).await?;
     Ok(Json(grant.into()))
 }
@@ -759,20 +730,18 @@ pub(crate) async fn campaign(
     JsonBody(b): JsonBody<CampaignBody>,
 ) -> Result<Json<GrantJson>, ApiError> {
     let name = election(path)?;
-    caller.authorize(Action::Acquire, Some(name.as_str()))?;
-    let args = AcquireArgs {
-        name,
+    let args = input::AcquireInput {
         ttl_ms: b.ttl_ms,
         wait_ms: b.wait_ms.unwrap_or(0),
-        owner: input::owner(b.owner.as_deref().unwrap_or(""))?,
-        request_id: caller.scope_request_id(input::request_id(b.request_id.as_deref())?)?,
+        owner: b.owner.as_deref().unwrap_or(""),
+        request_id: b.request_id.as_deref(),
         limit: 1,
         lock_delay_ms: 0,
-        session: b.session.as_deref().map(input::session_id).transpose()?,
-        mode: fencelock_core::Mode::Exclusive,
-        value: Some(input::value(&b.value)?),
-    };
-    caller.take_acquire_attempt()?;
+        session: b.session.as_deref(),
+        mode: None,
+        value: Some(&b.value),
+    }
+    .one(&caller, name)?;
     Ok(Json(h.acquire(&Requester::of(&caller), args).await?.into()))
 }
 
@@ -791,11 +760,9 @@ pub(crate) async fn proclaim(
     path: Result<Path<String>, PathRejection>,
     JsonBody(b): JsonBody<ProclaimBody>,
 ) -> Result<Json<GrantJson>, ApiError> {
-    let name = election(path)?;
-    caller.authorize(Action::Renew, Some(name.as_str()))?;
-    let token = input::owner_token(&b.owner_token)?;
+    let Path(election) = path.map_err(path_error)?;
     let value = input::value(&b.value)?;
-    caller.take_request()?;
+    let (name, token) = input::held(&caller, Action::Renew, &election, &b.owner_token)?;
     let grant = h
         .proclaim(&Requester::of(&caller), name, token, value)
         .await?;
@@ -817,10 +784,8 @@ pub(crate) async fn resign(
     path: Result<Path<String>, PathRejection>,
     JsonBody(b): JsonBody<ResignBody>,
 ) -> Result<Json<ResignedJson>, ApiError> {
-    let name = election(path)?;
-    caller.authorize(Action::Release, Some(name.as_str()))?;
-    let token = input::owner_token(&b.owner_token)?;
-    caller.take_request()?;
+    let Path(election) = path.map_err(path_error)?;
+    let (name, token) = input::held(&caller, Action::Release, &election, &b.owner_token)?;
     let released = h.release(&Requester::of(&caller), name, token).await?;
     Ok(Json(ResignedJson { released }))
 }
@@ -877,10 +842,7 @@ pub(crate) async fn renew(
     Caller(caller): Caller,
     JsonBody(b): JsonBody<RenewBody>,
 ) -> Result<Json<RenewedJson>, ApiError> {
-    let name = name(&b.name)?;
-    caller.authorize(Action::Renew, Some(name.as_str()))?;
-    caller.take_request()?;
-    let token = input::owner_token(&b.owner_token)?;
+    let (name, token) = input::held(&caller, Action::Renew, &b.name, &b.owner_token)?;
     let g = h
         .renew(&Requester::of(&caller), name, token, b.ttl_ms)
         .await?;
@@ -919,10 +881,7 @@ pub(crate) async fn release(
             ))
         }
     };
-    let name = name_of(&name)?;
-    caller.authorize(Action::Release, Some(name.as_str()))?;
-    caller.take_request()?;
-    let token = input::owner_token(&token)?;
+    let (name, token) = input::held(&caller, Action::Release, &name, &token)?;
     let released = h.release(&Requester::of(&caller), name, token).await?;
     Ok(Json(ReleaseAnswer::One(ReleasedJson {
         released,

@@ -5,7 +5,8 @@ use fencelock_core::{
     LockName, LockView, Mode, Owner, OwnerToken, RequestId, SessionId, Value, MAX_NAMES_PER_REQUEST,
 };
 
-use crate::engine::Handle;
+use crate::auth::{Action, Principal};
+use crate::engine::{AcquireArgs, Handle};
 use crate::error::{ApiError, ApiErrorKind};
 
 /// Longest `request_id` a client may send, in bytes. The core allows more, because
@@ -150,4 +151,112 @@ pub fn prefix(s: String) -> Result<String, ApiError> {
         lock_name("prefix", &s)?;
     }
     Ok(s)
+}
+
+/// What an acquire or a campaign asks, as it came (HTTP body or protobuf), before it
+/// is checked: one shape so that every edge builds [`AcquireArgs`] the same way.
+pub(crate) struct AcquireInput<'a> {
+    /// Lease; required without a session.
+    pub ttl_ms: Option<u64>,
+    /// How long to wait; 0 = do not wait.
+    pub wait_ms: u64,
+    /// Who is asking (empty: anonymous).
+    pub owner: &'a str,
+    /// The client's idempotency key, before it is scoped to the caller.
+    pub request_id: Option<&'a str>,
+    /// Holders admitted (1 = mutex).
+    pub limit: u32,
+    /// Lock-delay after expiry or forced release.
+    pub lock_delay_ms: u64,
+    /// The session's handle.
+    pub session: Option<&'a str>,
+    /// `exclusive` (default) or `shared`.
+    pub mode: Option<&'a str>,
+    /// A campaign's value: then exclusive, limit 1 and no lock-delay.
+    pub value: Option<&'a str>,
+}
+
+impl AcquireInput<'_> {
+    /// The checked arguments for each of `names`, once `caller` may acquire every
+    /// one of them (role, prefix) and within its rate of acquire attempts.
+    pub(crate) fn args(
+        &self,
+        caller: &Principal,
+        names: Vec<LockName>,
+    ) -> Result<Vec<AcquireArgs>, ApiError> {
+        for name in &names {
+            caller.authorize(Action::Acquire, Some(name.as_str()))?;
+        }
+        let owner = owner(self.owner)?;
+        let request_id = caller.scope_request_id(request_id(self.request_id)?)?;
+        let session = self.session.map(session_id).transpose()?;
+        let (mode, limit, lock_delay_ms, value) = match self.value {
+            Some(v) => (Mode::Exclusive, 1, 0, Some(value(v)?)),
+            None => (mode(self.mode)?, self.limit, self.lock_delay_ms, None),
+        };
+        caller.take_acquire_attempt()?;
+        Ok(names
+            .into_iter()
+            .map(|name| AcquireArgs {
+                name,
+                ttl_ms: self.ttl_ms,
+                wait_ms: self.wait_ms,
+                owner: owner.clone(),
+                request_id: request_id.clone(),
+                limit,
+                lock_delay_ms,
+                session,
+                mode,
+                value: value.clone(),
+            })
+            .collect())
+    }
+
+    /// The checked arguments for one lock.
+    pub(crate) fn one(&self, caller: &Principal, name: LockName) -> Result<AcquireArgs, ApiError> {
+        self.args(caller, vec![name])?
+            .pop()
+            .ok_or_else(|| invalid("name", "name a lock"))
+    }
+}
+
+/// A request about a grant the caller holds (renew, release, downgrade, proclaim,
+/// resign): the lock and the owner token, once `caller` may do `action` on it and
+/// within its request rate.
+pub(crate) fn held(
+    caller: &Principal,
+    action: Action,
+    name: &str,
+    token: &str,
+) -> Result<(LockName, OwnerToken), ApiError> {
+    let name = lock_name("name", name)?;
+    caller.authorize(action, Some(name.as_str()))?;
+    let token = owner_token(token)?;
+    caller.take_request()?;
+    Ok((name, token))
+}
+
+/// The grants of a release-all (1 to [`MAX_NAMES_PER_REQUEST`]), each one `caller`
+/// may release, within its request rate.
+pub(crate) fn grants<'a>(
+    caller: &Principal,
+    grants: impl ExactSizeIterator<Item = (&'a str, &'a str)>,
+) -> Result<Vec<(LockName, OwnerToken)>, ApiError> {
+    if grants.len() == 0 || grants.len() > MAX_NAMES_PER_REQUEST {
+        return Err(invalid(
+            "grants",
+            format!(
+                "release 1 to {MAX_NAMES_PER_REQUEST} grants at once, got {}",
+                grants.len()
+            ),
+        ));
+    }
+    let mut parsed = Vec::with_capacity(grants.len());
+    for (name, token) in grants {
+        let name = lock_name("name", name)?;
+        caller.authorize(Action::Release, Some(name.as_str()))?;
+        parsed.push((name, owner_token(token)?));
+    }
+    caller.take_request()?;
+    Ok(parsed)
 }
