@@ -1253,6 +1253,7 @@ pub fn router(handle: Handle) -> Router {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::AcquireArgs;
 
     async fn rendered(error: ApiError) -> (StatusCode, serde_json::Value) {
         let response = error.into_response();
