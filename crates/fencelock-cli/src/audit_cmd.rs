@@ -30,6 +30,11 @@ pub struct AuditArgs {
     /// Only entries up to this time (written as for --since).
     #[arg(long, value_parser = parse_when)]
     pub until: Option<When>,
+    /// Only entries of these kinds, comma-separated (`granted,force_released`; the
+    /// names of `fencelock watch`). The old names `grant`, `handoff`, `release`,
+    /// `expiry`, `forced_release`, `session_end`, `downgrade`, `proclaim` still work.
+    #[arg(long, value_name = "KIND[,KIND…]", value_parser = parse_kinds)]
+    pub kind: Option<String>,
     /// At most this many entries (the newest; 1..=1000).
     #[arg(long, default_value_t = 100)]
     pub limit: usize,
@@ -121,6 +126,12 @@ pub fn parse_when(text: &str) -> Result<When, BadTime> {
     at.map(When::At).ok_or_else(bad)
 }
 
+/// Checks `--kind` here, so a misspelt name is a usage error that lists the names.
+fn parse_kinds(text: &str) -> Result<String, String> {
+    fencelock::vocab::KindFilter::parse_list(text)?;
+    Ok(text.split(',').map(str::trim).collect::<Vec<_>>().join(","))
+}
+
 /// Runs the command; exit codes as the other client commands.
 pub fn run(args: AuditArgs) -> ExitCode {
     let json = args.connection.json;
@@ -150,19 +161,18 @@ fn query(args: AuditArgs) -> Result<(), Failure> {
             code: exit::USAGE,
         });
     }
-    // The server has no upper bound: ask for as many as it gives and drop the later
-    // ones here.
-    let asked = if until.is_some() {
-        MAX_ENTRIES
-    } else {
-        args.limit
-    };
-    let mut path = format!("/v1/audit?limit={asked}");
+    let mut path = format!("/v1/audit?limit={}", args.limit);
     if let Some(lock) = args.name.as_ref().or(args.lock.as_ref()) {
         path.push_str(&format!("&lock={}", http_get::pct(lock)));
     }
     if let Some(since) = since {
         path.push_str(&format!("&since_ms={since}"));
+    }
+    if let Some(until) = until {
+        path.push_str(&format!("&until_ms={until}"));
+    }
+    if let Some(kind) = &args.kind {
+        path.push_str(&format!("&kind={}", http_get::pct(kind)));
     }
     let c = &args.connection;
     let body = http_get::get_as(&c.server, &path, c.token.as_deref(), c.ca_cert.as_deref())
@@ -177,30 +187,12 @@ fn query(args: AuditArgs) -> Result<(), Failure> {
             code: exit::FAILURE,
         });
     };
-    let mut entries: Vec<Value> = entries
-        .iter()
-        .filter(|e| until.is_none_or(|u| e["time_ms"].as_u64().is_some_and(|t| t <= u)))
-        .cloned()
-        .collect();
-    if until.is_some() && entries.len() < entries_len(&v) && entries_len(&v) == MAX_ENTRIES {
-        eprintln!(
-            "fencelock: the server returns at most the newest {MAX_ENTRIES} entries from \
-             --since on; older ones before --until may be missing (move --since later)"
-        );
-    }
-    // The newest `limit`, oldest first as the server lists them.
-    let cut = entries.len().saturating_sub(args.limit);
-    entries.drain(..cut);
     if c.json {
         println!("{}", json!({ "entries": entries }));
     } else {
         print!("{}", table(&entries));
     }
     Ok(())
-}
-
-fn entries_len(v: &Value) -> usize {
-    v["entries"].as_array().map_or(0, Vec::len)
 }
 
 /// The human-readable table, one entry per line, oldest first.
@@ -225,8 +217,11 @@ pub fn table(entries: &[Value]) -> String {
             if let Some(sess) = e["session"].as_str() {
                 detail.push(format!("session={sess}"));
             }
+            if e["handoff"].as_bool() == Some(true) {
+                detail.push("handoff".to_owned());
+            }
             if let Some(ms) = e["duration_ms"].as_u64().filter(|ms| *ms > 0) {
-                detail.push(format!("after {}", remote::human_ms(ms)));
+                detail.push(format!("after={}", remote::human_ms(ms)));
             }
             [
                 s(e, "time")
@@ -281,22 +276,30 @@ mod tests {
     #[test]
     fn table_lines_up_and_shows_details() {
         let entries: Vec<Value> = serde_json::from_str(
-            r#"[{"time":"2026-12-02T14:00:00.000Z","kind":"grant","lock":"a","fence":1,"owner":"w1","duration_ms":0},
-                {"time":"2026-12-02T14:00:01.000Z","kind":"forced_release","lock":"a","fence":1,"owner":"w1","actor":"ops","reason":"stuck","duration_ms":1000}]"#,
+            r#"[{"time":"2026-12-02T14:00:00.000Z","kind":"granted","handoff":false,"lock":"a","fence":1,"owner":"w1","duration_ms":0},
+                {"time":"2026-12-02T14:00:01.000Z","kind":"force_released","lock":"a","fence":1,"owner":"w1","actor":"ops","reason":"stuck","duration_ms":108860}]"#,
         )
         .unwrap();
         let t = table(&entries);
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines.len(), 3, "{t}");
         assert!(lines[0].starts_with("TIME (UTC)"));
-        assert!(lines[2].contains("forced_release"));
+        assert!(lines[2].contains("force_released"));
         assert!(
-            lines[2].ends_with("reason=\"stuck\" actor=ops after 1s"),
+            lines[2].ends_with("reason=\"stuck\" actor=ops after=1m48s"),
             "{t}"
         );
         let kind_col = lines[0].find("KIND").unwrap();
-        assert_eq!(lines[1].find("grant"), Some(kind_col));
+        assert_eq!(lines[1].find("granted"), Some(kind_col));
         assert!(table(&[]).contains("(no entries)"));
+    }
+
+    #[test]
+    fn kinds_take_the_vocabulary_and_the_old_audit_names() {
+        assert_eq!(parse_kinds("granted, force_released").unwrap(), "granted,force_released");
+        assert_eq!(parse_kinds("forced_release").unwrap(), "forced_release");
+        let e = parse_kinds("forced_releases").unwrap_err();
+        assert!(e.contains("force_released"), "{e}");
     }
 
     #[test]

@@ -276,7 +276,7 @@ fn with_retries<T>(
             return Err(Failure {
                 message: format!(
                     "no leader answered within {} (--wait): {e:#}",
-                    humantime::format_duration(wait)
+                    crate::remote::human(wait)
                 ),
                 code: exit::UNAVAILABLE,
             });

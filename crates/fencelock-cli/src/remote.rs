@@ -184,21 +184,15 @@ pub fn parse_duration(text: &str) -> Result<Duration, BadDuration> {
     humantime::parse_duration(text).map_err(|e| bad(e.to_string()))
 }
 
-/// A duration for people, as precise as a glance needs: `250ms`, `1s 500ms`,
-/// `1m 1s`, `1h 1m`.
+/// A duration for people: the event vocabulary's one format
+/// ([`fencelock::vocab::human_ms`]: `250ms`, `1s500ms`, `1m48s`, `2h3m`).
 pub fn human(d: Duration) -> String {
     human_ms(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// [`human`] of a number of milliseconds.
 pub fn human_ms(ms: u64) -> String {
-    let step = match ms {
-        0..=999 => 1,
-        1_000..=59_999 => 100,
-        60_000..=3_599_999 => 1_000,
-        _ => 60_000,
-    };
-    humantime::format_duration(Duration::from_millis(ms - ms % step)).to_string()
+    fencelock::vocab::human_ms(ms)
 }
 
 /// `fencelock acquire`.
@@ -693,10 +687,18 @@ mod tests {
     #[test]
     fn human_durations() {
         assert_eq!(human_ms(250), "250ms");
-        assert_eq!(human_ms(1500), "1s 500ms");
-        assert_eq!(human_ms(1549), "1s 500ms");
-        assert_eq!(human_ms(61_000), "1m 1s");
-        assert_eq!(human_ms(3_660_000), "1h 1m");
+        assert_eq!(human_ms(1500), "1s500ms");
+        assert_eq!(human_ms(1549), "1s500ms");
+        assert_eq!(human_ms(61_000), "1m1s");
+        assert_eq!(human_ms(108_860), "1m48s");
+        assert_eq!(human_ms(3_660_000), "1h1m");
         assert_eq!(human(Duration::from_secs(30)), "30s");
+        // What people read, they can type back: never more than it was, and within
+        // the precision shown.
+        for ms in [0, 7, 999, 1_000, 1_549, 59_999, 61_000, 108_860, 3_660_000, 7_380_000, 90_061_000] {
+            let back = parse_duration(&human_ms(ms)).expect("parses back");
+            let back = back.as_millis() as u64;
+            assert!(back <= ms && ms - back < 3_600_000, "{ms} -> {}", human_ms(ms));
+        }
     }
 }

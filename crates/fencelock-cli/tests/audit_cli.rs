@@ -139,7 +139,7 @@ fn acknowledged_grants_keep_their_audit_entries_across_kill_9() {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|e| e["kind"] == "grant")
+        .filter(|e| e["kind"] == "granted")
         .map(|e| {
             (
                 e["fence"].as_u64().unwrap(),
@@ -162,7 +162,7 @@ fn acknowledged_grants_keep_their_audit_entries_across_kill_9() {
     assert!(lines[0].starts_with("TIME (UTC)"), "{table}");
     assert_eq!(lines.len(), 2, "one entry for {name}: {table}");
     assert!(
-        lines[1].contains("grant") && lines[1].contains(&format!(" {fence} ")),
+        lines[1].contains("granted") && lines[1].contains(&format!(" {fence} ")),
         "{table}"
     );
     // Nothing was committed after now.

@@ -364,6 +364,26 @@ fn audit_takes_absolute_and_relative_since_and_until() {
     let out = server.run(&["audit", "--since", "soon"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("RFC 3339"));
+    // --kind takes the event names, and the audit log's old names as aliases.
+    let release = server.run(&["force-release", "win:1", "--reason", "test"]);
+    assert!(release.status.success(), "{release:?}");
+    let kinds = |kind: &str| -> Vec<String> {
+        server.json(&["audit", "--kind", kind])["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| format!("{} {}", e["kind"].as_str().unwrap(), e["lock"].as_str().unwrap()))
+            .collect()
+    };
+    assert_eq!(kinds("force_released"), ["force_released win:1"]);
+    assert_eq!(kinds("forced_release"), ["force_released win:1"], "old name");
+    assert_eq!(kinds("grant").len(), 6, "old name: the six direct grants");
+    assert_eq!(kinds("granted,force_released").len(), 7);
+    let table = stdout(&server.run(&["audit", "--kind", "forced_release"]));
+    assert!(table.contains("force_released  win:1"), "{table}");
+    let out = server.run(&["audit", "--kind", "forced_releases"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("force_released"));
 }
 
 /// The unit's `Documentation=` names the man page, its header installs that page

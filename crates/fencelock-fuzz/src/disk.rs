@@ -381,11 +381,7 @@ pub fn audit_records(data: &[u8]) {
     };
     match AuditStore::open(&dir, config, false) {
         Ok(store) => {
-            let query = fencelock_server::audit::AuditQuery {
-                lock: None,
-                since_wall_ms: 0,
-                limit: usize::MAX,
-            };
+            let query = fencelock_server::audit::AuditQuery::newest(usize::MAX);
             let entries = store.shared_index().lock().expect("index").query(&query);
             if entries.iter().any(|e| e.fence.is_some_and(|f| f >= 256)) {
                 plant(

@@ -25,6 +25,7 @@ mod generated {
 pub use generated::*;
 
 mod sink;
+pub mod vocab;
 pub mod wire;
 
 /// The encoded `FileDescriptorSet` of `fencelock.v1` (and what it imports), with

@@ -41,6 +41,7 @@ use fencelock_core::{
     WaitEnd,
 };
 use fencelock_log::{Log, LogError, LogErrorKind, LogOptions};
+use fencelock_proto::vocab::{Event, KindFilter};
 
 use crate::codec::{bad, Dec, DecodeError, Enc, RecordMeta};
 use crate::startup::RecoveryError;
@@ -103,7 +104,7 @@ pub enum AuditKind {
 
 impl AuditKind {
     /// Every kind.
-    pub(crate) const ALL: [AuditKind; 9] = [
+    pub const ALL: [AuditKind; 9] = [
         AuditKind::Downgrade,
         AuditKind::Proclaim,
         AuditKind::Grant,
@@ -115,21 +116,52 @@ impl AuditKind {
         AuditKind::RenewFailed,
     ];
 
-    /// The stable snake_case name used in JSON and the CLI.
-    pub fn as_str(self) -> &'static str {
+    /// The vocabulary event this entry reports: `Grant` and `Handoff` are both
+    /// `granted` (with [`Self::is_handoff`] telling them apart).
+    pub fn event(self) -> Event {
         match self {
-            AuditKind::Grant => "grant",
-            AuditKind::Handoff => "handoff",
-            AuditKind::Release => "release",
-            AuditKind::Expiry => "expiry",
-            AuditKind::ForcedRelease => "forced_release",
-            AuditKind::SessionEnd => "session_end",
-            AuditKind::RenewFailed => "renew_failed",
-            AuditKind::Downgrade => "downgrade",
-            AuditKind::Proclaim => "proclaim",
+            AuditKind::Grant | AuditKind::Handoff => Event::Granted,
+            AuditKind::Release => Event::Released,
+            AuditKind::Expiry => Event::Expired,
+            AuditKind::ForcedRelease => Event::ForceReleased,
+            AuditKind::SessionEnd => Event::SessionEnded,
+            AuditKind::RenewFailed => Event::RenewFailed,
+            AuditKind::Downgrade => Event::Downgraded,
+            AuditKind::Proclaim => Event::Proclaimed,
         }
     }
 
+    /// The names audit entries can have, each once, in [`Self::ALL`]'s order.
+    pub fn names() -> Vec<&'static str> {
+        let mut names: Vec<&'static str> = Vec::new();
+        for k in AuditKind::ALL {
+            if !names.contains(&k.as_str()) {
+                names.push(k.as_str());
+            }
+        }
+        names
+    }
+
+    /// Whether this is a grant handed to a queued request.
+    pub fn is_handoff(self) -> bool {
+        self == AuditKind::Handoff
+    }
+
+    /// The stable name used in JSON, the CLI and the dashboard: the vocabulary's
+    /// ([`Event::name`]).
+    pub fn as_str(self) -> &'static str {
+        self.event().name()
+    }
+
+    /// Whether any of `filters` selects this kind (an empty list selects all).
+    pub fn matches(self, filters: &[KindFilter]) -> bool {
+        filters.is_empty()
+            || filters
+                .iter()
+                .any(|f| f.matches(self.event(), self.is_handoff()))
+    }
+
+    /// The stored form: these codes are on disk and never change meaning.
     fn code(self) -> u8 {
         match self {
             AuditKind::Grant => 1,
@@ -388,8 +420,25 @@ pub struct AuditQuery {
     pub lock: Option<String>,
     /// Only entries committed at or after this wall-clock time (ms since the epoch).
     pub since_wall_ms: u64,
+    /// Only entries committed at or before this wall-clock time (`u64::MAX`: all).
+    pub until_wall_ms: u64,
+    /// Only entries of these kinds (empty: all).
+    pub kinds: Vec<KindFilter>,
     /// At most this many (the newest ones).
     pub limit: usize,
+}
+
+impl AuditQuery {
+    /// The newest `limit` entries of every kind, lock and time.
+    pub fn newest(limit: usize) -> AuditQuery {
+        AuditQuery {
+            lock: None,
+            since_wall_ms: 0,
+            until_wall_ms: u64::MAX,
+            kinds: Vec::new(),
+            limit,
+        }
+    }
 }
 
 /// The retained entries in memory, oldest first, shared by the writer (which adds
@@ -453,7 +502,8 @@ impl AuditIndex {
             .iter()
             .rev()
             .map(|(e, _)| &**e)
-            .filter(|e| e.wall_ms >= q.since_wall_ms)
+            .filter(|e| e.wall_ms >= q.since_wall_ms && e.wall_ms <= q.until_wall_ms)
+            .filter(|e| e.kind.matches(&q.kinds))
             .filter(|e| {
                 q.lock
                     .as_deref()
@@ -752,11 +802,7 @@ mod tests {
         }
         let store = AuditStore::open(dir.path(), config, true).unwrap();
         assert_eq!(store.high_water(), (2, 0));
-        let all = store.index().query(&AuditQuery {
-            lock: None,
-            since_wall_ms: 0,
-            limit: 10,
-        });
+        let all = store.index().query(&AuditQuery::newest(10));
         let fences: Vec<_> = all
             .iter()
             .map(|e| (e.lock.clone().unwrap(), e.fence))
@@ -769,6 +815,46 @@ mod tests {
                 ("a".to_owned(), Some(2))
             ]
         );
+    }
+
+    #[test]
+    fn queries_filter_by_kind_with_old_names_and_by_time() {
+        let now = wall_ms();
+        let mut index = AuditIndex::new(AuditConfig::default());
+        let kinds = [
+            AuditKind::Grant,
+            AuditKind::Handoff,
+            AuditKind::ForcedRelease,
+            AuditKind::Release,
+        ];
+        for (i, kind) in kinds.into_iter().enumerate() {
+            let mut e = entry(i as u64 + 1, 0, now + i as u64, "a");
+            e.kind = kind;
+            index.push(e, now);
+        }
+        let seqs = |kind: &str, since: u64, until: u64| -> Vec<u64> {
+            let q = AuditQuery {
+                kinds: KindFilter::parse_list(kind).unwrap(),
+                since_wall_ms: since,
+                until_wall_ms: until,
+                ..AuditQuery::newest(10)
+            };
+            index.query(&q).iter().map(|e| e.seq).collect()
+        };
+        assert_eq!(seqs("granted", 0, u64::MAX), [1, 2]);
+        assert_eq!(seqs("grant", 0, u64::MAX), [1], "old name: direct grants");
+        assert_eq!(seqs("handoff", 0, u64::MAX), [2], "old name: hand-offs");
+        assert_eq!(seqs("force_released", 0, u64::MAX), [3]);
+        assert_eq!(seqs("forced_release,release", 0, u64::MAX), [3, 4]);
+        assert_eq!(seqs("queued", 0, u64::MAX), Vec::<u64>::new());
+        assert_eq!(seqs("granted,released", now + 1, now + 2), [2]);
+        // Every kind's name is the vocabulary's; its stored code never changes.
+        for k in AuditKind::ALL {
+            assert_eq!(Event::from_name(k.as_str()), Some(k.event()));
+            assert_eq!(AuditKind::from_code(k.code()), Some(k));
+        }
+        assert_eq!(AuditKind::ForcedRelease.code(), 5, "codes are on disk");
+        assert_eq!(AuditKind::Handoff.code(), 2, "codes are on disk");
     }
 
     #[test]
@@ -812,11 +898,7 @@ mod tests {
         assert_eq!(index.len(), 3);
         assert!(index.bytes() <= one * 3);
         let kept: Vec<_> = index
-            .query(&AuditQuery {
-                lock: None,
-                since_wall_ms: 0,
-                limit: 100,
-            })
+            .query(&AuditQuery::newest(100))
             .iter()
             .map(|e| e.seq)
             .collect();

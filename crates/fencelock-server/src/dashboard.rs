@@ -33,7 +33,8 @@ use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use cookie::{Cookie, SameSite};
-use fencelock_core::{Event, EventKind, Fence, GrantEnd, LockName, LockView, Reason};
+use fencelock_core::{Event, Fence, LockName, LockView, Reason};
+use fencelock_proto::vocab::{self, Event as VocabEvent, KindFilter};
 use futures_util::StreamExt;
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
@@ -82,8 +83,20 @@ th{background:var(--head)}td.num{text-align:right;font-variant-numeric:tabular-n
 .health{display:flex;flex-wrap:wrap;gap:.5em 1.5em}.health div b{display:block;font-size:1.2em}\
 .muted{color:var(--muted)}.error{color:var(--err)}.ok{color:var(--ok)}form.inline{display:inline}\
 input[type=text],input[type=password]{padding:.3em;min-width:18em}input.short{min-width:5em;width:6em}button{padding:.3em .8em}\
-nav.pages{margin:.3em 0}#charts{display:flex;flex-wrap:wrap;gap:1em}.chart .u-title{font-size:1em}\
-.kind-forced_release{color:var(--err);font-weight:bold}.kind-expiry{color:var(--warn)}";
+nav.pages{margin:.3em 0}#charts{display:flex;flex-wrap:wrap;gap:1em}.chart .u-title{font-size:1em}";
+
+/// The style sheet: [`STYLE`] and the event rows' classes, named from the vocabulary
+/// (`kind-force_released`), so the CSS cannot fall behind a rename.
+fn style() -> &'static str {
+    static SHEET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SHEET.get_or_init(|| {
+        format!(
+            "{STYLE}.kind-{}{{color:var(--err);font-weight:bold}}.kind-{}{{color:var(--warn)}}",
+            VocabEvent::ForceReleased.name(),
+            VocabEvent::Expired.name()
+        )
+    })
+}
 
 /// Bytes left as they are in a URL path segment or query value; every other byte
 /// is percent-encoded.
@@ -99,16 +112,10 @@ fn url(text: &str) -> String {
     utf8_percent_encode(text, URL_SAFE).to_string()
 }
 
-/// A duration in ms as short text, as precise as a glance needs: `850ms`,
-/// `12s 300ms`, `4m 5s`, `2h 3m`.
+/// A duration in ms as short text: the vocabulary's format for people
+/// ([`vocab::human_ms`]: `850ms`, `12s300ms`, `4m5s`, `2h3m`).
 fn dur(ms: u64) -> String {
-    let step = match ms {
-        0..=999 => 1,
-        1_000..=59_999 => 100,
-        60_000..=3_599_999 => 1_000,
-        _ => 60_000,
-    };
-    humantime::format_duration(Duration::from_millis(ms - ms % step)).to_string()
+    vocab::human_ms(ms)
 }
 
 /// Milliseconds since the Unix epoch as a UTC date and time (`None` past year 9999).
@@ -148,7 +155,7 @@ fn page(title: &str, who: Option<&Principal>, body: Markup) -> Html<String> {
                 meta name="viewport" content="width=device-width";
                 title { (title) " · fencelock" }
                 // A constant of this file, not user data.
-                style { (PreEscaped(STYLE)) }
+                style { (PreEscaped(style())) }
                 link rel="stylesheet" href=(UPLOT_CSS_PATH);
                 script src="/ui/assets/htmx.min.js" {}
                 script src="/ui/assets/htmx-ext-sse.min.js" {}
@@ -719,8 +726,9 @@ fn cluster_html(h: &Handle) -> Option<Markup> {
 /// A row of "recent events" or of a lock's history.
 struct EventRow<'a> {
     wall_ms: u64,
-    /// The audit kind (`forced_release`), also the row's CSS class.
-    kind: &'a str,
+    /// What happened: its name is the row's CSS class (`kind-force_released`), its
+    /// label the text (`force released`).
+    kind: VocabEvent,
     lock: Option<&'a str>,
     fence: Option<u64>,
     owner: &'a str,
@@ -733,7 +741,7 @@ impl EventRow<'_> {
         html! {
             tr {
                 td { (utc(self.wall_ms)) }
-                td class={ "kind-" (self.kind) } { (self.kind.replace('_', " ")) }
+                td class={ "kind-" (self.kind.name()) } { (self.kind.label()) }
                 td { @if let Some(l) = self.lock { (lock_link(l)) } }
                 td.num { @if let Some(f) = self.fence { (f) } }
                 td { (self.owner) }
@@ -757,12 +765,15 @@ fn audit_row(e: &AuditEntry) -> Markup {
     if let Some(r) = &e.request_id {
         detail.push(format!("request {r}"));
     }
+    if e.kind.is_handoff() {
+        detail.push("hand-off".to_owned());
+    }
     if e.duration_ms > 0 {
-        detail.push(dur(e.duration_ms));
+        detail.push(format!("after {}", dur(e.duration_ms)));
     }
     EventRow {
         wall_ms: e.wall_ms,
-        kind: e.kind.as_str(),
+        kind: e.kind.event(),
         lock: e.lock.as_deref(),
         fence: e.fence,
         owner: e.owner.as_deref().unwrap_or(""),
@@ -772,14 +783,10 @@ fn audit_row(e: &AuditEntry) -> Markup {
 }
 
 fn event_row(e: &Event) -> Option<Markup> {
-    let kind = match e.kind {
-        EventKind::Granted => "grant",
-        EventKind::Ended(GrantEnd::Released) => "release",
-        EventKind::Ended(GrantEnd::Expired) => "expiry",
-        EventKind::Ended(GrantEnd::ForceReleased) => "forced_release",
-        EventKind::Downgraded => "downgrade",
-        EventKind::Proclaimed => "proclaim",
-        EventKind::Queued | EventKind::WaitEnded(_) => return None,
+    // Queue changes are not shown: the audit log (the page's first rows) has none.
+    let kind = match crate::vocab::event(e.kind) {
+        VocabEvent::Queued | VocabEvent::WaitEnded => return None,
+        kind => kind,
     };
     let row = EventRow {
         wall_ms: crate::audit::wall_ms(),
@@ -819,7 +826,7 @@ fn visible_audit(h: &Handle, who: &Principal, query: &AuditQuery) -> Vec<AuditEn
 /// The list form: prefix, sort and filters, as the query `q` has them.
 fn list_form(q: &ListQuery) -> Markup {
     let held_over = if q.held_over_ms > 0 {
-        dur(q.held_over_ms).replace(' ', "")
+        dur(q.held_over_ms)
     } else {
         String::new()
     };
@@ -884,11 +891,7 @@ async fn index(
     let recent = visible_audit(
         &h,
         &who,
-        &AuditQuery {
-            lock: None,
-            since_wall_ms: 0,
-            limit: RECENT_EVENTS * 4,
-        },
+        &AuditQuery::newest(RECENT_EVENTS * 4),
     );
     let events = recent
         .iter()
@@ -1324,8 +1327,7 @@ async fn lock_sections(h: &Handle, name: &LockName) -> (Markup, Markup) {
     };
     let entries = h.audit(&AuditQuery {
         lock: Some(name.as_str().to_owned()),
-        since_wall_ms: 0,
-        limit: HISTORY_ROWS,
+        ..AuditQuery::newest(HISTORY_ROWS)
     });
     let history = html! {
         table {
@@ -1453,6 +1455,14 @@ pub(crate) struct AuditParams {
     /// Only entries committed at or after this wall-clock time, in milliseconds since
     /// the Unix epoch (an entry's `time_ms`; default 0: all that are retained).
     since_ms: Option<u64>,
+    /// Only entries committed at or before this wall-clock time, in milliseconds since
+    /// the Unix epoch (default: up to now).
+    until_ms: Option<u64>,
+    /// Only entries of these kinds, comma-separated (`granted,force_released`). The
+    /// audit log's old names are accepted too: `grant` (direct grants only),
+    /// `handoff` (hand-offs only), `release`, `expiry`, `forced_release`,
+    /// `session_end`, `downgrade`, `proclaim`.
+    kind: Option<String>,
     /// At most this many, the newest ones, 1–1000 (default 100).
     limit: Option<usize>,
 }
@@ -1467,9 +1477,14 @@ pub(crate) struct AuditJson {
     time_ms: u64,
     /// The same time in RFC 3339, UTC.
     time: String,
-    /// What happened.
+    /// What happened: an event name of the vocabulary.
     #[schema(schema_with = audit_kind_schema)]
     kind: &'static str,
+    /// On `granted`: whether the lock was handed to a queued request (on a release,
+    /// expiry or forced release) rather than granted to the acquire that asked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    handoff: Option<bool>,
     /// The lock.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
@@ -1498,7 +1513,8 @@ pub(crate) struct AuditJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     reason: Option<String>,
-    /// How long the grant was held (0 for other kinds).
+    /// Milliseconds: how long the grant was held (ends), or how long the request
+    /// was queued (`granted`); 0 otherwise.
     duration_ms: u64,
     /// More about it, for people.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -1509,7 +1525,7 @@ pub(crate) struct AuditJson {
 fn audit_kind_schema() -> impl Into<utoipa::openapi::RefOr<utoipa::openapi::Schema>> {
     utoipa::openapi::ObjectBuilder::new()
         .schema_type(utoipa::openapi::schema::Type::String)
-        .enum_values(Some(crate::audit::AuditKind::ALL.map(|k| k.as_str())))
+        .enum_values(Some(crate::audit::AuditKind::names()))
 }
 
 /// `GET /v1/audit`.
@@ -1527,6 +1543,7 @@ impl From<AuditEntry> for AuditJson {
             time_ms: e.wall_ms,
             time: rfc3339(e.wall_ms),
             kind: e.kind.as_str(),
+            handoff: (e.kind.event() == VocabEvent::Granted).then_some(e.kind.is_handoff()),
             lock: e.lock,
             fence: e.fence,
             owner: e.owner,
@@ -1559,6 +1576,13 @@ pub(crate) async fn audit_api(
         .map(|l| input::lock_name("lock", l))
         .transpose()?;
     let who = auth::authorize(&ext, Action::Audit, lock.as_ref().map(LockName::as_str))?;
+    let kinds = p
+        .kind
+        .as_deref()
+        .map(KindFilter::parse_list)
+        .transpose()
+        .map_err(|e| invalid("kind", e))?
+        .unwrap_or_default();
     let limit = p.limit.unwrap_or(100);
     if limit == 0 || limit > MAX_AUDIT_PAGE {
         return Err(invalid(
@@ -1572,6 +1596,8 @@ pub(crate) async fn audit_api(
         &AuditQuery {
             lock: lock.map(|l| l.as_str().to_owned()),
             since_wall_ms: p.since_ms.unwrap_or(0),
+            until_wall_ms: p.until_ms.unwrap_or(u64::MAX),
+            kinds,
             limit,
         },
     );
@@ -1657,11 +1683,11 @@ mod tests {
         assert_eq!(rfc3339(1_772_454_645_120), "2026-03-02T12:30:45.120Z");
         // Past year 9999: text, not a panic.
         assert_eq!(utc(u64::MAX), format!("{} ms after 1970", u64::MAX));
-        assert_eq!(dur(0), "0s");
+        assert_eq!(dur(0), "0ms");
         assert_eq!(dur(850), "850ms");
-        assert_eq!(dur(12_345), "12s 300ms");
-        assert_eq!(dur(245_999), "4m 5s");
-        assert_eq!(dur(7_380_000), "2h 3m");
+        assert_eq!(dur(12_345), "12s300ms");
+        assert_eq!(dur(245_999), "4m5s");
+        assert_eq!(dur(7_380_000), "2h3m");
     }
 
     #[test]

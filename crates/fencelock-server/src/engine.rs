@@ -1128,6 +1128,7 @@ fn wait_end_error(name: &LockName, reason: WaitEnd) -> ApiError {
 }
 
 fn count_event(m: &Metrics, event: &Event) {
+    m.count_event(crate::vocab::event(event.kind));
     match event.kind {
         EventKind::Granted => {
             m.grants.fetch_add(1, Ordering::Relaxed);
@@ -1444,8 +1445,7 @@ mod tests {
         assert_eq!(handle.metrics().fsync.count(), synced_before + 1);
         let entries = handle.audit(&AuditQuery {
             lock: Some("nightly".to_owned()),
-            since_wall_ms: 0,
-            limit: 10,
+            ..AuditQuery::newest(10)
         });
         assert_eq!(
             entries.last().map(|e| e.kind),

@@ -18,7 +18,7 @@
 use std::pin::Pin;
 
 use fencelock_core::{
-    EventKind, Fence, Grant, GrantEnd, LockName, LockView, OwnerToken, Reason, WaitEnd,
+    EventKind, Fence, Grant, LockName, LockView, OwnerToken, Reason,
 };
 use futures_util::Stream;
 use tokio::sync::{broadcast, watch};
@@ -443,25 +443,12 @@ fn lock_info(v: LockView) -> pb::LockInfo {
 }
 
 fn event_pb(e: &fencelock_core::Event) -> pb::LockEvent {
-    let (kind, wait_end) = match e.kind {
-        EventKind::Granted => (pb::EventKind::Granted, pb::WaitEnd::Unspecified),
-        EventKind::Ended(GrantEnd::Released) => (pb::EventKind::Released, pb::WaitEnd::Unspecified),
-        EventKind::Ended(GrantEnd::Expired) => (pb::EventKind::Expired, pb::WaitEnd::Unspecified),
-        EventKind::Ended(GrantEnd::ForceReleased) => {
-            (pb::EventKind::ForceReleased, pb::WaitEnd::Unspecified)
-        }
-        EventKind::Queued => (pb::EventKind::Queued, pb::WaitEnd::Unspecified),
-        EventKind::Downgraded => (pb::EventKind::Downgraded, pb::WaitEnd::Unspecified),
-        EventKind::Proclaimed => (pb::EventKind::Proclaimed, pb::WaitEnd::Unspecified),
-        EventKind::WaitEnded(end) => (
-            pb::EventKind::WaitEnded,
-            match end {
-                WaitEnd::TimedOut => pb::WaitEnd::TimedOut,
-                WaitEnd::SessionEnded => pb::WaitEnd::SessionEnded,
-                WaitEnd::Cancelled => pb::WaitEnd::Cancelled,
-                WaitEnd::ServerRestarted => pb::WaitEnd::ServerRestarted,
-            },
-        ),
+    let kind = crate::vocab::event(e.kind)
+        .pb()
+        .unwrap_or(pb::EventKind::Unspecified);
+    let wait_end = match e.kind {
+        EventKind::WaitEnded(end) => crate::vocab::wait_end_pb(end),
+        _ => pb::WaitEnd::Unspecified,
     };
     pb::LockEvent {
         kind: kind.into(),

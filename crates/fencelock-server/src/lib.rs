@@ -25,6 +25,7 @@ mod preface;
 pub mod series;
 pub mod startup;
 pub mod tls;
+pub mod vocab;
 pub mod watch_sse;
 pub mod wire;
 

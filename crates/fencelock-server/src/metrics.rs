@@ -6,6 +6,8 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::vocab::Event;
+
 /// A fixed-bucket histogram. Observations are in the histogram's own unit; the
 /// rendering divides by `scale` to report seconds (or leaves counts as they are).
 #[derive(Debug)]
@@ -99,6 +101,9 @@ const BATCH_BOUNDS: &[u64] = &[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096
 /// Every metric the server exports.
 #[derive(Debug)]
 pub struct Metrics {
+    /// Lock events by vocabulary event (`fencelock_events_total{event=…}`), indexed
+    /// like [`Event::ALL`]; only watch events are counted and exported.
+    pub events: [AtomicU64; Event::ALL.len()],
     /// Grants made (direct and hand-off).
     pub grants: AtomicU64,
     /// Grants released by their holders.
@@ -245,6 +250,7 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Metrics {
         Metrics {
+            events: Default::default(),
             grants: AtomicU64::new(0),
             releases: AtomicU64::new(0),
             expiries: AtomicU64::new(0),
@@ -299,6 +305,15 @@ pub struct ConnectionMetrics {
     pub unauthenticated: AtomicU64,
 }
 
+/// A counter's help text, naming the vocabulary event it counts (operators find
+/// the same name in the audit log, watch and `fencelock_events_total`).
+fn help_of(help: &str, event: Option<Event>) -> String {
+    match event {
+        Some(e) => format!("{help} (`{e}` events)."),
+        None => help.to_owned(),
+    }
+}
+
 /// Every metric name exported, for dashboards and their tests.
 pub const METRIC_NAMES: &[&str] = &[
     "fencelock_grants_total",
@@ -331,6 +346,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "fencelock_waiters_by_mode",
     "fencelock_downgrades_total",
     "fencelock_proclaims_total",
+    "fencelock_events_total",
 ];
 
 impl Metrics {
@@ -341,36 +357,43 @@ impl Metrics {
         let counters = [
             (
                 METRIC_NAMES[0],
-                "Grants made, direct or by hand-off.",
+                "Grants made, direct or by hand-off",
+                Some(Event::Granted),
                 &self.grants,
             ),
             (
                 METRIC_NAMES[1],
-                "Grants released by their holders.",
+                "Grants released by their holders",
+                Some(Event::Released),
                 &self.releases,
             ),
             (
                 METRIC_NAMES[2],
-                "Grants whose lease expired.",
+                "Grants whose lease expired",
+                Some(Event::Expired),
                 &self.expiries,
             ),
             (
                 METRIC_NAMES[3],
-                "Grants taken away by an operator.",
+                "Grants taken away by an operator",
+                Some(Event::ForceReleased),
                 &self.forced_releases,
             ),
             (
                 METRIC_NAMES[4],
-                "Queued acquires that timed out.",
+                "Queued acquires that timed out",
+                Some(Event::WaitEnded),
                 &self.wait_timeouts,
             ),
             (
                 METRIC_NAMES[5],
                 "Acquires refused because the lock was held.",
+                None,
                 &self.acquire_conflicts,
             ),
         ];
-        for (name, help, value) in counters {
+        for (name, help, event, value) in counters {
+            let help = help_of(help, event);
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
@@ -490,6 +513,7 @@ impl Metrics {
             load(&c.unauthenticated)
         );
         self.render_kinds(&mut out, load);
+        self.render_events(&mut out);
         self.render_cluster(&mut out);
         out
     }
@@ -526,23 +550,53 @@ impl Metrics {
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{mode=\"exclusive\"}} {exclusive}\n{name}{{mode=\"shared\"}} {shared}"
             );
         }
-        for (name, help, value) in [
+        for (name, help, event, value) in [
             (
                 METRIC_NAMES[28],
-                "Exclusive grants downgraded to shared.",
+                "Exclusive grants downgraded to shared",
+                Some(Event::Downgraded),
                 &self.downgrades,
             ),
             (
                 METRIC_NAMES[29],
-                "New values proclaimed by election leaders.",
+                "New values proclaimed by election leaders",
+                Some(Event::Proclaimed),
                 &self.proclaims,
             ),
         ] {
+            let help = help_of(help, event);
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
                 load(value)
             );
+        }
+    }
+
+    /// Counts a lock event under its vocabulary name.
+    pub fn count_event(&self, event: Event) {
+        if let Some(i) = Event::ALL.iter().position(|e| *e == event) {
+            self.events[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// `fencelock_events_total`: one series per watch event, labelled with the
+    /// vocabulary's name (the same `kind` as the audit log and watch).
+    fn render_events(&self, out: &mut String) {
+        let name = METRIC_NAMES[30];
+        let _ = writeln!(
+            out,
+            "# HELP {name} Lock events, by event name (as in the audit log and watch).\n# TYPE {name} counter"
+        );
+        for (event, count) in Event::ALL.iter().zip(&self.events) {
+            if event.pb().is_some() {
+                let _ = writeln!(
+                    out,
+                    "{name}{{event=\"{}\"}} {}",
+                    event.name(),
+                    count.load(Ordering::Relaxed)
+                );
+            }
         }
     }
 
@@ -656,6 +710,12 @@ mod tests {
             assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
         }
         assert!(text.contains("fencelock_grants_total 3\n"));
+        m.count_event(Event::ForceReleased);
+        let text = m.render();
+        assert!(text.contains("fencelock_events_total{event=\"force_released\"} 1\n"));
+        assert!(text.contains("fencelock_events_total{event=\"granted\"} 0\n"));
+        // Audit-only events are not counted here.
+        assert!(!text.contains("event=\"renew_failed\""), "{text}");
         assert!(text.contains("fencelock_acquire_wait_seconds_bucket{le=\"0.005\"} 1\n"));
         assert!(text.contains("fencelock_acquire_wait_seconds_bucket{le=\"1\"} 2\n"));
         assert!(text.contains("fencelock_acquire_wait_seconds_bucket{le=\"+Inf\"} 3\n"));

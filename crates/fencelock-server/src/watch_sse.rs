@@ -23,7 +23,7 @@ use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use fencelock_core::{EventKind, Fence, GrantEnd, WaitEnd};
+use fencelock_core::{EventKind, Fence};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::{broadcast, watch};
@@ -51,27 +51,10 @@ pub(crate) struct WatchParams {
     after: Option<String>,
 }
 
-/// The stable name of an event's kind (the SSE `event:` field and `kind`).
+/// The stable name of an event's kind (the SSE `event:` field and `kind`): the
+/// vocabulary's.
 pub fn kind_name(kind: EventKind) -> &'static str {
-    match kind {
-        EventKind::Granted => "granted",
-        EventKind::Ended(GrantEnd::Released) => "released",
-        EventKind::Ended(GrantEnd::Expired) => "expired",
-        EventKind::Ended(GrantEnd::ForceReleased) => "force_released",
-        EventKind::Queued => "queued",
-        EventKind::WaitEnded(_) => "wait_ended",
-        EventKind::Downgraded => "downgraded",
-        EventKind::Proclaimed => "proclaimed",
-    }
-}
-
-fn wait_end_name(end: WaitEnd) -> &'static str {
-    match end {
-        WaitEnd::TimedOut => "timed_out",
-        WaitEnd::SessionEnded => "session_ended",
-        WaitEnd::Cancelled => "cancelled",
-        WaitEnd::ServerRestarted => "server_restarted",
-    }
+    crate::vocab::event(kind).name()
 }
 
 /// An event's JSON: `position`, `kind`, `name`, `fence`, `owner`, `session` (its
@@ -80,7 +63,7 @@ fn wait_end_name(end: WaitEnd) -> &'static str {
 /// (an election's, on `granted` of a leader and `proclaimed`).
 pub fn event_json(e: &WatchEvent) -> serde_json::Value {
     let wait_end = match e.kind {
-        EventKind::WaitEnded(end) => Some(wait_end_name(end)),
+        EventKind::WaitEnded(end) => Some(crate::vocab::wait_end_name(end)),
         _ => None,
     };
     json!({

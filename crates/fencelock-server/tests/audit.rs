@@ -80,14 +80,18 @@ async fn records_grants_handoffs_releases_renew_failures_and_forced_releases() {
     assert_eq!(
         kinds(&entries),
         vec![
-            ("grant".to_owned(), Some(fa)),
-            ("release".to_owned(), Some(fa)),
-            ("handoff".to_owned(), Some(fb)),
+            ("granted".to_owned(), Some(fa)),
+            ("released".to_owned(), Some(fa)),
+            ("granted".to_owned(), Some(fb)),
             ("renew_failed".to_owned(), None),
-            ("forced_release".to_owned(), Some(fb)),
+            ("force_released".to_owned(), Some(fb)),
         ],
         "{entries:#?}"
     );
+    // A hand-off is a grant with the flag set; other kinds have no flag.
+    assert_eq!(entries[0]["handoff"], false);
+    assert_eq!(entries[2]["handoff"], true);
+    assert!(entries[1].get("handoff").is_none(), "{}", entries[1]);
     assert_eq!(entries[0]["owner"], "worker-1");
     assert_eq!(entries[0]["request_id"], "req-1");
     assert_eq!(entries[2]["owner"], "worker-2");
@@ -104,13 +108,32 @@ async fn records_grants_handoffs_releases_renew_failures_and_forced_releases() {
     // limit keeps the newest.
     let last_two = audit(c, "?limit=2").await;
     assert_eq!(last_two.len(), 2);
-    assert_eq!(last_two[0]["kind"], "forced_release");
+    assert_eq!(last_two[0]["kind"], "force_released");
     assert_eq!(last_two[1]["lock"], "other");
     // since_ms filters by commit time.
     let future = all.last().unwrap()["time_ms"].as_u64().unwrap() + 60_000;
     assert!(audit(c, &format!("?since_ms={future}")).await.is_empty());
     let since = all.last().unwrap()["time_ms"].as_u64().unwrap();
     assert!(!audit(c, &format!("?since_ms={since}")).await.is_empty());
+    // until_ms: nothing before the first entry, everything up to the last.
+    let first = all[0]["time_ms"].as_u64().unwrap();
+    assert!(audit(c, &format!("?until_ms={}", first - 1)).await.is_empty());
+    assert_eq!(audit(c, &format!("?until_ms={since}")).await.len(), all.len());
+    // kind filters by the vocabulary's names, and takes the old names as aliases.
+    let of = |q: &'static str| async move {
+        kinds(&audit(c, &format!("?lock=job:a&kind={q}")).await)
+            .into_iter()
+            .map(|(k, f)| format!("{k} {}", f.unwrap_or(0)))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(of("granted").await, [format!("granted {fa}"), format!("granted {fb}")]);
+    assert_eq!(of("grant").await, [format!("granted {fa}")], "direct grants only");
+    assert_eq!(of("handoff").await, [format!("granted {fb}")], "hand-offs only");
+    assert_eq!(
+        of("forced_release,release").await,
+        [format!("released {fa}"), format!("force_released {fb}")]
+    );
+    assert_eq!(of("force_released").await, of("forced_release").await);
     s.stop().await;
 }
 
@@ -124,6 +147,9 @@ async fn bad_audit_queries_are_client_errors() {
         "?since_ms=yesterday",
         "?lock=",
         "?color=blue",
+        "?kind=nope",
+        "?kind=granted,",
+        "?until_ms=tomorrow",
     ] {
         let r = c.get(&format!("/v1/audit{q}")).await;
         assert_eq!(r.status, 400, "{q}: {}", r.text());
@@ -147,15 +173,15 @@ async fn expiries_and_session_ends_are_recorded() {
         .expect_json(200);
     let expired = support::poll_until("the lease expires", support::IO_TIMEOUT, || async {
         let e = audit(c, "?lock=short").await;
-        e.iter().any(|e| e["kind"] == "expiry").then_some(e)
+        e.iter().any(|e| e["kind"] == "expired").then_some(e)
     })
     .await;
     assert_eq!(expired.last().unwrap()["fence"], g["fence"]);
     let all = audit(c, "").await;
     let end = all
         .iter()
-        .find(|e| e["kind"] == "session_end")
-        .expect("a session_end entry");
+        .find(|e| e["kind"] == "session_ended")
+        .expect("a session_ended entry");
     // The handle, never the id (issue 19 item 3), and who closed it.
     assert_eq!(end["session"], session["handle"]);
     assert_ne!(end["session"], sid.as_str());
@@ -166,7 +192,7 @@ async fn expiries_and_session_ends_are_recorded() {
     assert_eq!(expiry["detail"], "principal anonymous", "{expiry}");
     assert!(all
         .iter()
-        .any(|e| e["kind"] == "release" && e["lock"] == "in-session"));
+        .any(|e| e["kind"] == "released" && e["lock"] == "in-session"));
     s.stop().await;
 }
 
@@ -318,7 +344,8 @@ async fn dashboard_shows_locks_escapes_names_and_force_releases_with_a_reason() 
     let hist = c.get(&format!("/ui/lock/{}", pct(evil))).await;
     assert_eq!(hist.status, 200);
     let html = hist.text();
-    assert!(html.contains("forced release"), "{html}");
+    assert!(html.contains("force released"), "{html}");
+    assert!(html.contains("kind-force_released"), "{html}");
     assert!(
         html.contains("reason: stuck &lt;i&gt;x&lt;/i&gt;"),
         "{html}"
@@ -398,7 +425,7 @@ async fn entries_survive_snapshots_and_restarts_exactly_once() {
     let grants: Vec<u64> = audit(&s.client, "?limit=1000")
         .await
         .iter()
-        .filter(|e| e["kind"] == "grant")
+        .filter(|e| e["kind"] == "granted")
         .map(|e| e["fence"].as_u64().unwrap())
         .collect();
     assert_eq!(grants, fences, "every grant exactly once, in order");

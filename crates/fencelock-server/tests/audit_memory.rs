@@ -119,10 +119,6 @@ fn the_audit_index_holds_at_most_its_max_bytes_in_memory() {
     let newest = newest
         .lock()
         .unwrap()
-        .query(&fencelock_server::audit::AuditQuery {
-            lock: None,
-            since_wall_ms: 0,
-            limit: 1,
-        });
+        .query(&fencelock_server::audit::AuditQuery::newest(1));
     assert_eq!(newest[0].seq, seq);
 }

@@ -220,7 +220,7 @@ async fn admins_force_release_same_origin_only_and_are_named_in_the_audit_log() 
         .await
         .expect_json(200);
     let last = audit["entries"].as_array().unwrap().last().unwrap().clone();
-    assert_eq!(last["kind"], "forced_release");
+    assert_eq!(last["kind"], "force_released");
     assert_eq!(last["actor"], "ops");
     assert_eq!(last["reason"], "stuck worker");
     t.stop().await;

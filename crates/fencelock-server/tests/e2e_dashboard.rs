@@ -111,7 +111,7 @@ async fn dashboard_in_headless_chromium() {
         .as_array()
         .unwrap()
         .iter()
-        .find(|e| e["kind"] == "forced_release")
+        .find(|e| e["kind"] == "force_released")
         .unwrap_or_else(|| panic!("no forced_release entry: {audit}"));
     assert_eq!(forced["reason"], "e2e: holder is stuck");
     assert_eq!(forced["actor"], "anonymous");

@@ -126,11 +126,11 @@ async fn readers_share_and_a_queued_writer_goes_before_later_readers() {
     assert_eq!(waiting, Some(0.0), "{text}");
     let audit = c.get("/v1/audit?lock=rw").await.expect_json(200);
     let entries = audit["entries"].as_array().expect("entries");
-    assert!(entries.iter().any(|e| e["kind"] == "downgrade"), "{audit}");
+    assert!(entries.iter().any(|e| e["kind"] == "downgraded"), "{audit}");
     assert!(
         entries
             .iter()
-            .any(|e| e["kind"] == "grant" && e["detail"] == "shared"),
+            .any(|e| e["kind"] == "granted" && e["detail"] == "shared"),
         "{audit}"
     );
 }
@@ -270,7 +270,7 @@ async fn an_election_campaigns_proclaims_observes_and_resigns() {
         .as_array()
         .expect("entries")
         .iter()
-        .any(|e| e["kind"] == "proclaim" && e["detail"] == "host-1:81");
+        .any(|e| e["kind"] == "proclaimed" && e["detail"] == "host-1:81");
     assert!(proclaimed, "{audit}");
 }
 

@@ -895,6 +895,27 @@ async fn the_document_describes_since_ms_and_the_required_fields() {
             .contains("Unix epoch"),
         "{since}"
     );
+    for name in ["until_ms", "kind"] {
+        assert!(
+            params.iter().any(|p| p["name"] == name && p["in"] == "query"),
+            "{name} is a documented parameter: {params:?}"
+        );
+    }
+    // An entry's kind is one of the vocabulary's names, and nothing else.
+    let kinds: Vec<&str> = doc["components"]["schemas"]["AuditEntry"]["properties"]["kind"]
+        ["enum"]
+        .as_array()
+        .expect("kind is an enum")
+        .iter()
+        .map(|k| k.as_str().unwrap())
+        .collect();
+    for k in &kinds {
+        assert!(
+            fencelock_proto::vocab::Event::from_name(k).is_some(),
+            "{k} is not a vocabulary name"
+        );
+    }
+    assert!(kinds.contains(&"force_released") && kinds.contains(&"session_ended"));
     let renew = &doc["components"]["schemas"]["RenewRequest"];
     assert_eq!(renew["required"], json!(["name", "owner_token"]));
     assert_eq!(renew["additionalProperties"], json!(false));

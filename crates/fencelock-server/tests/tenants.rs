@@ -219,7 +219,7 @@ async fn only_the_opener_or_a_covering_admin_manages_a_session() {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|e| e["kind"] == "session_end")
+        .filter(|e| e["kind"] == "session_ended")
         .map(|e| (&e["session"], &e["actor"]))
         .collect();
     assert_eq!(

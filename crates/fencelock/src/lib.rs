@@ -100,3 +100,7 @@ pub use guard::{LockGuard, LostReason};
 pub use server::{EventStream, FencelockBackend, ServerConfig, Transport};
 pub use session::{Session, SessionRequest};
 pub use view::{EventKind, HolderInfo, LockEvent, LockInfo, LockPage, WaitEnd, WatchPosition};
+/// The event vocabulary shared with the server (names, labels, the old audit
+/// names, [`vocab::human_ms`]): the same words in the audit log, watch, the dashboard,
+/// metrics and the CLI.
+pub use fencelock_proto::vocab;

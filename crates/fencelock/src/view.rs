@@ -3,6 +3,7 @@
 //! gRPC messages here, so the public API does not depend on the wire format.
 
 use fencelock_proto as pb;
+use fencelock_proto::vocab;
 
 /// One lock's holders and queue (from
 /// [`FencelockBackend::get_lock`](crate::FencelockBackend::get_lock) and
@@ -73,32 +74,45 @@ pub enum EventKind {
 }
 
 impl EventKind {
-    /// The stable snake_case name (`granted`, `force_released`, …).
+    /// The stable snake_case name (`granted`, `force_released`, …): the event
+    /// vocabulary's ([`crate::vocab::Event::name`]), the same as the server's watch
+    /// and audit log; `unknown` for [`EventKind::Unknown`].
     pub fn as_str(self) -> &'static str {
-        match self {
-            EventKind::Granted => "granted",
-            EventKind::Released => "released",
-            EventKind::Expired => "expired",
-            EventKind::ForceReleased => "force_released",
-            EventKind::Queued => "queued",
-            EventKind::WaitEnded => "wait_ended",
-            EventKind::Downgraded => "downgraded",
-            EventKind::Proclaimed => "proclaimed",
-            EventKind::Unknown => "unknown",
-        }
+        self.event().map_or("unknown", vocab::Event::name)
+    }
+
+    /// The vocabulary event (`None` for [`EventKind::Unknown`]).
+    pub fn event(self) -> Option<vocab::Event> {
+        Some(match self {
+            EventKind::Granted => vocab::Event::Granted,
+            EventKind::Released => vocab::Event::Released,
+            EventKind::Expired => vocab::Event::Expired,
+            EventKind::ForceReleased => vocab::Event::ForceReleased,
+            EventKind::Queued => vocab::Event::Queued,
+            EventKind::WaitEnded => vocab::Event::WaitEnded,
+            EventKind::Downgraded => vocab::Event::Downgraded,
+            EventKind::Proclaimed => vocab::Event::Proclaimed,
+            EventKind::Unknown => return None,
+        })
     }
 
     fn from_pb(kind: i32) -> EventKind {
-        match pb::EventKind::try_from(kind) {
-            Ok(pb::EventKind::Granted) => EventKind::Granted,
-            Ok(pb::EventKind::Released) => EventKind::Released,
-            Ok(pb::EventKind::Expired) => EventKind::Expired,
-            Ok(pb::EventKind::ForceReleased) => EventKind::ForceReleased,
-            Ok(pb::EventKind::Queued) => EventKind::Queued,
-            Ok(pb::EventKind::WaitEnded) => EventKind::WaitEnded,
-            Ok(pb::EventKind::Downgraded) => EventKind::Downgraded,
-            Ok(pb::EventKind::Proclaimed) => EventKind::Proclaimed,
-            Ok(pb::EventKind::Unspecified) | Err(_) => EventKind::Unknown,
+        let event = pb::EventKind::try_from(kind)
+            .ok()
+            .and_then(vocab::Event::from_pb);
+        match event {
+            Some(vocab::Event::Granted) => EventKind::Granted,
+            Some(vocab::Event::Released) => EventKind::Released,
+            Some(vocab::Event::Expired) => EventKind::Expired,
+            Some(vocab::Event::ForceReleased) => EventKind::ForceReleased,
+            Some(vocab::Event::Queued) => EventKind::Queued,
+            Some(vocab::Event::WaitEnded) => EventKind::WaitEnded,
+            Some(vocab::Event::Downgraded) => EventKind::Downgraded,
+            Some(vocab::Event::Proclaimed) => EventKind::Proclaimed,
+            // Audit-only events never come from watch.
+            Some(vocab::Event::SessionEnded | vocab::Event::RenewFailed) | None => {
+                EventKind::Unknown
+            }
         }
     }
 }
@@ -120,15 +134,16 @@ pub enum WaitEnd {
 }
 
 impl WaitEnd {
-    /// The stable snake_case name (`timed_out`, `session_ended`, …).
+    /// The stable snake_case name (`timed_out`, `session_ended`, …), the server's.
     pub fn as_str(self) -> &'static str {
-        match self {
-            WaitEnd::TimedOut => "timed_out",
-            WaitEnd::SessionEnded => "session_ended",
-            WaitEnd::Cancelled => "cancelled",
-            WaitEnd::ServerRestarted => "server_restarted",
-            WaitEnd::Unknown => "unknown",
-        }
+        let end = match self {
+            WaitEnd::TimedOut => pb::WaitEnd::TimedOut,
+            WaitEnd::SessionEnded => pb::WaitEnd::SessionEnded,
+            WaitEnd::Cancelled => pb::WaitEnd::Cancelled,
+            WaitEnd::ServerRestarted => pb::WaitEnd::ServerRestarted,
+            WaitEnd::Unknown => pb::WaitEnd::Unspecified,
+        };
+        vocab::wait_end_name(end).unwrap_or("unknown")
     }
 
     /// `None` for "not a wait end".
@@ -308,5 +323,24 @@ mod tests {
         });
         assert_eq!(e.wait_end, None);
         assert_eq!(e.kind.as_str(), "granted");
+    }
+
+    #[test]
+    fn every_kind_is_named_by_the_vocabulary() {
+        for k in 0..=32 {
+            let kind = EventKind::from_pb(k);
+            let from_vocab = pb::EventKind::try_from(k)
+                .ok()
+                .and_then(vocab::Event::from_pb)
+                .map_or("unknown", vocab::Event::name);
+            assert_eq!(kind.as_str(), from_vocab, "kind {k}");
+            assert_eq!(kind.event().map(vocab::Event::name), kind.event().map(|_| from_vocab));
+        }
+        for k in 0..=8 {
+            if let Some(end) = WaitEnd::from_pb(k) {
+                let wire = pb::WaitEnd::try_from(k).ok().and_then(vocab::wait_end_name);
+                assert_eq!(end.as_str(), wire.unwrap_or("unknown"), "wait end {k}");
+            }
+        }
     }
 }

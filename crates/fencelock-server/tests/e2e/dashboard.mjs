@@ -98,7 +98,7 @@ try {
   const result = page.locator("#force-result .ok");
   await result.waitFor({ timeout: WAIT_MS });
   check((await result.innerText()).includes("Force-released"), "force release reports success");
-  const audited = page.locator("#history tr", { hasText: "forced release" });
+  const audited = page.locator("#history tr", { hasText: "force released" });
   await audited.first().waitFor({ timeout: WAIT_MS });
   check(
     (await audited.first().innerText()).includes("reason: e2e: holder is stuck"),
