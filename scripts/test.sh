@@ -16,6 +16,8 @@ command -v npm >/dev/null || need_apt+=(npm)
 [ -x /usr/bin/chromium ] || need_apt+=(chromium)
 # The Python client example of docs/clients.md (crates/fencelock-cli/tests/clients.rs).
 command -v python3 >/dev/null || need_apt+=(python3)
+# The Go client example (same test): built offline with the standard library only.
+command -v go >/dev/null || need_apt+=(golang-go)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"

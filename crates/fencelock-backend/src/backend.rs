@@ -261,6 +261,11 @@ pub struct Capabilities {
     /// Leader elections ([`LockBackend::campaign`], [`LockBackend::proclaim`],
     /// [`LockBackend::leader`]) are supported.
     pub elections: bool,
+    /// Multi-locks: several names acquired as one all-or-nothing request that cannot
+    /// deadlock against an overlapping one ([`LockBackend::acquire_all`],
+    /// [`LockBackend::release_all`]). Never emulated by taking the names one at a
+    /// time, which can deadlock.
+    pub multi: bool,
 }
 
 impl Capabilities {
@@ -280,6 +285,7 @@ impl Capabilities {
             shared: false,
             downgrade: false,
             elections: false,
+            multi: false,
         }
     }
 }
@@ -340,6 +346,27 @@ pub trait LockBackend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<(), Error>> {
         let _ = (lease, value);
         Box::pin(async { Err(unsupported("elections")) })
+    }
+
+    /// Acquires every lock in `names` as one request: all or none, waiting up to
+    /// `spec.wait`, each with its own lease and fence, in the order given (`spec`
+    /// gives everything but the name; its `name` is not used). The store queues the
+    /// request on every lock at once, so two callers asking for overlapping sets in
+    /// different orders never deadlock. `Unsupported` unless [`Capabilities::multi`].
+    fn acquire_all<'a>(
+        &'a self,
+        names: &'a [&'a str],
+        spec: &'a AcquireSpec,
+    ) -> BoxFuture<'a, Result<Vec<Lease>, Error>> {
+        let _ = (names, spec);
+        Box::pin(async { Err(unsupported("multi-locks")) })
+    }
+
+    /// Releases several leases in one step; per lease, whether this call released it
+    /// (`false`: already gone). `Unsupported` unless [`Capabilities::multi`].
+    fn release_all<'a>(&'a self, leases: &'a [Lease]) -> BoxFuture<'a, Result<Vec<bool>, Error>> {
+        let _ = leases;
+        Box::pin(async { Err(unsupported("multi-locks")) })
     }
 
     /// Opens a session with lease `ttl`: locks acquired under it share its one

@@ -1,8 +1,9 @@
 //! The client examples of docs/clients.md run against the real `fencelock serve`:
 //! Python (`requests`) and JavaScript (`fetch`, Node.js) each take, renew and
 //! release a lock and pass its fence to a resource that refuses a stale one; the
-//! Python one also with a token. (The Go example is documentation only: this
-//! machine has no Go toolchain.)
+//! Python one also with a token. Go (`net/http`, standard library only) is built
+//! with Debian's `golang-go` offline (`GOPROXY=off`, caches in a temp dir) and run
+//! the same way; a missing `go` fails the test (scripts/test.sh installs it).
 
 mod support;
 
@@ -54,8 +55,19 @@ fn example(relative: &str) -> PathBuf {
 /// test, showing its output, unless it exits 0.
 fn run(program: &str, example: &Path, server: &Server, token: Option<&str>) -> String {
     let mut command = Command::new(program);
+    command.arg(example);
+    run_command(command, server, token)
+}
+
+/// Runs `command lock_name` as [`run`] does.
+fn run_command(mut command: Command, server: &Server, token: Option<&str>) -> String {
+    let program = command.get_program().to_string_lossy().into_owned();
+    let example = command
+        .get_args()
+        .next()
+        .map(|a| a.to_string_lossy().into_owned())
+        .unwrap_or_default();
     command
-        .arg(example)
         .arg("clients:example")
         .env("FENCELOCK_URL", &server.url)
         .env_remove("FENCELOCK_TOKEN");
@@ -72,8 +84,7 @@ fn run(program: &str, example: &Path, server: &Server, token: Option<&str>) -> S
     let stdout = String::from_utf8_lossy(&stdout).into_owned();
     assert!(
         status.success(),
-        "{program} {} failed ({status}):\n{stdout}\n{}",
-        example.display(),
+        "{program} {example} failed ({status}):\n{stdout}\n{}",
         String::from_utf8_lossy(&stderr)
     );
     stdout
@@ -115,5 +126,57 @@ fn the_python_example_takes_renews_and_releases_a_lock_and_passes_the_fence_on()
 fn the_javascript_example_takes_renews_and_releases_a_lock_and_passes_the_fence_on() {
     let server = Server::start(None);
     let out = run("node", &example("js/lock.mjs"), &server, None);
+    assert_the_whole_story(&out);
+}
+
+/// `go build` of examples/clients/go into `out`, offline: no module proxy, no
+/// toolchain download, build and module caches in `out` (never the user's).
+fn build_go_example(out: &Path) -> PathBuf {
+    let binary = out.join("fencelock-go-example");
+    let output = Command::new("go")
+        .args(["build", "-o"])
+        .arg(&binary)
+        .arg(".")
+        .current_dir(example("go"))
+        .env("GOCACHE", out.join("gocache"))
+        .env("GOPATH", out.join("gopath"))
+        .env("GOMODCACHE", out.join("gopath/pkg/mod"))
+        .env("GOPROXY", "off")
+        .env("GOTOOLCHAIN", "local")
+        .env("GOFLAGS", "-mod=mod")
+        .env("GO111MODULE", "on")
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot run `go` ({e}): install Go (Debian: apt-get install golang-go; \
+                 scripts/test.sh does it as root) to build examples/clients/go"
+            )
+        });
+    assert!(
+        output.status.success(),
+        "go build of examples/clients/go failed ({}):\n{}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    binary
+}
+
+#[test]
+fn the_go_example_takes_renews_and_releases_a_lock_and_passes_the_fence_on() {
+    let build = tempfile::tempdir().expect("a temporary directory");
+    let binary = build_go_example(build.path());
+    let server = Server::start(None);
+    let out = run_command(Command::new(&binary), &server, None);
+    assert_the_whole_story(&out);
+
+    // With tokens configured, the same program with FENCELOCK_TOKEN.
+    let secret = "a-client-token-for-the-go-example";
+    let config = format!(
+        "[[auth.tokens]]\nname = \"go\"\nrole = \"client\"\nprefixes = [\"clients:\"]\nsha256 = \"{}\"\n",
+        fencelock_server::auth::hash_token(secret)
+    );
+    let secure = Server::start(Some(&config));
+    let out = run_command(Command::new(&binary), &secure, Some(secret));
     assert_the_whole_story(&out);
 }

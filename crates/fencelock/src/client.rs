@@ -123,7 +123,7 @@ impl LockOptions {
         self
     }
 
-    fn validate(&self) -> Result<Timing, Error> {
+    pub(crate) fn validate(&self) -> Result<Timing, Error> {
         if self.ttl.is_zero() {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
@@ -249,6 +249,31 @@ impl Client {
             options: LockOptions::default(),
             session: None,
         }
+    }
+
+    /// Starts building a multi-lock: every name in `names` acquired as one
+    /// all-or-nothing request, one fence per name, renewed together
+    /// ([`MultiLockGuard`](crate::MultiLockGuard)). Two clients asking for overlapping
+    /// sets in any order cannot deadlock. [`ErrorKind::Unsupported`] on a store whose
+    /// [`Capabilities::multi`] is false (the locks are never taken one at a time
+    /// instead).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fencelock::Client) -> Result<(), fencelock::Error> {
+    /// let both = client.lock_all(["account:17", "account:42"]).acquire().await?;
+    /// let from = both.fence("account:17");
+    /// let to = both.fence("account:42");
+    /// // ... debit with `from`, credit with `to` ...
+    /// # let _ = (from, to);
+    /// both.release().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn lock_all<I, S>(&self, names: I) -> crate::MultiLockRequest
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        crate::MultiLockRequest::new(self.clone(), names.into_iter().map(Into::into).collect())
     }
 
     /// Starts opening a session with lease `ttl`: locks taken under it
@@ -443,7 +468,7 @@ impl Client {
 
 /// The instant a wait budget of `wait` ends; [`Duration::MAX`] (waiting forever) ends
 /// in the far future instead of overflowing.
-fn budget_end(wait: Duration) -> Instant {
+pub(crate) fn budget_end(wait: Duration) -> Instant {
     const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
     let now = Instant::now();
     now.checked_add(wait.min(FOREVER))

@@ -9,7 +9,7 @@
 //! session's last confirmed keep-alive), which only its keep-alive extends.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
@@ -65,12 +65,57 @@ pub(crate) struct State {
 /// without [`LockGuard::release`]) tells the renewal task to release.
 pub(crate) enum Control {}
 
-/// What a renewal task keeps alive: one grant, or a session (and with it every grant
-/// held under it).
+/// What a renewal task keeps alive: one grant, a session (and with it every grant
+/// held under it), or the grants of one multi-lock (those not yet released one by
+/// one: the guard removes a grant from the set before releasing it).
 #[derive(Debug, Clone)]
 pub(crate) enum Kept {
     Lease(Lease),
     Session(SessionLease),
+    Leases(Arc<Mutex<Vec<Lease>>>),
+}
+
+/// The grants of a multi-lock still held. A poisoned lock only means a panic
+/// elsewhere while it was held; the list itself is always whole.
+pub(crate) fn held_now(held: &Mutex<Vec<Lease>>) -> Vec<Lease> {
+    held.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+/// Renews every grant of a multi-lock at once; the shortest lease granted. A grant
+/// the store refuses makes the whole set lost (its error is returned), unless it was
+/// released one by one meanwhile.
+async fn renew_all(
+    backend: &dyn LockBackend,
+    held: &Mutex<Vec<Lease>>,
+    ttl: Duration,
+) -> Result<Duration, Error> {
+    let leases = held_now(held);
+    let answers =
+        futures_util::future::join_all(leases.iter().map(|lease| backend.renew(lease, ttl))).await;
+    let mut granted = ttl;
+    let mut transient = None;
+    for (lease, answer) in leases.iter().zip(answers) {
+        match answer {
+            Ok(ttl) => granted = granted.min(ttl),
+            Err(_)
+                if !held_now(held)
+                    .iter()
+                    .any(|l| l.owner_token == lease.owner_token) => {}
+            Err(e) if e.is_transient() => {
+                transient.get_or_insert(e);
+            }
+            Err(e) => {
+                return Err(Error::new(
+                    e.kind(),
+                    format!("lock {:?} of the set: {}", lease.name, e.message()),
+                ))
+            }
+        }
+    }
+    match transient {
+        Some(e) => Err(e),
+        None => Ok(granted),
+    }
 }
 
 impl Kept {
@@ -83,6 +128,7 @@ impl Kept {
         match self {
             Kept::Lease(lease) => backend.renew(lease, ttl),
             Kept::Session(session) => backend.keep_alive(session),
+            Kept::Leases(held) => Box::pin(renew_all(backend, held, ttl)),
         }
     }
 
@@ -97,6 +143,9 @@ impl Kept {
         match self {
             Kept::Lease(lease) => release(backend, lease, state, timing).await.map(drop),
             Kept::Session(session) => close_session(backend, session, state, timing)
+                .await
+                .map(drop),
+            Kept::Leases(held) => release_set(backend, &held_now(held), state, timing)
                 .await
                 .map(drop),
         }
@@ -411,6 +460,55 @@ async fn release(
     until_expiry(state, timing, || backend.release(lease)).await
 }
 
+/// Releases the grants of a multi-lock in one request, retrying transient errors until
+/// the leases would have expired anyway, and marks the set released.
+pub(crate) async fn release_set(
+    backend: &dyn LockBackend,
+    leases: &[Lease],
+    state: &watch::Sender<State>,
+    timing: Timing,
+) -> Result<Vec<bool>, Error> {
+    if leases.is_empty() {
+        mark_lost(state, LostReason::Released);
+        return Ok(Vec::new());
+    }
+    until_expiry(state, timing, || release_leases(backend, leases)).await
+}
+
+/// Releases `leases` in one request. The store refuses the whole request when one of
+/// them is already gone (expired, or taken by an operator); then each is released on
+/// its own (`false` for the gone ones), which is safe where acquiring one at a time
+/// is not.
+pub(crate) async fn release_leases(
+    backend: &dyn LockBackend,
+    leases: &[Lease],
+) -> Result<Vec<bool>, Error> {
+    match backend.release_all(leases).await {
+        Err(e) if e.kind() == ErrorKind::NotHeld => {
+            let mut released = Vec::with_capacity(leases.len());
+            for lease in leases {
+                released.push(match backend.release(lease).await {
+                    Err(e) if e.kind() == ErrorKind::NotHeld => false,
+                    other => other?,
+                });
+            }
+            Ok(released)
+        }
+        other => other,
+    }
+}
+
+/// Releases some grants of a multi-lock that keeps the others: as [`release_set`],
+/// but the set is not marked released.
+pub(crate) async fn release_part(
+    backend: &dyn LockBackend,
+    leases: &[Lease],
+    state: &watch::Sender<State>,
+    timing: Timing,
+) -> Result<Vec<bool>, Error> {
+    retry_until_expiry(state, timing, || release_leases(backend, leases)).await
+}
+
 /// Closes a session, retrying transient errors until its lease would have expired
 /// anyway, and marks it released; how many locks it released (0 if it was gone).
 pub(crate) async fn close_session(
@@ -429,6 +527,22 @@ pub(crate) async fn close_session(
 /// Runs `op` (a release), retrying transient errors until the lease would have expired
 /// anyway, then marks the lease released.
 async fn until_expiry<T, F, Fut>(
+    state: &watch::Sender<State>,
+    timing: Timing,
+    op: F,
+) -> Result<T, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
+    let result = retry_until_expiry(state, timing, op).await;
+    mark_lost(state, LostReason::Released);
+    result
+}
+
+/// Runs `op`, retrying transient errors until the lease of `state` would have
+/// expired anyway.
+async fn retry_until_expiry<T, F, Fut>(
     state: &watch::Sender<State>,
     timing: Timing,
     mut op: F,
@@ -452,7 +566,6 @@ where
             other => break other,
         }
     };
-    mark_lost(state, LostReason::Released);
     result
 }
 
@@ -490,12 +603,21 @@ impl Renewer {
                             Err(reason) => {
                                 let unconfirmed = matches!(reason, LostReason::DeadlineReached);
                                 self.mark_lost(reason);
-                                if unconfirmed {
+                                // A set is lost as a whole: the store may still hold
+                                // its other grants, and nothing renews them now.
+                                let set = matches!(self.kept, Kept::Leases(_));
+                                if unconfirmed || set {
                                     // The grant may still exist on a slow store: free
                                     // it for the next holder (the owner token makes
-                                    // this safe), but don't linger.
+                                    // this safe), but don't linger. A set's other
+                                    // grants are surely still held: up to a lease.
+                                    let bound = if unconfirmed {
+                                        self.timing.margin
+                                    } else {
+                                        self.timing.ttl
+                                    };
                                     let _ = tokio::time::timeout(
-                                        self.timing.margin,
+                                        bound,
                                         self.kept.end(&*self.backend, &self.state, self.timing),
                                     )
                                     .await;

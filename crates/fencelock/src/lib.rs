@@ -33,6 +33,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! [`Client::lock_all`] takes several locks as one all-or-nothing request (a
+//! [`MultiLockGuard`], one fence per name), where the store can
+//! ([`Capabilities::multi`]).
+//!
 //! [`Client::session`] opens a [`Session`]: many locks under one keep-alive, every
 //! guard lost when the session is. [`blocking`] is the same client for programs
 //! without an async runtime.
@@ -61,6 +65,7 @@ mod client;
 mod codes;
 mod election;
 mod guard;
+mod multi;
 mod route;
 mod server;
 mod session;
@@ -97,6 +102,7 @@ pub use fencelock_backend::{
     MAX_TTL, MAX_VALUE_BYTES,
 };
 pub use guard::{LockGuard, LostReason};
+pub use multi::{MultiLockGuard, MultiLockRequest};
 pub use server::{EventStream, FencelockBackend, ServerConfig, Transport};
 pub use session::{Session, SessionRequest};
 pub use view::{EventKind, HolderInfo, LockEvent, LockInfo, LockPage, WaitEnd, WatchPosition};

@@ -469,26 +469,58 @@ impl FencelockBackend {
         request
     }
 
+    /// One unary gRPC call through [`Self::call`] (following the leader, passing
+    /// over unreachable members): `build` makes the message for each member tried,
+    /// given what is left of the server-side wait, and `rpc` sends it.
+    ///
+    /// `wait` is `None` for a call that asks no wait (rounds between leaders for up
+    /// to a request timeout); `Some` for one the server holds up to that long (at
+    /// most [`MAX_WAIT_PER_CALL`]), retried between leaders only within the wait.
+    async fn unary<M, R, B, F, Fut>(
+        &self,
+        wait: Option<Duration>,
+        build: B,
+        rpc: F,
+    ) -> Result<R, Error>
+    where
+        B: Fn(Duration) -> M,
+        F: Fn(LocksClient<Channel>, Request<M>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<R>, tonic::Status>>,
+    {
+        let (deadline, rounds_until, wait_until) = match wait {
+            None => (self.deadline(Duration::ZERO), self.rounds_until(), None),
+            Some(wait) => {
+                let wait = wait.min(MAX_WAIT_PER_CALL);
+                let until = Instant::now() + wait;
+                (self.deadline(wait), until, Some(until))
+            }
+        };
+        let (build, rpc) = (&build, &rpc);
+        self.call(deadline, rounds_until, |node| async move {
+            let wait = wait_until.map_or(Duration::ZERO, |u| {
+                u.saturating_duration_since(Instant::now())
+            });
+            rpc(node.client.clone(), self.request(build(wait), wait))
+                .await
+                .map(tonic::Response::into_inner)
+                .map_err(error_from_status)
+        })
+        .await
+    }
+
     /// One lock's holders and queue; [`ErrorKind::NotFound`] if nobody holds, waits
     /// for, or is delayed on it.
     pub async fn get_lock(&self, name: &str) -> Result<LockInfo, Error> {
-        self.call(
-            self.deadline(Duration::ZERO),
-            self.rounds_until(),
-            |node| async move {
-                let request = self.request(
-                    pb::GetLockRequest {
-                        name: name.to_owned(),
-                    },
-                    Duration::ZERO,
-                );
-                let response = node.client.clone().get_lock(request).await;
-                Ok(LockInfo::from(
-                    response.map_err(error_from_status)?.into_inner(),
-                ))
-            },
-        )
-        .await
+        let info = self
+            .unary(
+                None,
+                |_| pb::GetLockRequest {
+                    name: name.to_owned(),
+                },
+                |mut c, r| async move { c.get_lock(r).await },
+            )
+            .await?;
+        Ok(LockInfo::from(info))
     }
 
     /// Locks whose names start with `prefix`, in name order, a page at a time: pass the
@@ -499,24 +531,18 @@ impl FencelockBackend {
         after: Option<String>,
         limit: u32,
     ) -> Result<LockPage, Error> {
-        self.call(self.deadline(Duration::ZERO), self.rounds_until(), |node| {
-            let after = after.clone();
-            async move {
-                let request = self.request(
-                    pb::ListLocksRequest {
-                        prefix: prefix.to_owned(),
-                        after,
-                        limit,
-                    },
-                    Duration::ZERO,
-                );
-                let response = node.client.clone().list_locks(request).await;
-                Ok(LockPage::from(
-                    response.map_err(error_from_status)?.into_inner(),
-                ))
-            }
-        })
-        .await
+        let page = self
+            .unary(
+                None,
+                |_| pb::ListLocksRequest {
+                    prefix: prefix.to_owned(),
+                    after: after.clone(),
+                    limit,
+                },
+                |mut c, r| async move { c.list_locks(r).await },
+            )
+            .await?;
+        Ok(LockPage::from(page))
     }
 
     /// Operator action: takes `name` from its holder(s) (only the one with `fence`, if
@@ -527,23 +553,18 @@ impl FencelockBackend {
         fence: Option<u64>,
         reason: &str,
     ) -> Result<Vec<u64>, Error> {
-        self.call(
-            self.deadline(Duration::ZERO),
-            self.rounds_until(),
-            |node| async move {
-                let request = self.request(
-                    pb::ForceReleaseRequest {
-                        name: name.to_owned(),
-                        fence,
-                        reason: reason.to_owned(),
-                    },
-                    Duration::ZERO,
-                );
-                let response = node.client.clone().force_release(request).await;
-                Ok(response.map_err(error_from_status)?.into_inner().fences)
-            },
-        )
-        .await
+        let answer = self
+            .unary(
+                None,
+                |_| pb::ForceReleaseRequest {
+                    name: name.to_owned(),
+                    fence,
+                    reason: reason.to_owned(),
+                },
+                |mut c, r| async move { c.force_release(r).await },
+            )
+            .await?;
+        Ok(answer.fences)
     }
 
     /// Durable lock events for names starting with `prefix`, from now on. If the
@@ -797,28 +818,22 @@ impl LockBackend for FencelockBackend {
         caps.shared = true;
         caps.downgrade = true;
         caps.elections = true;
+        caps.multi = true;
         caps
     }
 
     fn downgrade<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
-            self.call(
-                self.deadline(Duration::ZERO),
-                self.rounds_until(),
-                |node| async move {
-                    let message = pb::DowngradeRequest {
-                        name: lease.name.clone(),
-                        owner_token: lease.owner_token.clone(),
-                    };
-                    node.client
-                        .clone()
-                        .downgrade(self.request(message, Duration::ZERO))
-                        .await
-                        .map(|_| ())
-                        .map_err(error_from_status)
+            self.unary(
+                None,
+                |_| pb::DowngradeRequest {
+                    name: lease.name.clone(),
+                    owner_token: lease.owner_token.clone(),
                 },
+                |mut c, r| async move { c.downgrade(r).await },
             )
             .await
+            .map(drop)
         })
     }
 
@@ -830,13 +845,11 @@ impl LockBackend for FencelockBackend {
         Box::pin(async move {
             spec.validate()?;
             validate_value(value)?;
-            let wait = spec.wait.min(MAX_WAIT_PER_CALL);
-            let wait_until = Instant::now() + wait;
             // gRPC, not flw/1: dropping the call leaves the queue.
             let grant = self
-                .call(self.deadline(wait), wait_until, |node| async move {
-                    let wait = wait_until.saturating_duration_since(Instant::now());
-                    let message = pb::CampaignRequest {
+                .unary(
+                    Some(spec.wait),
+                    |wait| pb::CampaignRequest {
                         name: spec.name.clone(),
                         value: value.to_owned(),
                         ttl_ms: spec.session.is_none().then(|| ms(spec.ttl)),
@@ -844,14 +857,9 @@ impl LockBackend for FencelockBackend {
                         owner: spec.owner.clone(),
                         request_id: Some(spec.request_id.clone()),
                         session: spec.session.clone(),
-                    };
-                    node.client
-                        .clone()
-                        .campaign(self.request(message, wait))
-                        .await
-                        .map(tonic::Response::into_inner)
-                        .map_err(error_from_status)
-                })
+                    },
+                    |mut c, r| async move { c.campaign(r).await },
+                )
                 .await?;
             Ok(lease_of(grant))
         })
@@ -864,44 +872,29 @@ impl LockBackend for FencelockBackend {
     ) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
             validate_value(value)?;
-            self.call(
-                self.deadline(Duration::ZERO),
-                self.rounds_until(),
-                |node| async move {
-                    let message = pb::ProclaimRequest {
-                        name: lease.name.clone(),
-                        owner_token: lease.owner_token.clone(),
-                        value: value.to_owned(),
-                    };
-                    node.client
-                        .clone()
-                        .proclaim(self.request(message, Duration::ZERO))
-                        .await
-                        .map(|_| ())
-                        .map_err(error_from_status)
+            self.unary(
+                None,
+                |_| pb::ProclaimRequest {
+                    name: lease.name.clone(),
+                    owner_token: lease.owner_token.clone(),
+                    value: value.to_owned(),
                 },
+                |mut c, r| async move { c.proclaim(r).await },
             )
             .await
+            .map(drop)
         })
     }
 
     fn leader<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<Leader>, Error>> {
         Box::pin(async move {
             let answer = self
-                .call(
-                    self.deadline(Duration::ZERO),
-                    self.rounds_until(),
-                    |node| async move {
-                        let message = pb::LeaderRequest {
-                            name: name.to_owned(),
-                        };
-                        node.client
-                            .clone()
-                            .leader(self.request(message, Duration::ZERO))
-                            .await
-                            .map(tonic::Response::into_inner)
-                            .map_err(error_from_status)
+                .unary(
+                    None,
+                    |_| pb::LeaderRequest {
+                        name: name.to_owned(),
                     },
+                    |mut c, r| async move { c.leader(r).await },
                 )
                 .await?;
             Ok(answer
@@ -949,12 +942,7 @@ impl LockBackend for FencelockBackend {
                     }
                 })
                 .await?;
-            Ok(Lease::new(
-                grant.name,
-                grant.fence,
-                grant.owner_token,
-                Duration::from_millis(grant.ttl_ms),
-            ))
+            Ok(lease_of(grant))
         })
     }
 
@@ -1046,6 +1034,18 @@ impl LockBackend for FencelockBackend {
         })
     }
 
+    fn acquire_all<'a>(
+        &'a self,
+        names: &'a [&'a str],
+        spec: &'a AcquireSpec,
+    ) -> BoxFuture<'a, Result<Vec<Lease>, Error>> {
+        Box::pin(self.acquire_all_call(names, spec))
+    }
+
+    fn release_all<'a>(&'a self, leases: &'a [Lease]) -> BoxFuture<'a, Result<Vec<bool>, Error>> {
+        Box::pin(self.release_all_call(leases))
+    }
+
     fn open_session<'a>(
         &'a self,
         ttl: Duration,
@@ -1082,20 +1082,13 @@ impl FencelockBackend {
             ));
         }
         let opened = self
-            .call(
-                self.deadline(Duration::ZERO),
-                self.rounds_until(),
-                |node| async move {
-                    let request = self.request(
-                        pb::OpenSessionRequest {
-                            ttl_ms: ms(ttl),
-                            owner: owner.to_owned(),
-                        },
-                        Duration::ZERO,
-                    );
-                    let response = node.client.clone().open_session(request).await;
-                    Ok(response.map_err(error_from_status)?.into_inner())
+            .unary(
+                None,
+                |_| pb::OpenSessionRequest {
+                    ttl_ms: ms(ttl),
+                    owner: owner.to_owned(),
                 },
+                |mut c, r| async move { c.open_session(r).await },
             )
             .await?;
         Ok(SessionLease::new(
@@ -1150,22 +1143,16 @@ impl FencelockBackend {
     }
 
     async fn close_session_call(&self, session: &SessionLease) -> Result<usize, Error> {
-        self.call(
-            self.deadline(Duration::ZERO),
-            self.rounds_until(),
-            |node| async move {
-                let request = self.request(
-                    pb::CloseSessionRequest {
-                        session: session.id.clone(),
-                    },
-                    Duration::ZERO,
-                );
-                let response = node.client.clone().close_session(request).await;
-                let released = response.map_err(error_from_status)?.into_inner().released;
-                Ok(usize::try_from(released).unwrap_or(usize::MAX))
-            },
-        )
-        .await
+        let closed = self
+            .unary(
+                None,
+                |_| pb::CloseSessionRequest {
+                    session: session.id.clone(),
+                },
+                |mut c, r| async move { c.close_session(r).await },
+            )
+            .await?;
+        Ok(usize::try_from(closed.released).unwrap_or(usize::MAX))
     }
 }
 
@@ -1179,13 +1166,9 @@ fn lease_of(grant: pb::Grant) -> Lease {
     )
 }
 
+/// Multi-locks, over gRPC (`AcquireAll`, `ReleaseAll`).
 impl FencelockBackend {
-    /// Acquires every lock in `names` as one request: all or none, waiting up to
-    /// `spec.wait`, each with its own lease and fence, in the order given. `spec`
-    /// gives everything but the name (its `name` is not used). The server queues
-    /// the request on every lock at once, so two callers asking for overlapping
-    /// sets in different orders never deadlock. 1 to 64 distinct names.
-    pub async fn acquire_all(
+    async fn acquire_all_call(
         &self,
         names: &[&str],
         spec: &AcquireSpec,
@@ -1196,15 +1179,12 @@ impl FencelockBackend {
                 "name at least one lock",
             ));
         }
-        let wait = spec.wait.min(MAX_WAIT_PER_CALL);
-        let wait_until = Instant::now() + wait;
         let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
-        let names = &names;
         // gRPC, not flw/1: dropping the call leaves every queue.
         let all = self
-            .call(self.deadline(wait), wait_until, |node| async move {
-                let wait = wait_until.saturating_duration_since(Instant::now());
-                let message = pb::AcquireAllRequest {
+            .unary(
+                Some(spec.wait),
+                |wait| pb::AcquireAllRequest {
                     names: names.clone(),
                     ttl_ms: spec.session.is_none().then(|| ms(spec.ttl)),
                     wait_ms: ms(wait),
@@ -1214,21 +1194,14 @@ impl FencelockBackend {
                     lock_delay_ms: ms(spec.lock_delay),
                     session: spec.session.clone(),
                     mode: spec.mode.as_str().to_owned(),
-                };
-                node.client
-                    .clone()
-                    .acquire_all(self.request(message, wait))
-                    .await
-                    .map(tonic::Response::into_inner)
-                    .map_err(error_from_status)
-            })
+                },
+                |mut c, r| async move { c.acquire_all(r).await },
+            )
             .await?;
         Ok(all.grants.into_iter().map(lease_of).collect())
     }
 
-    /// Releases several leases in one step; per lease, whether this call released
-    /// it (`false`: already released by its token).
-    pub async fn release_all(&self, leases: &[Lease]) -> Result<Vec<bool>, Error> {
+    async fn release_all_call(&self, leases: &[Lease]) -> Result<Vec<bool>, Error> {
         let grants: Vec<pb::ReleaseRequest> = leases
             .iter()
             .map(|l| pb::ReleaseRequest {
@@ -1236,22 +1209,13 @@ impl FencelockBackend {
                 owner_token: l.owner_token.clone(),
             })
             .collect();
-        let grants = &grants;
         let answer = self
-            .call(
-                self.deadline(Duration::ZERO),
-                self.rounds_until(),
-                |node| async move {
-                    let message = pb::ReleaseAllRequest {
-                        grants: grants.clone(),
-                    };
-                    node.client
-                        .clone()
-                        .release_all(self.request(message, Duration::ZERO))
-                        .await
-                        .map(tonic::Response::into_inner)
-                        .map_err(error_from_status)
+            .unary(
+                None,
+                |_| pb::ReleaseAllRequest {
+                    grants: grants.clone(),
                 },
+                |mut c, r| async move { c.release_all(r).await },
             )
             .await?;
         Ok(answer.released)

@@ -1,14 +1,18 @@
 // Take a lock, renew it, pass its fence to a resource and release it, over
 // fencelock's HTTP/JSON API with net/http.
 //
-//	FENCELOCK_URL=http://127.0.0.1:7420 go run main.go [LOCK_NAME]
+//	FENCELOCK_URL=http://127.0.0.1:7420 go run . [LOCK_NAME]
 //
-// Set FENCELOCK_TOKEN when the server has tokens configured.
+// Set FENCELOCK_TOKEN when the server has tokens configured. Only the standard
+// library: go.mod lists no modules. The program exits non-zero if anything
+// differs from what the API promises (it runs in the project's tests against
+// the real server).
 package main
 
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log"
 	"net/http"
@@ -102,6 +106,7 @@ type Resource struct {
 	value     string
 }
 
+// Write stores value if fence is newer than the last fence accepted.
 func (r *Resource) Write(fence uint64, value string) error {
 	if fence <= r.lastFence {
 		return fmt.Errorf("stale fence %d (last %d)", fence, r.lastFence)
@@ -127,28 +132,60 @@ func main() {
 		log.Fatal(err)
 	}
 	fmt.Printf("acquired %s with fence %d\n", name, first.Fence)
-	if first, err = c.Renew(first, 20_000); err != nil {
+
+	renewed, err := c.Renew(first, 20_000)
+	if err != nil {
 		log.Fatal(err)
 	}
+	if renewed.Fence != first.Fence {
+		log.Fatalf("a renewal changed the fence: %d -> %d", first.Fence, renewed.Fence)
+	}
+	fmt.Printf("renewed for %d ms\n", renewed.TTLMs)
+
+	// Pass the fence with every write.
 	if err := resource.Write(first.Fence, "written by the first holder"); err != nil {
 		log.Fatal(err)
 	}
+
+	// While it is held, another acquire is refused at once (or waits, with wait_ms).
+	_, err = c.Acquire(name, 10_000, 0, "")
+	var refused *Error
+	if !errors.As(err, &refused) || refused.Status != http.StatusConflict || refused.Code != "held" {
+		log.Fatalf("a held lock was not refused with 409 held: %v", err)
+	}
+	fmt.Printf("a second holder is refused: %s\n", refused.Code)
+
 	if err := c.Release(first); err != nil {
 		log.Fatal(err)
 	}
+	fmt.Println("released")
 
+	// The next holder gets a larger fence, and the resource follows it...
 	second, err := c.Acquire(name, 10_000, 0, "go-example-2")
 	if err != nil {
 		log.Fatal(err)
 	}
+	if second.Fence <= first.Fence {
+		log.Fatalf("fences only grow: %d after %d", second.Fence, first.Fence)
+	}
 	if err := resource.Write(second.Fence, "written by the second holder"); err != nil {
 		log.Fatal(err)
 	}
-	if err := resource.Write(first.Fence, "a late write"); err != nil {
+	// ...so a late write by the first holder (paused past its lease, say) is refused.
+	if err := resource.Write(first.Fence, "a late write"); err == nil {
+		log.Fatal("the resource accepted a stale fence")
+	} else {
 		fmt.Printf("the resource refused a write with fence %d: %v\n", first.Fence, err)
 	}
 	if err := c.Release(second); err != nil {
 		log.Fatal(err)
+	}
+
+	// A mistake gets a stable code: the body lacks the required name.
+	err = c.post("/v1/acquire", map[string]any{"ttl_ms": 1000}, &Grant{})
+	var invalid *Error
+	if !errors.As(err, &invalid) || invalid.Status != http.StatusBadRequest || invalid.Code != "invalid_argument" {
+		log.Fatalf("a body without a name was not refused with 400 invalid_argument: %v", err)
 	}
 	fmt.Println("ok")
 }

@@ -1,0 +1,3 @@
+module fencelock.example/lockclient
+
+go 1.19
