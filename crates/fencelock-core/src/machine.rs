@@ -387,6 +387,9 @@ pub struct PlantedBugs {
     /// An election campaign is granted the last fence issued again instead of a
     /// new one: a term reused.
     pub reuse_term: bool,
+    /// Not a bug: skips the core's own invariant check after each command (debug
+    /// builds), so a test shows that *its* checker catches a planted bug alone.
+    pub no_check_after_command: bool,
 }
 
 fn err(kind: ErrorKind, message: impl Into<String>) -> Error {
@@ -566,8 +569,12 @@ impl Core {
                 })
             }
         };
+        #[cfg(all(debug_assertions, feature = "planted-bugs"))]
+        let check = !self.planted.no_check_after_command;
+        #[cfg(all(debug_assertions, not(feature = "planted-bugs")))]
+        let check = true;
         #[cfg(debug_assertions)]
-        if self.holders.len() + self.waiters.len() < 512 {
+        if check && self.holders.len() + self.waiters.len() < 512 {
             if let Err(broken) = self.check_invariants() {
                 panic!("invariant broken after command: {broken}");
             }
@@ -668,18 +675,7 @@ impl Core {
         }
         // Checked before anything changes: a grant or a queued request both count
         // against `max_held_locks` (see [`Quota`]).
-        if let (Some(tenant), Some(quota)) = (&a.tenant, &a.quota) {
-            let used = self.usage_of(tenant);
-            if used.held + used.waiting >= u64::from(quota.max_held_locks) {
-                return Err(err(
-                    ErrorKind::QuotaExceeded,
-                    format!(
-                        "principal {tenant} holds or waits for its quota of {} locks (max_held_locks)",
-                        quota.max_held_locks
-                    ),
-                ));
-            }
-        }
+        self.check_held_quota(a.tenant.as_ref(), a.quota.as_ref(), 1)?;
 
         let now = self.now_ms;
         // One walk of the lock table for the common case: `entry` both decides and,
@@ -782,17 +778,7 @@ impl Core {
                 format!("too many queued requests for lock {}", a.name),
             ));
         }
-        if let (Some(tenant), Some(quota)) = (&a.tenant, &a.quota) {
-            if self.usage_of(tenant).waiting >= u64::from(quota.max_waiters) {
-                return Err(err(
-                    ErrorKind::QuotaExceeded,
-                    format!(
-                        "principal {tenant} has its quota of {} queued acquires (max_waiters)",
-                        quota.max_waiters
-                    ),
-                ));
-            }
-        }
+        self.check_waiter_quota(a.tenant.as_ref(), a.quota.as_ref(), 1)?;
 
         // Queue.
         let deadline = now.saturating_add(a.wait_ms);
@@ -1406,18 +1392,7 @@ impl Core {
         if self.next_fence.saturating_add(n as u64) == u64::MAX {
             return Err(err(ErrorKind::ResourceExhausted, "fence space exhausted"));
         }
-        if let (Some(tenant), Some(quota)) = (&first.tenant, &first.quota) {
-            let used = self.usage_of(tenant);
-            if used.held + used.waiting + n as u64 > u64::from(quota.max_held_locks) {
-                return Err(err(
-                    ErrorKind::QuotaExceeded,
-                    format!(
-                        "principal {tenant} would hold or wait for more than its quota of {} locks (max_held_locks)",
-                        quota.max_held_locks
-                    ),
-                ));
-            }
-        }
+        self.check_held_quota(first.tenant.as_ref(), first.quota.as_ref(), n)?;
 
         let now = self.now_ms;
         let mut vacant = 0;
@@ -1499,17 +1474,7 @@ impl Core {
                 "too many queued requests for one of these locks",
             ));
         }
-        if let (Some(tenant), Some(quota)) = (&first.tenant, &first.quota) {
-            if self.usage_of(tenant).waiting + n as u64 > u64::from(quota.max_waiters) {
-                return Err(err(
-                    ErrorKind::QuotaExceeded,
-                    format!(
-                        "principal {tenant} would have more than its quota of {} queued acquires (max_waiters)",
-                        quota.max_waiters
-                    ),
-                ));
-            }
-        }
+        self.check_waiter_quota(first.tenant.as_ref(), first.quota.as_ref(), n)?;
 
         // Queue on every lock in this one transition: every queue then orders this
         // request after everything queued before it, so no two multi-lock requests
@@ -1919,6 +1884,63 @@ impl Core {
         }
         timers.sort_unstable();
         self.timers = timers.into_iter().collect();
+    }
+
+    /// Whether `tenant` may take `count` more grants or queued requests: both count
+    /// against `max_held_locks` (see [`Quota`]). One check for a single acquire
+    /// (`count` 1) and a multi-lock request (`count` = its parts).
+    fn check_held_quota(
+        &self,
+        tenant: Option<&Tenant>,
+        quota: Option<&Quota>,
+        count: usize,
+    ) -> Result<(), Error> {
+        let (Some(tenant), Some(quota)) = (tenant, quota) else {
+            return Ok(());
+        };
+        let used = self.usage_of(tenant);
+        if used.held + used.waiting + count as u64 > u64::from(quota.max_held_locks) {
+            let what = if count == 1 {
+                "holds or waits for its quota of"
+            } else {
+                "would hold or wait for more than its quota of"
+            };
+            return Err(err(
+                ErrorKind::QuotaExceeded,
+                format!(
+                    "principal {tenant} {what} {} locks (max_held_locks)",
+                    quota.max_held_locks
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether `tenant` may queue `count` more requests (`max_waiters`).
+    fn check_waiter_quota(
+        &self,
+        tenant: Option<&Tenant>,
+        quota: Option<&Quota>,
+        count: usize,
+    ) -> Result<(), Error> {
+        let (Some(tenant), Some(quota)) = (tenant, quota) else {
+            return Ok(());
+        };
+        if self.usage_of(tenant).waiting + count as u64 > u64::from(quota.max_waiters) {
+            let what = if count == 1 {
+                "has its quota of"
+            } else {
+                "would have more than its quota of"
+            };
+            return Err(err(
+                ErrorKind::QuotaExceeded,
+                format!(
+                    "principal {tenant} {what} {} queued acquires (max_waiters)",
+                    quota.max_waiters
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn usage_of(&self, tenant: &Tenant) -> Usage {

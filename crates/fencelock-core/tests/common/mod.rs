@@ -3,6 +3,8 @@
 //! rendering of commands so a shrunk failure reads as a script.
 #![allow(dead_code)] // each test binary uses its own part of this module
 
+pub mod model;
+
 use std::fmt;
 
 use fencelock_core::{
@@ -16,6 +18,15 @@ use proptest::prelude::*;
 pub const NAMES: [&str; 3] = ["a", "b", "c"];
 /// Owner tokens are 1..=TOKENS: few, so they get reused after their grant ends.
 pub const TOKENS: u128 = 8;
+/// Multi-lock parts use their own tokens, one per (lock, bank): part on lock `k`
+/// of bank `b` is `multi_token(k, b)`, so releases and cancels aimed at a bank's
+/// request usually hit it. Two banks: two multi-lock requests can be live at once.
+pub const MULTI_BANKS: u128 = 2;
+
+pub fn multi_token(lock: usize, bank: u128) -> OwnerToken {
+    tok(TOKENS + 1 + lock as u128 + NAMES.len() as u128 * bank)
+}
+
 /// Session ids are 1..=SESSIONS.
 pub const SESSIONS: u128 = 2;
 
@@ -97,7 +108,100 @@ fn name_token_strategy() -> impl Strategy<Value = (usize, OwnerToken)> {
     prop_oneof![
         4 => (1..=TOKENS).prop_map(|t| (home_lock(t), tok(t))),
         1 => (name_strategy(), token_strategy()),
+        1 => (name_strategy(), 0..MULTI_BANKS).prop_map(|(n, b)| (n, multi_token(n, b))),
     ]
+}
+
+/// A multi-lock request: 1 to 3 of the names in random order, each part's mode
+/// drawn on its own, the other fields shared (so usually valid). Sometimes a
+/// part breaks a rule (an election value, another wait): `InvalidArgument`.
+fn acquire_all_strategy() -> impl Strategy<Value = Command> {
+    let lease = prop_oneof![
+        4 => (20u64..=60).prop_map(|t| (Some(t), None)),
+        1 => session_strategy().prop_map(|s| (None, Some(s))),
+    ];
+    let wait = prop_oneof![1 => Just(0u64), 5 => 1u64..=50];
+    let request_id = prop_oneof![6 => Just(None), 1 => Just(Some("m0"))];
+    let broken = prop_oneof![12 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)];
+    (
+        Just((0..NAMES.len()).collect::<Vec<usize>>()).prop_shuffle(),
+        1..=NAMES.len(),
+        prop::collection::vec(
+            prop_oneof![2 => Just(Mode::Exclusive), 1 => Just(Mode::Shared)],
+            NAMES.len(),
+        ),
+        0..MULTI_BANKS,
+        lease,
+        wait,
+        request_id,
+        prop_oneof![4 => Just(0u64), 1 => 1u64..=25],
+        broken,
+    )
+        .prop_map(
+            |(
+                order,
+                n,
+                modes,
+                bank,
+                (ttl_ms, session),
+                wait_ms,
+                request_id,
+                lock_delay_ms,
+                broken,
+            )| {
+                let names = &order[..n];
+                let tokens: Vec<String> = names
+                    .iter()
+                    .map(|&k| multi_token(k, bank).as_u128().to_string())
+                    .collect();
+                let owner = Owner::new(&format!("g{}", tokens.join("."))).expect("valid owner");
+                let mut parts: Vec<Acquire> = names
+                    .iter()
+                    .map(|&k| Acquire {
+                        name: name(NAMES[k]),
+                        token: multi_token(k, bank),
+                        ttl_ms,
+                        wait_ms,
+                        owner: owner.clone(),
+                        request_id: request_id.map(|r| RequestId::new(r).expect("valid")),
+                        limit: k as u32 + 1,
+                        lock_delay_ms,
+                        session,
+                        tenant: model_tenant(),
+                        quota: None,
+                        mode: modes[k],
+                        value: None,
+                    })
+                    .collect();
+                let last = parts.len() - 1;
+                match broken {
+                    1 => parts[last].value = Some(Value::new("v").expect("valid")),
+                    2 => parts[last].wait_ms += 1,
+                    _ => {}
+                }
+                Command::AcquireAll(parts)
+            },
+        )
+}
+
+/// Releases 1 to 3 grants at once, usually a bank's multi-lock parts.
+fn release_all_strategy() -> impl Strategy<Value = Command> {
+    prop_oneof![
+        3 => (
+            Just((0..NAMES.len()).collect::<Vec<usize>>()).prop_shuffle(),
+            1..=NAMES.len(),
+            0..MULTI_BANKS,
+        )
+            .prop_map(|(order, n, bank)| order[..n]
+                .iter()
+                .map(|&k| (name(NAMES[k]), multi_token(k, bank)))
+                .collect::<Vec<_>>()),
+        1 => prop::collection::vec(
+            name_token_strategy().prop_map(|(n, t)| (name(NAMES[n]), t)),
+            0..=3,
+        ),
+    ]
+    .prop_map(|grants| Command::ReleaseAll { grants })
 }
 
 fn session_strategy() -> impl Strategy<Value = SessionId> {
@@ -186,6 +290,8 @@ fn command_strategy() -> impl Strategy<Value = Command> {
     let fence = prop_oneof![Just(None), (1u64..=25).prop_map(Fence::new)];
     prop_oneof![
         14 => acquire_strategy(),
+        4 => acquire_all_strategy(),
+        2 => release_all_strategy(),
         3 => name_token_strategy()
             .prop_map(|(n, token)| Command::Downgrade { name: name(NAMES[n]), token }),
         2 => name_token_strategy().prop_map(|(n, token)| Command::Proclaim {
