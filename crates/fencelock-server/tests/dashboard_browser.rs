@@ -5,6 +5,8 @@
 //! rendered (not all of them), that the three uPlot charts were drawn (canvas
 //! elements, after the data came from `/ui/series`), and that a lock's page lists
 //! each waiter. PNG screenshots go to `target/dashboard-screenshots/` (printed).
+//! The theme follows the system: with Chromium told the system prefers dark, the
+//! rendered page background (a pixel of the screenshot) is dark, and light otherwise.
 //!
 //! Needs Debian's `chromium` (`apt-get install -y chromium`, or `$CHROMIUM`); without
 //! it the test fails, saying so. It never skips.
@@ -80,20 +82,104 @@ async fn dump_dom(url: &str) -> String {
     chromium_run(url.to_owned(), vec!["--dump-dom".into()]).await
 }
 
-async fn screenshot(url: &str, file: &str) {
+async fn screenshot(url: &str, file: &str) -> Vec<u8> {
+    screenshot_with(url, file, Vec::new()).await
+}
+
+/// A screenshot of `url` with `extra` Chromium flags; the PNG's bytes.
+async fn screenshot_with(url: &str, file: &str, extra: Vec<String>) -> Vec<u8> {
     let path = shots_dir().join(file);
     let _ = std::fs::remove_file(&path);
-    chromium_run(
-        url.to_owned(),
-        vec![
-            format!("--screenshot={}", path.display()),
-            "--window-size=1400,1600".into(),
-        ],
-    )
-    .await;
+    let mut args = vec![
+        format!("--screenshot={}", path.display()),
+        "--window-size=1400,1600".into(),
+    ];
+    args.extend(extra);
+    chromium_run(url.to_owned(), args).await;
     let png = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
     println!("screenshot: {}", path.display());
+    png
+}
+
+/// The RGB of pixel (`x`, `y`) of an 8-bit, non-interlaced RGB or RGBA PNG (what
+/// Chromium writes): the chunks' image data inflated and its rows unfiltered.
+fn png_pixel(png: &[u8], x: usize, y: usize) -> [u8; 3] {
+    let be = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize;
+    let (mut width, mut height, mut channels) = (0, 0, 0);
+    let mut idat = Vec::new();
+    let mut pos = 8;
+    while pos + 8 <= png.len() {
+        let len = be(&png[pos..]);
+        let data = &png[pos + 8..pos + 8 + len];
+        match &png[pos + 4..pos + 8] {
+            b"IHDR" => {
+                (width, height) = (be(&data[0..]), be(&data[4..]));
+                assert_eq!(data[8], 8, "bit depth");
+                channels = match data[9] {
+                    2 => 3,
+                    6 => 4,
+                    other => panic!("PNG colour type {other}"),
+                };
+                assert_eq!(data[12], 0, "an interlaced PNG");
+            }
+            b"IDAT" => idat.extend_from_slice(data),
+            b"IEND" => break,
+            _ => {}
+        }
+        pos += 12 + len;
+    }
+    assert!(
+        x < width && y < height,
+        "({x}, {y}) outside {width}x{height}"
+    );
+    let raw = miniz_oxide::inflate::decompress_to_vec_zlib(&idat).expect("inflate the PNG");
+    let stride = width * channels;
+    let (mut above, mut row) = (vec![0u8; stride], vec![0u8; stride]);
+    for r in 0..=y {
+        let start = r * (stride + 1);
+        let filter = raw[start];
+        for i in 0..stride {
+            let a = if i >= channels { row[i - channels] } else { 0 };
+            let b = above[i];
+            let c = if i >= channels {
+                above[i - channels]
+            } else {
+                0
+            };
+            let predicted = match filter {
+                0 => 0,
+                1 => a,
+                2 => b,
+                3 => ((u16::from(a) + u16::from(b)) / 2) as u8,
+                4 => {
+                    let p = i16::from(a) + i16::from(b) - i16::from(c);
+                    let (pa, pb, pc) = (
+                        (p - i16::from(a)).abs(),
+                        (p - i16::from(b)).abs(),
+                        (p - i16::from(c)).abs(),
+                    );
+                    if pa <= pb && pa <= pc {
+                        a
+                    } else if pb <= pc {
+                        b
+                    } else {
+                        c
+                    }
+                }
+                other => panic!("PNG filter {other}"),
+            };
+            row[i] = raw[start + 1 + i].wrapping_add(predicted);
+        }
+        std::mem::swap(&mut above, &mut row);
+    }
+    let px = &above[x * channels..x * channels + 3];
+    [px[0], px[1], px[2]]
+}
+
+/// Rec. 601 luma of a pixel: 0 black, 255 white.
+fn luma([r, g, b]: [u8; 3]) -> u32 {
+    (299 * u32::from(r) + 587 * u32::from(g) + 114 * u32::from(b)) / 1000
 }
 
 /// Takes the locks `load:{from}` up to `load:{to}` (exclusive, five digits) over
@@ -139,6 +225,48 @@ fn check_charts(dom: &str) {
     for id in ["chart-grants", "chart-wait", "chart-contention"] {
         assert!(dom.contains(&format!("id=\"{id}\"")), "no #{id}");
     }
+}
+
+/// The system's colour scheme reaches the page: Chromium says the system prefers dark
+/// (`--force-dark-mode`, and Blink's `preferredColorScheme` 0) or light (1), and the
+/// page as rendered — a pixel of the body's margin at the top left, which shows the
+/// page background — is dark or light. Both screenshots are kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_follows_the_system_theme_in_chromium() {
+    chromium();
+    let s = TestServer::start().await;
+    let c = s.client;
+    take_locks(c, 0, 3).await;
+    let base = format!("http://{}", s.addr());
+    for (scheme, flags) in [
+        (
+            "dark",
+            vec![
+                "--force-dark-mode",
+                "--blink-settings=preferredColorScheme=0",
+            ],
+        ),
+        ("light", vec!["--blink-settings=preferredColorScheme=1"]),
+    ] {
+        for (page, url) in [
+            ("dashboard", format!("{base}/")),
+            ("lock-page", format!("{base}/ui/lock/{}", pct("load:00001"))),
+        ] {
+            let file = format!("{page}-{scheme}.png");
+            let flags = flags.iter().map(|f| (*f).to_owned()).collect();
+            let png = screenshot_with(&url, &file, flags).await;
+            let background = png_pixel(&png, 4, 4);
+            let luma = luma(background);
+            let dark = luma < 64;
+            let light = luma > 192;
+            assert!(
+                if scheme == "dark" { dark } else { light },
+                "{page} with the system preferring {scheme}: the background rendered \
+                 as {background:?} (luma {luma}); see {file}"
+            );
+        }
+    }
+    s.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
