@@ -185,7 +185,12 @@ fn not_leader(e: &Error) -> Option<Option<String>> {
 
 impl LockBackend for LeaderBackend {
     fn capabilities(&self) -> Capabilities {
-        self.members[0].backend.capabilities()
+        let mut capabilities = self.members[0].backend.capabilities();
+        // Only acquires, renewals and releases pass through: claim nothing else.
+        capabilities.downgrade = false;
+        capabilities.elections = false;
+        capabilities.multi = false;
+        capabilities
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {

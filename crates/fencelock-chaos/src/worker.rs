@@ -250,7 +250,12 @@ fn failed(e: &Error) -> (Outcome, Option<String>) {
 
 impl<B: LockBackend> LockBackend for RecordingBackend<B> {
     fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+        let mut capabilities = self.inner.capabilities();
+        // Only acquires, renewals and releases pass through: claim nothing else.
+        capabilities.downgrade = false;
+        capabilities.elections = false;
+        capabilities.multi = false;
+        capabilities
     }
 
     fn acquire<'a>(&'a self, spec: &'a AcquireSpec) -> BoxFuture<'a, Result<Lease, Error>> {
