@@ -190,7 +190,7 @@ fn query(args: AuditArgs) -> Result<(), Failure> {
     if c.json {
         println!("{}", json!({ "entries": entries }));
     } else {
-        print!("{}", table(&entries));
+        print!("{}", table(entries));
     }
     Ok(())
 }
@@ -296,7 +296,10 @@ mod tests {
 
     #[test]
     fn kinds_take_the_vocabulary_and_the_old_audit_names() {
-        assert_eq!(parse_kinds("granted, force_released").unwrap(), "granted,force_released");
+        assert_eq!(
+            parse_kinds("granted, force_released").unwrap(),
+            "granted,force_released"
+        );
         assert_eq!(parse_kinds("forced_release").unwrap(), "forced_release");
         let e = parse_kinds("forced_releases").unwrap_err();
         assert!(e.contains("force_released"), "{e}");

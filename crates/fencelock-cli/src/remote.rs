@@ -695,10 +695,16 @@ mod tests {
         assert_eq!(human(Duration::from_secs(30)), "30s");
         // What people read, they can type back: never more than it was, and within
         // the precision shown.
-        for ms in [0, 7, 999, 1_000, 1_549, 59_999, 61_000, 108_860, 3_660_000, 7_380_000, 90_061_000] {
+        for ms in [
+            0, 7, 999, 1_000, 1_549, 59_999, 61_000, 108_860, 3_660_000, 7_380_000, 90_061_000,
+        ] {
             let back = parse_duration(&human_ms(ms)).expect("parses back");
             let back = back.as_millis() as u64;
-            assert!(back <= ms && ms - back < 3_600_000, "{ms} -> {}", human_ms(ms));
+            assert!(
+                back <= ms && ms - back < 3_600_000,
+                "{ms} -> {}",
+                human_ms(ms)
+            );
         }
     }
 }

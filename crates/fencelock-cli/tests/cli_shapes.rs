@@ -372,11 +372,21 @@ fn audit_takes_absolute_and_relative_since_and_until() {
             .as_array()
             .unwrap()
             .iter()
-            .map(|e| format!("{} {}", e["kind"].as_str().unwrap(), e["lock"].as_str().unwrap()))
+            .map(|e| {
+                format!(
+                    "{} {}",
+                    e["kind"].as_str().unwrap(),
+                    e["lock"].as_str().unwrap()
+                )
+            })
             .collect()
     };
     assert_eq!(kinds("force_released"), ["force_released win:1"]);
-    assert_eq!(kinds("forced_release"), ["force_released win:1"], "old name");
+    assert_eq!(
+        kinds("forced_release"),
+        ["force_released win:1"],
+        "old name"
+    );
     assert_eq!(kinds("grant").len(), 6, "old name: the six direct grants");
     assert_eq!(kinds("granted,force_released").len(), 7);
     let table = stdout(&server.run(&["audit", "--kind", "forced_release"]));

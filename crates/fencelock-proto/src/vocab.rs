@@ -289,7 +289,10 @@ mod tests {
             vec![f("released"), f("expired")]
         );
         let e = KindFilter::parse_list("granted,nope").unwrap_err();
-        assert!(e.contains("\"nope\"") && e.contains("force_released"), "{e}");
+        assert!(
+            e.contains("\"nope\"") && e.contains("force_released"),
+            "{e}"
+        );
         assert!(KindFilter::parse_list("").is_err());
     }
 

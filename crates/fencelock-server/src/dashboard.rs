@@ -888,11 +888,7 @@ async fn index(
         Ok(list) => list_html(&list, &q),
         Err(e) => error_p(e.message()),
     };
-    let recent = visible_audit(
-        &h,
-        &who,
-        &AuditQuery::newest(RECENT_EVENTS * 4),
-    );
+    let recent = visible_audit(&h, &who, &AuditQuery::newest(RECENT_EVENTS * 4));
     let events = recent
         .iter()
         .rev()

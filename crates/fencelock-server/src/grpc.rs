@@ -17,9 +17,7 @@
 
 use std::pin::Pin;
 
-use fencelock_core::{
-    EventKind, Fence, Grant, LockName, LockView, OwnerToken, Reason,
-};
+use fencelock_core::{EventKind, Fence, Grant, LockName, LockView, OwnerToken, Reason};
 use futures_util::Stream;
 use tokio::sync::{broadcast, watch};
 use tonic::metadata::MetadataValue;

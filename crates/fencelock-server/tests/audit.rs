@@ -117,8 +117,13 @@ async fn records_grants_handoffs_releases_renew_failures_and_forced_releases() {
     assert!(!audit(c, &format!("?since_ms={since}")).await.is_empty());
     // until_ms: nothing before the first entry, everything up to the last.
     let first = all[0]["time_ms"].as_u64().unwrap();
-    assert!(audit(c, &format!("?until_ms={}", first - 1)).await.is_empty());
-    assert_eq!(audit(c, &format!("?until_ms={since}")).await.len(), all.len());
+    assert!(audit(c, &format!("?until_ms={}", first - 1))
+        .await
+        .is_empty());
+    assert_eq!(
+        audit(c, &format!("?until_ms={since}")).await.len(),
+        all.len()
+    );
     // kind filters by the vocabulary's names, and takes the old names as aliases.
     let of = |q: &'static str| async move {
         kinds(&audit(c, &format!("?lock=job:a&kind={q}")).await)
@@ -126,9 +131,20 @@ async fn records_grants_handoffs_releases_renew_failures_and_forced_releases() {
             .map(|(k, f)| format!("{k} {}", f.unwrap_or(0)))
             .collect::<Vec<_>>()
     };
-    assert_eq!(of("granted").await, [format!("granted {fa}"), format!("granted {fb}")]);
-    assert_eq!(of("grant").await, [format!("granted {fa}")], "direct grants only");
-    assert_eq!(of("handoff").await, [format!("granted {fb}")], "hand-offs only");
+    assert_eq!(
+        of("granted").await,
+        [format!("granted {fa}"), format!("granted {fb}")]
+    );
+    assert_eq!(
+        of("grant").await,
+        [format!("granted {fa}")],
+        "direct grants only"
+    );
+    assert_eq!(
+        of("handoff").await,
+        [format!("granted {fb}")],
+        "hand-offs only"
+    );
     assert_eq!(
         of("forced_release,release").await,
         [format!("released {fa}"), format!("force_released {fb}")]

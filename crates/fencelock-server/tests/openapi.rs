@@ -897,13 +897,14 @@ async fn the_document_describes_since_ms_and_the_required_fields() {
     );
     for name in ["until_ms", "kind"] {
         assert!(
-            params.iter().any(|p| p["name"] == name && p["in"] == "query"),
+            params
+                .iter()
+                .any(|p| p["name"] == name && p["in"] == "query"),
             "{name} is a documented parameter: {params:?}"
         );
     }
     // An entry's kind is one of the vocabulary's names, and nothing else.
-    let kinds: Vec<&str> = doc["components"]["schemas"]["AuditEntry"]["properties"]["kind"]
-        ["enum"]
+    let kinds: Vec<&str> = doc["components"]["schemas"]["AuditEntry"]["properties"]["kind"]["enum"]
         .as_array()
         .expect("kind is an enum")
         .iter()

@@ -334,7 +334,10 @@ mod tests {
                 .and_then(vocab::Event::from_pb)
                 .map_or("unknown", vocab::Event::name);
             assert_eq!(kind.as_str(), from_vocab, "kind {k}");
-            assert_eq!(kind.event().map(vocab::Event::name), kind.event().map(|_| from_vocab));
+            assert_eq!(
+                kind.event().map(vocab::Event::name),
+                kind.event().map(|_| from_vocab)
+            );
         }
         for k in 0..=8 {
             if let Some(end) = WaitEnd::from_pb(k) {
