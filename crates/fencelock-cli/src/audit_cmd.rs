@@ -190,7 +190,7 @@ fn query(args: AuditArgs) -> Result<(), Failure> {
     if c.json {
         println!("{}", json!({ "entries": entries }));
     } else {
-        print!("{}", table(&entries));
+        print!("{}", table(entries));
     }
     Ok(())
 }

@@ -112,7 +112,7 @@ async fn dashboard_in_headless_chromium() {
         .unwrap()
         .iter()
         .find(|e| e["kind"] == "force_released")
-        .unwrap_or_else(|| panic!("no forced_release entry: {audit}"));
+        .unwrap_or_else(|| panic!("no force_released entry: {audit}"));
     assert_eq!(forced["reason"], "e2e: holder is stuck");
     assert_eq!(forced["actor"], "anonymous");
     assert_eq!(c.get("/v1/locks/e2e:job:1").await.status, 404);
