@@ -5,7 +5,9 @@
 //! all-or-nothing, and no deadlock (once holders release, every queued request is
 //! granted), and a snapshot taken after any command restores the same state.
 //! Scripts also cancel waits and restart the server (`Recover`). Each planted bug
-//! in `PlantedBugs` for these kinds is caught.
+//! in `PlantedBugs` for these kinds is caught, here by these scripts and (for a
+//! multi-lock granted partly and an election term reused) by the whole simulation
+//! with multi-lock and election clients under faults.
 
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
