@@ -2,15 +2,17 @@
 //! the fencelock server's backend in one planted bug and asserts that the case meant
 //! to catch it fails (panics), while the same case passes on the honest backend.
 
+#[macro_use]
+mod planted_support;
 mod support;
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fencelock::{AcquireSpec, BoxFuture, Capabilities, Error, ErrorKind, Lease, LockBackend};
-use fencelock_conformance::{cases, Fixture};
+use fencelock_conformance::cases;
+use planted_support::Planted;
 
 /// One bug, planted in an otherwise correct backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,62 +100,16 @@ impl LockBackend for Buggy {
     }
 }
 
-struct Planted {
-    inner: support::Fencelock,
-    bug: Bug,
-    grants: Registry,
-}
-
-impl Fixture for Planted {
-    fn addrs(&self) -> Vec<SocketAddr> {
-        self.inner.addrs()
-    }
-
-    fn connect<'a>(
-        &'a self,
-        addrs: &'a [SocketAddr],
-    ) -> BoxFuture<'a, Result<Arc<dyn LockBackend>, Error>> {
-        Box::pin(async move {
-            let inner = self.inner.connect(addrs).await?;
-            Ok(Arc::new(Buggy {
-                inner,
-                bug: self.bug,
-                grants: self.grants.clone(),
-            }) as Arc<dyn LockBackend>)
+/// A fresh fencelock server whose clients carry `bug`.
+async fn fixture(bug: Bug) -> Arc<Planted<support::Fencelock>> {
+    let grants = Registry::default();
+    Arc::new(Planted::new(support::start().await, move |inner| {
+        Arc::new(Buggy {
+            inner,
+            bug,
+            grants: grants.clone(),
         })
-    }
-}
-
-/// Runs `case` on a fresh server with `bug` planted; returns whether the case passed.
-async fn passes<F, Fut>(bug: Bug, case: F) -> bool
-where
-    F: FnOnce(Arc<Planted>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let fixture = Arc::new(Planted {
-        inner: support::start().await,
-        bug,
-        grants: Registry::default(),
-    });
-    tokio::spawn(case(fixture)).await.is_ok()
-}
-
-/// Asserts the case passes honestly and fails with `bug` planted.
-macro_rules! catches {
-    ($test:ident, $bug:expr, $case:ident) => {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $test() {
-            let honest = passes(Bug::Honest, |f| async move { cases::$case(&*f).await }).await;
-            assert!(honest, "{} fails on the honest backend", stringify!($case));
-            let buggy = passes($bug, |f| async move { cases::$case(&*f).await }).await;
-            assert!(
-                !buggy,
-                "{} passed with {:?} planted: the suite misses that bug",
-                stringify!($case),
-                $bug
-            );
-        }
-    };
+    }))
 }
 
 catches!(

@@ -1,7 +1,11 @@
 //! The cases for reader-writer locks and elections must catch broken backends too.
 //! The fencelock server has neither yet, so each test wraps the etcd backend (which
 //! has both) in one planted bug and asserts that the case meant to catch it fails,
-//! while the same case passes on the honest backend.
+//! while the same case passes on the honest backend. The planted fixture, the runner
+//! and `catches!` are shared with `planted.rs` (`planted_support/`).
+
+#[macro_use]
+mod planted_support;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -13,6 +17,7 @@ use fencelock::{
 };
 use fencelock_conformance::{cases, Fixture};
 use fencelock_testkit::Etcd;
+use planted_support::Planted;
 
 /// One bug, planted in an otherwise correct backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,13 +113,12 @@ impl LockBackend for Buggy {
     }
 }
 
-struct Planted {
+/// A throwaway etcd as a fixture (the honest backend the bugs are planted in).
+struct EtcdStore {
     etcd: Etcd,
-    bug: Bug,
-    first_term: Arc<Mutex<Option<u64>>>,
 }
 
-impl Fixture for Planted {
+impl Fixture for EtcdStore {
     fn addrs(&self) -> Vec<SocketAddr> {
         vec![SocketAddr::from(([127, 0, 0, 1], self.etcd.port()))]
     }
@@ -125,50 +129,25 @@ impl Fixture for Planted {
     ) -> BoxFuture<'a, Result<Arc<dyn LockBackend>, Error>> {
         Box::pin(async move {
             let config = EtcdConfig::new(format!("http://{}", addrs[0]));
-            let inner = Arc::new(EtcdBackend::connect(config).await?);
-            Ok(Arc::new(Buggy {
-                inner,
-                bug: self.bug,
-                first_term: self.first_term.clone(),
-            }) as Arc<dyn LockBackend>)
+            Ok(Arc::new(EtcdBackend::connect(config).await?) as Arc<dyn LockBackend>)
         })
     }
 }
 
-/// Runs `case` on a fresh etcd with `bug` planted; returns whether the case passed.
-async fn passes<F, Fut>(bug: Bug, case: F) -> bool
-where
-    F: FnOnce(Arc<Planted>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
+/// A fresh etcd whose clients carry `bug`.
+async fn fixture(bug: Bug) -> Arc<Planted<EtcdStore>> {
     let etcd = tokio::task::spawn_blocking(Etcd::start)
         .await
         .expect("start task")
         .expect("etcd starts (Debian package etcd-server)");
-    let fixture = Arc::new(Planted {
-        etcd,
-        bug,
-        first_term: Arc::default(),
-    });
-    tokio::spawn(case(fixture)).await.is_ok()
-}
-
-/// Asserts the case passes honestly and fails with `bug` planted.
-macro_rules! catches {
-    ($test:ident, $bug:expr, $case:ident) => {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $test() {
-            let honest = passes(Bug::Honest, |f| async move { cases::$case(&*f).await }).await;
-            assert!(honest, "{} fails on the honest backend", stringify!($case));
-            let buggy = passes($bug, |f| async move { cases::$case(&*f).await }).await;
-            assert!(
-                !buggy,
-                "{} passed with {:?} planted: the suite misses that bug",
-                stringify!($case),
-                $bug
-            );
-        }
-    };
+    let first_term: Arc<Mutex<Option<u64>>> = Arc::default();
+    Arc::new(Planted::new(EtcdStore { etcd }, move |inner| {
+        Arc::new(Buggy {
+            inner,
+            bug,
+            first_term: first_term.clone(),
+        })
+    }))
 }
 
 catches!(

@@ -19,7 +19,7 @@ use std::cell::RefCell;
 
 use common::model::{run, Coverage};
 use common::{config_strategy, owner_of, steps_strategy, Step};
-use fencelock_core::{Acquire, Command, Config, Owner};
+use fencelock_core::{Acquire, Command, Config, Core, Owner};
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 
@@ -169,4 +169,52 @@ fn model_agrees_on_a_fixed_busy_script() {
     if let Err(e) = run(config, &script, &mut Coverage::default()) {
         panic!("{e}");
     }
+}
+
+/// The arrival-order check (no two requests wait for each other) catches queues
+/// that disagree: two multi-lock requests queued on `a` and `b` pass; the same
+/// state with one queue's order swapped (what a multi-lock request jumping a queue
+/// would make: each waits behind the other) fails.
+#[test]
+fn the_arrival_order_check_catches_queues_that_disagree() {
+    use common::model::check_one_arrival_order;
+    use common::{name, tok};
+    let mut core = Core::new(Config::default());
+    let part = |n: &str, t: u128| Acquire {
+        name: name(n),
+        token: tok(t),
+        ttl_ms: Some(100),
+        wait_ms: 50,
+        owner: Owner::default(),
+        request_id: None,
+        limit: 1,
+        lock_delay_ms: 0,
+        session: None,
+        tenant: None,
+        quota: None,
+        mode: fencelock_core::Mode::Exclusive,
+        value: None,
+    };
+    let holder = Acquire {
+        wait_ms: 0,
+        ..part("a", 1)
+    };
+    core.apply(0, Command::Acquire(holder)).expect("granted");
+    for (first, second) in [(("a", 10), ("b", 11)), (("b", 20), ("a", 21))] {
+        let parts = vec![part(first.0, first.1), part(second.0, second.1)];
+        core.apply(0, Command::AcquireAll(parts)).expect("queued");
+    }
+    let state = core.export();
+    assert!(check_one_arrival_order(&state).is_ok());
+    let mut swapped = state;
+    for l in &mut swapped.locks {
+        if l.name == name("b") {
+            l.waiters.reverse();
+        }
+    }
+    let refused = check_one_arrival_order(&swapped).expect_err("a cycle");
+    assert!(
+        refused.to_string().contains("wait for each other"),
+        "{refused}"
+    );
 }

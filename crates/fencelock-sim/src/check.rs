@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
 use fencelock_core::{
-    Command, Core, Error as CoreError, EventKind, Grant, LockName, Mode, Outcome, OwnerToken,
-    Reply, SessionId,
+    Command, Core, Error as CoreError, EventKind, Grant, LockName, Mode, Outcome, Owner,
+    OwnerToken, Reply, SessionId, Value,
 };
 
 /// The invariants the simulation checks on every step.
@@ -33,6 +33,14 @@ pub enum Invariant {
     /// After the quiet tail a lease is still held, a request still queued, or a
     /// client still busy: something never freed.
     Liveness,
+    /// A multi-lock request was granted on some of its locks without the others.
+    MultiLock,
+    /// An election term was given to two leaders or did not increase, or a client
+    /// saw the term go back or a value its term's leader never published.
+    ElectionTerm,
+    /// After the quiet tail a multi-lock request is still neither granted nor
+    /// ended.
+    Deadlock,
     /// The run panicked (a broken assertion inside the core or the harness).
     Panic,
 }
@@ -48,6 +56,9 @@ impl fmt::Display for Invariant {
             Invariant::AckedGrantLost => "acked-grant-lost",
             Invariant::MutualExclusion => "mutual-exclusion",
             Invariant::Liveness => "liveness",
+            Invariant::MultiLock => "multi-lock-all-or-nothing",
+            Invariant::ElectionTerm => "election-term",
+            Invariant::Deadlock => "deadlock",
             Invariant::Panic => "panic",
         };
         f.write_str(s)
@@ -105,14 +116,129 @@ pub(crate) struct Checker {
     acked_max: BTreeMap<LockName, u64>,
     /// Last accepted fence per resource key.
     resource_last: BTreeMap<String, u64>,
+    /// Queued multi-lock requests, this server lifetime: each part's token → every
+    /// part's token, in the order asked.
+    groups: BTreeMap<OwnerToken, Vec<OwnerToken>>,
+    /// The election's lock, if the run has one.
+    election: Option<LockName>,
+    /// The last term (a leader's fence) granted, this server lifetime.
+    last_term: u64,
+    /// Every term's leader (by owner), this server lifetime.
+    leaders: BTreeMap<u64, Owner>,
+    /// The values published (campaigned or proclaimed with) in each term, over the
+    /// run: a term lost in a crash before it was durable may be granted again,
+    /// and a client may only ever be shown one of these.
+    published: BTreeMap<u64, BTreeSet<String>>,
+    /// The highest term each client has seen in a leader answer.
+    observed: BTreeMap<usize, u64>,
     pub(crate) violation: Option<Violation>,
 }
 
 impl Checker {
-    pub(crate) fn new(limits: BTreeMap<LockName, u32>) -> Checker {
+    pub(crate) fn new(limits: BTreeMap<LockName, u32>, election: Option<LockName>) -> Checker {
         Checker {
             limits,
+            election,
             ..Checker::default()
+        }
+    }
+
+    /// Multi-lock requests queued and neither granted nor ended (each by its tokens).
+    pub(crate) fn open_multi_requests(&self) -> BTreeSet<Vec<OwnerToken>> {
+        self.groups.values().cloned().collect()
+    }
+
+    /// A leader grant: at most one leader per term, terms strictly increasing.
+    fn on_leader(&mut self, term: u64, owner: &Owner, value: Option<&Value>) {
+        if term <= self.last_term {
+            let detail = format!("leader term {term} granted after term {}", self.last_term);
+            self.fail(Invariant::ElectionTerm, detail);
+        }
+        self.last_term = self.last_term.max(term);
+        let leader = self.leaders.entry(term).or_insert_with(|| owner.clone());
+        if leader != owner {
+            let detail = format!("term {term} led by {owner:?} after {leader:?}");
+            self.fail(Invariant::ElectionTerm, detail);
+        }
+        self.publish(term, value);
+    }
+
+    fn publish(&mut self, term: u64, value: Option<&Value>) {
+        let values = self.published.entry(term).or_default();
+        values.extend(value.map(|v| v.as_str().to_owned()));
+    }
+
+    /// A client was told who leads: terms it sees never go back, and the value is
+    /// one that term's leader published (campaigned or proclaimed with).
+    pub(crate) fn on_observed(&mut self, client: usize, term: Option<u64>, value: Option<&Value>) {
+        let Some(term) = term else {
+            return;
+        };
+        let seen = self.observed.entry(client).or_default();
+        if term < *seen {
+            let detail = format!("client {client} saw term {term} after term {}", *seen);
+            return self.fail(Invariant::ElectionTerm, detail);
+        }
+        *seen = term;
+        let published = self
+            .published
+            .get(&term)
+            .is_some_and(|values| value.is_some_and(|v| values.contains(v.as_str())));
+        if !published {
+            let detail = format!(
+                "client {client} saw term {term} with value {value:?}, which its leader never published"
+            );
+            self.fail(Invariant::ElectionTerm, detail);
+        }
+    }
+
+    /// A hand-off to `grant`: its request heads the lock's queue, and its wait and
+    /// session are not over.
+    fn check_handoff(&mut self, now: u64, grant: &Grant) {
+        let queue = self.queues.entry(grant.name.clone()).or_default();
+        match queue.front().copied() {
+            Some((token, deadline, session)) if token == grant.token => {
+                queue.pop_front();
+                if deadline <= now {
+                    self.fail(
+                        Invariant::ExpiredWaiterGranted,
+                        format!(
+                            "{} granted fence {} at service time {now} to a request whose wait ended at {deadline}",
+                            grant.name, grant.fence
+                        ),
+                    );
+                }
+                if let Some(id) = session {
+                    match self.sessions.get(&id) {
+                        Some(end) if *end > now => {}
+                        end => {
+                            let detail = format!(
+                                "{} granted fence {} at service time {now} to a request of session {id}, whose lease ended at {end:?}",
+                                grant.name, grant.fence
+                            );
+                            self.fail(Invariant::ExpiredWaiterGranted, detail);
+                        }
+                    }
+                }
+            }
+            head => {
+                let detail = format!(
+                    "{} granted fence {} to {} while the head of the queue is {head:?}",
+                    grant.name, grant.fence, grant.token
+                );
+                self.fail(Invariant::FifoOrder, detail);
+            }
+        }
+    }
+
+    /// A fresh direct grant on `grant`'s lock: nobody may be waiting for it.
+    fn check_direct(&mut self, grant: &Grant) {
+        if let Some(head) = self.queues.get(&grant.name).and_then(|q| q.front()) {
+            let detail = format!(
+                "{} granted fence {} directly while {} is queued",
+                grant.name, grant.fence, head.0
+            );
+            self.fail(Invariant::FifoOrder, detail);
         }
     }
 
@@ -160,6 +286,9 @@ impl Checker {
                 Outcome::Event(e) => match e.kind {
                     EventKind::Granted => {
                         let fence = e.fence.map_or(0, |f| f.get());
+                        if self.election.as_ref() == Some(&e.name) {
+                            self.on_leader(fence, &e.owner, e.value.as_ref());
+                        }
                         if fence <= self.last_granted {
                             self.fail(
                                 Invariant::FenceOrder,
@@ -189,50 +318,46 @@ impl Checker {
                         }
                         self.unsynced_ended.push((record, fence));
                     }
-                    EventKind::Queued | EventKind::WaitEnded(_) | EventKind::Proclaimed => {}
-                },
-                // The simulated clients ask for one lock at a time.
-                Outcome::GrantedAll(_) => {}
-                Outcome::Granted(grant) => {
-                    let queue = self.queues.entry(grant.name.clone()).or_default();
-                    match queue.front().copied() {
-                        Some((token, deadline, session)) if token == grant.token => {
-                            queue.pop_front();
-                            if deadline <= now {
-                                self.fail(
-                                    Invariant::ExpiredWaiterGranted,
-                                    format!(
-                                        "{} granted fence {} at service time {now} to a request whose wait ended at {deadline}",
-                                        grant.name, grant.fence
-                                    ),
-                                );
-                            }
-                            if let Some(id) = session {
-                                match self.sessions.get(&id) {
-                                    Some(end) if *end > now => {}
-                                    end => {
-                                        let detail = format!(
-                                            "{} granted fence {} at service time {now} to a request of session {id}, whose lease ended at {end:?}",
-                                            grant.name, grant.fence
-                                        );
-                                        self.fail(Invariant::ExpiredWaiterGranted, detail);
-                                    }
-                                }
-                            }
-                        }
-                        head => {
-                            let detail = format!(
-                                "{} granted fence {} to {} while the head of the queue is {head:?}",
-                                grant.name, grant.fence, grant.token
-                            );
-                            self.fail(Invariant::FifoOrder, detail);
+                    EventKind::Proclaimed => {
+                        let fence = e.fence.map_or(0, |f| f.get());
+                        if self.election.as_ref() == Some(&e.name) {
+                            self.publish(fence, e.value.as_ref());
                         }
                     }
+                    EventKind::Queued | EventKind::WaitEnded(_) => {}
+                },
+                // All or nothing: every part of the request, each at the head of
+                // its queue.
+                Outcome::GrantedAll(grants) => {
+                    let tokens: Vec<OwnerToken> = grants.iter().map(|g| g.token).collect();
+                    let group = tokens.first().and_then(|t| self.groups.get(t)).cloned();
+                    if group.as_ref() != Some(&tokens) {
+                        let detail =
+                            format!("multi-lock grant of {tokens:?} for the request {group:?}");
+                        self.fail(Invariant::MultiLock, detail);
+                    }
+                    for t in &tokens {
+                        self.groups.remove(t);
+                    }
+                    for grant in grants {
+                        self.check_handoff(now, grant);
+                    }
+                }
+                Outcome::Granted(grant) => {
+                    if let Some(group) = self.groups.get(&grant.token) {
+                        let detail = format!(
+                            "{} granted alone (fence {}) to a part of multi-lock request {group:?}",
+                            grant.name, grant.fence
+                        );
+                        self.fail(Invariant::MultiLock, detail);
+                    }
+                    self.check_handoff(now, grant);
                 }
                 Outcome::WaitEnded { token, name, .. } => {
                     if let Some(queue) = self.queues.get_mut(name) {
                         queue.retain(|(t, _, _)| t != token);
                     }
+                    self.groups.remove(token);
                 }
             }
         }
@@ -258,6 +383,33 @@ impl Checker {
             }
             _ => {}
         }
+        if let Command::AcquireAll(parts) = command {
+            match result {
+                Ok(Reply::QueuedAll { tokens }) => {
+                    let fresh = parts.iter().map(|p| p.token).eq(tokens.iter().copied());
+                    if fresh {
+                        for (part, token) in parts.iter().zip(tokens) {
+                            let queue = self.queues.entry(part.name.clone()).or_default();
+                            queue.push_back((*token, now + part.wait_ms, part.session));
+                            self.groups.insert(*token, tokens.clone());
+                        }
+                    }
+                }
+                Ok(Reply::GrantedAll(grants)) => {
+                    let fresh = parts
+                        .iter()
+                        .map(|p| p.token)
+                        .eq(grants.iter().map(|g| g.token));
+                    if fresh {
+                        for grant in grants {
+                            self.check_direct(grant);
+                        }
+                    }
+                }
+                _ => {}
+            }
+            return;
+        }
         let Command::Acquire(acquire) = command else {
             return;
         };
@@ -268,16 +420,8 @@ impl Checker {
                     queue.push_back((*token, now + acquire.wait_ms, acquire.session));
                 }
             }
-            Ok(Reply::Granted(grant)) if grant.token == acquire.token => {
-                // A fresh direct grant: nobody may be waiting for this lock.
-                if let Some(head) = self.queues.get(&grant.name).and_then(|q| q.front()) {
-                    let detail = format!(
-                        "{} granted fence {} directly while {} is queued",
-                        grant.name, grant.fence, head.0
-                    );
-                    self.fail(Invariant::FifoOrder, detail);
-                }
-            }
+            // A fresh direct grant: nobody may be waiting for this lock.
+            Ok(Reply::Granted(grant)) if grant.token == acquire.token => self.check_direct(grant),
             _ => {}
         }
     }
@@ -336,7 +480,10 @@ impl Checker {
         self.live.clear();
         self.queues.clear();
         self.sessions.clear();
+        self.groups.clear();
         self.last_granted = 0;
+        self.last_term = 0;
+        self.leaders.clear();
     }
 
     /// The log was replayed (before the `Recover` command): the checker's view of
@@ -345,8 +492,23 @@ impl Checker {
         let image = core.export();
         self.live.clear();
         self.queues.clear();
+        self.groups.clear();
+        self.leaders.clear();
         self.last_granted = 0;
+        self.last_term = 0;
         for lock in image.locks {
+            if self.election.as_ref() == Some(&lock.name) {
+                for h in &lock.holders {
+                    self.last_term = self.last_term.max(h.fence.get());
+                    self.leaders.insert(h.fence.get(), h.owner.clone());
+                    self.publish(h.fence.get(), h.value.as_ref());
+                }
+            }
+            for w in &lock.waiters {
+                if !w.group.is_empty() {
+                    self.groups.insert(w.token, w.group.clone());
+                }
+            }
             let fences: BTreeMap<u64, Mode> = lock
                 .holders
                 .iter()
@@ -436,7 +598,7 @@ mod tests {
     }
 
     fn checker() -> Checker {
-        Checker::new(BTreeMap::from([(name(), 1)]))
+        Checker::new(BTreeMap::from([(name(), 1)]), None)
     }
 
     fn event(kind: EventKind, fence: u64) -> Outcome {
@@ -642,5 +804,132 @@ mod tests {
             let expected = lost.then_some(Invariant::AckedGrantLost);
             assert_eq!(broken(&c), expected, "release record kept: {}", !lost);
         }
+    }
+
+    fn leader_event(fence: u64, owner: &str, value: &str) -> Outcome {
+        let Outcome::Event(mut e) = event(EventKind::Granted, fence) else {
+            unreachable!("an event")
+        };
+        e.owner = Owner::new(owner).expect("valid");
+        e.value = Some(fencelock_core::Value::new(value).expect("valid"));
+        Outcome::Event(e)
+    }
+
+    fn election_checker() -> Checker {
+        Checker::new(BTreeMap::from([(name(), 1)]), Some(name()))
+    }
+
+    #[test]
+    fn a_term_given_twice_or_seen_going_back_breaks_the_election() {
+        let value = |v: &str| fencelock_core::Value::new(v).expect("valid");
+        let mut c = election_checker();
+        c.on_apply(
+            1,
+            0,
+            &Command::Tick,
+            &Ok(Reply::Ticked),
+            &[leader_event(3, "a", "va")],
+        );
+        c.on_observed(0, Some(3), Some(&value("va")));
+        assert_eq!(broken(&c), None);
+        // A value the term's leader never published.
+        c.on_observed(0, Some(3), Some(&value("vb")));
+        assert_eq!(broken(&c), Some(Invariant::ElectionTerm));
+        // The same term granted again in one server lifetime.
+        let mut c = election_checker();
+        let ended = event(EventKind::Ended(GrantEnd::Released), 3);
+        c.on_apply(
+            1,
+            0,
+            &Command::Tick,
+            &Ok(Reply::Ticked),
+            &[leader_event(3, "a", "va")],
+        );
+        c.on_apply(2, 1, &Command::Tick, &Ok(Reply::Ticked), &[ended]);
+        c.on_apply(
+            3,
+            2,
+            &Command::Tick,
+            &Ok(Reply::Ticked),
+            &[leader_event(3, "b", "vb")],
+        );
+        assert_eq!(broken(&c), Some(Invariant::ElectionTerm));
+        // A client told an older term after a newer one.
+        let mut c = election_checker();
+        let resigned = event(EventKind::Ended(GrantEnd::Released), 3);
+        c.on_apply(
+            1,
+            0,
+            &Command::Tick,
+            &Ok(Reply::Ticked),
+            &[leader_event(3, "a", "va")],
+        );
+        c.on_apply(2, 1, &Command::Tick, &Ok(Reply::Ticked), &[resigned]);
+        c.on_apply(
+            3,
+            2,
+            &Command::Tick,
+            &Ok(Reply::Ticked),
+            &[leader_event(5, "b", "vb")],
+        );
+        c.on_observed(0, Some(5), Some(&value("vb")));
+        c.on_observed(0, Some(3), Some(&value("va")));
+        assert_eq!(broken(&c), Some(Invariant::ElectionTerm));
+    }
+
+    fn multi(tokens: &[u128], wait_ms: u64) -> Command {
+        let parts = tokens
+            .iter()
+            .map(|t| {
+                let Command::Acquire(mut a) = acquire(*t, wait_ms) else {
+                    unreachable!("an acquire")
+                };
+                a.name = LockName::new(&format!("l{t}")).expect("valid");
+                a
+            })
+            .collect();
+        Command::AcquireAll(parts)
+    }
+
+    #[test]
+    fn a_multi_lock_granted_partly_or_left_queued_is_caught() {
+        let tokens = [1, 2].map(OwnerToken::from_u128).to_vec();
+        let queued = Ok(Reply::QueuedAll {
+            tokens: tokens.clone(),
+        });
+        let mut c = checker();
+        c.on_apply(1, 0, &multi(&[1, 2], 50), &queued, &[]);
+        // Still queued: what the end-of-run deadlock check reports.
+        assert_eq!(c.open_multi_requests().len(), 1);
+        let mut part = grant(1, 1);
+        part.name = LockName::new("l1").expect("valid");
+        c.on_apply(
+            2,
+            1,
+            &Command::Tick,
+            &Ok(Reply::Ticked),
+            &[Outcome::Granted(part)],
+        );
+        assert_eq!(broken(&c), Some(Invariant::MultiLock));
+        // Granted whole, or ended: nothing is left open.
+        let mut c = checker();
+        c.on_apply(1, 0, &multi(&[1, 2], 50), &queued, &[]);
+        let grants: Vec<Grant> = [1u128, 2]
+            .iter()
+            .map(|t| {
+                let mut g = grant(*t, *t as u64);
+                g.name = LockName::new(&format!("l{t}")).expect("valid");
+                g
+            })
+            .collect();
+        c.on_apply(
+            2,
+            1,
+            &Command::Tick,
+            &Ok(Reply::Ticked),
+            &[Outcome::GrantedAll(grants)],
+        );
+        assert_eq!(broken(&c), None);
+        assert!(c.open_multi_requests().is_empty());
     }
 }

@@ -14,20 +14,30 @@
 //! exclusive (readers do not write the resource); a writer that has written may
 //! downgrade to a reader before it releases.
 //!
+//! Some seeds add multi-lock clients (random overlapping sets of the plain locks,
+//! in random order, all or nothing; each exclusive part of a mutex written once
+//! with its own fence; released together or one by one, or given up at the
+//! deadline) and election clients (campaign on `leader` with a value, proclaim
+//! while leading, resign, ask who leads), under the same faults.
+//!
 //! Invariants checked on every step (see [`Invariant`]): at most `limit` holders per
 //! lock, and never a writer with another holder; fences of acknowledged grants strictly increasing per lock and never handed
 //! out twice, across crashes; the resource never accepts a write whose fence is not
 //! newer than one it accepted; FIFO grants; no grant to a request whose wait or
 //! session ended; no acknowledged grant lost across a crash; no more clients
 //! believing they hold a lock than its limit (nor a writer believing it while a
-//! reader does); and, at the end, every lease freed.
+//! reader does); a multi-lock request granted all at once, each part at the head
+//! of its queue; at most one leader per term, terms strictly increasing, a
+//! client's observed terms never going back and every observed value one that
+//! term's leader campaigned or proclaimed with; and, at the end, every lease
+//! freed and every multi-lock request granted or ended (no deadlock).
 //!
 //! The same seed gives the same run, bit for bit (one SplitMix64 seed, forked into
 //! independent streams; only ordered maps; no wall clock, threads or I/O).
 //!
 //! # Running
 //!
-//! - `cargo test -p fencelock-sim`: 5,000 seeds, the planted-bug tests, replay and
+//! - `cargo test -p fencelock-sim`: 1,000 seeds, the planted-bug tests, replay and
 //!   wall-clock checks. Each run prints a summary line (seeds, operations, faults by
 //!   kind, violations).
 //! - `FENCELOCK_SIM_SEEDS=N` runs N seeds (`FENCELOCK_SIM_FIRST_SEED=S` from S);
@@ -90,6 +100,12 @@ pub enum PlantedBug {
     /// A reader arriving while readers hold a reader-writer lock is granted at once,
     /// past a queued writer (`PlantedBugs::reader_jumps_writer`).
     ReaderJumpsWriter,
+    /// A multi-lock request at the head of one queue is granted that lock alone
+    /// (`PlantedBugs::partial_multi_grant`).
+    PartialMultiGrant,
+    /// An election campaign is granted the last fence again: a term reused
+    /// (`PlantedBugs::reuse_term`).
+    ReuseTerm,
 }
 
 impl PlantedBug {
@@ -102,6 +118,8 @@ impl PlantedBug {
             PlantedBug::GrantExpiredWaiters => "grant-expired-waiters",
             PlantedBug::NoExpiryTimer => "no-expiry-timer",
             PlantedBug::ReaderJumpsWriter => "reader-jumps-writer",
+            PlantedBug::PartialMultiGrant => "partial-multi-grant",
+            PlantedBug::ReuseTerm => "reuse-term",
         }
     }
 
@@ -111,13 +129,15 @@ impl PlantedBug {
     }
 
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 6] = [
+    pub const ALL: [PlantedBug; 8] = [
         PlantedBug::NoFenceCheckAtResource,
         PlantedBug::FenceCounterNotDurable,
         PlantedBug::ReleaseByNameOnly,
         PlantedBug::GrantExpiredWaiters,
         PlantedBug::NoExpiryTimer,
         PlantedBug::ReaderJumpsWriter,
+        PlantedBug::PartialMultiGrant,
+        PlantedBug::ReuseTerm,
     ];
 }
 
@@ -234,6 +254,14 @@ pub struct Stats {
     pub writes_accepted: u64,
     /// Writes the resource refused as stale.
     pub writes_rejected: u64,
+    /// Multi-lock grants the clients received (each counts its parts in `grants_seen`).
+    pub multi_grants: u64,
+    /// Election leaderships the clients received.
+    pub leaderships: u64,
+    /// Values leaders proclaimed (answered).
+    pub proclaims: u64,
+    /// Leader queries answered with a leader.
+    pub leader_reads: u64,
     /// Faults injected.
     pub faults: FaultCounts,
 }
@@ -250,6 +278,10 @@ impl Stats {
         self.writes += other.writes;
         self.writes_accepted += other.writes_accepted;
         self.writes_rejected += other.writes_rejected;
+        self.multi_grants += other.multi_grants;
+        self.leaderships += other.leaderships;
+        self.proclaims += other.proclaims;
+        self.leader_reads += other.leader_reads;
         self.faults.add(&other.faults);
     }
 }
@@ -331,13 +363,17 @@ impl fmt::Display for Totals {
         let s = &self.stats;
         write!(
             f,
-            "seeds={} events={} ops={} server_commands={} grants={} (on_sessions={}) restarts_from_snapshot={} writes={} (accepted={} stale_rejected={}) faults={} [{}] violations={}",
+            "seeds={} events={} ops={} server_commands={} grants={} (on_sessions={} multi_lock={} leaderships={}) proclaims={} leader_reads={} restarts_from_snapshot={} writes={} (accepted={} stale_rejected={}) faults={} [{}] violations={}",
             self.seeds,
             s.events,
             s.ops,
             s.commands,
             s.grants_seen,
             s.session_grants,
+            s.multi_grants,
+            s.leaderships,
+            s.proclaims,
+            s.leader_reads,
             s.snapshot_restarts,
             s.writes,
             s.writes_accepted,

@@ -4,7 +4,7 @@
 //! `--threads T` (default 2), `--seed S` (replay one seed with a step trace),
 //! `--plant NAME` (switch off one protection: no-fence-check,
 //! fence-counter-not-durable, release-by-name-only, grant-expired-waiters,
-//! no-expiry-timer).
+//! no-expiry-timer, reader-jumps-writer, partial-multi-grant, reuse-term).
 //! Prints one summary line; exits 1 if any seed broke an invariant, 2 on bad usage.
 
 use std::process::ExitCode;

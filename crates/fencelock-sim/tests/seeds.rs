@@ -1,7 +1,8 @@
 //! Runs the simulation over many seeds; every failure prints its seed and the command
 //! that replays it.
 //!
-//! - `cargo test -p fencelock-sim --test seeds`: 5,000 seeds (0..5000), a few seconds.
+//! - `cargo test -p fencelock-sim --test seeds`: 1,000 seeds (0..1000), under a minute
+//!   in a debug build (long runs: `cargo run -p fencelock-sim --release -- --seeds N`).
 //! - `FENCELOCK_SIM_SEEDS=N`: run N seeds instead; `FENCELOCK_SIM_FIRST_SEED=S` starts
 //!   at S.
 //! - `FENCELOCK_SIM_SEED=S`: replay seed S alone, printing every step
@@ -97,7 +98,7 @@ fn every_seed_holds_every_invariant() {
         return;
     }
     let first = env_u64("FENCELOCK_SIM_FIRST_SEED").unwrap_or(0);
-    let count = env_u64("FENCELOCK_SIM_SEEDS").unwrap_or(5_000);
+    let count = env_u64("FENCELOCK_SIM_SEEDS").unwrap_or(1_000);
     let started = std::time::Instant::now();
     let totals = run_many(
         first,

@@ -1430,7 +1430,7 @@ impl RunChecks {
 /// Fails unless there is one order of requests (a multi-lock request is one
 /// request on all of its queues) that every queue agrees with: the "waits behind"
 /// relation must have no cycle, so no set of requests can wait for each other.
-fn check_one_arrival_order(state: &StateImage) -> Result<(), TestCaseError> {
+pub fn check_one_arrival_order(state: &StateImage) -> Result<(), TestCaseError> {
     let request = |w: &WaiterImage| w.group.first().copied().unwrap_or(w.token);
     let mut behind: BTreeMap<OwnerToken, BTreeSet<OwnerToken>> = BTreeMap::new();
     for l in &state.locks {

@@ -2,11 +2,11 @@
 //! third of the TTL, lost at send + ttl − margin, release with the owner token), and
 //! the session API's for session clients.
 
-use fencelock_core::{Mode, RequestId};
+use fencelock_core::{Mode, RequestId, Value};
 
 use super::{
-    grid, Acquiring, Answer, Client, Ev, Failure, Holding, Request, Rpc, Session, Sim, State,
-    RPC_TIMEOUT_MS,
+    grid, Acquiring, AcquiringAll, Answer, Client, Ev, Failure, Holding, HoldingAll, Part, Request,
+    Role, Rpc, Session, Sim, State, MULTI_WAITS, RPC_TIMEOUT_MS,
 };
 
 impl Sim {
@@ -72,8 +72,121 @@ impl Sim {
             lock_delay_ms: a.lock_delay_ms,
             session,
             mode: a.mode,
+            value: a.value.clone(),
         };
         self.send_request(i, request, wait_ms + RPC_TIMEOUT_MS);
+    }
+
+    /// Sends a multi-lock request (first attempt or retry with the same request id).
+    fn send_acquire_all(&mut self, i: usize) {
+        let State::AcquiringAll(a) = &mut self.clients[i].state else {
+            return;
+        };
+        let sent = self.now;
+        a.first_sent.get_or_insert(sent);
+        let wait_ms = a.budget_end.saturating_sub(sent);
+        let parts = a
+            .parts
+            .iter()
+            .map(|&(lock, mode)| (self.locks[lock].name.clone(), self.locks[lock].limit, mode))
+            .collect();
+        let request = Request::AcquireAll {
+            parts,
+            ttl_ms: a.ttl_ms,
+            wait_ms,
+            request_id: a.request_id.clone(),
+        };
+        self.send_request(i, request, wait_ms + RPC_TIMEOUT_MS);
+    }
+
+    /// A multi-lock client starts a request: 1 to 3 of the plain locks in a random
+    /// order, each shared or exclusive (shared only on the reader-writer lock).
+    fn start_multi(&mut self, i: usize) {
+        let now = self.now;
+        let c = &mut self.clients[i];
+        c.requests += 1;
+        let request_id = RequestId::new(&format!("c{i}-{}", c.requests)).expect("valid");
+        let mut order: Vec<usize> = (0..self.plain).collect();
+        for k in (1..order.len()).rev() {
+            let j = c.rng.index(k + 1);
+            order.swap(k, j);
+        }
+        let n = c.rng.range(1, order.len().min(3) as u64) as usize;
+        let parts = order[..n]
+            .iter()
+            .map(|&lock| {
+                let shared = self.locks[lock].rw && c.rng.chance(500);
+                (
+                    lock,
+                    if shared {
+                        Mode::Shared
+                    } else {
+                        Mode::Exclusive
+                    },
+                )
+            })
+            .collect();
+        let ttl_ms = self.ttls[c.rng.index(self.ttls.len())];
+        let wait_ms = MULTI_WAITS[c.rng.index(MULTI_WAITS.len())];
+        c.state = State::AcquiringAll(AcquiringAll {
+            parts,
+            ttl_ms,
+            request_id,
+            first_sent: None,
+            budget_end: now + wait_ms,
+            attempt: 0,
+            retry_at: now,
+        });
+        self.send_acquire_all(i);
+    }
+
+    /// An elector either asks who leads, or campaigns with a value of its own.
+    fn start_elector(&mut self, i: usize) {
+        let now = self.now;
+        let election = self.locks.len() - 1;
+        let c = &mut self.clients[i];
+        c.requests += 1;
+        if c.rng.chance(300) {
+            c.state = State::Observing {
+                give_up: now + RPC_TIMEOUT_MS,
+            };
+            let name = self.locks[election].name.clone();
+            return self.send_request(i, Request::Leader { name }, RPC_TIMEOUT_MS);
+        }
+        let request_id = RequestId::new(&format!("c{i}-{}", c.requests)).expect("valid");
+        let value = Value::new(&format!("c{i}-{}", c.requests)).expect("valid");
+        let ttl_ms = self.ttls[c.rng.index(self.ttls.len())];
+        let wait_ms = self.waits[c.rng.index(self.waits.len())];
+        c.state = State::Acquiring(Acquiring {
+            lock: election,
+            mode: Mode::Exclusive,
+            lock_delay_ms: 0,
+            session: None,
+            ttl_ms,
+            request_id,
+            first_sent: None,
+            budget_end: now + wait_ms,
+            attempt: 0,
+            retry_at: now,
+            value: Some(value),
+        });
+        self.send_acquire(i);
+    }
+
+    /// Gives up the parts of a multi-lock grant still held, together.
+    fn release_parts(&mut self, i: usize, h: &HoldingAll) {
+        if h.parts.is_empty() {
+            return self.go_idle(i);
+        }
+        let grants = h
+            .parts
+            .iter()
+            .map(|p| (self.locks[p.lock].name.clone(), p.token))
+            .collect();
+        self.clients[i].state = State::Releasing {
+            give_up: self.now + RPC_TIMEOUT_MS,
+        };
+        self.send_request(i, Request::ReleaseAll { grants }, RPC_TIMEOUT_MS);
     }
 
     /// Gives up a held (or possibly held) lock: a best-effort release with the owner
@@ -133,6 +246,7 @@ impl Sim {
                 let hold = grid(c.rng.range(0, ttl_ms));
                 self.stats.grants_seen += 1;
                 self.stats.session_grants += u64::from(a.session.is_some());
+                self.stats.leaderships += u64::from(a.value.is_some());
                 c.state = State::Holding(Holding {
                     lock: a.lock,
                     mode: a.mode,
@@ -156,8 +270,71 @@ impl Sim {
                     release_at: self.now + hold,
                     renew_attempt: 0,
                     renew_retry_at: self.now,
+                    value: a.value,
                 });
             }
+            (State::AcquiringAll(a), Answer::GrantedAll { grants, ttl_ms }) => {
+                let base = a.first_sent.unwrap_or(outstanding.sent);
+                let deadline = (base + ttl_ms)
+                    .saturating_sub(Sim::margin(ttl_ms))
+                    .max(base);
+                let parts: Vec<Part> = a
+                    .parts
+                    .iter()
+                    .zip(grants)
+                    .map(|(&(lock, mode), (fence, token))| Part {
+                        lock,
+                        mode,
+                        fence,
+                        token,
+                    })
+                    .collect();
+                // Writers of a mutex write the resource once each, fenced by that
+                // lock's fence.
+                let writes = parts
+                    .iter()
+                    .filter(|p| p.mode == Mode::Exclusive && self.locks[p.lock].limit == 1)
+                    .map(|p| p.lock)
+                    .collect();
+                self.stats.grants_seen += parts.len() as u64;
+                self.stats.multi_grants += 1;
+                let left = deadline.saturating_sub(self.now);
+                let hold = grid(c.rng.range(0, left));
+                let h = HoldingAll {
+                    parts,
+                    ttl_ms,
+                    deadline,
+                    writes,
+                    next_write_at: self.now,
+                    release_at: self.now + hold,
+                    one_by_one: c.rng.chance(500),
+                };
+                if self.now >= deadline {
+                    // Granted too late to use: give it back at once.
+                    return self.release_parts(i, &h);
+                }
+                c.state = State::HoldingAll(h);
+            }
+            (State::AcquiringAll(a), Answer::Failed(failure)) => match failure {
+                Failure::Timeout if self.now < a.budget_end => self.send_acquire_all(i),
+                Failure::Unavailable => self.acquire_all_retry(i, a),
+                _ => self.go_idle(i),
+            },
+            // A part released one by one was answered: the next follows (a failed
+            // one is left to its lease).
+            (State::HoldingAll(h), Answer::Released | Answer::Failed(_)) => {
+                self.clients[i].state = State::HoldingAll(h);
+            }
+            (State::Holding(h), Answer::Proclaimed) => {
+                self.stats.proclaims += 1;
+                self.clients[i].state = State::Holding(h);
+            }
+            (State::Observing { .. }, Answer::Leader { term, value }) => {
+                self.stats.leader_reads += u64::from(term.is_some());
+                self.checker.on_observed(i, term, value.as_ref());
+                self.go_idle(i);
+            }
+            (State::Observing { .. }, Answer::Failed(_)) => self.go_idle(i),
             (State::Acquiring(a), Answer::Failed(failure)) => match failure {
                 Failure::Timeout if self.now < a.budget_end => {
                     self.send_acquire(i);
@@ -336,6 +513,89 @@ impl Sim {
         }
     }
 
+    /// [`Sim::acquire_retry`] for a multi-lock request.
+    fn acquire_all_retry(&mut self, i: usize, a: AcquiringAll) {
+        let delay = self.backoff(i, a.attempt);
+        if self.now + delay >= a.budget_end {
+            return self.go_idle(i);
+        }
+        if let State::AcquiringAll(a) = &mut self.clients[i].state {
+            a.attempt += 1;
+            a.retry_at = self.now + delay;
+        }
+    }
+
+    /// A multi-lock holder: writes once per exclusive part of a mutex while its
+    /// deadline has not passed, then releases (together or one by one); at the
+    /// deadline it gives up whatever is left.
+    fn holding_all_step(&mut self, i: usize, mut h: HoldingAll, timed_out: bool) -> bool {
+        let now = self.now;
+        if now >= h.deadline {
+            self.stats.deadline_losses += 1;
+            self.clients[i].rpc = None;
+            self.release_parts(i, &h);
+            return true;
+        }
+        if timed_out {
+            // A one-by-one release got no answer: its lease will free the part.
+            self.clients[i].rpc = None;
+        }
+        if self.clients[i].rpc.is_some() {
+            return false;
+        }
+        if !h.writes.is_empty() && now >= h.next_write_at {
+            let lock = h.writes.remove(0);
+            let fence = h
+                .parts
+                .iter()
+                .find(|p| p.lock == lock)
+                .map_or(0, |p| p.fence);
+            let key = format!("{}/0", self.locks[lock].name);
+            let c = &mut self.clients[i];
+            h.next_write_at = now + grid(c.rng.range(10, 60));
+            let mut at = now + grid(c.rng.range(1, 20));
+            if self.now < self.fault_end && c.rng.chance(self.plan.stall_pm) {
+                let stall = grid(c.rng.range(h.ttl_ms / 2, 3 * h.ttl_ms));
+                c.paused_until = c.paused_until.max(now + stall);
+                at += stall;
+                self.stats.faults.stall += 1;
+            }
+            self.stats.writes += 1;
+            self.clients[i].state = State::HoldingAll(h);
+            self.schedule(
+                at,
+                super::Ev::ToResource {
+                    from: i,
+                    key,
+                    fence,
+                },
+            );
+            return true;
+        }
+        if h.writes.is_empty() && now >= h.release_at {
+            if !h.one_by_one || h.parts.len() <= 1 {
+                self.release_parts(i, &h);
+                return true;
+            }
+            // One by one: the client stops believing it holds a part as it sends
+            // the part's release.
+            let p = h.parts.remove(0);
+            let name = self.locks[p.lock].name.clone();
+            self.clients[i].state = State::HoldingAll(h);
+            self.send_request(
+                i,
+                Request::Release {
+                    name,
+                    token: p.token,
+                },
+                RPC_TIMEOUT_MS,
+            );
+            return false;
+        }
+        self.clients[i].state = State::HoldingAll(h);
+        false
+    }
+
     /// Acts on the client's state at `now`, then sets its next wake-up.
     pub(super) fn client_step(&mut self, i: usize) {
         let now = self.now;
@@ -352,8 +612,19 @@ impl Sim {
                     if now < next_at || !active || c.uses_session && c.session.is_none() {
                         break;
                     }
+                    match c.role {
+                        Role::Single => {}
+                        Role::Multi => {
+                            self.start_multi(i);
+                            break;
+                        }
+                        Role::Elector => {
+                            self.start_elector(i);
+                            break;
+                        }
+                    }
                     let session = c.session.as_ref().map(|s| s.id);
-                    let lock = c.rng.index(self.locks.len());
+                    let lock = c.rng.index(self.plain);
                     let ttl_ms = self.ttls[c.rng.index(self.ttls.len())];
                     let wait_ms = self.waits[c.rng.index(self.waits.len())];
                     c.requests += 1;
@@ -378,8 +649,33 @@ impl Sim {
                         budget_end: now + wait_ms,
                         attempt: 0,
                         retry_at: now,
+                        value: None,
                     });
                     self.send_acquire(i);
+                    break;
+                }
+                State::AcquiringAll(a) => {
+                    if timed_out {
+                        c.rpc = None;
+                        self.acquire_all_retry(i, a);
+                        continue;
+                    }
+                    if c.rpc.is_none() && now >= a.retry_at {
+                        self.send_acquire_all(i);
+                    }
+                    break;
+                }
+                State::HoldingAll(h) => {
+                    if self.holding_all_step(i, h, timed_out) {
+                        continue;
+                    }
+                    break;
+                }
+                State::Observing { give_up } => {
+                    if timed_out || now >= give_up {
+                        self.go_idle(i);
+                        continue;
+                    }
                     break;
                 }
                 State::Acquiring(a) => {
@@ -455,6 +751,24 @@ impl Sim {
                             },
                         );
                         continue;
+                    }
+                    // An election's leader may publish a new value while it leads.
+                    let may_proclaim = h.value.is_some()
+                        && c.rpc.is_none()
+                        && h.writes_done >= h.writes_total
+                        && now < h.release_at;
+                    if may_proclaim && c.rng.chance(300) {
+                        let value = Value::new(&format!("c{i}-{}-p{}", c.requests, h.fence))
+                            .expect("valid");
+                        h.value = Some(value.clone());
+                        let request = Request::Proclaim {
+                            name: self.locks[h.lock].name.clone(),
+                            token: h.token,
+                            value,
+                        };
+                        self.clients[i].state = State::Holding(h);
+                        self.send_request(i, request, RPC_TIMEOUT_MS);
+                        break;
                     }
                     // A writer of a reader-writer lock that has written may turn
                     // reader before it releases. It acts as a reader from the send
@@ -558,6 +872,22 @@ impl Sim {
                     }
                 }
             }
+            State::AcquiringAll(a) => {
+                if c.rpc.is_none() {
+                    at(a.retry_at.max(self.now));
+                }
+            }
+            State::HoldingAll(h) => {
+                at(h.deadline);
+                if c.rpc.is_none() {
+                    if h.writes.is_empty() {
+                        at(h.release_at.max(self.now));
+                    } else {
+                        at(h.next_write_at.max(self.now));
+                    }
+                }
+            }
+            State::Observing { give_up } => at(*give_up),
             State::Releasing { give_up } => at(*give_up),
         }
         let paused_until = c.paused_until;

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BinaryHeap};
 
 use fencelock_core::{
     Command, Core, ErrorKind, Grant, LockName, Mode, Owner, OwnerToken, RequestId, SessionId,
-    StateImage,
+    StateImage, Value,
 };
 use fencelock_fence::MemoryGate;
 
@@ -30,6 +30,12 @@ const MAX_EVENTS: u64 = 2_000_000;
 const RPC_TIMEOUT_MS: u64 = 300;
 /// Mixed into the seed for the draw of the reader-writer lock.
 const RW_SEED: u64 = 0x7277_6c6f_636b;
+/// Mixed into the seed for the draw of multi-lock and election clients.
+const KINDS_SEED: u64 = 0x006b_696e_6473;
+/// The waits multi-lock clients draw from: shorter than every TTL less its
+/// margin, so a grant after the longest wait still leaves time to use it (they
+/// hold without renewing).
+const MULTI_WAITS: [u64; 3] = [0, 100, 200];
 
 fn grid(ms: u64) -> u64 {
     (ms / GRID_MS).max(1) * GRID_MS
@@ -47,6 +53,27 @@ enum Request {
         lock_delay_ms: u64,
         session: Option<SessionId>,
         mode: Mode,
+        /// An election campaign's value (the election's lock, exclusive).
+        value: Option<Value>,
+    },
+    /// A multi-lock request: (lock, limit, mode) per part, in the order asked.
+    AcquireAll {
+        parts: Vec<(LockName, u32, Mode)>,
+        ttl_ms: u64,
+        wait_ms: u64,
+        request_id: RequestId,
+    },
+    ReleaseAll {
+        grants: Vec<(LockName, OwnerToken)>,
+    },
+    Proclaim {
+        name: LockName,
+        token: OwnerToken,
+        value: Value,
+    },
+    /// Who leads an election now (a read).
+    Leader {
+        name: LockName,
     },
     Renew {
         name: LockName,
@@ -91,10 +118,21 @@ enum Answer {
         token: OwnerToken,
         ttl_ms: u64,
     },
+    /// Every part of a multi-lock request: (fence, token), in the order asked.
+    GrantedAll {
+        grants: Vec<(u64, OwnerToken)>,
+        ttl_ms: u64,
+    },
     Renewed {
         ttl_ms: u64,
     },
     Released,
+    Proclaimed,
+    /// The election's leader: its term (fence) and value, if it has one.
+    Leader {
+        term: Option<u64>,
+        value: Option<Value>,
+    },
     Downgraded,
     SessionOpened {
         id: SessionId,
@@ -184,8 +222,9 @@ struct Server {
     unsynced: Vec<Record>,
     /// Records appended so far (the next record's number).
     appended: u64,
-    /// Replies held until the records they depend on are synced.
-    pending: Vec<(usize, u64, Answer, Option<Grant>)>,
+    /// Replies held until the records they depend on are synced, with the grants
+    /// they acknowledge.
+    pending: Vec<(usize, u64, Answer, Vec<Grant>)>,
     sync_at: Option<u64>,
     tick_at: Option<u64>,
     /// Service time at `started_at` (virtual): the monotonic service clock.
@@ -223,6 +262,47 @@ struct Acquiring {
     budget_end: u64,
     attempt: u32,
     retry_at: u64,
+    /// An election campaign's value (the election's lock).
+    value: Option<Value>,
+}
+
+/// A multi-lock request on its way (retried with its request id like a single one).
+#[derive(Debug, Clone)]
+struct AcquiringAll {
+    /// (lock, mode) per part, in the order asked.
+    parts: Vec<(usize, Mode)>,
+    ttl_ms: u64,
+    request_id: RequestId,
+    first_sent: Option<u64>,
+    budget_end: u64,
+    attempt: u32,
+    retry_at: u64,
+}
+
+/// One held part of a multi-lock grant.
+#[derive(Debug, Clone)]
+struct Part {
+    lock: usize,
+    mode: Mode,
+    fence: u64,
+    token: OwnerToken,
+}
+
+/// A multi-lock grant. Its holder does not renew: it uses the locks only before
+/// the conservative deadline (first send + ttl − margin), then releases them
+/// together or one by one.
+#[derive(Debug, Clone)]
+struct HoldingAll {
+    /// The parts still held (a part leaves when its release is sent).
+    parts: Vec<Part>,
+    ttl_ms: u64,
+    deadline: u64,
+    /// Parts (indices into `parts` at grant time, as locks) still to write once.
+    writes: Vec<usize>,
+    next_write_at: u64,
+    release_at: u64,
+    /// Release the parts one by one instead of together.
+    one_by_one: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -249,14 +329,39 @@ struct Holding {
     release_at: u64,
     renew_attempt: u32,
     renew_retry_at: u64,
+    /// An election's leader: the value it published last.
+    value: Option<Value>,
 }
 
 #[derive(Debug, Clone)]
 enum State {
-    Idle { next_at: u64 },
+    Idle {
+        next_at: u64,
+    },
     Acquiring(Acquiring),
     Holding(Holding),
-    Releasing { give_up: u64 },
+    AcquiringAll(AcquiringAll),
+    HoldingAll(HoldingAll),
+    /// Waiting for the answer to a leader query.
+    Observing {
+        give_up: u64,
+    },
+    Releasing {
+        give_up: u64,
+    },
+}
+
+/// What a client does with the locks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// One lock at a time (shared or exclusive on the reader-writer lock).
+    Single,
+    /// Multi-lock requests: random overlapping sets of the plain locks, in random
+    /// order.
+    Multi,
+    /// An election's candidate: campaigns, proclaims while leading, resigns, and
+    /// asks who leads.
+    Elector,
 }
 
 /// A client's session (the server's session API): one lease for all its locks,
@@ -274,6 +379,7 @@ struct Session {
 
 struct Client {
     rng: Rng,
+    role: Role,
     /// Holds its locks on a session instead of leases of their own.
     uses_session: bool,
     session: Option<Session>,
@@ -300,6 +406,8 @@ struct LockSpec {
     limit: u32,
     /// A reader-writer lock: clients take it shared or exclusive.
     rw: bool,
+    /// The election's lock: only electors take it (always last in `locks`).
+    election: bool,
 }
 
 /// Which faults this seed injects, and how much.
@@ -332,6 +440,9 @@ pub(crate) struct Sim {
     server: Server,
     clients: Vec<Client>,
     locks: Vec<LockSpec>,
+    /// Locks single and multi-lock clients take: `locks[..plain]` (the election's
+    /// lock, if any, comes after them).
+    plain: usize,
     ttls: Vec<u64>,
     waits: Vec<u64>,
     gate: MemoryGate<u64>,
@@ -361,12 +472,14 @@ impl Sim {
             name: LockName::new("lock:a").expect("valid"),
             limit: 1,
             rw: false,
+            election: false,
         }];
         if setup.chance(600) {
             locks.push(LockSpec {
                 name: LockName::new("lock:b").expect("valid"),
                 limit: 1,
                 rw: false,
+                election: false,
             });
         }
         if setup.chance(400) {
@@ -374,6 +487,7 @@ impl Sim {
                 name: LockName::new("sem").expect("valid"),
                 limit: 2,
                 rw: false,
+                election: false,
             });
         }
         // Drawn from a generator of its own, so every other choice of the seed stays
@@ -383,10 +497,12 @@ impl Sim {
                 name: LockName::new("rw").expect("valid"),
                 limit: 1,
                 rw: true,
+                election: false,
             });
         }
-        let clients = (0..setup.range(2, 5))
+        let mut clients: Vec<Client> = (0..setup.range(2, 5))
             .map(|i| Client {
+                role: Role::Single,
                 uses_session: setup.chance(300),
                 session: None,
                 session_rpc: None,
@@ -405,6 +521,55 @@ impl Sim {
                 from_server_cut_until: 0,
             })
             .collect();
+        // Multi-lock and election clients, drawn from a generator of their own (so
+        // the other choices of the seed stay as they were) and added after the
+        // others: some seeds have both kinds, some one, some neither.
+        let mut kinds = Rng::new(seed ^ KINDS_SEED);
+        let mut extra = Vec::new();
+        if kinds.chance(500) {
+            if locks.len() < 2 {
+                // Overlapping sets need two locks at least.
+                locks.push(LockSpec {
+                    name: LockName::new("lock:m").expect("valid"),
+                    limit: 1,
+                    rw: false,
+                    election: false,
+                });
+            }
+            extra.extend((0..kinds.range(1, 2)).map(|_| Role::Multi));
+        }
+        let plain = locks.len();
+        if kinds.chance(500) {
+            locks.push(LockSpec {
+                name: LockName::new("leader").expect("valid"),
+                limit: 1,
+                rw: false,
+                election: true,
+            });
+            extra.extend((0..kinds.range(2, 3)).map(|_| Role::Elector));
+        }
+        for role in extra {
+            let i = clients.len();
+            clients.push(Client {
+                role,
+                uses_session: false,
+                session: None,
+                session_rpc: None,
+                open_retry_at: 0,
+                rng: kinds.fork(),
+                owner: Owner::new(&format!("client-{i}")).expect("valid"),
+                dead: false,
+                paused_until: 0,
+                generation: 0,
+                wake_at: None,
+                rpc_seq: 0,
+                requests: 0,
+                rpc: None,
+                state: State::Idle { next_at: 0 },
+                to_server_cut_until: 0,
+                from_server_cut_until: 0,
+            });
+        }
         let all = [
             FaultKind::Pause,
             FaultKind::PartitionOneWay,
@@ -445,6 +610,7 @@ impl Sim {
         };
         let fault_end = grid(setup.range(5_000, 9_000));
         let limits = locks.iter().map(|l| (l.name.clone(), l.limit)).collect();
+        let election = locks.iter().find(|l| l.election).map(|l| l.name.clone());
         let mut sim = Sim {
             now: 0,
             seq: 0,
@@ -471,6 +637,7 @@ impl Sim {
             },
             clients,
             locks,
+            plain,
             ttls: vec![300, 450, 600],
             waits: vec![0, 200, 500, 1_000],
             gate: MemoryGate::named("sim"),
@@ -480,7 +647,7 @@ impl Sim {
             wall,
             plan,
             deaths: 0,
-            checker: Checker::new(limits),
+            checker: Checker::new(limits, election),
             stats: Stats::default(),
             digest: 0xcbf2_9ce4_8422_2325,
             options,
@@ -689,16 +856,24 @@ impl Sim {
                 .clients
                 .iter()
                 .enumerate()
-                .filter_map(|(i, c)| match &c.state {
+                .flat_map(|(i, c)| match &c.state {
                     State::Holding(h)
                         if !c.dead
                             && h.confirmed
                             && h.lock == l
                             && self.now < Sim::hold_deadline(c, h) =>
                     {
-                        Some((i, h.fence, h.mode))
+                        vec![(i, h.fence, h.mode)]
                     }
-                    _ => None,
+                    // A multi-lock holder believes it holds every part it has not
+                    // released, until its deadline.
+                    State::HoldingAll(h) if !c.dead && self.now < h.deadline => h
+                        .parts
+                        .iter()
+                        .filter(|p| p.lock == l)
+                        .map(|p| (i, p.fence, p.mode))
+                        .collect(),
+                    _ => Vec::new(),
                 })
                 .collect();
             let readers = believers.iter().filter(|b| b.2 == Mode::Shared).count();
@@ -718,6 +893,15 @@ impl Sim {
             return self
                 .checker
                 .fail(Invariant::Liveness, "server still down at the end");
+        }
+        // Quiesced: every client stopped, time passed every lease and wait. A
+        // multi-lock request still queued now waits for something that never comes.
+        let open = self.checker.open_multi_requests();
+        if !open.is_empty() {
+            let detail = format!(
+                "after a quiet tail of {TAIL_MS} ms, multi-lock requests {open:?} were neither granted nor ended"
+            );
+            return self.checker.fail(Invariant::Deadlock, detail);
         }
         let stats = self.server.core.as_ref().expect("up").stats();
         if stats.holders > 0 || stats.waiters > 0 || stats.sessions > 0 {

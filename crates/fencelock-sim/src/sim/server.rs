@@ -58,8 +58,25 @@ impl Sim {
         });
         for outcome in outcomes {
             match outcome {
-                // The simulated clients ask for one lock at a time.
-                Outcome::GrantedAll(_) => {}
+                // A multi-lock request's client listens on its first part's token.
+                Outcome::GrantedAll(grants) => {
+                    for g in &grants {
+                        self.mix(5 << 32 | g.fence.get());
+                    }
+                    let first = grants.first().map(|g| g.token);
+                    let listeners = first
+                        .and_then(|t| self.server.listeners.remove(&t))
+                        .unwrap_or_default();
+                    for (client, rpc) in listeners {
+                        let answer = Answer::GrantedAll {
+                            grants: grants.iter().map(|g| (g.fence.get(), g.token)).collect(),
+                            ttl_ms: grants.first().map_or(0, |g| g.ttl_ms),
+                        };
+                        self.server
+                            .pending
+                            .push((client, rpc, answer, grants.clone()));
+                    }
+                }
                 Outcome::Granted(grant) => {
                     self.mix(5 << 32 | grant.fence.get());
                     for (client, rpc) in self
@@ -75,7 +92,7 @@ impl Sim {
                         };
                         self.server
                             .pending
-                            .push((client, rpc, answer, Some(grant.clone())));
+                            .push((client, rpc, answer, vec![grant.clone()]));
                     }
                 }
                 Outcome::WaitEnded { token, reason, .. } => {
@@ -84,9 +101,12 @@ impl Sim {
                         _ => Failure::Unavailable,
                     };
                     for (client, rpc) in self.server.listeners.remove(&token).unwrap_or_default() {
-                        self.server
-                            .pending
-                            .push((client, rpc, Answer::Failed(failure), None));
+                        self.server.pending.push((
+                            client,
+                            rpc,
+                            Answer::Failed(failure),
+                            Vec::new(),
+                        ));
                     }
                 }
                 Outcome::Event(_) => {}
@@ -129,8 +149,8 @@ impl Sim {
     pub(super) fn sync(&mut self) {
         let records = std::mem::take(&mut self.server.unsynced);
         self.server.synced.extend(records);
-        for (client, rpc, answer, grant) in std::mem::take(&mut self.server.pending) {
-            if let Some(grant) = &grant {
+        for (client, rpc, answer, grants) in std::mem::take(&mut self.server.pending) {
+            for grant in &grants {
                 self.checker.on_ack(grant);
             }
             self.send(Ev::ToClient {
@@ -160,6 +180,7 @@ impl Sim {
                 lock_delay_ms,
                 session,
                 mode,
+                value,
             } => {
                 let token = OwnerToken::from_u128(
                     u128::from(self.server.rng.next_u64()) << 64
@@ -181,7 +202,7 @@ impl Sim {
                     tenant: Some(sim_tenant()),
                     quota: None,
                     mode,
-                    value: None,
+                    value,
                 }));
                 match result {
                     Ok(Reply::Granted(grant)) => {
@@ -190,7 +211,7 @@ impl Sim {
                             token: grant.token,
                             ttl_ms: grant.ttl_ms,
                         };
-                        self.server.pending.push((from, rpc, answer, Some(grant)));
+                        self.server.pending.push((from, rpc, answer, vec![grant]));
                     }
                     Ok(Reply::Queued { token, .. }) => {
                         self.server
@@ -204,9 +225,88 @@ impl Sim {
                         let failure = failure_of(e.kind());
                         self.server
                             .pending
-                            .push((from, rpc, Answer::Failed(failure), None));
+                            .push((from, rpc, Answer::Failed(failure), Vec::new()));
                     }
                 }
+            }
+            Request::AcquireAll {
+                parts,
+                ttl_ms,
+                wait_ms,
+                request_id,
+            } => {
+                let owner = self.clients[from].owner.clone();
+                let parts: Vec<Acquire> = parts
+                    .into_iter()
+                    .map(|(name, limit, mode)| Acquire {
+                        name,
+                        token: OwnerToken::from_u128(
+                            u128::from(self.server.rng.next_u64()) << 64
+                                | u128::from(self.server.rng.next_u64()),
+                        ),
+                        ttl_ms: Some(ttl_ms),
+                        wait_ms,
+                        owner: owner.clone(),
+                        request_id: Some(request_id.clone()),
+                        limit,
+                        lock_delay_ms: 0,
+                        session: None,
+                        tenant: Some(sim_tenant()),
+                        quota: None,
+                        mode,
+                        value: None,
+                    })
+                    .collect();
+                match self.server_apply(Command::AcquireAll(parts)) {
+                    Ok(Reply::GrantedAll(grants)) => {
+                        let answer = Answer::GrantedAll {
+                            grants: grants.iter().map(|g| (g.fence.get(), g.token)).collect(),
+                            ttl_ms: grants.first().map_or(ttl_ms, |g| g.ttl_ms),
+                        };
+                        self.server.pending.push((from, rpc, answer, grants));
+                    }
+                    Ok(Reply::QueuedAll { tokens }) => {
+                        if let Some(first) = tokens.first() {
+                            self.server
+                                .listeners
+                                .entry(*first)
+                                .or_default()
+                                .push((from, rpc));
+                        }
+                    }
+                    Ok(other) => unreachable!("multi-lock acquire replied {other:?}"),
+                    Err(e) => {
+                        let answer = Answer::Failed(failure_of(e.kind()));
+                        self.server.pending.push((from, rpc, answer, Vec::new()));
+                    }
+                }
+            }
+            Request::ReleaseAll { grants } => {
+                let answer = match self.server_apply(Command::ReleaseAll { grants }) {
+                    Ok(_) => Answer::Released,
+                    Err(e) => Answer::Failed(failure_of(e.kind())),
+                };
+                self.server.pending.push((from, rpc, answer, Vec::new()));
+            }
+            Request::Proclaim { name, token, value } => {
+                let answer = match self.server_apply(Command::Proclaim { name, token, value }) {
+                    Ok(_) => Answer::Proclaimed,
+                    Err(e) => Answer::Failed(failure_of(e.kind())),
+                };
+                self.server.pending.push((from, rpc, answer, Vec::new()));
+            }
+            Request::Leader { name } => {
+                // A read: answered from the live state once what it shows is
+                // durable (it waits for the next sync like every reply).
+                let core = self.server.core.as_ref().expect("server is up");
+                let leader = core
+                    .lock(&name)
+                    .and_then(|v| v.holders.into_iter().find(|h| h.value.is_some()));
+                let answer = Answer::Leader {
+                    term: leader.as_ref().map(|h| h.fence.get()),
+                    value: leader.and_then(|h| h.value),
+                };
+                self.server.pending.push((from, rpc, answer, Vec::new()));
             }
             Request::Renew {
                 name,
@@ -224,21 +324,21 @@ impl Sim {
                     Ok(other) => unreachable!("renew replied {other:?}"),
                     Err(e) => Answer::Failed(failure_of(e.kind())),
                 };
-                self.server.pending.push((from, rpc, answer, None));
+                self.server.pending.push((from, rpc, answer, Vec::new()));
             }
             Request::Downgrade { name, token } => {
                 let answer = match self.server_apply(Command::Downgrade { name, token }) {
                     Ok(_) => Answer::Downgraded,
                     Err(e) => Answer::Failed(failure_of(e.kind())),
                 };
-                self.server.pending.push((from, rpc, answer, None));
+                self.server.pending.push((from, rpc, answer, Vec::new()));
             }
             Request::Release { name, token } => {
                 let answer = match self.server_apply(Command::Release { name, token }) {
                     Ok(_) => Answer::Released,
                     Err(e) => Answer::Failed(failure_of(e.kind())),
                 };
-                self.server.pending.push((from, rpc, answer, None));
+                self.server.pending.push((from, rpc, answer, Vec::new()));
             }
             Request::OpenSession { ttl_ms } => {
                 let id = SessionId::from_u128(
@@ -257,7 +357,7 @@ impl Sim {
                     Ok(_) => Answer::SessionOpened { id, ttl_ms },
                     Err(e) => Answer::Failed(failure_of(e.kind())),
                 };
-                self.server.pending.push((from, rpc, answer, None));
+                self.server.pending.push((from, rpc, answer, Vec::new()));
             }
             Request::KeepAlive { id } => {
                 let answer = match self.server_apply(Command::KeepAlive { id }) {
@@ -265,14 +365,14 @@ impl Sim {
                     Ok(other) => unreachable!("keep-alive replied {other:?}"),
                     Err(e) => Answer::Failed(failure_of(e.kind())),
                 };
-                self.server.pending.push((from, rpc, answer, None));
+                self.server.pending.push((from, rpc, answer, Vec::new()));
             }
             Request::CloseSession { id } => {
                 let answer = match self.server_apply(Command::CloseSession { id }) {
                     Ok(_) => Answer::SessionClosed,
                     Err(e) => Answer::Failed(failure_of(e.kind())),
                 };
-                self.server.pending.push((from, rpc, answer, None));
+                self.server.pending.push((from, rpc, answer, Vec::new()));
             }
         }
         self.schedule_sync();
@@ -325,6 +425,14 @@ impl Sim {
             release_by_name_only: self.options.planted == Some(PlantedBug::ReleaseByNameOnly),
             grant_expired_waiters: self.options.planted == Some(PlantedBug::GrantExpiredWaiters),
             reader_jumps_writer: self.options.planted == Some(PlantedBug::ReaderJumpsWriter),
+            partial_multi_grant: self.options.planted == Some(PlantedBug::PartialMultiGrant),
+            reuse_term: self.options.planted == Some(PlantedBug::ReuseTerm),
+            // For these two the simulation's checker must catch the bug by itself,
+            // not the core's own after-command check.
+            no_check_after_command: matches!(
+                self.options.planted,
+                Some(PlantedBug::PartialMultiGrant | PlantedBug::ReuseTerm)
+            ),
             ..PlantedBugs::default()
         }
     }
