@@ -353,7 +353,7 @@ async fn sessions_are_not_bearer_secrets_across_principals() {
         assert!(e["actor"].is_string(), "entry without an actor: {e}");
     }
     assert!(
-        entries.iter().any(|e| e["kind"] == "session_end"
+        entries.iter().any(|e| e["kind"] == "session_ended"
             && e["actor"] == "a"
             && e["session"] == handle.as_str()),
         "{audit}"
