@@ -687,9 +687,11 @@ pub fn cluster_markdown(files: &[Vec<Value>]) -> String {
 pub fn markdown(runs: &[Value]) -> String {
     let mut out = String::new();
     // A cluster-only run has no single-node tiers: no empty headings then.
-    let single = runs
-        .iter()
-        .any(|r| (r["tier"] == "fsync" || r["tier"] == "memory") && r["pairs"].is_u64());
+    let single = runs.iter().any(|r| {
+        (r["tier"] == "fsync" || r["tier"] == "memory")
+            && r["workload"] != "W6"
+            && r["workload"] != "election"
+    });
     if single {
         out.push_str("### Durable tier (fsync before acknowledging)\n\nRatios: fencelock's figure against the peer's, > 1 means fencelock is better (more per second, or less latency).\n\n");
         tier_table(runs, "fsync", BASE, &mut out);
