@@ -6,6 +6,7 @@
 #   ./scripts/bench.sh                       # everything (about 8 minutes)
 #   ./scripts/bench.sh --workloads w2 --targets fencelock,etcd   # a subset
 #   OUT=/tmp/b ./scripts/bench.sh            # keep the results in /tmp/b
+#   ./scripts/bench.sh --workloads w6,election --targets fencelock,etcd,zookeeper  # issue 22
 # Writes OUT/results.jsonl (one JSON line per run), OUT/report.md and OUT/chart.svg.
 set -euo pipefail
 cd "$(dirname "$0")/.."

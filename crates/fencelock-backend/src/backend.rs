@@ -319,8 +319,11 @@ pub trait LockBackend: Send + Sync + 'static {
     /// Releases a held lease.
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>>;
 
-    /// Turns an exclusive grant into a shared one without releasing it; the fence
-    /// stays. `Unsupported` unless [`Capabilities::downgrade`].
+    /// Turns an exclusive grant into a shared one without releasing it: the grant
+    /// keeps its fence and its place in the queue, readers queued right behind it are
+    /// let in, writers still wait. A store that can only do this by making a new grant
+    /// (a new key or node, with a new fence, queued behind waiting writers) must not
+    /// claim it. `Unsupported` unless [`Capabilities::downgrade`].
     fn downgrade<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), Error>> {
         let _ = lease;
         Box::pin(async { Err(unsupported("downgrade")) })

@@ -182,6 +182,138 @@ fn push_example(summary: &mut Summary, kind: ViolationKind, key: &str, detail: S
     }
 }
 
+/// Shared (a reader) or exclusive (a writer), as [`RwChecker`] sees a grant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Mode {
+    /// Any number of shared holders may hold together.
+    Shared,
+    /// The only holder.
+    Exclusive,
+}
+
+#[derive(Default)]
+struct RwKeyState {
+    /// Current holders: client → (mode, fence).
+    holders: HashMap<usize, (Mode, Option<u64>)>,
+    /// The largest fence of any grant seen.
+    max_fence: Option<u64>,
+    /// The largest fence of an exclusive grant seen.
+    max_writer_fence: Option<u64>,
+    /// The largest fence of a grant whose release was reported.
+    max_released_fence: Option<u64>,
+    /// Per waiting client: `max_released_fence` when it started waiting.
+    floors: HashMap<usize, Option<u64>>,
+}
+
+/// The online checker of reader-writer locks (W6), fed like [`Checker`]: a grant once
+/// its answer arrived, a release just before it is sent. What it flags can only be a
+/// real violation:
+/// - **overlap**: an exclusive grant while any other client held the key, or a shared
+///   grant while a writer held it (readers together are fine);
+/// - **fence decrease** (targets with fences): an exclusive grant whose fence is not
+///   above every fence seen for the key; a shared grant whose fence is not above every
+///   writer's fence seen, nor above every fence released before its acquire started,
+///   or equal to a current holder's. Readers granted together may answer in any
+///   order, so a reader is never compared with a reader it may have run beside.
+#[derive(Default)]
+pub struct RwChecker {
+    state: Mutex<(HashMap<String, RwKeyState>, Summary)>,
+}
+
+impl RwChecker {
+    /// A checker with no history.
+    pub fn new() -> RwChecker {
+        RwChecker::default()
+    }
+
+    /// `client` starts an acquire of `key`.
+    pub fn waiting(&self, key: &str, client: usize) {
+        let mut guard = self.state.lock().expect("checker lock");
+        let k = guard.0.entry(key.to_owned()).or_default();
+        let floor = k.max_released_fence;
+        k.floors.insert(client, floor);
+    }
+
+    /// `client` was granted `key` in `mode` with `fence` (if the target has fences).
+    pub fn granted(&self, key: &str, client: usize, mode: Mode, fence: Option<u64>) {
+        let mut guard = self.state.lock().expect("checker lock");
+        let (keys, summary) = &mut *guard;
+        let k = keys.entry(key.to_owned()).or_default();
+        let floor = k.floors.remove(&client).flatten();
+        let conflicting = k
+            .holders
+            .iter()
+            .filter(|(&other, &(held, _))| {
+                other != client && (mode == Mode::Exclusive || held == Mode::Exclusive)
+            })
+            .map(|(&other, &(held, _))| (other, held))
+            .min();
+        if let Some((other, held)) = conflicting {
+            summary.overlaps += 1;
+            push_example(
+                summary,
+                ViolationKind::Overlap,
+                key,
+                format!(
+                    "client {client} was granted {mode:?} while client {other} held it {held:?}"
+                ),
+            );
+        }
+        if let Some(fence) = fence {
+            let bound = match mode {
+                Mode::Exclusive => k.max_fence,
+                Mode::Shared => k.max_writer_fence.max(floor),
+            };
+            let duplicate = k.holders.values().any(|&(_, f)| f == Some(fence));
+            if bound.is_some_and(|b| fence <= b) || duplicate {
+                summary.fence_decreases += 1;
+                push_example(
+                    summary,
+                    ViolationKind::FenceDecrease,
+                    key,
+                    format!(
+                        "client {client} got {mode:?} fence {fence}, not above {} ({})",
+                        bound.unwrap_or(fence),
+                        if duplicate {
+                            "a current holder's"
+                        } else {
+                            "an earlier grant's"
+                        }
+                    ),
+                );
+            }
+            k.max_fence = k.max_fence.max(Some(fence));
+            if mode == Mode::Exclusive {
+                k.max_writer_fence = k.max_writer_fence.max(Some(fence));
+            }
+        }
+        k.holders.insert(client, (mode, fence));
+    }
+
+    /// `client` gave up its acquire of `key` (an error, or the run ended).
+    pub fn gave_up(&self, key: &str, client: usize) {
+        let mut guard = self.state.lock().expect("checker lock");
+        if let Some(k) = guard.0.get_mut(key) {
+            k.floors.remove(&client);
+        }
+    }
+
+    /// `client` is about to send the release of `key`.
+    pub fn releasing(&self, key: &str, client: usize) {
+        let mut guard = self.state.lock().expect("checker lock");
+        if let Some(k) = guard.0.get_mut(key) {
+            if let Some((_, fence)) = k.holders.remove(&client) {
+                k.max_released_fence = k.max_released_fence.max(fence);
+            }
+        }
+    }
+
+    /// What has been counted so far (overlaps, fence decreases, examples).
+    pub fn summary(&self) -> Summary {
+        self.state.lock().expect("checker lock").1.clone()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,5 +402,73 @@ mod tests {
         c.waiting("k", 4, at(t, 20));
         c.granted("k", 3, at(t, 10), None, false);
         assert_eq!(c.summary().fifo_inversions, 1);
+    }
+
+    fn rw(events: &[(&str, usize, Mode, u64)]) -> Summary {
+        let c = RwChecker::new();
+        for &(what, client, mode, fence) in events {
+            match what {
+                "wait" => c.waiting("k", client),
+                "grant" => c.granted("k", client, mode, Some(fence)),
+                _ => c.releasing("k", client),
+            }
+        }
+        c.summary()
+    }
+
+    use Mode::{Exclusive as W, Shared as R};
+
+    #[test]
+    fn readers_together_and_answers_out_of_order_are_fine() {
+        // Readers 0 and 1 granted together (fences 5 and 6, answered 6 first), then a
+        // writer after both left, then a reader after the writer.
+        let s = rw(&[
+            ("wait", 0, R, 0),
+            ("wait", 1, R, 0),
+            ("grant", 1, R, 6),
+            ("grant", 0, R, 5),
+            ("wait", 2, W, 0),
+            ("rel", 0, R, 0),
+            ("rel", 1, R, 0),
+            ("grant", 2, W, 7),
+            ("wait", 0, R, 0),
+            ("rel", 2, W, 0),
+            ("grant", 0, R, 8),
+        ]);
+        assert_eq!((s.overlaps, s.fence_decreases), (0, 0), "{:?}", s.examples);
+    }
+
+    #[test]
+    fn catches_a_planted_writer_overlapping_a_reader() {
+        // The writer is granted while reader 0 still holds.
+        let s = rw(&[("grant", 0, R, 5), ("grant", 1, W, 6)]);
+        assert_eq!((s.overlaps, s.fence_decreases), (1, 0));
+        assert!(s.examples[0]
+            .detail
+            .contains("Exclusive while client 0 held it Shared"));
+        // And a reader granted while a writer holds.
+        let s = rw(&[("grant", 0, W, 5), ("grant", 1, R, 6)]);
+        assert_eq!(s.overlaps, 1);
+    }
+
+    #[test]
+    fn catches_planted_fence_regressions_across_modes() {
+        // A writer below a reader's fence seen before it.
+        let s = rw(&[("grant", 0, R, 9), ("rel", 0, R, 0), ("grant", 1, W, 8)]);
+        assert_eq!((s.overlaps, s.fence_decreases), (0, 1));
+        // A reader below the writer before it.
+        let s = rw(&[("grant", 0, W, 9), ("rel", 0, W, 0), ("grant", 1, R, 8)]);
+        assert_eq!(s.fence_decreases, 1);
+        // A reader below a reader that had left before it asked.
+        let s = rw(&[
+            ("grant", 0, R, 9),
+            ("rel", 0, R, 0),
+            ("wait", 1, R, 0),
+            ("grant", 1, R, 4),
+        ]);
+        assert_eq!(s.fence_decreases, 1);
+        // Two readers with one fence.
+        let s = rw(&[("grant", 0, R, 9), ("grant", 1, R, 9)]);
+        assert_eq!(s.fence_decreases, 1);
     }
 }

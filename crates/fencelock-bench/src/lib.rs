@@ -7,15 +7,19 @@
 //! through one client per target ([`targets`]), feeds every grant to the online
 //! [`checker`], and writes one JSON line per run plus the tables and the chart of
 //! `BENCHMARKS.md` ([`report`]). Three-member clusters ([`cluster`]) are measured with
-//! W1–W3 and with leader kills ([`failover`]).
+//! W1–W3 and with leader kills ([`failover`]). Issue 22's kinds: W6 read-mostly
+//! ([`read_mostly`], checked by [`checker::RwChecker`]) and the election failover of
+//! candidate processes ([`election`]).
 
 #![deny(missing_docs)]
 
 pub mod checker;
 pub mod cluster;
+pub mod election;
 pub mod failover;
 pub mod fleet;
 pub mod peers;
+pub mod read_mostly;
 pub mod report;
 pub mod targets;
 pub mod workload;

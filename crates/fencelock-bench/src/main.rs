@@ -6,6 +6,8 @@
 //! fencelock-bench report --results DIR/results.jsonl --out DIR             # tables + chart again
 //! fencelock-bench run --targets fencelock-3,etcd-3,zk-3 --workloads w1,w2,w3,failover  # clusters
 //! fencelock-bench cluster-report --results A.jsonl --results B.jsonl …    # medians of runs
+//! fencelock-bench run --targets fencelock,etcd,zookeeper --workloads w6,election  # issue 22
+//! fencelock-bench issue22-report --results A.jsonl --results B.jsonl …   # medians of runs
 //! ```
 //! Exit status: 0 when every run completed and the checker found no violation in
 //! fencelock; 1 otherwise (peers' violations are reported, not failures).
@@ -21,8 +23,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
 
 use fencelock_bench::cluster::{self, Cluster};
+use fencelock_bench::election::{self, CandidateSpec, ElectionSpec};
 use fencelock_bench::failover::{self, FailoverSpec};
 use fencelock_bench::fleet::{self, RecoverySpec, SessionsSpec};
+use fencelock_bench::read_mostly::{self, RwSpec, Store};
 use fencelock_bench::targets::cluster::{FencelockClusterLocker, Spread};
 use fencelock_bench::targets::etcd::EtcdLocker;
 use fencelock_bench::targets::fencelock::{FencelockGrpcLocker, FencelockLocker, FencelockTarget};
@@ -61,6 +65,39 @@ enum Command {
         #[arg(long, required = true)]
         results: Vec<PathBuf>,
     },
+    /// Print the W6 and election tables of BENCHMARKS.md over several runs: per figure
+    /// the median over the runs, per ratio the median of each run's own ratio.
+    Issue22Report {
+        /// The JSON lines of each run (give it once per run).
+        #[arg(long, required = true)]
+        results: Vec<PathBuf>,
+    },
+    /// One candidate of the election failover (started by `run`, not by hand):
+    /// campaign, write through the fence once leading, report on stdout.
+    #[command(hide = true)]
+    Candidate(CandidateArgs),
+}
+
+#[derive(clap::Args)]
+struct CandidateArgs {
+    /// fencelock, etcd or zookeeper.
+    #[arg(long)]
+    store: String,
+    /// The server's URL (fencelock, etcd) or port (zookeeper).
+    #[arg(long)]
+    endpoint: String,
+    /// The election's name.
+    #[arg(long)]
+    election: String,
+    /// This candidate's name.
+    #[arg(long)]
+    id: String,
+    /// The leader's lease, in milliseconds.
+    #[arg(long)]
+    ttl_ms: u64,
+    /// The fence gate's directory.
+    #[arg(long)]
+    gate_dir: PathBuf,
 }
 
 #[derive(clap::Args)]
@@ -102,6 +139,18 @@ struct RunArgs {
     /// it: `--fencelock-cluster-arg=--raft-heartbeat-ms --fencelock-cluster-arg=50`).
     #[arg(long, allow_hyphen_values = true)]
     fencelock_cluster_arg: Vec<String>,
+    /// W6: clients on the one key.
+    #[arg(long, default_value_t = 64)]
+    w6_clients: usize,
+    /// W6: seeds every client's generator of modes (95 % shared).
+    #[arg(long, default_value_t = 22)]
+    seed: u64,
+    /// Election: leader kills per target (2 with --smoke).
+    #[arg(long, default_value_t = 10)]
+    election_rounds: usize,
+    /// Election: every candidate's lease, in milliseconds (the same for every store).
+    #[arg(long, default_value_t = 2000)]
+    election_ttl_ms: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -188,6 +237,12 @@ enum Workload {
     W5,
     /// `kill -9` the leader of each cluster target under W2 load, `--kills` times.
     Failover,
+    /// Read-mostly: 64 clients on one key, 95 % shared / 5 % exclusive
+    /// (fencelock, etcd, zookeeper).
+    W6,
+    /// Election failover: `kill -9` the leading candidate process, time to the next
+    /// leader's first fenced write (fencelock, etcd, zookeeper).
+    Election,
 }
 
 fn main() -> ExitCode {
@@ -200,6 +255,10 @@ fn main() -> ExitCode {
         Command::Run(args) => runtime.block_on(run(args)),
         Command::Report { results, out } => write_report(&results, &out).map(|()| true),
         Command::ClusterReport { results } => cluster_report(&results).map(|()| true),
+        Command::Issue22Report { results } => read_runs(&results)
+            .map(|files| print!("{}", report::issue22_markdown(&files)))
+            .map(|()| true),
+        Command::Candidate(args) => runtime.block_on(run_candidate(args)).map(|()| true),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -658,6 +717,26 @@ async fn run(args: RunArgs) -> anyhow::Result<bool> {
             )?;
         }
     }
+    for target in targets_of_issue_22(&args) {
+        let w6 = workloads.contains(&Workload::W6);
+        let election = workloads.contains(&Workload::Election);
+        if !(w6 || election) {
+            break;
+        }
+        eprintln!(
+            "fencelock-bench: {} (issue 22: W6, election)",
+            target.name()
+        );
+        session.seq += 1;
+        let tag = format!("r{}-{}", session.seq, session.started);
+        if let Err(e) = run_issue_22(target, &args, &tag, w6, election, &mut session).await {
+            eprintln!("fencelock-bench: {}: {e:#}", target.name());
+            session.ok = false;
+            session.emit(
+                json!({"target": target.name(), "tier": target.tier(), "error": format!("{e:#}")}),
+            )?;
+        }
+    }
     if workloads.contains(&Workload::W4) {
         let spec = if args.smoke {
             SessionsSpec {
@@ -714,8 +793,157 @@ async fn run(args: RunArgs) -> anyhow::Result<bool> {
     Ok(session.ok)
 }
 
+/// The targets of W6 and the election failover: the durable fencelock server, etcd and
+/// ZooKeeper, in that order, among those asked for (all three by default).
+fn targets_of_issue_22(args: &RunArgs) -> Vec<Target> {
+    [Target::Fencelock, Target::Etcd, Target::Zookeeper]
+        .into_iter()
+        .filter(|t| args.targets.is_empty() || args.targets.contains(t))
+        .collect()
+}
+
+/// W6 and the election failover against one target (a fresh peer for each).
+async fn run_issue_22(
+    target: Target,
+    args: &RunArgs,
+    tag: &str,
+    w6: bool,
+    election: bool,
+    session: &mut Session,
+) -> anyhow::Result<()> {
+    // The peer process lives as long as its handle.
+    let (store, _peer) = match target {
+        Target::Fencelock => {
+            let peer = peers::fencelock(&args.fencelock_bin, true, None)?;
+            (
+                Store::Fencelock(format!("http://127.0.0.1:{}", peer.port())),
+                peer,
+            )
+        }
+        Target::Etcd => {
+            let peer = peers::etcd()?;
+            (
+                Store::Etcd(format!("http://127.0.0.1:{}", peer.port())),
+                peer,
+            )
+        }
+        _ => {
+            let peer = peers::zookeeper()?;
+            (Store::ZooKeeper(peer.port()), peer)
+        }
+    };
+    if w6 {
+        let spec = RwSpec {
+            clients: if args.smoke { 4 } else { args.w6_clients },
+            shared_percent: 95,
+            seed: args.seed,
+            warmup: Duration::from_secs_f64(if args.smoke { 0.1 } else { args.warmup }),
+            measure: Duration::from_secs_f64(if args.smoke { 0.3 } else { args.seconds }),
+            key: format!("{tag}-w6"),
+        };
+        let o = read_mostly::run(&store, &spec)
+            .await
+            .with_context(|| format!("{} W6", target.name()))?;
+        let violated = o.checked.overlaps + o.checked.fence_decreases > 0;
+        let grants = o.shared.grants + o.exclusive.grants;
+        if target == Target::Fencelock && (violated || o.errors > 0 || grants == 0) {
+            session.ok = false;
+        }
+        session.emit(json!({
+            "target": target.name(), "tier": target.tier(), "workload": "W6",
+            "clients": spec.clients, "shared_percent": spec.shared_percent, "seed": spec.seed,
+            "seconds": o.seconds,
+            "grants": grants, "grants_per_s": grants as f64 / o.seconds,
+            "shared_grants": o.shared.grants,
+            "shared_per_s": o.shared.grants as f64 / o.seconds,
+            "exclusive_grants": o.exclusive.grants,
+            "exclusive_per_s": o.exclusive.grants as f64 / o.seconds,
+            "shared_pair_p50_us": o.shared.pair.p50_us, "shared_pair_p99_us": o.shared.pair.p99_us,
+            "shared_wait_p50_us": o.shared.wait.p50_us, "shared_wait_p99_us": o.shared.wait.p99_us,
+            "exclusive_pair_p50_us": o.exclusive.pair.p50_us,
+            "exclusive_pair_p99_us": o.exclusive.pair.p99_us,
+            "exclusive_wait_p50_us": o.exclusive.wait.p50_us,
+            "exclusive_wait_p99_us": o.exclusive.wait.p99_us,
+            "overlaps": o.checked.overlaps, "fence_decreases": o.checked.fence_decreases,
+            "violations": o.checked.examples.iter().map(|v| json!({
+                "kind": format!("{:?}", v.kind), "key": v.key, "detail": v.detail,
+            })).collect::<Vec<_>>(),
+            "errors": o.errors, "first_error": o.first_error,
+            "load_avg_1m": load(),
+        }))?;
+    }
+    if election {
+        let spec = ElectionSpec {
+            candidates: 3,
+            rounds: if args.smoke {
+                2
+            } else {
+                args.election_rounds.max(1)
+            },
+            ttl: Duration::from_millis(args.election_ttl_ms),
+            settle: Duration::from_millis(if args.smoke { 300 } else { 1000 }),
+            round_timeout: ELECTION_ROUND_TIMEOUT,
+            election: format!("{tag}-election"),
+        };
+        let exe = std::env::current_exe().context("this binary's path")?;
+        let o = election::run(&exe, &store, &spec)
+            .await
+            .with_context(|| format!("{} election", target.name()))?;
+        let timeouts = o.rounds.iter().filter(|r| r.write_after.is_none()).count();
+        if target == Target::Fencelock
+            && (o.violations > 0 || timeouts > 0 || o.rounds.len() < spec.rounds)
+        {
+            session.ok = false;
+        }
+        let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1e3);
+        let (p50, p99) = election::percentiles_ms(&o.rounds, ELECTION_ROUND_TIMEOUT)
+            .unwrap_or((f64::NAN, f64::NAN));
+        let mut leading: Vec<f64> = o
+            .rounds
+            .iter()
+            .filter_map(|r| ms(r.leading_after))
+            .collect();
+        leading.sort_by(f64::total_cmp);
+        session.emit(json!({
+            "target": target.name(), "tier": target.tier(), "workload": "election",
+            "candidates": spec.candidates, "ttl_ms": spec.ttl.as_millis() as u64,
+            "rounds": o.rounds.len(), "rounds_asked": spec.rounds, "timeouts": timeouts,
+            "failover_p50_ms": p50, "failover_p99_ms": p99,
+            "leading_p50_ms": report::median(leading),
+            "write_after_ms": o.rounds.iter().map(|r| ms(r.write_after)).collect::<Vec<_>>(),
+            "leading_after_ms": o.rounds.iter().map(|r| ms(r.leading_after)).collect::<Vec<_>>(),
+            "terms": o.rounds.iter().map(|r| (r.old_term, r.new_term)).collect::<Vec<_>>(),
+            "final_fence": o.final_fence,
+            "election_violations": o.violations, "violation_examples": o.examples,
+            "load_avg_1m": load(),
+        }))?;
+    }
+    Ok(())
+}
+
+/// An election round without a new leader's write after this is a timeout.
+const ELECTION_ROUND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The `candidate` subcommand.
+async fn run_candidate(args: CandidateArgs) -> anyhow::Result<()> {
+    let spec = CandidateSpec {
+        store: Store::parse(&args.store, &args.endpoint)?,
+        election: args.election,
+        id: args.id,
+        ttl: Duration::from_millis(args.ttl_ms),
+        gate_dir: args.gate_dir,
+    };
+    election::candidate(&spec).await
+}
+
 /// Prints the cluster tables of several runs (see `report::cluster_markdown`).
 fn cluster_report(results: &[PathBuf]) -> anyhow::Result<()> {
+    print!("{}", report::cluster_markdown(&read_runs(results)?));
+    Ok(())
+}
+
+/// The JSON lines of each of several runs.
+fn read_runs(results: &[PathBuf]) -> anyhow::Result<Vec<Vec<Value>>> {
     let mut files = Vec::with_capacity(results.len());
     for path in results {
         let text =
@@ -728,8 +956,7 @@ fn cluster_report(results: &[PathBuf]) -> anyhow::Result<()> {
             .with_context(|| format!("parse {}", path.display()))?;
         files.push(runs);
     }
-    print!("{}", report::cluster_markdown(&files));
-    Ok(())
+    Ok(files)
 }
 
 fn write_report(results: &Path, out: &Path) -> anyhow::Result<()> {

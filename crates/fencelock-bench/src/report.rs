@@ -194,6 +194,199 @@ fn targets_table(runs: &[Value], out: &mut String) {
         Some((goal_s / s, format!("{s:.2} s with {locks:.0} locks")))
     });
     row("W5 ready ≤ 2 s with 1M locks", w5, 1.0);
+    for (peer, label) in [
+        ("etcd", "W6 ≥ 3× etcd grants/s"),
+        ("zookeeper", "W6 ≥ 3× ZooKeeper grants/s"),
+    ] {
+        let w6 = (|| {
+            let b = w6_figure(runs, BASE, "grants_per_s")?;
+            let p = w6_figure(runs, peer, "grants_per_s")?;
+            Some((
+                b / p,
+                format!("{:.2}× ({} vs {} grants/s)", b / p, fmt_num(b), fmt_num(p)),
+            ))
+        })();
+        row(label, w6, 3.0);
+    }
+}
+
+fn w6_figure(runs: &[Value], target: &str, field: &str) -> Option<f64> {
+    runs.iter()
+        .find(|r| r["target"] == target && r["workload"] == "W6")?[field]
+        .as_f64()
+}
+
+fn election_figure(runs: &[Value], target: &str, field: &str) -> Option<f64> {
+    runs.iter()
+        .find(|r| r["target"] == target && r["workload"] == "election")?[field]
+        .as_f64()
+}
+
+/// The stores of W6 and the election failover, base first.
+const ISSUE_22_TARGETS: &[&str] = &["fencelock", "etcd", "zookeeper"];
+
+/// W6 columns: (field, higher is better, heading).
+const W6_FIELDS: &[(&str, bool, &str)] = &[
+    ("grants_per_s", true, "grants/s"),
+    ("shared_per_s", true, "shared/s"),
+    ("exclusive_per_s", true, "exclusive/s"),
+    ("shared_pair_p50_us", false, "shared p50 (µs)"),
+    ("shared_pair_p99_us", false, "shared p99 (µs)"),
+    ("exclusive_pair_p50_us", false, "exclusive p50 (µs)"),
+    ("exclusive_pair_p99_us", false, "exclusive p99 (µs)"),
+];
+
+/// Election columns: (field, heading); lower is better for all.
+const ELECTION_FIELDS: &[(&str, &str)] = &[
+    ("failover_p50_ms", "kill → fenced write p50 (ms)"),
+    ("failover_p99_ms", "p99 (ms)"),
+    ("leading_p50_ms", "kill → leading p50 (ms)"),
+];
+
+/// The tables of W6 and the election failover over one or more runs (one `Vec` of JSON
+/// lines per run): each figure is the median over the runs, each ratio the median of
+/// the ratios taken within each run (every run's ratio shown), oriented so that > 1
+/// means fencelock is better. Empty if no run has either workload.
+pub fn issue22_markdown(files: &[Vec<Value>]) -> String {
+    let mut out = String::new();
+    let runs = files.len();
+    let median_of = |f: &dyn Fn(&[Value]) -> Option<f64>| {
+        let all: Vec<f64> = files.iter().filter_map(|r| f(r)).collect();
+        (median(all.clone()), all)
+    };
+    let cell = |v: Option<f64>| v.map_or("–".to_owned(), fmt_num);
+    let ratio_cell = |(m, all): (Option<f64>, Vec<f64>)| match m {
+        None => "–".to_owned(),
+        Some(m) if all.len() > 1 => format!(
+            "{m:.2}× ({})",
+            all.iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        Some(m) => format!("{m:.2}×"),
+    };
+    if let Some(first) = files.iter().flatten().find(|r| r["workload"] == "W6") {
+        let shared = first["shared_percent"].as_u64().unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "### W6 read-mostly: {} clients on one key, {shared} % shared / {} % exclusive\n\n\
+             Median of {runs} run(s); latency is acquire + release per mode.\n",
+            first["clients"],
+            100 - shared.min(100)
+        );
+        out.push_str("| target |");
+        for (_, _, h) in W6_FIELDS {
+            let _ = write!(out, " {h} |");
+        }
+        out.push_str(" overlaps / fence decreases | errors |\n|---|");
+        out.push_str(&"---|".repeat(W6_FIELDS.len() + 2));
+        out.push('\n');
+        for t in ISSUE_22_TARGETS {
+            if !files
+                .iter()
+                .flatten()
+                .any(|r| r["target"] == *t && r["workload"] == "W6")
+            {
+                continue;
+            }
+            let _ = write!(out, "| {t} |");
+            for (field, _, _) in W6_FIELDS {
+                let _ = write!(out, " {} |", cell(median_of(&|r| w6_figure(r, t, field)).0));
+            }
+            let sum = |f: &str| {
+                files
+                    .iter()
+                    .flatten()
+                    .filter(|r| r["target"] == *t && r["workload"] == "W6")
+                    .filter_map(|r| r[f].as_u64())
+                    .sum::<u64>()
+            };
+            let _ = writeln!(
+                out,
+                " {} / {} | {} |",
+                sum("overlaps"),
+                sum("fence_decreases"),
+                sum("errors")
+            );
+        }
+        for peer in &ISSUE_22_TARGETS[1..] {
+            let _ = write!(out, "| fencelock vs {peer} |");
+            for &(field, higher, _) in W6_FIELDS {
+                let r = median_of(&|r| {
+                    ratio(
+                        w6_figure(r, BASE, field)?,
+                        w6_figure(r, peer, field)?,
+                        higher,
+                    )
+                });
+                let _ = write!(out, " {} |", ratio_cell(r));
+            }
+            out.push_str(" | |\n");
+        }
+    }
+    if files.iter().flatten().any(|r| r["workload"] == "election") {
+        let ttl = files
+            .iter()
+            .flatten()
+            .find(|r| r["workload"] == "election")
+            .and_then(|r| r["ttl_ms"].as_u64())
+            .unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "\n### Election failover: the leading candidate process killed (`kill -9`)\n\n\
+             Three candidate processes, lease {ttl} ms for every store; median of {runs} \
+             run(s) of each figure (each run's p50/p99 over its rounds).\n"
+        );
+        out.push_str("| target |");
+        for (_, h) in ELECTION_FIELDS {
+            let _ = write!(out, " {h} |");
+        }
+        out.push_str(" rounds | timeouts | refused writes / terms not increasing |\n|---|");
+        out.push_str(&"---|".repeat(ELECTION_FIELDS.len() + 3));
+        out.push('\n');
+        for t in ISSUE_22_TARGETS {
+            let mine: Vec<&Value> = files
+                .iter()
+                .flatten()
+                .filter(|r| r["target"] == *t && r["workload"] == "election")
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let _ = write!(out, "| {t} |");
+            for (field, _) in ELECTION_FIELDS {
+                let _ = write!(
+                    out,
+                    " {} |",
+                    cell(median_of(&|r| election_figure(r, t, field)).0)
+                );
+            }
+            let sum = |f: &str| mine.iter().filter_map(|r| r[f].as_u64()).sum::<u64>();
+            let _ = writeln!(
+                out,
+                " {} | {} | {} |",
+                sum("rounds"),
+                sum("timeouts"),
+                sum("election_violations")
+            );
+        }
+        for peer in &ISSUE_22_TARGETS[1..] {
+            let _ = write!(out, "| fencelock vs {peer} |");
+            for (field, _) in ELECTION_FIELDS {
+                let r = median_of(&|r| {
+                    ratio(
+                        election_figure(r, BASE, field)?,
+                        election_figure(r, peer, field)?,
+                        false,
+                    )
+                });
+                let _ = write!(out, " {} |", ratio_cell(r));
+            }
+            out.push_str(" | | |\n");
+        }
+    }
+    out
 }
 
 /// What W3 can reach at all while every grant is durable before it is acknowledged
@@ -248,7 +441,10 @@ fn violations_table(runs: &[Value], out: &mut String) {
     let mut targets: Vec<&str> = Vec::new();
     for r in runs {
         if let Some(t) = r["target"].as_str() {
-            if !targets.contains(&t) && r["workload"].as_str().is_some_and(|w| w < "W4") {
+            let checked = r["workload"]
+                .as_str()
+                .is_some_and(|w| matches!(w, "W1" | "W2" | "W3" | "W6"));
+            if !targets.contains(&t) && checked {
                 targets.push(t);
             }
         }
@@ -491,9 +687,11 @@ pub fn cluster_markdown(files: &[Vec<Value>]) -> String {
 pub fn markdown(runs: &[Value]) -> String {
     let mut out = String::new();
     // A cluster-only run has no single-node tiers: no empty headings then.
-    let single = runs
-        .iter()
-        .any(|r| r["tier"] == "fsync" || r["tier"] == "memory");
+    let single = runs.iter().any(|r| {
+        (r["tier"] == "fsync" || r["tier"] == "memory")
+            && r["workload"] != "W6"
+            && r["workload"] != "election"
+    });
     if single {
         out.push_str("### Durable tier (fsync before acknowledging)\n\nRatios: fencelock's figure against the peer's, > 1 means fencelock is better (more per second, or less latency).\n\n");
         tier_table(runs, "fsync", BASE, &mut out);
@@ -509,6 +707,11 @@ pub fn markdown(runs: &[Value]) -> String {
             out.push_str("\n### Failover: the leader killed (`kill -9`) under W2 load\n\n");
             failover_table(&runs.iter().collect::<Vec<_>>(), &mut out);
         }
+    }
+    let issue22 = issue22_markdown(&[runs.to_vec()]);
+    if !issue22.is_empty() {
+        out.push('\n');
+        out.push_str(&issue22);
     }
     if runs.iter().any(|r| r["target"] == BASE) {
         out.push_str("\n### The issue's targets\n\n");

@@ -515,12 +515,13 @@ pub async fn shared_queued_writer_goes_first(fixture: &dyn Fixture) {
     assert!(step(writer.release(&granted)).await.expect("release"));
 }
 
-/// A writer that downgrades keeps its fence and lets readers in, but not writers;
-/// where the capabilities say no, downgrade is `Unsupported` and the writer still
-/// holds exclusively.
+/// A writer that downgrades keeps its fence and lets readers in — one already queued
+/// behind it and one arriving after — but not writers; where the capabilities say no,
+/// downgrade is `Unsupported` and the writer still holds exclusively.
 pub async fn downgrade_lets_readers_in(fixture: &dyn Fixture) {
     let holder = connect(fixture).await;
     let other = connect(fixture).await;
+    let queued: Arc<dyn LockBackend> = connect(fixture).await;
     let name = "conformance:downgrade";
     let lease = acquire(&*holder, &spec(name, LONG_TTL)).await;
     if !holder.capabilities().downgrade {
@@ -533,13 +534,30 @@ pub async fn downgrade_lets_readers_in(fixture: &dyn Fixture) {
         holder.capabilities().shared,
         "a backend that downgrades must have shared locks"
     );
+    let task = {
+        let queued = queued.clone();
+        let mut reader = shared(name, LONG_TTL);
+        reader.wait = STEP / 2;
+        tokio::spawn(async move { queued.acquire(&reader).await })
+    };
+    // Give the reader time to be queued behind the writer.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !task.is_finished(),
+        "a reader was granted beside the writer"
+    );
     step(holder.downgrade(&lease)).await.expect("downgrade");
+    let early = step(task)
+        .await
+        .expect("reader task")
+        .unwrap_or_else(|e| panic!("the reader queued behind the writer was not let in: {e}"));
     let reader = acquire(&*other, &shared(name, LONG_TTL)).await;
     expect_refused(&*other, &spec(name, LONG_TTL), ErrorKind::Held).await;
     let renewed = step(holder.renew(&lease, LONG_TTL)).await.expect("renew");
     assert!(renewed > Duration::ZERO);
     assert!(step(holder.release(&lease)).await.expect("release"));
     assert!(step(other.release(&reader)).await.expect("release"));
+    assert!(step(queued.release(&early)).await.expect("release"));
 }
 
 fn campaign_spec(name: &str, ttl: Duration, wait: Duration) -> AcquireSpec {

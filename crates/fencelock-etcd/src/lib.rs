@@ -41,8 +41,14 @@
 //!   ahead, and watches the nearest one. So readers share, a writer excludes them, and
 //!   a queued writer blocks readers that arrive after it (FIFO across modes). Fences
 //!   stay create revisions: a writer's is larger than every reader's before it.
-//!   Readers are not counted: a shared lock takes `limit` 1. No downgrade (a reader
-//!   waiting on a writer watches only for its deletion).
+//!   Readers are not counted: a shared lock takes `limit` 1.
+//! - **Downgrade** rewrites the writer's key in place with `mode=shared` (a
+//!   transaction comparing its create revision, lease and mod revision): the key keeps
+//!   its create revision, so the grant keeps its fence and its place in the queue. A
+//!   reader waits on the nearest writer ahead for its deletion *or a put*, so readers
+//!   queued right behind hold at once; writers behind still wait for the deletion.
+//!   Creating a second, reader key instead would queue it behind any writer already
+//!   waiting, and deleting the writer's key would then hand that writer the lock.
 //! - **Elections** are etcd's `concurrency.Election`: a candidate is an ordinary
 //!   exclusive key of the election's name carrying `value=<v>`; the oldest key leads
 //!   and its create revision is the term. `proclaim` rewrites the value in a
@@ -629,15 +635,12 @@ impl EtcdBackend {
                     format!("{:?} is held", spec.name),
                 ));
             }
-            let woken = self
-                .wait_for_deletion(
-                    &target,
-                    deadline,
-                    pending.lease_id,
-                    keepalive_every,
-                    &mut next_keepalive,
-                )
-                .await?;
+            let keep = KeepAlive {
+                lease_id: pending.lease_id,
+                every: keepalive_every,
+                next: &mut next_keepalive,
+            };
+            let woken = self.wait_for_change(&target, deadline, Some(keep)).await?;
             if !woken {
                 pending.give_up().await;
                 return Err(Error::new(
@@ -777,51 +780,13 @@ impl EtcdBackend {
     }
 
     /// A reader's turn (etcd's `recipes.RWMutex`): it holds once no writer is ahead of
-    /// it, and otherwise waits for the nearest writer ahead to go. Readers ahead do not
-    /// matter; writers behind it wait for it.
+    /// it, and otherwise waits for the nearest writer ahead to go — or to become a
+    /// reader (a downgrade rewrites its key), so it watches that key's puts too.
+    /// Readers ahead do not matter; writers behind it wait for it.
     async fn reader_turn(&self, place: &Place, revision: i64) -> Result<Turn, Error> {
-        if revision < 2 {
-            return Err(unexpected("create revision"));
-        }
-        let reply = self
-            .txn(pb::TxnRequest {
-                compare: Vec::new(),
-                success: vec![
-                    range_op(pb::RangeRequest {
-                        key: place.key.clone(),
-                        keys_only: true,
-                        ..Default::default()
-                    }),
-                    range_op(pb::RangeRequest {
-                        key: place.dir.clone(),
-                        range_end: place.dir_end.clone(),
-                        max_create_revision: revision - 1,
-                        sort_order: SortOrder::Descend as i32,
-                        sort_target: SortTarget::Create as i32,
-                        ..Default::default()
-                    }),
-                ],
-                failure: Vec::new(),
-            })
-            .await?;
-        let now = header_revision(reply.header.as_ref())?;
-        let [OpResponse::ResponseRange(mine), OpResponse::ResponseRange(ahead)] =
-            responses(reply, "queue read")?
-        else {
-            return Err(unexpected("queue read"));
-        };
-        let still_queued = mine
-            .kvs
-            .first()
-            .is_some_and(|kv| kv.create_revision == revision);
-        if !still_queued {
-            return Err(Error::new(
-                ErrorKind::Unavailable,
-                "the waiting request's lease expired (etcd unreachable for its ttl); try again",
-            ));
-        }
+        let (now, ahead) = self.queue_ahead(place, revision, None).await?;
         let mut writer = None;
-        for kv in ahead.kvs {
+        for kv in ahead {
             match keys::parse_value(&kv.value) {
                 Some(entry) if entry.shared => {}
                 Some(_) => {
@@ -837,7 +802,7 @@ impl EtcdBackend {
                 key,
                 range_end: Vec::new(),
                 after_revision: now,
-                puts: false,
+                puts: true,
             }),
         })
     }
@@ -845,6 +810,24 @@ impl EtcdBackend {
     /// A writer's or a semaphore holder's turn: it holds once fewer than `limit` keys
     /// are ahead of it.
     async fn counted_turn(&self, place: &Place, revision: i64, limit: u32) -> Result<Turn, Error> {
+        let (now, ahead) = self.queue_ahead(place, revision, Some(limit)).await?;
+        if ahead.len() < limit as usize {
+            return Ok(Turn::Granted);
+        }
+        let predecessor = ahead.into_iter().next().map(|kv| kv.key);
+        Turn::wait(limit, predecessor, place, now)
+    }
+
+    /// The one queue read of every turn: checks that the request's key (created at
+    /// `revision`) is still queued, and returns the revision read at with the keys
+    /// ahead of it, nearest first — all of them with their values (a reader needs the
+    /// modes), or only the `limit` nearest, keys only.
+    async fn queue_ahead(
+        &self,
+        place: &Place,
+        revision: i64,
+        limit: Option<u32>,
+    ) -> Result<(i64, Vec<pb::KeyValue>), Error> {
         if revision < 2 {
             // etcd's first write is revision 2; 0 would switch the filter below off.
             return Err(unexpected("create revision"));
@@ -858,15 +841,14 @@ impl EtcdBackend {
                         keys_only: true,
                         ..Default::default()
                     }),
-                    // The `limit` keys nearest ahead of ours, nearest first.
                     range_op(pb::RangeRequest {
                         key: place.dir.clone(),
                         range_end: place.dir_end.clone(),
                         max_create_revision: revision - 1,
                         sort_order: SortOrder::Descend as i32,
                         sort_target: SortTarget::Create as i32,
-                        limit: i64::from(limit),
-                        keys_only: true,
+                        limit: limit.map_or(0, i64::from),
+                        keys_only: limit.is_some(),
                         ..Default::default()
                     }),
                 ],
@@ -889,34 +871,34 @@ impl EtcdBackend {
                 "the waiting request's lease expired (etcd unreachable for its ttl); try again",
             ));
         }
-        // The filter applies to `kvs`, not to `count`.
-        if ahead.kvs.len() < limit as usize {
-            return Ok(Turn::Granted);
-        }
-        let predecessor = ahead.kvs.into_iter().next().map(|kv| kv.key);
-        Turn::wait(limit, predecessor, place, now)
+        // (The `max_create_revision` filter applies to `kvs`, not to `count`.)
+        Ok((now, ahead.kvs))
     }
 
-    /// Watches `target` for a deletion: `true` when one happened (or the history it
-    /// would be in was compacted: look again), `false` when `deadline` passed first.
-    /// Keeps the waiter's lease alive meanwhile.
-    async fn wait_for_deletion(
+    /// Watches `target` for a deletion (with `puts`, for a write too): `true` when one
+    /// happened (or the history it would be in was compacted: look again), `false`
+    /// when `deadline` passed first. With `keep`, keeps the waiter's lease alive
+    /// meanwhile. The one wait of every queue (locks, shared locks, campaigns) and of
+    /// observing an election.
+    async fn wait_for_change(
         &self,
         target: &WatchTarget,
         deadline: Instant,
-        lease_id: i64,
-        keepalive_every: Duration,
-        next_keepalive: &mut Instant,
+        mut keep: Option<KeepAlive<'_>>,
     ) -> Result<bool, Error> {
         let mut watch = match self.open_watch(target, deadline).await? {
             Opened::Watching(watch) => watch,
             Opened::Answered(woken) => return Ok(woken),
         };
+        // Without a lease to keep, the keep-alive branch never fires.
+        let far = deadline + Duration::from_secs(1);
         loop {
+            let next_keepalive = keep.as_ref().map_or(far, |k| *k.next);
             tokio::select! {
                 _ = tokio::time::sleep_until(deadline) => return Ok(false),
-                _ = tokio::time::sleep_until(*next_keepalive) => {
-                    match tokio::time::timeout_at(deadline, self.keep_alive(lease_id)).await {
+                _ = tokio::time::sleep_until(next_keepalive), if keep.is_some() => {
+                    let Some(k) = keep.as_mut() else { continue };
+                    match tokio::time::timeout_at(deadline, self.keep_alive(k.lease_id)).await {
                         Err(_) => return Ok(false),
                         Ok(Err(e)) if e.kind() == ErrorKind::NotHeld => {
                             return Err(Error::new(
@@ -926,7 +908,7 @@ impl EtcdBackend {
                         }
                         Ok(result) => result?,
                     };
-                    *next_keepalive = Instant::now() + keepalive_every;
+                    *k.next = Instant::now() + k.every;
                 }
                 message = watch.events.message() => {
                     let message = message.map_err(|status| watch.failed(status))?;
@@ -1154,6 +1136,89 @@ impl EtcdBackend {
         }
     }
 
+    /// Downgrade: rewrites the writer's key in place with `shared` in its value, in a
+    /// transaction that compares its create revision, lease and mod revision. The key
+    /// keeps its create revision, so it keeps its place in the queue and its fence;
+    /// readers waiting on it watch its puts and hold at once, writers behind it still
+    /// wait for its deletion. (A second key for the reader would queue *behind* any
+    /// writer already waiting, and deleting the writer's key would hand that writer the
+    /// lock: not a downgrade.)
+    async fn downgrade_inner(&self, lease: &Lease) -> Result<(), Error> {
+        let token = Token::parse(&lease.owner_token)?;
+        let key = token.key(&self.prefix, &lease.name);
+        let reply = self
+            .range(pb::RangeRequest {
+                key: key.clone(),
+                ..Default::default()
+            })
+            .await?;
+        let not_held = || {
+            Error::new(
+                ErrorKind::NotHeld,
+                format!("{:?} is not held by this grant", lease.name),
+            )
+        };
+        let Some(kv) = reply.kvs.into_iter().next() else {
+            return Err(not_held());
+        };
+        if kv.create_revision != token.revision || kv.lease != token.lease_id {
+            return Err(not_held());
+        }
+        let Some(mut entry) = keys::parse_value(&kv.value) else {
+            return Err(foreign_key(&String::from_utf8_lossy(&kv.key)));
+        };
+        if entry.value.is_some() {
+            return Err(invalid(
+                "an election's leader cannot downgrade (resign instead)".to_owned(),
+            ));
+        }
+        if entry.limit != 1 {
+            return Err(invalid(format!(
+                "a semaphore holder (limit {}) cannot downgrade",
+                entry.limit
+            )));
+        }
+        if entry.shared {
+            return Ok(());
+        }
+        entry.shared = true;
+        let written = self
+            .txn(pb::TxnRequest {
+                compare: vec![
+                    compare(
+                        &key,
+                        CompareTarget::Create,
+                        TargetUnion::CreateRevision(token.revision),
+                    ),
+                    compare(
+                        &key,
+                        CompareTarget::Lease,
+                        TargetUnion::Lease(token.lease_id),
+                    ),
+                    compare(
+                        &key,
+                        CompareTarget::Mod,
+                        TargetUnion::ModRevision(kv.mod_revision),
+                    ),
+                ],
+                success: vec![pb::RequestOp {
+                    request: Some(Op::RequestPut(pb::PutRequest {
+                        key,
+                        value: keys::value(&entry),
+                        ignore_lease: true,
+                        ..Default::default()
+                    })),
+                }],
+                failure: Vec::new(),
+            })
+            .await?;
+        if written.succeeded {
+            Ok(())
+        } else {
+            Err(not_held())
+        }
+    }
+
     /// The election's leader (its oldest key) and the revision it was read at.
     async fn read_leader(&self, name: &str) -> Result<(Option<Leader>, i64), Error> {
         let (dir, end) = keys::lock_dir(&self.prefix, name);
@@ -1206,23 +1271,8 @@ impl EtcdBackend {
                 after_revision: revision,
                 puts: true,
             };
-            let mut watch = match self.open_watch(&target, deadline).await? {
-                Opened::Watching(watch) => watch,
-                Opened::Answered(_) => continue,
-            };
-            let changed = tokio::time::timeout_at(deadline, async {
-                loop {
-                    let message = watch.events.message().await;
-                    let message = message.map_err(|status| watch.failed(status))?;
-                    if watch_outcome(message)?.is_some() {
-                        return Ok::<(), Error>(());
-                    }
-                }
-            })
-            .await;
-            match changed {
-                Err(_elapsed) => return Ok(leader),
-                Ok(result) => result?,
+            if !self.wait_for_change(&target, deadline, None).await? {
+                return Ok(leader);
             }
         }
     }
@@ -1355,6 +1405,7 @@ impl LockBackend for EtcdBackend {
         caps.semaphores = true;
         caps.monotonic_leases = true;
         caps.shared = true;
+        caps.downgrade = true;
         caps.elections = true;
         caps.sessions = true;
         caps
@@ -1439,6 +1490,12 @@ impl LockBackend for EtcdBackend {
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(self.release_inner(lease))
+    }
+
+    /// Rewrites the writer's key as a reader's in place: same key, same create
+    /// revision, so the fence stays and the place in the queue too.
+    fn downgrade<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(self.downgrade_inner(lease))
     }
 }
 
@@ -1576,7 +1633,7 @@ fn watch_outcome(message: Option<pb::WatchResponse>) -> Result<Option<bool>, Err
             ErrorKind::Unavailable,
             format!("etcd cancelled the watch: {}", reply.cancel_reason),
         )),
-        // Only deletions pass the filter.
+        // Only what the filter lets pass: deletions, and puts where asked for.
         Some(reply) if !reply.events.is_empty() => Ok(Some(true)),
         // Created, or progress.
         Some(_) => Ok(None),
@@ -1669,6 +1726,13 @@ impl Turn {
         };
         Ok(Turn::Wait(target))
     }
+}
+
+/// The lease a waiter keeps alive while it watches, and when its next keep-alive is due.
+struct KeepAlive<'a> {
+    lease_id: i64,
+    every: Duration,
+    next: &'a mut Instant,
 }
 
 /// A lease granted for an acquire that has not answered yet. Dropped armed (the

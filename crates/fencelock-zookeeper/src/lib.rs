@@ -121,7 +121,13 @@
 //!   writer holds once it is first, watching its predecessor. So a queued writer blocks
 //!   later readers (FIFO across modes), and a writer's fence (czxid) is larger than
 //!   every reader's before it. Readers are not counted: a shared lock takes `limit` 1.
-//!   No downgrade.
+//! - **Downgrade** marks the writer's own node as shared (`setData` of `shared`,
+//!   guarded by its version and owner): the node keeps its czxid, so the grant keeps
+//!   its fence and its place. A reader reads (and watches) the nearest writer ahead,
+//!   skipping downgraded ones, so readers right behind are woken and hold; writers
+//!   behind still wait for the deletion. Curator's own downgrade (take a `read-` node,
+//!   then delete the writer's) would queue the new node behind a writer already
+//!   waiting, which then holds beside it.
 //! - **Elections** are Curator's `LeaderLatch`: a candidate is a lock node whose data
 //!   is `<owner>\n<value>`; the first node leads and its czxid is the term. `proclaim`
 //!   is `setData` with the version just read, on a node still owned by the leader's
@@ -312,6 +318,8 @@ const MAX_KNOWN_PARENTS: usize = 4096;
 const NODE_PREFIX: &str = "lock-";
 /// A reader's node (Curator's `InterProcessReadWriteLock` names them `read-`).
 const READ_PREFIX: &str = "read-";
+/// The data of a writer's node that downgraded: it holds shared from then on.
+const DOWNGRADED: &[u8] = b"shared";
 
 #[derive(Debug)]
 struct Inner {
@@ -489,6 +497,68 @@ impl ZooKeeperBackend {
             Err(Fault::Server(zk::Error::BadVersion)) => Err(Error::new(
                 ErrorKind::Unavailable,
                 "another proclaim of this leader changed the value meanwhile; try again",
+            )),
+            Err(fault) => Err(error(fault)),
+        }
+    }
+
+    /// Downgrade (Curator's: a write-lock holder becomes a reader): marks the writer's
+    /// own node as shared with a `setData` guarded by the version just read and by the
+    /// node still being this session's. The node stays where it is, so the grant keeps
+    /// its fence (czxid) and its place in the queue; readers waiting on it are woken by
+    /// its data watch and skip it, writers behind it still wait for its deletion.
+    /// (Curator's way — a new `read-` node, then deleting the writer's — queues the new
+    /// node behind any writer already waiting, which then holds together with it.)
+    async fn downgrade_lock(&self, lease: &Lease) -> Result<(), Error> {
+        let Some((session, path)) = self.inner.grant(lease) else {
+            return Err(not_held(
+                lease,
+                "its session is not one of this backend's live sessions",
+            ));
+        };
+        let node = parse_node(&lease.owner_token)
+            .ok_or_else(|| invalid("not a lock grant of this backend"))?;
+        if node.shared {
+            return Ok(());
+        }
+        if node.limit != 1 {
+            return Err(invalid(format!(
+                "a semaphore holder (limit {}) cannot downgrade",
+                node.limit
+            )));
+        }
+        let connect_by = Instant::now() + session.timeout() / 3;
+        let (data, stat) = match session.run(connect_by, |c| c.get_data(&path)).await {
+            Ok(found) => found,
+            Err(Fault::Server(zk::Error::NoNode) | Fault::Lost | Fault::Closed) => {
+                return Err(not_held(lease, "its node is gone"))
+            }
+            Err(fault) => return Err(error(fault)),
+        };
+        if stat.ephemeral_owner != session.id() {
+            return Err(not_held(lease, "its node belongs to another session"));
+        }
+        if data == DOWNGRADED {
+            return Ok(());
+        }
+        if !data.is_empty() {
+            return Err(invalid(
+                "an election's leader cannot downgrade (resign instead)",
+            ));
+        }
+        match session
+            .run(connect_by, |c| {
+                c.set_data(&path, DOWNGRADED, Some(stat.version))
+            })
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(Fault::Server(zk::Error::NoNode) | Fault::Lost | Fault::Closed) => {
+                Err(not_held(lease, "its node is gone"))
+            }
+            Err(Fault::Server(zk::Error::BadVersion)) => Err(Error::new(
+                ErrorKind::Unavailable,
+                "the node changed during the downgrade; try again",
             )),
             Err(fault) => Err(error(fault)),
         }
@@ -989,36 +1059,24 @@ impl Attempt<'_> {
                 ),
             )));
         }
-        // A reader waits only for the nearest writer ahead (Curator's read lock);
-        // a writer for everything ahead, like a mutex.
-        let blocker = match self.shared {
-            true => ahead.iter().rposition(|n| !n.shared),
-            false if position < limit as usize => None,
+        if self.shared {
+            return self.reader_round(ahead, connect_by).await;
+        }
+        // A writer waits for everything ahead, like a mutex.
+        let blocker = match position < limit as usize {
+            true => None,
             false => Some(position - limit as usize),
         };
         let Some(blocker) = blocker else {
             return self.granted().await;
         };
-        if Instant::now() >= self.deadline {
-            let (kind, what) = if self.spec.wait.is_zero() {
-                (ErrorKind::Held, "is held")
-            } else {
-                (ErrorKind::Timeout, "was not granted within the wait")
-            };
-            return Ok(Step::Refused(Error::new(
-                kind,
-                format!("lock {:?} {what} ({} ahead)", self.spec.name, position),
-            )));
+        if let Some(refused) = self.out_of_time(position) {
+            return Ok(refused);
         }
-        // Watch only the `limit` nodes just ahead (a reader: the nearest writer): our
-        // turn can only come when one of them goes (a node further ahead going shifts
-        // them all, and is seen then).
+        // Watch only the `limit` nodes just ahead: our turn can only come when one of
+        // them goes (a node further ahead going shifts them all, and is seen then).
         let mut watchers = Vec::new();
-        let watched = match self.shared {
-            true => &ahead[blocker..=blocker],
-            false => &ahead[blocker..],
-        };
-        for node in watched {
+        for node in &ahead[blocker..] {
             let path = format!("{}/{}", self.parent, node.name);
             match self
                 .session
@@ -1034,6 +1092,55 @@ impl Attempt<'_> {
             return Ok(Step::Again);
         }
         Ok(Step::Wait(watchers))
+    }
+
+    /// A reader's round (Curator's read lock): it waits only for the nearest writer
+    /// ahead — skipping writers that downgraded (their node's data says so) — and
+    /// watches that writer's node, whose deletion or downgrade wakes it.
+    async fn reader_round(
+        &mut self,
+        ahead: &[Node<'_>],
+        connect_by: Instant,
+    ) -> Result<Step, Fault> {
+        let mut end = ahead.len();
+        while let Some(writer) = ahead[..end].iter().rposition(|n| !n.shared) {
+            let path = format!("{}/{}", self.parent, ahead[writer].name);
+            let (data, _, watcher) = match self
+                .session
+                .run(connect_by, |c| c.get_and_watch_data(&path))
+                .await
+            {
+                Ok(found) => found,
+                Err(Fault::Server(zk::Error::NoNode)) => return Ok(Step::Again),
+                Err(fault) => return Err(fault),
+            };
+            if data == DOWNGRADED {
+                end = writer;
+                continue;
+            }
+            if let Some(refused) = self.out_of_time(ahead.len()) {
+                return Ok(refused);
+            }
+            return Ok(Step::Wait(vec![watcher]));
+        }
+        self.granted().await
+    }
+
+    /// `Held` (no wait) or `Timeout` once the deadline has passed, with `ahead` nodes
+    /// still in front.
+    fn out_of_time(&self, ahead: usize) -> Option<Step> {
+        if Instant::now() < self.deadline {
+            return None;
+        }
+        let (kind, what) = if self.spec.wait.is_zero() {
+            (ErrorKind::Held, "is held")
+        } else {
+            (ErrorKind::Timeout, "was not granted within the wait")
+        };
+        Some(Step::Refused(Error::new(
+            kind,
+            format!("lock {:?} {what} ({ahead} ahead)", self.spec.name),
+        )))
     }
 
     /// Creates our node (and its parents), retrying when a parent vanishes.
@@ -1182,6 +1289,7 @@ impl LockBackend for ZooKeeperBackend {
         caps.semaphores = true;
         caps.monotonic_leases = true;
         caps.shared = true;
+        caps.downgrade = true;
         caps.elections = true;
         caps
     }
@@ -1252,6 +1360,11 @@ impl LockBackend for ZooKeeperBackend {
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(self.release_lease(lease))
+    }
+
+    /// Marks the writer's node as shared in place: the fence (czxid) stays.
+    fn downgrade<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(self.downgrade_lock(lease))
     }
 }
 
