@@ -1104,24 +1104,50 @@ impl EtcdBackend {
             return Err(foreign_key(&String::from_utf8_lossy(&kv.key)));
         };
         entry.value = Some(value.to_owned());
+        if self.rewrite_held(key, &token, &entry, None).await? {
+            Ok(())
+        } else {
+            Err(not_held())
+        }
+    }
+
+    /// Rewrites the key the grant `token` holds with `entry`, in a transaction that
+    /// compares its create revision and lease (the grant) and, when given, its mod
+    /// revision (nothing rewrote it since it was read). False: the grant no longer
+    /// holds it, and nothing was written.
+    async fn rewrite_held(
+        &self,
+        key: Vec<u8>,
+        token: &Token,
+        entry: &keys::Entry,
+        mod_revision: Option<i64>,
+    ) -> Result<bool, Error> {
+        let mut checks = vec![
+            compare(
+                &key,
+                CompareTarget::Create,
+                TargetUnion::CreateRevision(token.revision),
+            ),
+            compare(
+                &key,
+                CompareTarget::Lease,
+                TargetUnion::Lease(token.lease_id),
+            ),
+        ];
+        if let Some(revision) = mod_revision {
+            checks.push(compare(
+                &key,
+                CompareTarget::Mod,
+                TargetUnion::ModRevision(revision),
+            ));
+        }
         let written = self
             .txn(pb::TxnRequest {
-                compare: vec![
-                    compare(
-                        &key,
-                        CompareTarget::Create,
-                        TargetUnion::CreateRevision(token.revision),
-                    ),
-                    compare(
-                        &key,
-                        CompareTarget::Lease,
-                        TargetUnion::Lease(token.lease_id),
-                    ),
-                ],
+                compare: checks,
                 success: vec![pb::RequestOp {
                     request: Some(Op::RequestPut(pb::PutRequest {
                         key,
-                        value: keys::value(&entry),
+                        value: keys::value(entry),
                         ignore_lease: true,
                         ..Default::default()
                     })),
@@ -1129,11 +1155,7 @@ impl EtcdBackend {
                 failure: Vec::new(),
             })
             .await?;
-        if written.succeeded {
-            Ok(())
-        } else {
-            Err(not_held())
-        }
+        Ok(written.succeeded)
     }
 
     /// Downgrade: rewrites the writer's key in place with `shared` in its value, in a
@@ -1182,37 +1204,10 @@ impl EtcdBackend {
             return Ok(());
         }
         entry.shared = true;
-        let written = self
-            .txn(pb::TxnRequest {
-                compare: vec![
-                    compare(
-                        &key,
-                        CompareTarget::Create,
-                        TargetUnion::CreateRevision(token.revision),
-                    ),
-                    compare(
-                        &key,
-                        CompareTarget::Lease,
-                        TargetUnion::Lease(token.lease_id),
-                    ),
-                    compare(
-                        &key,
-                        CompareTarget::Mod,
-                        TargetUnion::ModRevision(kv.mod_revision),
-                    ),
-                ],
-                success: vec![pb::RequestOp {
-                    request: Some(Op::RequestPut(pb::PutRequest {
-                        key,
-                        value: keys::value(&entry),
-                        ignore_lease: true,
-                        ..Default::default()
-                    })),
-                }],
-                failure: Vec::new(),
-            })
-            .await?;
-        if written.succeeded {
+        if self
+            .rewrite_held(key, &token, &entry, Some(kv.mod_revision))
+            .await?
+        {
             Ok(())
         } else {
             Err(not_held())
