@@ -73,6 +73,10 @@ impl LockBackend for Buggy {
         self.inner.release(lease)
     }
 
+    fn downgrade<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), Error>> {
+        self.inner.downgrade(lease)
+    }
+
     fn campaign<'a>(
         &'a self,
         spec: &'a AcquireSpec,
