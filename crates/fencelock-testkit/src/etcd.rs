@@ -1,6 +1,7 @@
 //! A throwaway single-member etcd (Debian `etcd-server`, etcd 3.4), optionally with
 //! TLS and with auth turned on.
 
+use std::cell::Cell;
 use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
@@ -93,13 +94,15 @@ impl Etcd {
             .tempdir()
             .map_err(|e| Error::io("create a temporary directory for etcd", e))?;
         let data = dir.path().join("data");
-        let peer_port = free_port()?;
-        // With TLS a second, plain listener serves the probe and the setup.
-        let extra_port = match options.tls {
-            Some(_) => Some(free_port()?),
-            None => None,
-        };
+        // The peer port, and with TLS a second, plain listener that serves the probe and
+        // the setup, are chosen for each attempt: a clash shows up as etcd exiting, and
+        // the next attempt picks every port again.
+        let peer_port = Cell::new(0u16);
+        let extra_port = Cell::new(None::<u16>);
         let args = |port: u16| -> Vec<OsString> {
+            peer_port.set(free_port().unwrap_or(0));
+            extra_port.set(options.tls.as_ref().map(|_| free_port().unwrap_or(0)));
+            let (peer_port, extra_port) = (peer_port.get(), extra_port.get());
             let scheme = if options.tls.is_some() {
                 "https"
             } else {
@@ -147,7 +150,7 @@ impl Etcd {
         };
         let ready = |port: u16| {
             probe(
-                extra_port.unwrap_or(port),
+                extra_port.get().unwrap_or(port),
                 b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
                 512,
             )
@@ -163,7 +166,7 @@ impl Etcd {
             ready: &ready,
         })?;
         let etcd = Etcd {
-            admin_port: extra_port.unwrap_or(process.port()),
+            admin_port: extra_port.get().unwrap_or(process.port()),
             process,
             dir,
             tls: options.tls.is_some(),

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::{
     find_program, free_port, probe, tail, Error, ErrorKind, ServerProcess, ServerSpec, TestCa,
-    READY_TIMEOUT,
+    PORT_ATTEMPTS, READY_TIMEOUT,
 };
 
 /// A `redis-server` on a random loopback port, persistence off, its directory in a
@@ -426,23 +426,8 @@ impl RedisCluster {
         let mut nodes = Vec::new();
         let mut buses = Vec::new();
         for _ in 0..3 {
-            // The cluster bus needs a second port; the default (port + 10000) may be
-            // taken or out of range.
-            let bus = free_port()?;
-            let extra: Vec<OsString> = [
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                "nodes.conf",
-                "--cluster-port",
-                &bus.to_string(),
-                "--cluster-node-timeout",
-                "5000",
-            ]
-            .iter()
-            .map(OsString::from)
-            .collect();
-            nodes.push(Redis::start_with(None, &extra)?);
+            let (node, bus) = RedisCluster::start_node()?;
+            nodes.push(node);
             buses.push(bus);
         }
         let share = SLOTS / 3;
@@ -476,6 +461,36 @@ impl RedisCluster {
             })
         })?;
         Ok(RedisCluster { nodes })
+    }
+
+    /// Starts one cluster node and returns it with its bus port. The bus needs a second
+    /// port (the default, port + 10000, may be taken or out of range); a bus port chosen
+    /// free can still be taken before the node binds it, so a node that fails to start
+    /// is retried with a fresh one.
+    fn start_node() -> Result<(Redis, u16), Error> {
+        let mut last_error = None;
+        for _ in 0..PORT_ATTEMPTS {
+            let bus = free_port()?;
+            let extra: Vec<OsString> = [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-port",
+                &bus.to_string(),
+                "--cluster-node-timeout",
+                "5000",
+            ]
+            .iter()
+            .map(OsString::from)
+            .collect();
+            match Redis::start_with(None, &extra) {
+                Ok(node) => return Ok((node, bus)),
+                Err(e) if e.kind == ErrorKind::Failed => last_error = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last_error.expect("at least one attempt"))
     }
 
     /// The masters.
