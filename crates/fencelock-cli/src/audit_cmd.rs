@@ -229,7 +229,12 @@ pub fn table(entries: &[Value]) -> String {
                     .trim_end_matches('Z')
                     .to_owned(),
                 s(e, "kind"),
-                s(e, "lock"),
+                // `lock`: a server from before the one vocabulary of event fields.
+                if e["name"].is_string() {
+                    s(e, "name")
+                } else {
+                    s(e, "lock")
+                },
                 e["fence"]
                     .as_u64()
                     .map(|f| f.to_string())
@@ -276,8 +281,8 @@ mod tests {
     #[test]
     fn table_lines_up_and_shows_details() {
         let entries: Vec<Value> = serde_json::from_str(
-            r#"[{"time":"2026-12-02T14:00:00.000Z","kind":"granted","handoff":false,"lock":"a","fence":1,"owner":"w1","duration_ms":0},
-                {"time":"2026-12-02T14:00:01.000Z","kind":"force_released","lock":"a","fence":1,"owner":"w1","actor":"ops","reason":"stuck","duration_ms":108860}]"#,
+            r#"[{"time":"2026-12-02T14:00:00.000Z","kind":"granted","handoff":false,"name":"a","fence":1,"owner":"w1","duration_ms":0},
+                {"time":"2026-12-02T14:00:01.000Z","kind":"force_released","name":"a","fence":1,"owner":"w1","actor":"ops","reason":"stuck","duration_ms":108860}]"#,
         )
         .unwrap();
         let t = table(&entries);
@@ -292,6 +297,12 @@ mod tests {
         let kind_col = lines[0].find("KIND").unwrap();
         assert_eq!(lines[1].find("granted"), Some(kind_col));
         assert!(table(&[]).contains("(no entries)"));
+        // A server from before the one vocabulary names the lock `lock`.
+        let old: Value = serde_json::from_str(
+            r#"{"time":"2026-12-02T14:00:00.000Z","kind":"released","lock":"old-name","duration_ms":0}"#,
+        )
+        .unwrap();
+        assert!(table(&[old]).lines().nth(1).unwrap().contains("old-name"));
     }
 
     #[test]

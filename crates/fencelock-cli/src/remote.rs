@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use clap::Args;
 use fencelock::{AcquireSpec, ErrorKind, FencelockBackend, Lease, LockBackend, ServerConfig};
-use fencelock::{EventKind, LockEvent, LockInfo, WaitEnd, WatchPosition};
+use fencelock::{EventKind, LockEvent, LockInfo, LockMode, WaitEnd, WatchPosition};
 use serde_json::{json, Value};
 
 use crate::exit;
@@ -552,19 +552,40 @@ fn wait_end_name(end: Option<WaitEnd>) -> Option<&'static str> {
     end.map(WaitEnd::as_str)
 }
 
+/// One `watch --json` line: the event fields of the audit log and the server's
+/// watch (`kind`, `handoff`, `name`, `fence`, `owner`, `session`, `mode`, `value`,
+/// `time`, `time_ms`, `duration_ms`, `reason`, `wait_end`) and the `position`;
+/// absent when they do not apply. `at` is `time`'s name from before, kept for
+/// existing scripts.
 fn event_json(e: &LockEvent) -> Value {
-    json!({
-        "kind": kind_name(e.kind),
-        "name": e.name,
-        "fence": e.fence,
-        "owner": e.owner,
-        "session": e.session,
-        "at": e.at().map(|t| humantime::format_rfc3339_millis(t).to_string()),
-        "position": e.position.map(|p| p.to_string()),
-        "duration_ms": e.duration_ms,
-        "reason": e.reason,
-        "wait_end": wait_end_name(e.wait_end),
-    })
+    let mut line = serde_json::Map::new();
+    let mut put = |key: &str, value: Value| {
+        if !value.is_null() {
+            line.insert(key.to_owned(), value);
+        }
+    };
+    let time = e
+        .at()
+        .map(|t| humantime::format_rfc3339_millis(t).to_string());
+    put("kind", json!(kind_name(e.kind)));
+    put(
+        "handoff",
+        json!((e.kind == EventKind::Granted).then_some(e.handoff)),
+    );
+    put("name", json!(e.name));
+    put("fence", json!(e.fence));
+    put("owner", json!(e.owner));
+    put("session", json!(e.session));
+    put("mode", json!(e.mode.map(|m| m.as_str())));
+    put("value", json!(e.value));
+    put("time", json!(time));
+    put("time_ms", json!((e.time_ms > 0).then_some(e.time_ms)));
+    put("duration_ms", json!(e.duration_ms));
+    put("reason", json!(e.reason));
+    put("wait_end", json!(wait_end_name(e.wait_end)));
+    put("position", json!(e.position.map(|p| p.to_string())));
+    put("at", json!(time));
+    Value::Object(line)
 }
 
 fn event_line(e: &LockEvent) -> String {
@@ -574,6 +595,15 @@ fn event_line(e: &LockEvent) -> String {
     }
     if !e.owner.is_empty() {
         line.push_str(&format!(" owner={:?}", e.owner));
+    }
+    if e.mode == Some(LockMode::Shared) {
+        line.push_str(" mode=shared");
+    }
+    if let Some(value) = &e.value {
+        line.push_str(&format!(" value={value:?}"));
+    }
+    if e.handoff {
+        line.push_str(" handoff");
     }
     if e.duration_ms > 0 {
         line.push_str(&format!(" after={}", human_ms(e.duration_ms)));

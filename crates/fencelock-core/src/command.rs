@@ -337,6 +337,10 @@ pub struct Event {
     pub mode: Mode,
     /// The election value, for `Granted` and `Proclaimed` of a leader.
     pub value: Option<Value>,
+    /// For `Granted`: the lock was handed to a queued request (on a release,
+    /// expiry, forced release, downgrade or a wait ending ahead of it) rather than
+    /// granted to the acquire that asked. Always false for other kinds.
+    pub handoff: bool,
 }
 
 /// Something the driver must act on after a command, besides its direct reply.

@@ -747,7 +747,7 @@ impl Core {
                 value: a.value,
                 group: None,
             };
-            let grant = self.grant_pushed(a.token, waiter);
+            let grant = self.grant_pushed(a.token, waiter, false);
             return Ok(Reply::Granted(grant));
         }
 
@@ -814,6 +814,7 @@ impl Core {
             reason: None,
             mode: a.mode,
             value: a.value.clone(),
+            handoff: false,
         }));
         self.waiters.insert(
             a.token,
@@ -846,11 +847,11 @@ impl Core {
             .expect("lock exists for a grant");
         lock.holders.push(token);
         lock.shared += usize::from(w.mode == Mode::Shared);
-        self.grant_pushed(token, w)
+        self.grant_pushed(token, w, true)
     }
 
     /// [`Core::grant`] once `token` is already pushed onto its lock's holders.
-    fn grant_pushed(&mut self, token: OwnerToken, w: Waiter) -> Grant {
+    fn grant_pushed(&mut self, token: OwnerToken, w: Waiter, handoff: bool) -> Grant {
         let now = self.now_ms;
         #[cfg(feature = "planted-bugs")]
         if self.planted.reuse_term && w.value.is_some() && self.next_fence > 1 {
@@ -897,6 +898,7 @@ impl Core {
             reason: None,
             mode: w.mode,
             value: w.value.clone(),
+            handoff,
         }));
         self.holders.insert(
             token,
@@ -1122,6 +1124,7 @@ impl Core {
             reason,
             mode: h.mode,
             value: h.value,
+            handoff: false,
         }));
         h.fence
     }
@@ -1178,6 +1181,7 @@ impl Core {
             reason: None,
             mode: w.mode,
             value: w.value,
+            handoff: false,
         }));
         self.outcomes.push(Outcome::WaitEnded {
             token,
@@ -1452,7 +1456,7 @@ impl Core {
                     value: None,
                     group: None,
                 };
-                grants.push(self.grant_pushed(p.token, waiter));
+                grants.push(self.grant_pushed(p.token, waiter, false));
             }
             return Ok(Reply::GrantedAll(grants));
         }
@@ -1511,6 +1515,7 @@ impl Core {
                 reason: None,
                 mode: p.mode,
                 value: None,
+                handoff: false,
             }));
             self.waiters.insert(
                 p.token,
@@ -1580,6 +1585,7 @@ impl Core {
             reason: None,
             mode: Mode::Shared,
             value: None,
+            handoff: false,
         };
         self.outcomes.push(Outcome::Event(event));
         // Readers queued right behind may join now.
@@ -1623,6 +1629,7 @@ impl Core {
             reason: None,
             mode: Mode::Exclusive,
             value: Some(value),
+            handoff: false,
         };
         self.outcomes.push(Outcome::Event(event));
         Ok(Reply::Proclaimed(self.grant_of(token)))

@@ -131,17 +131,6 @@ impl AuditKind {
         }
     }
 
-    /// The names audit entries can have, each once, in [`Self::ALL`]'s order.
-    pub fn names() -> Vec<&'static str> {
-        let mut names: Vec<&'static str> = Vec::new();
-        for k in AuditKind::ALL {
-            if !names.contains(&k.as_str()) {
-                names.push(k.as_str());
-            }
-        }
-        names
-    }
-
     /// Whether this is a grant handed to a queued request.
     pub fn is_handoff(self) -> bool {
         self == AuditKind::Handoff
@@ -308,22 +297,8 @@ pub fn entries_for(
             continue;
         };
         let kind = match ev.kind {
-            EventKind::Granted => {
-                let direct = match (command, result) {
-                    (Command::Acquire(_), Ok(Reply::Granted(g))) => {
-                        Some(g.fence) == ev.fence && g.name == ev.name
-                    }
-                    (Command::AcquireAll(_), Ok(Reply::GrantedAll(gs))) => gs
-                        .iter()
-                        .any(|g| Some(g.fence) == ev.fence && g.name == ev.name),
-                    _ => false,
-                };
-                if direct {
-                    AuditKind::Grant
-                } else {
-                    AuditKind::Handoff
-                }
-            }
+            EventKind::Granted if ev.handoff => AuditKind::Handoff,
+            EventKind::Granted => AuditKind::Grant,
             EventKind::Ended(GrantEnd::Released) => AuditKind::Release,
             EventKind::Ended(GrantEnd::Expired) => {
                 if let Some(s) = ev.session {

@@ -25,6 +25,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::vocab::EventFields;
 use axum::extract::rejection::{FormRejection, PathRejection, QueryRejection};
 use axum::extract::{Extension, Form, Path, Query, State};
 use axum::http::{header, Extensions, HeaderMap, HeaderValue, StatusCode};
@@ -1463,40 +1464,17 @@ pub(crate) struct AuditParams {
     limit: Option<usize>,
 }
 
-/// One audit entry on the wire.
+/// One audit entry on the wire: its place in the log (`seq`), the event fields shared
+/// with watch ([`EventFields`]), what only the audit log records, and `lock`, the name
+/// it had before the vocabulary (the same as `name`), kept for existing readers.
 #[derive(Serialize, utoipa::ToSchema)]
 #[schema(as = AuditEntry)]
 pub(crate) struct AuditJson {
     /// Its place in the audit log (increasing).
     seq: u64,
-    /// When it was committed: wall-clock milliseconds since the Unix epoch.
-    time_ms: u64,
-    /// The same time in RFC 3339, UTC.
-    time: String,
-    /// What happened: an event name of the vocabulary.
-    #[schema(schema_with = audit_kind_schema)]
-    kind: &'static str,
-    /// On `granted`: whether the lock was handed to a queued request (on a release,
-    /// expiry or forced release) rather than granted to the acquire that asked.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
-    handoff: Option<bool>,
-    /// The lock.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
-    lock: Option<String>,
-    /// The grant's fence.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
-    fence: Option<u64>,
-    /// The holder's owner text.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
-    owner: Option<String>,
-    /// The session's handle.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
-    session: Option<String>,
+    /// The fields every event has.
+    #[serde(flatten)]
+    fields: EventFields,
     /// The acquire's idempotency key.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
@@ -1505,23 +1483,14 @@ pub(crate) struct AuditJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     actor: Option<String>,
-    /// A forced release's reason.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
-    reason: Option<String>,
-    /// Milliseconds: how long the grant was held (ends), or how long the request
-    /// was queued (`granted`); 0 otherwise.
-    duration_ms: u64,
     /// More about it, for people.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     detail: Option<String>,
-}
-
-fn audit_kind_schema() -> impl Into<utoipa::openapi::RefOr<utoipa::openapi::Schema>> {
-    utoipa::openapi::ObjectBuilder::new()
-        .schema_type(utoipa::openapi::schema::Type::String)
-        .enum_values(Some(crate::audit::AuditKind::names()))
+    /// Deprecated: the same as `name`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, deprecated)]
+    lock: Option<String>,
 }
 
 /// `GET /v1/audit`.
@@ -1534,21 +1503,28 @@ pub(crate) struct AuditPageJson {
 
 impl From<AuditEntry> for AuditJson {
     fn from(e: AuditEntry) -> AuditJson {
+        let event = e.kind.event();
         AuditJson {
             seq: e.seq,
-            time_ms: e.wall_ms,
-            time: rfc3339(e.wall_ms),
-            kind: e.kind.as_str(),
-            handoff: (e.kind.event() == VocabEvent::Granted).then_some(e.kind.is_handoff()),
-            lock: e.lock,
-            fence: e.fence,
-            owner: e.owner,
-            session: e.session,
+            fields: EventFields {
+                kind: event.name(),
+                handoff: (event == VocabEvent::Granted).then_some(e.kind.is_handoff()),
+                name: e.lock.clone(),
+                fence: e.fence,
+                owner: e.owner,
+                session: e.session,
+                mode: None,
+                value: None,
+                time: rfc3339(e.wall_ms),
+                time_ms: e.wall_ms,
+                duration_ms: e.duration_ms,
+                reason: e.reason,
+                wait_end: None,
+            },
             request_id: e.request_id,
             actor: e.actor,
-            reason: e.reason,
-            duration_ms: e.duration_ms,
             detail: e.detail,
+            lock: e.lock,
         }
     }
 }

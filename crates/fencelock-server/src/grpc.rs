@@ -460,6 +460,7 @@ fn event_pb(e: &fencelock_core::Event) -> pb::LockEvent {
         wait_end: wait_end.into(),
         mode: e.mode.as_str().to_owned(),
         value: e.value.as_ref().map(|v| v.as_str().to_owned()),
+        handoff: e.handoff,
         ..Default::default()
     }
 }
@@ -471,7 +472,7 @@ fn watch_event_pb(e: &WatchEvent) -> pb::LockEvent {
             index: e.position.index,
             ordinal: e.position.ordinal,
         }),
-        wall_ms: e.wall_ms,
+        time_ms: e.wall_ms,
         ..event_pb(&e.event)
     }
 }

@@ -67,7 +67,7 @@ the field. Answers may gain fields; none is removed or changes meaning within v1
         crate::http::readyz,
         crate::http::metrics,
     ),
-    components(schemas(ErrorBody, ErrorDetail)),
+    components(schemas(ErrorBody, ErrorDetail, crate::watch_sse::WatchEventJson)),
     modifiers(&Security),
     tags(
         (name = "locks", description = "Take, renew, release and read locks."),

@@ -1,7 +1,8 @@
 //! `GET /v1/watch?prefix=&after=`: lock events as Server-Sent Events.
 //!
-//! Each event is `id:` its [`Position`], `event:` its kind, `data:` its JSON (with
-//! the wall-clock time `at`, RFC 3339). A client that reconnects with the last id it
+//! Each event is `id:` its [`Position`], `event:` its kind, `data:` its JSON
+//! ([`WatchEventJson`]: the event fields the audit log uses too, with the wall-clock
+//! `time` in RFC 3339 and `time_ms`). A client that reconnects with the last id it
 //! saw (`after=`, or the standard `Last-Event-ID` header, which wins: a browser's
 //! `EventSource` sends it on its own when it reconnects to the same URL) gets every
 //! event since, then live ones, with no gap and no repeat. If the server cannot
@@ -23,8 +24,8 @@ use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use fencelock_core::{EventKind, Fence};
-use serde::Deserialize;
+use fencelock_core::EventKind;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::{broadcast, watch};
 use utoipa::IntoParams;
@@ -33,6 +34,7 @@ use crate::auth::{Action, Caller, StreamSlot};
 use crate::engine::{Handle, Position, RunState, SharedEvent, WatchEvent};
 use crate::error::{ApiError, ApiErrorKind, CommonErrors, ErrorBody};
 use crate::input::{self, invalid};
+use crate::vocab::EventFields;
 
 /// How often an idle stream sends a heartbeat comment.
 pub const HEARTBEAT: Duration = Duration::from_secs(15);
@@ -57,31 +59,40 @@ pub fn kind_name(kind: EventKind) -> &'static str {
     crate::vocab::event(kind).name()
 }
 
-/// An event's JSON: `position`, `kind`, `name`, `fence`, `owner`, `session` (its
-/// handle, never the id), `at` (RFC 3339 wall clock), `wall_ms`, `at_ms` (service
-/// time), `duration_ms`, `reason`, `wait_end`, `mode` (`exclusive` or `shared`), `value`
-/// (an election's, on `granted` of a leader and `proclaimed`).
-pub fn event_json(e: &WatchEvent) -> serde_json::Value {
-    let wait_end = match e.kind {
-        EventKind::WaitEnded(end) => Some(crate::vocab::wait_end_name(end)),
-        _ => None,
-    };
-    json!({
-        "position": e.position.to_string(),
-        "kind": kind_name(e.kind),
-        "name": e.name.as_str(),
-        "fence": e.fence.map(Fence::get),
-        "owner": e.owner.as_str(),
-        "session": e.session.map(input::session_handle),
-        "at": crate::dashboard::rfc3339(e.wall_ms),
-        "wall_ms": e.wall_ms,
-        "at_ms": e.at_ms,
-        "duration_ms": e.duration_ms,
-        "reason": e.reason.as_ref().map(|r| r.as_str()),
-        "wait_end": wait_end,
-        "mode": e.mode.as_str(),
-        "value": e.value.as_ref().map(|v| v.as_str()),
-    })
+/// A watch event's JSON (the SSE `data:`): its `position`, the shared event fields
+/// ([`EventFields`]), and the names it had before the vocabulary, kept for existing
+/// readers.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(as = WatchEvent)]
+pub struct WatchEventJson {
+    /// Where the event stands in the log (`INDEX.ORDINAL`): what `after=` and
+    /// `Last-Event-ID` resume after.
+    pub position: String,
+    /// The fields every event has.
+    #[serde(flatten)]
+    pub fields: EventFields,
+    /// Deprecated: the same as `time`.
+    #[schema(deprecated)]
+    pub at: String,
+    /// Deprecated: the same as `time_ms`.
+    #[schema(deprecated)]
+    pub wall_ms: u64,
+    /// Deprecated: the server's service time (its uptime clock; only differences
+    /// mean anything). Use `time_ms`.
+    #[schema(deprecated)]
+    pub at_ms: u64,
+}
+
+/// A watch event's JSON.
+pub fn event_json(e: &WatchEvent) -> WatchEventJson {
+    let fields = EventFields::of(&e.event, e.wall_ms);
+    WatchEventJson {
+        position: e.position.to_string(),
+        at: fields.time.clone(),
+        wall_ms: e.wall_ms,
+        at_ms: e.at_ms,
+        fields,
+    }
 }
 
 /// The position a request resumes after: `Last-Event-ID` if sent, else `after`.
@@ -99,7 +110,7 @@ fn resume_position(headers: &HeaderMap, after: Option<&str>) -> Result<Option<Po
 #[utoipa::path(get, path = "/v1/watch", tag = "locks",
     params(WatchParams),
     responses(
-        (status = 200, description = "An event stream: `id:` the position, `event:` the kind, `data:` the event's JSON (`position`, `kind`, `name`, `fence`, `owner`, `session`, `at` (RFC 3339), `wall_ms`, `at_ms`, `duration_ms`, `reason`, `wait_end`, `mode`, `value`); a last `end` event (`{\"error\":{\"code\",\"message\"}}`) if the stream cannot go on.", content_type = "text/event-stream", body = String),
+        (status = 200, description = "An event stream: `id:` the position, `event:` the kind, `data:` the event's JSON (the `WatchEvent` schema: `position` and the event fields shared with the audit log: `kind`, `handoff`, `name`, `fence`, `owner`, `session`, `mode`, `value`, `time` (RFC 3339), `time_ms`, `duration_ms`, `reason`, `wait_end`); a last `end` event (`{\"error\":{\"code\",\"message\"}}`) if the stream cannot go on.", content_type = "text/event-stream", body = String),
         (status = 410, description = "`watch_compacted`: the server cannot resume after that position (re-read the locks and watch from now).", body = ErrorBody),
         CommonErrors,
     ))]
@@ -171,7 +182,10 @@ impl SseWatch {
         SseEvent::default()
             .id(event.position.to_string())
             .event(kind_name(event.kind))
-            .data(event_json(event).to_string())
+            .data(
+                // Strings and numbers only: serializing cannot fail.
+                serde_json::to_string(&event_json(event)).expect("an event serializes"),
+            )
     }
 
     /// The last event of a stream that cannot go on.

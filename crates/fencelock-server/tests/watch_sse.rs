@@ -329,3 +329,108 @@ async fn a_lagging_sse_watcher_catches_up_from_the_history() {
     live.close();
     t.stop().await;
 }
+
+/// One vocabulary of event fields (issue 23, item 2): the audit log and watch
+/// describe the same change with the same field names and values, a hand-off is
+/// `granted` with `handoff: true` in both (and `false` on a direct grant), and the
+/// names from before the vocabulary are still there, equal to the new ones.
+#[tokio::test]
+async fn audit_entries_and_watch_events_share_their_fields() {
+    let t = TestServer::start().await;
+    let mut live = open(&t, "/v1/watch?prefix=v:", &[]).await;
+    let head = live.read_until("\r\n\r\n", WITHIN).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+
+    let first = t
+        .client
+        .post(
+            "/v1/acquire",
+            &json!({"name": "v:x", "ttl_ms": 60_000, "owner": "first"}),
+        )
+        .await
+        .expect_json(200);
+    let waiting = t
+        .client
+        .send_json(
+            "/v1/acquire",
+            &json!({"name": "v:x", "ttl_ms": 60_000, "owner": "second", "wait_ms": 20_000}),
+        )
+        .await;
+    let mut raw = live.read_until("\"kind\":\"queued\"", WITHIN).await;
+    t.client
+        .post(
+            "/v1/release",
+            &json!({"name": "v:x", "owner_token": first["owner_token"]}),
+        )
+        .await
+        .expect_json(200);
+    let second = waiting.response().await.expect_json(200);
+    t.client
+        .post(
+            "/v1/release",
+            &json!({"name": "v:x", "owner_token": second["owner_token"]}),
+        )
+        .await
+        .expect_json(200);
+    // The last event: `kind`, `name` and `fence` are neighbours in the JSON.
+    let last = format!(
+        "\"kind\":\"released\",\"name\":\"v:x\",\"fence\":{}",
+        second["fence"]
+    );
+    raw.push_str(&live.read_until(&last, WITHIN).await);
+    live.close();
+    let watched = events(&format!("{head}{raw}"));
+    let audit = t.client.get("/v1/audit?lock=v:x").await.expect_json(200);
+    let audit = audit["entries"].as_array().unwrap();
+
+    const SHARED: [&str; 10] = [
+        "kind",
+        "handoff",
+        "name",
+        "fence",
+        "owner",
+        "session",
+        "time",
+        "time_ms",
+        "duration_ms",
+        "reason",
+    ];
+    let mut compared = Vec::new();
+    for w in watched.iter().filter(|w| w.event != "queued") {
+        let a = audit
+            .iter()
+            .find(|a| a["kind"] == w.data["kind"] && a["fence"] == w.data["fence"])
+            .unwrap_or_else(|| panic!("no audit entry for {w:?} in {audit:?}"));
+        for field in SHARED {
+            assert_eq!(
+                a.get(field),
+                w.data.get(field),
+                "{field}: {a} vs {}",
+                w.data
+            );
+        }
+        // The names from before, kept equal to the new ones.
+        assert_eq!(a["lock"], w.data["name"]);
+        assert_eq!(w.data["at"], w.data["time"]);
+        assert_eq!(w.data["wall_ms"], w.data["time_ms"]);
+        compared.push((
+            w.event.clone(),
+            w.data["owner"].as_str().unwrap().to_owned(),
+            w.data.get("handoff").cloned(),
+        ));
+    }
+    assert_eq!(
+        compared,
+        [
+            ("granted".to_owned(), "first".to_owned(), Some(json!(false))),
+            ("released".to_owned(), "first".to_owned(), None),
+            ("granted".to_owned(), "second".to_owned(), Some(json!(true))),
+            ("released".to_owned(), "second".to_owned(), None),
+        ]
+    );
+    let queued = watched.iter().find(|w| w.event == "queued").unwrap();
+    assert_eq!(queued.data["mode"], "exclusive");
+    assert!(queued.data.get("handoff").is_none(), "{:?}", queued.data);
+    assert!(queued.data["time_ms"].as_u64().unwrap() > 1_700_000_000_000);
+    t.stop().await;
+}

@@ -614,6 +614,7 @@ mod tests {
             reason: None,
             mode: fencelock_core::Mode::Exclusive,
             value: None,
+            handoff: false,
         })
     }
 

@@ -2,6 +2,7 @@
 //! views and lock events as plain types of this crate, converted from the server's
 //! gRPC messages here, so the public API does not depend on the wire format.
 
+use fencelock_backend::LockMode;
 use fencelock_proto as pb;
 use fencelock_proto::vocab;
 
@@ -188,16 +189,25 @@ pub struct LockEvent {
     /// to say): what a watch resumes after.
     pub position: Option<WatchPosition>,
     /// Wall-clock time of the change on the server, milliseconds since the Unix
-    /// epoch (0 from a server too old to say).
-    pub wall_ms: u64,
+    /// epoch (0 from a server too old to say). `time_ms`, as in the audit log.
+    pub time_ms: u64,
+    /// For [`EventKind::Granted`]: the lock was handed to a queued request (on a
+    /// release, expiry, forced release, downgrade or a wait ending ahead of it)
+    /// rather than granted to the acquire that asked. False for other kinds.
+    pub handoff: bool,
+    /// The grant's or request's mode (`None` from a server too old to say).
+    pub mode: Option<LockMode>,
+    /// For [`EventKind::Granted`] of an election's leader and
+    /// [`EventKind::Proclaimed`]: the election value.
+    pub value: Option<String>,
 }
 
 impl LockEvent {
     /// Wall-clock time of the change on the server (`None` from a server too old
     /// to say).
     pub fn at(&self) -> Option<std::time::SystemTime> {
-        (self.wall_ms > 0)
-            .then(|| std::time::UNIX_EPOCH + std::time::Duration::from_millis(self.wall_ms))
+        (self.time_ms > 0)
+            .then(|| std::time::UNIX_EPOCH + std::time::Duration::from_millis(self.time_ms))
     }
 }
 
@@ -289,7 +299,14 @@ impl From<pb::LockEvent> for LockEvent {
                 index: p.index,
                 ordinal: p.ordinal,
             }),
-            wall_ms: e.wall_ms,
+            time_ms: e.time_ms,
+            handoff: e.handoff,
+            mode: match e.mode.as_str() {
+                "exclusive" => Some(LockMode::Exclusive),
+                "shared" => Some(LockMode::Shared),
+                _ => None,
+            },
+            value: e.value,
         }
     }
 }

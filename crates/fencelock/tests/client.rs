@@ -403,6 +403,58 @@ async fn reads_and_watch_through_the_backend() {
     assert_eq!(gone.kind(), ErrorKind::NotFound);
 }
 
+/// A watch event carries the fields of the one vocabulary: a direct grant and a
+/// hand-off are both `Granted`, told apart by `handoff`; each has its mode and the
+/// wall-clock `time_ms`.
+#[tokio::test]
+async fn watch_events_tell_a_handoff_from_a_direct_grant() {
+    let server = TestServer::start().await;
+    let backend = server.backend().await;
+    let mut events = backend.watch("h:").await.unwrap();
+    let client = Client::new(backend.clone());
+    let mut first = Some(client.lock("h:x").owner("first").acquire().await.unwrap());
+    let waiter = tokio::spawn({
+        let client = client.clone();
+        async move {
+            client
+                .lock("h:x")
+                .owner("second")
+                .mode(fencelock::LockMode::Shared)
+                .wait(STEP)
+                .acquire()
+                .await
+        }
+    });
+    let mut grants = Vec::new();
+    while grants.len() < 2 {
+        let event = timeout(STEP, events.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        if event.kind == fencelock::EventKind::Queued {
+            first.take().unwrap().release().await.unwrap();
+        }
+        if event.kind == fencelock::EventKind::Granted {
+            assert!(event.time_ms > 1_700_000_000_000, "{event:?}");
+            grants.push((event.owner, event.handoff, event.mode));
+        }
+    }
+    let second = waiter.await.unwrap().unwrap();
+    assert_eq!(
+        grants,
+        [
+            (
+                "first".to_owned(),
+                false,
+                Some(fencelock::LockMode::Exclusive)
+            ),
+            ("second".to_owned(), true, Some(fencelock::LockMode::Shared)),
+        ]
+    );
+    second.release().await.unwrap();
+}
+
 /// The connection is re-established after the server restarts (same address, same
 /// data): the guard keeps its lock through the restart (a restart gives every lease
 /// its full TTL again), renewals resume, and new requests work.

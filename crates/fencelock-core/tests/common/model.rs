@@ -191,8 +191,9 @@ impl Model {
         }
     }
 
-    /// Makes `w` a holder of lock `li` with the next fence.
-    fn grant(&mut self, li: usize, w: MWaiter, out: &mut MOut) -> Grant {
+    /// Makes `w` a holder of lock `li` with the next fence; `handoff`: from the queue
+    /// rather than in reply to the acquire.
+    fn grant(&mut self, li: usize, w: MWaiter, handoff: bool, out: &mut MOut) -> Grant {
         let fence = self.next_fence;
         self.next_fence += 1;
         let lease = match w.session {
@@ -229,6 +230,7 @@ impl Model {
             reason: None,
             mode: w.mode,
             value: w.value.clone(),
+            handoff,
         });
         let grant = self.grant_value(&name, &h);
         self.locks[li].holders.push(h);
@@ -298,6 +300,7 @@ impl Model {
             reason,
             mode: h.mode,
             value: h.value.clone(),
+            handoff: false,
         });
         h.fence
     }
@@ -321,6 +324,7 @@ impl Model {
             reason: None,
             mode: w.mode,
             value: w.value.clone(),
+            handoff: false,
         });
         out.wait_ends.push((w.token, name, why));
     }
@@ -364,7 +368,7 @@ impl Model {
                 }
                 if w.group.is_empty() {
                     let w = self.locks[li].queue.remove(0);
-                    let g = self.grant(li, w, out);
+                    let g = self.grant(li, w, true, out);
                     out.grants.push(g);
                     continue;
                 }
@@ -374,7 +378,7 @@ impl Model {
                 for &part in &w.group {
                     let (pli, _) = self.find_waiter(part).expect("checked: heads its queue");
                     let pw = self.locks[pli].queue.remove(0);
-                    let g = self.grant(pli, pw, out);
+                    let g = self.grant(pli, pw, true, out);
                     out.grants.push(g);
                     work.push(self.locks[pli].name.clone());
                 }
@@ -736,6 +740,7 @@ impl Model {
             reason: None,
             mode: Mode::Shared,
             value: None,
+            handoff: false,
         });
         self.hand_off(li, out);
         let (li, hi) = self.find_holder(name, token).expect("still held");
@@ -776,6 +781,7 @@ impl Model {
             reason: None,
             mode: Mode::Exclusive,
             value: Some(value.clone()),
+            handoff: false,
         });
         let h = &self.locks[li].holders[hi];
         Ok(Reply::Proclaimed(self.grant_value(name, h)))
@@ -892,6 +898,7 @@ impl Model {
             reason: None,
             mode: a.mode,
             value: a.value.clone(),
+            handoff: false,
         }
     }
 
@@ -998,7 +1005,7 @@ impl Model {
             for p in parts {
                 let li = self.lock_or_new(&p.name, p.limit);
                 let w = self.waiter_of(p, Vec::new());
-                grants.push(self.grant(li, w, out));
+                grants.push(self.grant(li, w, false, out));
             }
             return Ok(Reply::GrantedAll(grants));
         }
@@ -1120,7 +1127,7 @@ impl Model {
             && lock.blocked_until <= self.now
             && lock.queue.is_empty();
         if available {
-            return Ok(Reply::Granted(self.grant(li, w, out)));
+            return Ok(Reply::Granted(self.grant(li, w, false, out)));
         }
         if a.wait_ms == 0 {
             return Err(Held);

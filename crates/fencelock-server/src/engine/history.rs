@@ -264,6 +264,7 @@ mod tests {
                 reason: None,
                 mode: Default::default(),
                 value: None,
+                handoff: false,
             },
         })
     }
