@@ -39,8 +39,42 @@ mod checker {
         "format",
     ];
 
-    /// Validates `value` against `schema` (which may be a `$ref` into `doc`).
+    /// Validates `value` against `schema` (which may be a `$ref` into `doc`). A
+    /// property that no schema declares is refused (stricter than JSON Schema, so an
+    /// undocumented field fails).
     pub fn validate(doc: &Value, schema: &Value, value: &Value, at: &str) -> Result<(), String> {
+        validate_as(doc, schema, value, at, true)
+    }
+
+    /// The property names `schema` declares, through `$ref`s and `allOf` parts (a
+    /// flattened struct is an `allOf` of its parts).
+    fn declared(doc: &Value, schema: &Value, out: &mut Vec<String>) -> Result<(), String> {
+        if let Some(reference) = schema.get("$ref") {
+            declared(doc, resolve(doc, reference)?, out)?;
+        }
+        if let Some(properties) = schema.get("properties").and_then(Value::as_object) {
+            out.extend(properties.keys().cloned());
+        }
+        for part in schema
+            .get("allOf")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            declared(doc, part, out)?;
+        }
+        Ok(())
+    }
+
+    /// [`validate`]; `strict: false` inside an `allOf` part, whose siblings may
+    /// declare the properties it does not (the `allOf` checks the union).
+    fn validate_as(
+        doc: &Value,
+        schema: &Value,
+        value: &Value,
+        at: &str,
+        strict: bool,
+    ) -> Result<(), String> {
         let Some(schema) = schema.as_object() else {
             return match schema {
                 Value::Bool(true) => Ok(()),
@@ -73,7 +107,7 @@ mod checker {
         }
         if let Some(reference) = schema.get("$ref") {
             let target = resolve(doc, reference)?;
-            validate(doc, target, value, at)?;
+            validate_as(doc, target, value, at, strict)?;
         }
         if let Some(types) = schema.get("type") {
             let types: Vec<&str> = match types {
@@ -113,7 +147,16 @@ mod checker {
         }
         if let Some(all) = schema.get("allOf").and_then(Value::as_array) {
             for s in all {
-                validate(doc, s, value, at)?;
+                validate_as(doc, s, value, at, false)?;
+            }
+            if let (true, Value::Object(fields)) = (strict, value) {
+                let mut names = Vec::new();
+                declared(doc, &Value::Object(schema.clone()), &mut names)?;
+                if let Some(name) = fields.keys().find(|name| !names.contains(name)) {
+                    return Err(format!(
+                        "{at}: the property {name:?} is not in the document"
+                    ));
+                }
             }
         }
         if let Some(one) = schema.get("oneOf").and_then(Value::as_array) {
@@ -150,6 +193,7 @@ mod checker {
                             Some(s @ Value::Object(_)) => {
                                 validate(doc, s, v, &format!("{at}.{name}"))?
                             }
+                            _ if !strict => {}
                             _ => {
                                 return Err(format!(
                                     "{at}: the property {name:?} is not in the document"
@@ -847,6 +891,34 @@ async fn the_checker_refuses_answers_that_differ_from_the_document() {
     body["error"]["code"] = json!("busy");
     r.body = serde_json::to_vec(&body).unwrap();
     assert!(answer_matches(&doc, "POST", "/v1/acquire", &r).is_err());
+    // An audit entry (an `allOf` of the shared event fields and its own): a field
+    // neither part declares, and a shared field of another type, are refused.
+    c.post(
+        "/v1/release",
+        &json!({"name": "doc:c", "owner_token": grant.json()["owner_token"]}),
+    )
+    .await;
+    let audit = c.get("/v1/audit?lock=doc:c").await;
+    assert_eq!(answer_matches(&doc, "GET", "/v1/audit", &audit), Ok(()));
+    for (what, edit) in [
+        ("a field not in the document", json!({"bogus": 1})),
+        ("a shared field of another type", json!({"time_ms": "now"})),
+        (
+            "an event name not in the vocabulary",
+            json!({"kind": "grant"}),
+        ),
+    ] {
+        let mut body = audit.json();
+        for (k, v) in edit.as_object().unwrap() {
+            body["entries"][0][k] = v.clone();
+        }
+        let mut r = audit.clone();
+        r.body = serde_json::to_vec(&body).unwrap();
+        assert!(
+            answer_matches(&doc, "GET", "/v1/audit", &r).is_err(),
+            "the checker let through {what}"
+        );
+    }
     // A status the document does not list for the route.
     let mut r = grant.clone();
     r.status = 202;
@@ -904,7 +976,8 @@ async fn the_document_describes_since_ms_and_the_required_fields() {
         );
     }
     // An entry's kind is one of the vocabulary's names, and nothing else.
-    let kinds: Vec<&str> = doc["components"]["schemas"]["AuditEntry"]["properties"]["kind"]["enum"]
+    let kinds: Vec<&str> = doc["components"]["schemas"]["EventFields"]["properties"]["kind"]
+        ["enum"]
         .as_array()
         .expect("kind is an enum")
         .iter()
@@ -925,4 +998,41 @@ async fn the_document_describes_since_ms_and_the_required_fields() {
         .unwrap()
         .contains("a missing required field"));
     s.stop().await;
+}
+
+/// A watch event (the SSE `data:`) matches the document's `WatchEvent` schema, so
+/// the fields it shares with the audit log cannot drift from what is described.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_events_match_the_documented_schema() {
+    let s = TestServer::start().await;
+    let c = s.client;
+    let doc = fetch_document(&c).await;
+    let mut live = c.send("GET", "/v1/watch?prefix=doc:w", &[], b"").await;
+    let head = live.read_until("\r\n\r\n", Duration::from_secs(20)).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let g = c
+        .post("/v1/acquire", &json!({"name": "doc:w", "ttl_ms": 30_000}))
+        .await
+        .json();
+    c.post(
+        "/v1/release",
+        &json!({"name": "doc:w", "owner_token": g["owner_token"]}),
+    )
+    .await;
+    // A third event, so that the first two have arrived whole.
+    c.post("/v1/acquire", &json!({"name": "doc:wz", "ttl_ms": 30_000}))
+        .await;
+    let raw = live
+        .read_until("\"name\":\"doc:wz\"", Duration::from_secs(20))
+        .await;
+    let events = support::sse_events(&format!("{head}{raw}"));
+    let events = &events[..2];
+    assert_eq!(events[1].event, "released", "{raw}");
+    let schema = json!({"$ref": "#/components/schemas/WatchEvent"});
+    for e in events {
+        assert_eq!(checker::validate(&doc, &schema, &e.data, "$"), Ok(()));
+        let mut bogus = e.data.clone();
+        bogus["bogus"] = json!(1);
+        assert!(checker::validate(&doc, &schema, &bogus, "$").is_err());
+    }
 }
