@@ -276,12 +276,16 @@ async fn a_watch_resumes_across_kill_9_without_gaps_or_repeats() {
     for v in &cli_seen {
         let at = v["time"].as_str().unwrap_or_else(|| panic!("no time: {v}"));
         assert_eq!(v["at"], v["time"], "the old name stays the same time");
-        let ms = v["time_ms"].as_u64().unwrap_or_else(|| panic!("no time_ms: {v}"));
+        let ms = v["time_ms"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no time_ms: {v}"));
         let at = humantime::parse_rfc3339(at).unwrap_or_else(|e| panic!("{at}: {e}"));
         let age = now.duration_since(at).unwrap_or_default();
         assert!(age < Duration::from_secs(600), "{v}: not wall-clock time");
         assert_eq!(
-            at.duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64,
+            at.duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis() as u64,
             ms,
             "{v}"
         );
