@@ -404,6 +404,63 @@ async fn a_full_restart_keeps_every_lock_and_the_fence_counter() {
     cluster.stop_all().await;
 }
 
+/// A member's audit log is synced lazily (before a snapshot becomes its restart point
+/// and at a clean stop), so what a crash takes from its tail must come back from the
+/// Raft log. Here all of it goes: the member rebuilds every entry, the same ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_members_lost_audit_log_is_rebuilt_from_the_raft_log() {
+    let mut cluster = Cluster::start(3).await;
+    let l = cluster.leader().await;
+    let c = cluster.members[l].client();
+    for i in 0..10 {
+        let g = acquire(&c, json!({"name": format!("au:{i}"), "ttl_ms": 30000}))
+            .await
+            .expect_json(200);
+        c.post(
+            "/v1/release",
+            &json!({"name": format!("au:{i}"), "owner_token": g["owner_token"]}),
+        )
+        .await
+        .expect_json(200);
+    }
+    let entries = |v: Value| -> Vec<(u64, String, String, u64)> {
+        v["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (
+                    e["seq"].as_u64().unwrap(),
+                    e["kind"].as_str().unwrap().to_owned(),
+                    e["name"].as_str().unwrap_or("").to_owned(),
+                    e["fence"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect()
+    };
+    let before = entries(c.get("/v1/audit?limit=1000").await.expect_json(200));
+    assert_eq!(before.len(), 20, "{before:?}");
+    cluster.stop_all().await;
+    let audit_dir = cluster.members[l].dir.join("audit");
+    std::fs::remove_dir_all(&audit_dir).unwrap();
+    for i in 0..3 {
+        cluster.restart(i).await;
+    }
+    let c = cluster.members[l].client();
+    let after = eventually("the audit log is rebuilt", || {
+        let c = c.clone();
+        let want = before.clone();
+        async move {
+            let r = c.get("/v1/audit?limit=1000").await;
+            let got = (r.status == 200).then(|| entries(r.json()))?;
+            (got == want).then_some(got)
+        }
+    })
+    .await;
+    assert_eq!(after, before);
+    cluster.stop_all().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_peer_port_refuses_strangers_and_other_configurations() {
     // Member 3 runs with another max_ttl: it must never take part.

@@ -32,6 +32,10 @@ pub enum SmRequest {
     AppliedState(oneshot::Sender<(Option<LogId>, StoredMembership)>),
     /// The core's image at the last applied id.
     Build(oneshot::Sender<(Vec<u8>, Option<LogId>, StoredMembership)>),
+    /// Answer once the audit entries of every applied entry are durable. The audit
+    /// log is synced lazily (its entries are rebuilt by re-applying the log after
+    /// the snapshot), so it must be before a snapshot becomes the restart point.
+    AuditDurable(oneshot::Sender<()>),
     /// Replace the core by this image.
     Install {
         /// `codec::encode_snapshot` of the image.
@@ -91,6 +95,7 @@ impl RaftSnapshotBuilder<TypeConfig> for Builder {
             .await
             .map_err(|_| gone())?;
         let (image, last_log_id, last_membership) = rx.await.map_err(|_| gone())?;
+        audit_durable(&self.engine).await?;
         let meta = SnapshotMeta {
             last_log_id,
             last_membership,
@@ -101,6 +106,19 @@ impl RaftSnapshotBuilder<TypeConfig> for Builder {
             snapshot: image,
         })
     }
+}
+
+/// Waits until the audit entries of everything applied are durable.
+async fn audit_durable(engine: &mpsc::Sender<SmRequest>) -> io::Result<()> {
+    let (tx, rx) = oneshot::channel();
+    engine
+        .send(SmRequest::AuditDurable(tx))
+        .await
+        .map_err(|_| gone())?;
+    // An audit writer that failed has logged it and records nothing more: the
+    // snapshot goes on without it.
+    let _ = rx.await;
+    Ok(())
 }
 
 async fn write_snapshot(
@@ -162,6 +180,8 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         meta: &SnapshotMeta,
         snapshot: Vec<u8>,
     ) -> Result<(), io::Error> {
+        // What this member applied before is not in the leader's image's replay.
+        audit_durable(&self.engine).await?;
         write_snapshot(&self.dir, meta, &snapshot).await?;
         let meta = meta.clone();
         self.ask(|done| SmRequest::Install {

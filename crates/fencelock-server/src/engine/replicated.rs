@@ -302,26 +302,47 @@ pub(crate) fn leader_url(
         .or_else(|| directory.url(id))
 }
 
-/// Audit commits, in order, on a thread of their own (they fsync).
+/// What the audit thread is asked to do.
+enum AuditMsg {
+    /// Append these (durable at the next sync).
+    Entries(Vec<AuditEntry>),
+    /// Sync everything appended so far, then answer.
+    Sync(oneshot::Sender<()>),
+}
+
+/// Audit appends, in order, on a thread of their own. They are synced lazily — when
+/// a snapshot is about to become the restart point, and at a clean stop — not per
+/// batch: an entry lost in a crash is rebuilt when the log after the snapshot is
+/// applied again, and a sync per batch would compete with the Raft log's own
+/// fdatasyncs for the disk.
 pub(super) struct AuditWriter {
-    tx: Option<std::sync::mpsc::Sender<Vec<AuditEntry>>>,
+    tx: Option<std::sync::mpsc::Sender<AuditMsg>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl AuditWriter {
     pub(super) fn spawn(mut store: AuditStore) -> std::io::Result<AuditWriter> {
-        let (tx, rx) = std::sync::mpsc::channel::<Vec<AuditEntry>>();
+        let (tx, rx) = std::sync::mpsc::channel::<AuditMsg>();
         let thread = std::thread::Builder::new()
             .name("fencelock-audit".into())
             .spawn(move || {
-                while let Ok(mut batch) = rx.recv() {
-                    while let Ok(more) = rx.try_recv() {
-                        batch.extend(more);
+                let failed = |e: fencelock_log::LogError| {
+                    tracing::error!(error = %e, "cannot write the audit log; audit entries are lost from here on");
+                };
+                for msg in rx.iter() {
+                    let done = match msg {
+                        AuditMsg::Entries(batch) => store.append(batch),
+                        AuditMsg::Sync(reply) => store.sync().map(|()| {
+                            let _ = reply.send(());
+                        }),
+                    };
+                    if let Err(e) = done {
+                        return failed(e);
                     }
-                    if let Err(e) = store.commit(batch) {
-                        tracing::error!(error = %e, "cannot write the audit log; audit entries are lost from here on");
-                        return;
-                    }
+                }
+                // A clean stop leaves nothing to rebuild.
+                if let Err(e) = store.sync() {
+                    failed(e);
                 }
             })?;
         Ok(AuditWriter {
@@ -331,7 +352,17 @@ impl AuditWriter {
     }
 
     fn send(&self, entries: Vec<AuditEntry>) -> bool {
-        self.tx.as_ref().is_some_and(|tx| tx.send(entries).is_ok())
+        self.tx
+            .as_ref()
+            .is_some_and(|tx| tx.send(AuditMsg::Entries(entries)).is_ok())
+    }
+
+    /// Answers `done` once everything sent before is durable (dropped unanswered if
+    /// the writer failed).
+    fn sync(&self, done: oneshot::Sender<()>) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(AuditMsg::Sync(done));
+        }
     }
 
     /// Writes what is queued and releases the audit store.
@@ -841,6 +872,12 @@ impl EngineTask {
                 let r = self.replica();
                 let _ = tx.send((image, r.applied, r.membership.clone()));
             }
+            SmRequest::AuditDurable(done) => {
+                // Applied entries are committed: their audit entries may go now.
+                let entries = std::mem::take(&mut self.audit);
+                self.send_audit(entries);
+                self.replica().audit.sync(done);
+            }
             SmRequest::Install { image, meta, done } => {
                 let corrupt =
                     |message: String| RecoveryError::new(RecoveryErrorKind::Corrupt, None, message);
@@ -1101,6 +1138,10 @@ impl EngineTask {
             d.deliver();
         }
         let entries = std::mem::take(&mut self.audit);
+        self.send_audit(entries);
+    }
+
+    fn send_audit(&mut self, entries: Vec<AuditEntry>) {
         if !entries.is_empty() {
             let count = entries.len() as u64;
             if self.replica().audit.send(entries) {
