@@ -364,13 +364,20 @@ async fn every_route_of_the_router_is_in_the_document_and_served() {
             "GET /v1/watch" => "/v1/watch?after=x".to_owned(),
             _ => path.replace(['{', '}'], ""),
         };
+        // No body on a GET or DELETE: a handler that reads none leaves it unread,
+        // and closing a connection with unread bytes resets it (RST), which can
+        // overtake a large answer such as this document.
+        let body: &[u8] = match method {
+            "GET" | "DELETE" => b"",
+            _ => b"{}",
+        };
         let r = s
             .client
             .request(
                 method,
                 &concrete,
                 &[("Content-Type", "application/json")],
-                b"{}",
+                body,
             )
             .await;
         let unrouted = (r.status == 404 && r.text().contains("no such route")) || r.status == 405;
