@@ -448,7 +448,6 @@ async fn a_members_lost_audit_log_is_rebuilt_from_the_raft_log() {
     }
     let c = cluster.members[l].client();
     let after = eventually("the audit log is rebuilt", || {
-        let c = c.clone();
         let want = before.clone();
         async move {
             let r = c.get("/v1/audit?limit=1000").await;
