@@ -5,7 +5,7 @@
 use fencelock_core::{Command, Config, Core};
 use fencelock_server::codec::{
     decode_record, decode_replicated, decode_snapshot, encode_import, encode_record,
-    encode_snapshot, Replicated,
+    encode_snapshot, Replicated, RECORD_VERSION, SNAPSHOT_VERSION,
 };
 
 use crate::{plant, MAX_INPUT_BYTES};
@@ -20,10 +20,11 @@ pub fn log_record(data: &[u8]) {
     let Ok((meta, command)) = decode_record(data) else {
         return;
     };
-    // Only the current version (3) re-encodes byte for byte; older ones (no
-    // metadata, no principals) are written as version 3 and must decode the same.
+    // Only the current version re-encodes byte for byte; older ones (no metadata,
+    // no principals, no modes) are written in the current one and must decode the
+    // same.
     let encoded = encode_record(&meta, &command);
-    if data.first() == Some(&3) {
+    if data.first() == Some(&RECORD_VERSION) {
         assert_eq!(encoded, data, "record does not round-trip");
     } else {
         assert_eq!(
@@ -86,10 +87,11 @@ pub fn snapshot(data: &[u8]) {
     let Ok(image) = decode_snapshot(data) else {
         return;
     };
-    // Byte 8, after the magic, is the version: only the current one (2) re-encodes
-    // byte for byte; version 1 (no principals) must decode the same once re-encoded.
+    // Byte 8, after the magic, is the version: only the current one re-encodes byte
+    // for byte; older ones (no principals, no modes) must decode the same once
+    // re-encoded.
     let encoded = encode_snapshot(&image);
-    if data.get(8) == Some(&2) {
+    if data.get(8) == Some(&SNAPSHOT_VERSION) {
         assert_eq!(encoded, data, "snapshot does not round-trip");
     } else {
         assert_eq!(

@@ -25,7 +25,7 @@ const RECORD_VERSION_3: u8 = 3;
 /// shared) and the election value (optional string) at the end of every acquire,
 /// and the multi-lock, downgrade, proclaim and release-all commands. Older versions
 /// decode as exclusive acquires without a value.
-const RECORD_VERSION: u8 = 4;
+pub const RECORD_VERSION: u8 = 4;
 /// Format version of snapshots before principals (decoded with none recorded).
 const SNAPSHOT_VERSION_1: u8 = 1;
 /// Format version of snapshots: version 1 plus a table of the principals (after
@@ -38,7 +38,7 @@ const SNAPSHOT_VERSION_2: u8 = 2;
 /// value, and after every queued request its mode, value and multi-lock group
 /// (count, then the parts' tokens). Older versions decode as exclusive, without
 /// values or groups.
-const SNAPSHOT_VERSION: u8 = 3;
+pub const SNAPSHOT_VERSION: u8 = 3;
 /// A snapshot starts with these bytes (inside the log layer's checksummed envelope).
 const SNAPSHOT_MAGIC: &[u8; 8] = b"FLSNAP01";
 
