@@ -1028,10 +1028,7 @@ impl EtcdBackend {
             .first()
             .is_some_and(|kv| kv.create_revision == token.revision && kv.lease == token.lease_id);
         if !ours {
-            return Err(Error::new(
-                ErrorKind::NotHeld,
-                format!("{:?} is not held by this grant", lease.name),
-            ));
+            return Err(not_held(&lease.name, "held"));
         }
         // A lease that was alive when its key was read and answers this keep-alive was
         // alive throughout (etcd never revives a lease), so the key is still there.
@@ -1085,30 +1082,40 @@ impl EtcdBackend {
         fencelock_backend::validate_value(value)?;
         let token = Token::parse(&lease.owner_token)?;
         let key = token.key(&self.prefix, &lease.name);
-        let reply = self
-            .range(pb::RangeRequest {
-                key: key.clone(),
-                ..Default::default()
-            })
-            .await?;
-        let not_held = || {
-            Error::new(
-                ErrorKind::NotHeld,
-                format!("{:?} is not led by this grant", lease.name),
-            )
-        };
-        let Some(kv) = reply.kvs.into_iter().next() else {
-            return Err(not_held());
-        };
-        let Some(mut entry) = keys::parse_value(&kv.value) else {
-            return Err(foreign_key(&String::from_utf8_lossy(&kv.key)));
-        };
+        let (mut entry, _) = self.read_held(&key, &token, &lease.name, "led").await?;
         entry.value = Some(value.to_owned());
         if self.rewrite_held(key, &token, &entry, None).await? {
             Ok(())
         } else {
-            Err(not_held())
+            Err(not_held(&lease.name, "led"))
         }
+    }
+
+    /// Reads the key the grant `token` holds: its entry and mod revision, or `NotHeld`
+    /// ("is not {verb} by this grant") when the key is gone or belongs to another grant.
+    async fn read_held(
+        &self,
+        key: &[u8],
+        token: &Token,
+        name: &str,
+        verb: &str,
+    ) -> Result<(keys::Entry, i64), Error> {
+        let reply = self
+            .range(pb::RangeRequest {
+                key: key.to_vec(),
+                ..Default::default()
+            })
+            .await?;
+        let Some(kv) = reply.kvs.into_iter().next() else {
+            return Err(not_held(name, verb));
+        };
+        if kv.create_revision != token.revision || kv.lease != token.lease_id {
+            return Err(not_held(name, verb));
+        }
+        let Some(entry) = keys::parse_value(&kv.value) else {
+            return Err(foreign_key(&String::from_utf8_lossy(&kv.key)));
+        };
+        Ok((entry, kv.mod_revision))
     }
 
     /// Rewrites the key the grant `token` holds with `entry`, in a transaction that
@@ -1168,27 +1175,7 @@ impl EtcdBackend {
     async fn downgrade_inner(&self, lease: &Lease) -> Result<(), Error> {
         let token = Token::parse(&lease.owner_token)?;
         let key = token.key(&self.prefix, &lease.name);
-        let reply = self
-            .range(pb::RangeRequest {
-                key: key.clone(),
-                ..Default::default()
-            })
-            .await?;
-        let not_held = || {
-            Error::new(
-                ErrorKind::NotHeld,
-                format!("{:?} is not held by this grant", lease.name),
-            )
-        };
-        let Some(kv) = reply.kvs.into_iter().next() else {
-            return Err(not_held());
-        };
-        if kv.create_revision != token.revision || kv.lease != token.lease_id {
-            return Err(not_held());
-        }
-        let Some(mut entry) = keys::parse_value(&kv.value) else {
-            return Err(foreign_key(&String::from_utf8_lossy(&kv.key)));
-        };
+        let (mut entry, mod_revision) = self.read_held(&key, &token, &lease.name, "held").await?;
         if entry.value.is_some() {
             return Err(invalid(
                 "an election's leader cannot downgrade (resign instead)".to_owned(),
@@ -1205,12 +1192,12 @@ impl EtcdBackend {
         }
         entry.shared = true;
         if self
-            .rewrite_held(key, &token, &entry, Some(kv.mod_revision))
+            .rewrite_held(key, &token, &entry, Some(mod_revision))
             .await?
         {
             Ok(())
         } else {
-            Err(not_held())
+            Err(not_held(&lease.name, "held"))
         }
     }
 
@@ -1877,6 +1864,13 @@ fn unexpected(what: &str) -> Error {
     Error::new(
         ErrorKind::Protocol,
         format!("etcd answered an unexpected {what}"),
+    )
+}
+
+fn not_held(name: &str, verb: &str) -> Error {
+    Error::new(
+        ErrorKind::NotHeld,
+        format!("{name:?} is not {verb} by this grant"),
     )
 }
 
