@@ -9,12 +9,15 @@ use std::time::Duration;
 use fencelock_server::cluster::watchdog::{LeaderProbe, Probed};
 use fencelock_server::cluster::{LeaderContact, Member, Raft, TypeConfig, Vote};
 use fencelock_sim::Rng;
+use futures_util::future::BoxFuture;
+use futures_util::stream::BoxStream;
+use futures_util::StreamExt;
 use openraft::error::{NetworkError, RPCError, ReplicationClosed, StreamingError, Unreachable};
 use openraft::network::v2::RaftNetworkV2;
 use openraft::network::{RPCOption, RaftNetworkFactory};
 use openraft::raft::{
-    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, TransferLeaderRequest,
-    TransferLeaderResponse, VoteRequest, VoteResponse,
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, StreamAppendError,
+    StreamAppendResult, TransferLeaderRequest, TransferLeaderResponse, VoteRequest, VoteResponse,
 };
 
 /// What the run does to the network now.
@@ -205,6 +208,16 @@ impl SimPeer {
     }
 }
 
+/// One answer of a replication stream, as openraft takes it.
+type StreamAnswer = Result<StreamAppendResult<TypeConfig>, RPCError<TypeConfig>>;
+
+/// A broken stream, seen by the sender after a timeout (an instant error would
+/// have openraft reopen it at once, and virtual time would never move).
+async fn lost(what: &str) -> RPCError<TypeConfig> {
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    RPCError::Network(NetworkError::new(&io(what)))
+}
+
 /// The target's Raft failed (it is shutting down): unreachable, after a timeout.
 async fn remote<E: std::fmt::Display>(e: E) -> RPCError<TypeConfig> {
     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -234,6 +247,98 @@ impl RaftNetworkV2<TypeConfig> for SimPeer {
         }
         self.back().await?;
         Ok(answer)
+    }
+
+    /// Pipelined, as a real member's peer client is (`append_stream` in the
+    /// server): one stream per replication session, whose requests and answers
+    /// each travel in order, every one through the faults. A lost message breaks
+    /// the stream (as a reset connection would), which the sender sees after a
+    /// timeout.
+    fn stream_append<'s, S>(
+        &'s mut self,
+        input: S,
+        _option: RPCOption,
+    ) -> BoxFuture<'s, Result<BoxStream<'s, StreamAnswer>, RPCError<TypeConfig>>>
+    where
+        S: futures_util::Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 'static,
+    {
+        Box::pin(async move {
+            // Opening the stream is a message like any other.
+            let raft = self.deliver().await?;
+            let (from, to) = (self.from, self.to);
+            let broken = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let (req_tx, mut req_rx) = tokio::sync::mpsc::channel(64);
+            let (net, broke) = (self.net.clone(), broken.clone());
+            let sender = tokio::spawn(async move {
+                let mut input = input;
+                while let Some(req) = input.next().await {
+                    let Some((_, delay)) = net.route(from, to) else {
+                        broke.store(true, std::sync::atomic::Ordering::SeqCst);
+                        return;
+                    };
+                    tokio::time::sleep(delay).await;
+                    if req_tx.send(req).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            let (answer_tx, answer_rx) = tokio::sync::mpsc::channel(64);
+            let net = self.net.clone();
+            let contact = net.contacts.lock().unwrap().get(&to).cloned();
+            tokio::spawn(async move {
+                let requests = futures_util::stream::poll_fn(move |cx| req_rx.poll_recv(cx));
+                let mut answers = std::pin::pin!(raft.stream_append(requests));
+                while let Some(item) = answers.next().await {
+                    let answer = match item {
+                        Ok(result) => {
+                            // As the peer listener does: accepted unless refused
+                            // for a higher vote.
+                            if !matches!(result, Err(StreamAppendError::HigherVote(_))) {
+                                if let Some(contact) = &contact {
+                                    contact.record();
+                                }
+                            }
+                            Ok(result)
+                        }
+                        Err(fatal) => Err(fatal.to_string()),
+                    };
+                    let Some((_, delay)) = net.route(to, from) else {
+                        let _ = answer_tx.send(None).await;
+                        return;
+                    };
+                    tokio::time::sleep(delay).await;
+                    if answer_tx.send(Some(answer)).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            struct Abort(tokio::task::JoinHandle<()>);
+            impl Drop for Abort {
+                fn drop(&mut self) {
+                    self.0.abort();
+                }
+            }
+            let state = (answer_rx, Abort(sender), broken, false);
+            let answers =
+                futures_util::stream::unfold(state, |(mut rx, sender, broken, done)| async move {
+                    if done {
+                        return None;
+                    }
+                    let item = match rx.recv().await {
+                        Some(Some(Ok(result))) => {
+                            return Some((Ok(result), (rx, sender, broken, false)))
+                        }
+                        Some(Some(Err(fatal))) => remote(fatal).await,
+                        Some(None) => lost("answer lost").await,
+                        None if broken.load(std::sync::atomic::Ordering::SeqCst) => {
+                            lost("request lost").await
+                        }
+                        None => return None,
+                    };
+                    Some((Err(item), (rx, sender, broken, true)))
+                });
+            Ok(answers.boxed())
+        })
     }
 
     async fn vote(

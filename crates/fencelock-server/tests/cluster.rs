@@ -470,8 +470,8 @@ async fn the_peer_port_refuses_strangers_and_other_configurations() {
     })
     .await;
     let peer = cluster.members[0].peer;
-    let raw = |headers: Vec<(&'static str, String)>| async move {
-        let mut req = format!("POST /raft/vote HTTP/1.1\r\nhost: {peer}\r\nconnection: close\r\n");
+    let raw_to = |path: &'static str, headers: Vec<(&'static str, String)>| async move {
+        let mut req = format!("POST {path} HTTP/1.1\r\nhost: {peer}\r\nconnection: close\r\n");
         if !headers.iter().any(|(k, _)| *k == "content-length") {
             req.push_str("content-length: 0\r\n");
         }
@@ -486,6 +486,7 @@ async fn the_peer_port_refuses_strangers_and_other_configurations() {
         stream.read_to_string(&mut out).await.unwrap();
         out
     };
+    let raw = |headers| raw_to("/raft/vote", headers);
     let no_secret = raw(vec![]).await;
     assert!(no_secret.starts_with("HTTP/1.1 401"), "{no_secret}");
     // The secret is checked before the body is read: a stranger announcing a huge
@@ -513,6 +514,24 @@ async fn the_peer_port_refuses_strangers_and_other_configurations() {
     assert!(
         other_config.contains("configuration differs"),
         "{other_config}"
+    );
+    // The replication stream's route is behind the same checks.
+    let stream_no_secret = raw_to("/raft/append-stream", vec![]).await;
+    assert!(
+        stream_no_secret.starts_with("HTTP/1.1 401"),
+        "{stream_no_secret}"
+    );
+    let stream_other_config = raw_to(
+        "/raft/append-stream",
+        vec![
+            ("authorization", format!("Bearer {SECRET}")),
+            ("x-fencelock-config", "0000".into()),
+        ],
+    )
+    .await;
+    assert!(
+        stream_other_config.starts_with("HTTP/1.1 409"),
+        "{stream_other_config}"
     );
 
     // Members 1 and 2 form a majority and a leader; 3 is never caught up.
@@ -548,6 +567,87 @@ async fn the_peer_port_refuses_strangers_and_other_configurations() {
         .get("/v1/locks/x?stale=true")
         .await;
     assert_eq!(s3.status, 404, "member 3 must not have applied anything");
+    cluster.stop_all().await;
+}
+
+/// Replication is pipelined: the leader sends AppendEntries on one stream without
+/// waiting for each answer, and the follower answers them in order. Driven here
+/// through the real peer client (`Network`), as the leader's replication would,
+/// against a member of a running cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replication_stream_answers_pipelined_requests_in_order() {
+    use fencelock_server::cluster::network::{Network, PeerIdentity};
+    use fencelock_server::cluster::{Member as RaftMember, Vote};
+    use openraft::network::v2::RaftNetworkV2;
+    use openraft::network::{RPCOption, RaftNetworkFactory};
+    use openraft::raft::{AppendEntriesRequest, StreamAppendError};
+    use tokio_stream::StreamExt;
+
+    let mut cluster = Cluster::start(3).await;
+    let leader = cluster.leader().await;
+    let status = cluster.members[leader]
+        .client()
+        .get("/v1/cluster")
+        .await
+        .json();
+    let term = status["term"].as_u64().expect("a term");
+    let leader_id = cluster.members[leader].id;
+    let follower = cluster
+        .members
+        .iter()
+        .find(|m| m.id != leader_id)
+        .expect("a follower");
+    // The leader's identity, as the follower checks it.
+    let identity = PeerIdentity {
+        node_id: leader_id,
+        url: cluster.members[leader].url(),
+        secret: Some(SECRET.into()),
+        config: fencelock_server::cluster::config_fingerprint(
+            &EngineConfig::new(&cluster.members[leader].dir).core,
+        ),
+    };
+    let mut network = Network::new(
+        std::sync::Arc::new(identity),
+        std::sync::Arc::default(),
+        BTreeMap::new(),
+        None,
+    );
+    let target = RaftMember {
+        peer_addr: follower.peer.to_string(),
+        url: follower.url(),
+    };
+    let mut peer = network.new_client(follower.id, &target).await;
+    let request = |vote: Vote| AppendEntriesRequest {
+        vote,
+        prev_log_id: None,
+        leader_commit: None,
+        entries: Vec::new(),
+    };
+    // Two from the current leader's vote, then one from a deposed leader's.
+    let requests = vec![
+        request(Vote::new_committed(term, leader_id)),
+        request(Vote::new_committed(term, leader_id)),
+        request(Vote::new_committed(term - 1, leader_id)),
+    ];
+    let answers: Vec<_> = {
+        let stream = peer
+            .stream_append(
+                tokio_stream::iter(requests),
+                RPCOption::new(support::IO_TIMEOUT),
+            )
+            .await
+            .expect("the follower opens a replication stream");
+        tokio::time::timeout(support::IO_TIMEOUT, stream.collect::<Vec<_>>())
+            .await
+            .expect("the stream ends after the refusal")
+    };
+    assert_eq!(answers.len(), 3, "{answers:?}");
+    assert!(matches!(answers[0], Ok(Ok(_))), "{answers:?}");
+    assert!(matches!(answers[1], Ok(Ok(_))), "{answers:?}");
+    assert!(
+        matches!(answers[2], Ok(Err(StreamAppendError::HigherVote(_)))),
+        "{answers:?}"
+    );
     cluster.stop_all().await;
 }
 

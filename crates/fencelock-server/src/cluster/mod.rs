@@ -14,12 +14,14 @@
 //! - [`network`]: peer RPCs over HTTP/2 on the peer port, authenticated with the
 //!   cluster secret and/or mutual TLS, refused when the sender's core configuration
 //!   differs.
+//! - `append_stream`: pipelined replication, one HTTP/2 stream per follower.
 //! - `listener`: the peer port's accept loop: TLS, connection admission, timeouts.
 //! - [`import`]: a single server's data directory becomes the first member.
 //! - [`watchdog`]: a follower whose leader went silent probes the leader's peer
 //!   port and, when the process is gone, campaigns as soon as the voters allow.
 
 pub mod api;
+mod append_stream;
 pub mod import;
 pub(crate) mod listener;
 pub mod log_store;
@@ -199,6 +201,14 @@ impl ClusterConfig {
             ..openraft::Config::default()
         }
     }
+}
+
+/// The hex SHA-256 of the core configuration, sent with every peer request:
+/// members refuse peers whose configuration differs (they would decide the same
+/// command differently).
+pub fn config_fingerprint(config: &fencelock_core::Config) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, format!("{config:?}").as_bytes());
+    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The leader as this member knows it.

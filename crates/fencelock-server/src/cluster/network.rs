@@ -20,6 +20,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use futures_util::future::BoxFuture;
+use futures_util::stream::BoxStream;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -27,7 +29,8 @@ use openraft::error::{
     NetworkError, RPCError, RaftError, ReplicationClosed, StreamingError, Unreachable,
 };
 use openraft::network::v2::RaftNetworkV2;
-use openraft::network::{RPCOption, RaftNetworkFactory};
+use openraft::network::{stream_append_sequential, RPCOption, RaftNetworkFactory};
+use openraft::raft::StreamAppendResult;
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, TransferLeaderRequest,
     VoteRequest, VoteResponse,
@@ -37,6 +40,7 @@ use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
+use super::append_stream;
 use super::listener::{LogThrottle, PeerConnection};
 use super::{Directory, LeaderContact, Member, Raft, SnapshotMeta, TypeConfig, Vote};
 
@@ -78,7 +82,10 @@ impl PeerIdentity {
     }
 }
 
-type HttpClient = hyper_util::client::legacy::Client<Connector, Full<Bytes>>;
+/// A peer request's body: a whole message, or a replication stream's messages.
+pub(super) type PeerBody = http_body_util::combinators::BoxBody<Bytes, std::convert::Infallible>;
+
+type HttpClient = hyper_util::client::legacy::Client<Connector, PeerBody>;
 
 /// A connection to a peer: plain TCP, or mutual TLS over it.
 enum PeerStream {
@@ -310,11 +317,11 @@ pub struct Peer {
     network: Network,
 }
 
-fn unreachable(e: impl std::fmt::Display) -> RPCError<TypeConfig> {
+pub(super) fn unreachable(e: impl std::fmt::Display) -> RPCError<TypeConfig> {
     RPCError::Unreachable(Unreachable::new(&std::io::Error::other(e.to_string())))
 }
 
-fn network_error(e: impl std::fmt::Display) -> RPCError<TypeConfig> {
+pub(super) fn network_error(e: impl std::fmt::Display) -> RPCError<TypeConfig> {
     RPCError::Network(NetworkError::new(&std::io::Error::other(e.to_string())))
 }
 
@@ -339,7 +346,7 @@ impl Peer {
             request = request.header(name, value);
         }
         let request = request
-            .body(Full::new(Bytes::from(body)))
+            .body(Full::new(Bytes::from(body)).boxed())
             .map_err(network_error)?;
         let response = tokio::time::timeout(timeout, self.network.http.request(request))
             .await
@@ -413,6 +420,84 @@ impl RaftNetworkV2<TypeConfig> for Peer {
             .map_err(raft_error)
     }
 
+    /// Pipelined (see `append_stream`): requests go as openraft makes them, without
+    /// waiting for the answer to the one before. A member without the stream route
+    /// (an older version, during a rolling upgrade) gets one request at a time.
+    fn stream_append<'s, S>(
+        &'s mut self,
+        input: S,
+        option: RPCOption,
+    ) -> BoxFuture<'s, Result<BoxStream<'s, StreamAnswer>, RPCError<TypeConfig>>>
+    where
+        S: futures_util::Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 'static,
+    {
+        Box::pin(async move {
+            let ttl = option.hard_ttl();
+            let (tx, rx) = tokio::sync::mpsc::channel(append_stream::SEND_QUEUE);
+            let mut request = axum::http::Request::post(format!(
+                "{}://{}/raft/append-stream",
+                self.network.scheme(),
+                self.addr
+            ));
+            for (name, value) in self.network.identity.headers() {
+                request = request.header(name, value);
+            }
+            let request = request
+                .body(append_stream::request_body(rx))
+                .map_err(network_error)?;
+            let response = tokio::time::timeout(ttl, self.network.http.request(request))
+                .await
+                .map_err(|_| {
+                    network_error(format!(
+                        "peer {} did not open a replication stream within {ttl:?}",
+                        self.target
+                    ))
+                })?
+                .map_err(|e| {
+                    unreachable(format!(
+                        "peer {} at {}: {}",
+                        self.target,
+                        self.addr,
+                        error_chain(&e)
+                    ))
+                })?;
+            let status = response.status();
+            if status == StatusCode::NOT_FOUND {
+                return stream_append_sequential(self, input, option).await;
+            }
+            if let (Some(id), Some(url)) = (
+                header(response.headers(), NODE_HEADER).and_then(|v| v.parse().ok()),
+                header(response.headers(), URL_HEADER),
+            ) {
+                self.network.directory.learn(id, url);
+            }
+            if !status.is_success() {
+                let bytes = tokio::time::timeout(ttl, response.into_body().collect())
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .map(|c| c.to_bytes())
+                    .unwrap_or_default();
+                let why = String::from_utf8_lossy(&bytes).into_owned();
+                tracing::warn!(peer = self.target, %status, %why, "peer refused a replication stream");
+                return Err(unreachable(format!(
+                    "peer {} refused: {status} {why}",
+                    self.target
+                )));
+            }
+            let sent = Arc::default();
+            let sender = append_stream::spawn_sender(input, tx, Arc::clone(&sent));
+            Ok(append_stream::answers(
+                response.into_body(),
+                sent,
+                sender,
+                ttl,
+                self.target,
+                MAX_PEER_BODY,
+            ))
+        })
+    }
+
     async fn vote(
         &mut self,
         rpc: VoteRequest<TypeConfig>,
@@ -463,6 +548,9 @@ impl RaftNetworkV2<TypeConfig> for Peer {
     }
 }
 
+/// One answer of a replication stream, as openraft takes it.
+type StreamAnswer = Result<StreamAppendResult<TypeConfig>, RPCError<TypeConfig>>;
+
 fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
@@ -484,6 +572,7 @@ pub struct PeerState {
 pub fn router(state: PeerState) -> axum::Router {
     axum::Router::new()
         .route("/raft/append", post(append))
+        .route("/raft/append-stream", post(append_stream_handler))
         .route("/raft/vote", post(vote))
         .route("/raft/pre-vote", post(pre_vote))
         .route("/raft/snapshot", post(snapshot))
@@ -587,6 +676,28 @@ async fn append(State(state): State<PeerState>, headers: HeaderMap, body: Bytes)
         state.contact.record();
     }
     reply(&state, &result)
+}
+
+/// A replication stream from the leader (see `append_stream`).
+async fn append_stream_handler(
+    State(state): State<PeerState>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    if let Err(refused) = check_sender(&state, &headers) {
+        return *refused;
+    }
+    let contact = state.contact.clone();
+    let answers = append_stream::serve(state.raft.clone(), body, MAX_PEER_BODY, move || {
+        contact.record()
+    });
+    let mut response = axum::body::Body::from_stream(answers).into_response();
+    let headers = response.headers_mut();
+    headers.insert(NODE_HEADER, HeaderValue::from(state.identity.node_id));
+    if let Ok(url) = HeaderValue::from_str(&state.identity.url) {
+        headers.insert(URL_HEADER, url);
+    }
+    response
 }
 
 async fn vote(State(state): State<PeerState>, headers: HeaderMap, body: Bytes) -> Response {

@@ -1186,13 +1186,6 @@ impl Shared {
     }
 }
 
-/// The hex SHA-256 of the core configuration: members refuse peers whose
-/// configuration differs (they would decide the same command differently).
-pub(crate) fn config_fingerprint(config: &fencelock_core::Config) -> String {
-    let digest = ring::digest::digest(&ring::digest::SHA256, format!("{config:?}").as_bytes());
-    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
-}
-
 fn internal(what: impl std::fmt::Display) -> ApiError {
     ApiError::new(ApiErrorKind::Internal, what.to_string())
 }
@@ -1518,7 +1511,7 @@ pub async fn start_cluster(config: EngineConfig) -> Result<(Handle, ClusterRunti
         node_id: cluster.node_id,
         url: cluster.advertise_url.clone(),
         secret: cluster.secret.clone(),
-        config: config_fingerprint(&config.core),
+        config: crate::cluster::config_fingerprint(&config.core),
     });
     let peer_listener = tokio::net::TcpListener::bind(cluster.peer_listen)
         .await
