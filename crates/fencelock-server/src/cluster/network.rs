@@ -326,17 +326,14 @@ pub(super) fn network_error(e: impl std::fmt::Display) -> RPCError<TypeConfig> {
 }
 
 impl Peer {
-    async fn call<Req, Resp>(
+    /// POSTs `body` to `/raft/{path}` with this member's identity, waiting up to
+    /// `timeout` for the answer's headers; records the sender's URL they carry.
+    async fn send(
         &self,
         path: &str,
-        req: &Req,
+        body: PeerBody,
         timeout: Duration,
-    ) -> Result<Result<Resp, RaftError<TypeConfig>>, RPCError<TypeConfig>>
-    where
-        Req: Serialize,
-        Resp: DeserializeOwned,
-    {
-        let body = postcard::to_allocvec(req).map_err(network_error)?;
+    ) -> Result<axum::http::Response<hyper::body::Incoming>, RPCError<TypeConfig>> {
         let mut request = axum::http::Request::post(format!(
             "{}://{}/raft/{path}",
             self.network.scheme(),
@@ -345,9 +342,7 @@ impl Peer {
         for (name, value) in self.network.identity.headers() {
             request = request.header(name, value);
         }
-        let request = request
-            .body(Full::new(Bytes::from(body)).boxed())
-            .map_err(network_error)?;
+        let request = request.body(body).map_err(network_error)?;
         let response = tokio::time::timeout(timeout, self.network.http.request(request))
             .await
             .map_err(|_| {
@@ -364,26 +359,45 @@ impl Peer {
                     error_chain(&e)
                 ))
             })?;
-        let status = response.status();
         if let (Some(id), Some(url)) = (
             header(response.headers(), NODE_HEADER).and_then(|v| v.parse().ok()),
             header(response.headers(), URL_HEADER),
         ) {
             self.network.directory.learn(id, url);
         }
+        Ok(response)
+    }
+
+    /// The error for a refusal (secret, configuration): not transient, so said
+    /// loudly, with the peer's reason.
+    fn refused(&self, status: StatusCode, body: &[u8]) -> RPCError<TypeConfig> {
+        let why = String::from_utf8_lossy(body).into_owned();
+        tracing::warn!(peer = self.target, %status, %why, "peer refused a raft request");
+        unreachable(format!("peer {} refused: {status} {why}", self.target))
+    }
+
+    async fn call<Req, Resp>(
+        &self,
+        path: &str,
+        req: &Req,
+        timeout: Duration,
+    ) -> Result<Result<Resp, RaftError<TypeConfig>>, RPCError<TypeConfig>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+    {
+        let body = postcard::to_allocvec(req).map_err(network_error)?;
+        let response = self
+            .send(path, Full::new(Bytes::from(body)).boxed(), timeout)
+            .await?;
+        let status = response.status();
         let bytes = tokio::time::timeout(timeout, response.into_body().collect())
             .await
             .map_err(|_| network_error("peer answer timed out"))?
             .map_err(network_error)?
             .to_bytes();
         if !status.is_success() {
-            // Refusals (secret, configuration) are not transient: say why, loudly.
-            let why = String::from_utf8_lossy(&bytes).into_owned();
-            tracing::warn!(peer = self.target, %status, %why, "peer refused a raft request");
-            return Err(unreachable(format!(
-                "peer {} refused: {status} {why}",
-                self.target
-            )));
+            return Err(self.refused(status, &bytes));
         }
         postcard::from_bytes(&bytes).map_err(network_error)
     }
@@ -434,42 +448,12 @@ impl RaftNetworkV2<TypeConfig> for Peer {
         Box::pin(async move {
             let ttl = option.hard_ttl();
             let (tx, rx) = tokio::sync::mpsc::channel(append_stream::SEND_QUEUE);
-            let mut request = axum::http::Request::post(format!(
-                "{}://{}/raft/append-stream",
-                self.network.scheme(),
-                self.addr
-            ));
-            for (name, value) in self.network.identity.headers() {
-                request = request.header(name, value);
-            }
-            let request = request
-                .body(append_stream::request_body(rx))
-                .map_err(network_error)?;
-            let response = tokio::time::timeout(ttl, self.network.http.request(request))
-                .await
-                .map_err(|_| {
-                    network_error(format!(
-                        "peer {} did not open a replication stream within {ttl:?}",
-                        self.target
-                    ))
-                })?
-                .map_err(|e| {
-                    unreachable(format!(
-                        "peer {} at {}: {}",
-                        self.target,
-                        self.addr,
-                        error_chain(&e)
-                    ))
-                })?;
+            let response = self
+                .send("append-stream", append_stream::request_body(rx), ttl)
+                .await?;
             let status = response.status();
             if status == StatusCode::NOT_FOUND {
                 return stream_append_sequential(self, input, option).await;
-            }
-            if let (Some(id), Some(url)) = (
-                header(response.headers(), NODE_HEADER).and_then(|v| v.parse().ok()),
-                header(response.headers(), URL_HEADER),
-            ) {
-                self.network.directory.learn(id, url);
             }
             if !status.is_success() {
                 let bytes = tokio::time::timeout(ttl, response.into_body().collect())
@@ -478,12 +462,7 @@ impl RaftNetworkV2<TypeConfig> for Peer {
                     .and_then(Result::ok)
                     .map(|c| c.to_bytes())
                     .unwrap_or_default();
-                let why = String::from_utf8_lossy(&bytes).into_owned();
-                tracing::warn!(peer = self.target, %status, %why, "peer refused a replication stream");
-                return Err(unreachable(format!(
-                    "peer {} refused: {status} {why}",
-                    self.target
-                )));
+                return Err(self.refused(status, &bytes));
             }
             let sent = Arc::default();
             let sender = append_stream::spawn_sender(input, tx, Arc::clone(&sent));
