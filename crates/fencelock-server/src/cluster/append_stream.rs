@@ -183,9 +183,10 @@ where
                 Some(_) => match tokio::time::timeout(HOLD, input.next()).await {
                     Ok(next) => next,
                     Err(_) => {
-                        let bytes = held.take().expect("matched Some");
-                        if !send(&tx, &sent, bytes, 1).await {
-                            return;
+                        if let Some(bytes) = held.take() {
+                            if !send(&tx, &sent, bytes, 1).await {
+                                return;
+                            }
                         }
                         continue;
                     }
