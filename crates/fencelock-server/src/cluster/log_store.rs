@@ -278,6 +278,9 @@ impl Writer {
                 }
             }
             if let Some(tx) = stop {
+                // The log (and its directory lock) goes first: whoever waits on
+                // the stop may reopen the directory at once.
+                drop(self);
                 let _ = tx.send(());
                 return;
             }
