@@ -120,7 +120,7 @@ pub struct ServeArgs {
     pub peer_tls_ca: Option<PathBuf>,
     /// Cluster mode: the Raft heartbeat in ms; elections time out after 5–10
     /// heartbeats, and leases must be at least 3 of the longest election timeouts
-    /// (1,500 ms at the default) [default: 50].
+    /// (1,200 ms at the default) [default: 40].
     #[arg(long, env = "FENCELOCK_RAFT_HEARTBEAT_MS")]
     pub raft_heartbeat_ms: Option<u64>,
     /// Cluster mode: dial some members elsewhere than their peer address,
@@ -241,7 +241,7 @@ fn cluster_config(
         ),
     };
     let heartbeat = std::time::Duration::from_millis(
-        args.raft_heartbeat_ms.or(file.heartbeat_ms).unwrap_or(50),
+        args.raft_heartbeat_ms.or(file.heartbeat_ms).unwrap_or(40),
     );
     let dial = match &args.peer_dial {
         Some(s) => parse_peers(s).map_err(|e| anyhow::anyhow!("--peer-dial: {e}"))?,
