@@ -19,9 +19,10 @@
 //! reason, is confirmed in the browser (`hx-confirm`), and is recorded in the audit
 //! log with the caller's token name as actor.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -949,7 +950,8 @@ async fn series_api(State(h): State<Handle>, ext: Extensions) -> Result<Response
 }
 
 /// The live stream of a page: `locks` and `health` every [`REFRESH`] and after
-/// events, `event` per durable lock event, all from the page's shared [`LiveViews`]
+/// events, `event` per durable lock event since the stream opened (each once, even
+/// when the stream skipped frames), all from the page's shared [`LiveViews`]
 /// renderer. Counted against the token's stream quota. Ends when the server drains.
 async fn stream(
     State(h): State<Handle>,
@@ -962,39 +964,50 @@ async fn stream(
     let list = ListQuery::parse(params)?;
     who.ranges(&list.prefix)?;
     let slot = who.open_stream()?;
-    let frames = views.subscribe(&h, &who, list)?;
-    let stream = futures_util::stream::unfold((frames, slot), |(mut frames, slot)| async move {
-        loop {
-            match frames.recv().await {
-                Ok(frame) => return Some((frame, (frames, slot))),
-                // A slow browser skips frames; the next one has the whole table.
-                Err(RecvError::Lagged(_)) => continue,
-                Err(RecvError::Closed) => return None,
+    let (frames, sent) = views.subscribe(&h, &who, list)?;
+    let stream = futures_util::stream::unfold(
+        (frames, slot, sent),
+        |(mut frames, slot, mut sent)| async move {
+            loop {
+                match frames.recv().await {
+                    Ok(frame) => {
+                        let out = frame_events(&frame, &mut sent);
+                        return Some((out, (frames, slot, sent)));
+                    }
+                    // A slow browser skips tables (the next one is whole); the rows of
+                    // the skipped frames are in the next frame's `rows` too.
+                    Err(RecvError::Lagged(_)) => continue,
+                    Err(RecvError::Closed) => return None,
+                }
             }
-        }
-    })
-    .flat_map(|frame: Arc<Frame>| {
-        let mut out = vec![
-            SseEvent::default().event("locks").data(&frame.table),
-            SseEvent::default().event("health").data(&frame.health),
-        ];
-        out.extend(
-            frame
-                .cluster
-                .as_ref()
-                .map(|c| SseEvent::default().event("cluster").data(c)),
-        );
-        out.extend(
-            frame
-                .rows
-                .iter()
-                .map(|r| SseEvent::default().event("event").data(r)),
-        );
-        futures_util::stream::iter(out.into_iter().map(Ok::<_, Infallible>))
-    });
+        },
+    )
+    .flat_map(|out| futures_util::stream::iter(out.into_iter().map(Ok::<_, Infallible>)));
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// The SSE events of `frame` for a stream that has sent the rows before `sent`:
+/// the table, health and cluster sections, and the rows it has not sent yet.
+fn frame_events(frame: &Frame, sent: &mut u64) -> Vec<SseEvent> {
+    let mut out = vec![
+        SseEvent::default().event("locks").data(&frame.table),
+        SseEvent::default().event("health").data(&frame.health),
+    ];
+    out.extend(
+        frame
+            .cluster
+            .as_ref()
+            .map(|c| SseEvent::default().event("cluster").data(c)),
+    );
+    for (seq, row) in frame.rows.iter() {
+        if *seq >= *sent {
+            out.push(SseEvent::default().event("event").data(row));
+            *sent = seq + 1;
+        }
+    }
+    out
 }
 
 /// Most distinct live views (prefix and token prefixes) rendered at once; a stream
@@ -1022,8 +1035,10 @@ struct Frame {
     health: String,
     /// The cluster section (cluster mode only).
     cluster: Option<String>,
-    /// Rows of "recent events" since the previous frame, oldest first.
-    rows: Vec<String>,
+    /// The newest rows of "recent events" (at most [`RECENT_EVENTS`]), oldest first,
+    /// each with its number in the view: a stream sends those it has not sent, so a
+    /// frame it skipped loses no row.
+    rows: Arc<[(u64, String)]>,
 }
 
 /// The dashboard's live views: one renderer task per distinct `ViewKey`, which
@@ -1033,25 +1048,36 @@ struct Frame {
 /// its last viewer is gone.
 #[derive(Clone, Default)]
 pub struct LiveViews {
-    views: Arc<Mutex<HashMap<ViewKey, broadcast::Sender<Arc<Frame>>>>>,
+    views: Arc<Mutex<HashMap<ViewKey, View>>>,
+}
+
+/// A rendered view: where its frames go, and how many event rows it has numbered
+/// (a new viewer is sent the rows from there on).
+#[derive(Clone)]
+struct View {
+    frames: broadcast::Sender<Arc<Frame>>,
+    rows_numbered: Arc<AtomicU64>,
 }
 
 impl LiveViews {
     /// The frames of the view of `prefix` for `who`, starting its renderer if no
-    /// one is watching it yet. 429 `resource_exhausted` beyond [`MAX_LIVE_VIEWS`].
+    /// one is watching it yet, and the number of the first event row this viewer is
+    /// to be sent. Every lock event after this call reaches the view: the renderer's
+    /// subscription to events is taken here, not when its task first runs. 429
+    /// `resource_exhausted` beyond [`MAX_LIVE_VIEWS`].
     fn subscribe(
         &self,
         h: &Handle,
         who: &Principal,
         list: ListQuery,
-    ) -> Result<broadcast::Receiver<Arc<Frame>>, ApiError> {
+    ) -> Result<(broadcast::Receiver<Arc<Frame>>, u64), ApiError> {
         let mut scope: Vec<String> = who.prefixes().map(str::to_owned).collect();
         scope.sort_unstable();
         scope.dedup();
         let key = ViewKey { list, scope };
         let mut views = self.views.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(frames) = views.get(&key) {
-            return Ok(frames.subscribe());
+        if let Some(view) = views.get(&key) {
+            return Ok((view.frames.subscribe(), view.rows_numbered.load(SeqCst)));
         }
         if views.len() >= MAX_LIVE_VIEWS {
             return Err(ApiError::new(
@@ -1063,18 +1089,24 @@ impl LiveViews {
             ));
         }
         let (frames, viewer) = broadcast::channel(FRAMES_BUFFERED);
-        views.insert(key.clone(), frames.clone());
+        let view = View {
+            frames,
+            rows_numbered: Arc::default(),
+        };
+        views.insert(key.clone(), view.clone());
         h.metrics()
             .dashboard_views
             .store(views.len() as u64, Relaxed);
+        let events = h.subscribe();
         tokio::spawn(render_view(
             self.clone(),
             key,
             h.clone(),
             who.clone(),
-            frames,
+            view,
+            events,
         ));
-        Ok(viewer)
+        Ok((viewer, 0))
     }
 
     /// Removes the view `key` if it has no viewer (under the same lock that
@@ -1091,7 +1123,10 @@ impl LiveViews {
         if !always && frames.receiver_count() > 0 {
             return false;
         }
-        if views.get(key).is_some_and(|f| f.same_channel(frames)) {
+        if views
+            .get(key)
+            .is_some_and(|v| v.frames.same_channel(frames))
+        {
             views.remove(key);
         }
         h.metrics()
@@ -1113,21 +1148,27 @@ async fn render_view(
     key: ViewKey,
     h: Handle,
     who: Principal,
-    frames: broadcast::Sender<Arc<Frame>>,
+    view: View,
+    mut events: broadcast::Receiver<SharedEvent>,
 ) {
-    let mut events = h.subscribe();
+    let View {
+        frames,
+        rows_numbered,
+    } = view;
     let mut state = h.watch_state();
     let mut tick = tokio::time::interval(REFRESH);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_render: Option<tokio::time::Instant> = None;
-    let mut rows = Vec::new();
-    // Keeps an event's row if the view shows its lock; false once events end.
-    let take = |got: Result<SharedEvent, RecvError>, rows: &mut Vec<String>| match got {
+    let mut rows = VecDeque::with_capacity(RECENT_EVENTS + 1);
+    // Keeps an event's row, numbered, if the view shows its lock; false once events end.
+    let take = |got: Result<SharedEvent, RecvError>, rows: &mut VecDeque<(u64, String)>| match got {
         Ok(e) => {
             if e.name.as_str().starts_with(&key.list.prefix) && who.covers(e.name.as_str()) {
-                rows.extend(event_row(&e).map(Markup::into_string));
-                if rows.len() > RECENT_EVENTS {
-                    rows.remove(0);
+                if let Some(row) = event_row(&e) {
+                    rows.push_back((rows_numbered.fetch_add(1, SeqCst), row.into_string()));
+                    if rows.len() > RECENT_EVENTS {
+                        rows.pop_front();
+                    }
                 }
             }
             true
@@ -1178,7 +1219,7 @@ async fn render_view(
             table: table.into_string(),
             health: health(&h, &who).into_string(),
             cluster: cluster_html(&h).map(Markup::into_string),
-            rows: std::mem::take(&mut rows),
+            rows: rows.iter().cloned().collect(),
         };
         h.metrics().dashboard_renders.fetch_add(1, Relaxed);
         last_render = Some(tokio::time::Instant::now());
@@ -1923,6 +1964,7 @@ mod tests {
                 views
                     .subscribe(&h, &who, ListQuery::of_prefix("job:".to_owned()))
                     .unwrap()
+                    .0
             })
             .collect();
         assert_eq!(views.len(), 1);
@@ -1964,6 +2006,73 @@ mod tests {
         assert_eq!(h.metrics().dashboard_views.load(Relaxed), 0);
     }
 
+    /// Issue 32: a stream opened before a lock is taken must send that lock's event
+    /// row. The renderer subscribed to events only when its task first ran, so under
+    /// load an event published between the stream's answer and that first run was
+    /// never shown (CI saw `dashboard_escaping` time out waiting for `event: event`).
+    /// Here the renderer's runtime is not driven until the grant is done, which is
+    /// that schedule made certain: before the fix no frame had the row.
+    #[test]
+    fn an_event_right_after_the_stream_opens_reaches_it() {
+        let engine_rt = tokio::runtime::Runtime::new().unwrap();
+        let (h, _dir) = engine_rt.block_on(async { engine() });
+        let views_rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let views = LiveViews::default();
+        let who = Principal::anonymous();
+        let (mut viewer, sent) = {
+            let _in_views_rt = views_rt.enter();
+            views
+                .subscribe(&h, &who, ListQuery::of_prefix("job:".to_owned()))
+                .unwrap()
+        };
+        assert_eq!(sent, 0);
+        // The grant, while the renderer's task has not run once.
+        engine_rt.block_on(acquire(&h, "job:first"));
+        let row = views_rt.block_on(async {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            let mut sent = sent;
+            loop {
+                let frame = tokio::time::timeout_at(deadline, viewer.recv())
+                    .await
+                    .expect("the grant's row within 5 s (3 tables a second)")
+                    .expect("the view is live");
+                let events = frame_events(&frame, &mut sent);
+                if events.len() > 2 {
+                    return frame.rows[0].1.clone();
+                }
+            }
+        });
+        assert!(row.contains("job:first"), "{row}");
+    }
+
+    /// A stream that skipped frames (a slow browser) still sends every row once: the
+    /// rows of a skipped frame are in the next one, and none is sent twice.
+    #[test]
+    fn skipped_frames_lose_no_row_and_repeat_none() {
+        let frame = |rows: &[(u64, &str)]| Frame {
+            table: String::new(),
+            health: String::new(),
+            cluster: None,
+            rows: rows.iter().map(|(n, r)| (*n, r.to_string())).collect(),
+        };
+        let rows_sent = |f: &Frame, sent: &mut u64| frame_events(f, sent).len() - 2;
+        let mut sent = 0;
+        assert_eq!(rows_sent(&frame(&[(0, "a")]), &mut sent), 1);
+        // Frame 2 (rows a, b) skipped; frame 3 has a, b, c: b and c are new.
+        assert_eq!(
+            rows_sent(&frame(&[(0, "a"), (1, "b"), (2, "c")]), &mut sent),
+            2
+        );
+        assert_eq!(rows_sent(&frame(&[(1, "b"), (2, "c")]), &mut sent), 0);
+        assert_eq!(sent, 3);
+        // A viewer that joined at row 5 gets none before it.
+        let mut late = 5;
+        assert_eq!(rows_sent(&frame(&[(4, "e"), (5, "f")]), &mut late), 1);
+    }
+
     /// Distinct views are bounded: each costs a renderer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn distinct_views_are_bounded() {
@@ -1975,6 +2084,7 @@ mod tests {
                 views
                     .subscribe(&h, &who, ListQuery::of_prefix(format!("p{i}:")))
                     .unwrap()
+                    .0
             })
             .collect();
         let e = views

@@ -381,6 +381,9 @@ async fn the_live_stream_sends_the_lock_table_and_events() {
     let s = TestServer::start().await;
     let c = &s.client;
     let mut pending = c.send("GET", "/ui/stream?prefix=live:", &[], b"").await;
+    // The stream is open (its events are the ones after this) once its head is here.
+    let head = pending.read_until("\r\n\r\n", support::IO_TIMEOUT).await;
+    assert!(head.contains("text/event-stream"), "{head}");
     acquire(
         c,
         json!({"name": "live:1", "ttl_ms": 60_000, "owner": "me"}),
@@ -391,7 +394,6 @@ async fn the_live_stream_sends_the_lock_table_and_events() {
     let text = pending
         .read_until("event: event", support::IO_TIMEOUT)
         .await;
-    assert!(text.contains("text/event-stream"), "{text}");
     assert!(text.contains("event: locks"), "{text}");
     assert!(text.contains("live:1"), "{text}");
     assert!(

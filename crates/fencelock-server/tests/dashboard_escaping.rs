@@ -38,6 +38,9 @@ async fn lock_names_owners_and_reasons_with_script_tags_are_escaped_everywhere()
     let c = &s.client;
     // The live stream, open before the lock is taken, so it sends the event's row.
     let mut stream = c.send("GET", "/ui/stream?prefix=", &[], b"").await;
+    // Open once its head is here: every event after this is streamed.
+    let head = stream.read_until("\r\n\r\n", IO_TIMEOUT).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     let grant = c
         .post(
             "/v1/acquire",
