@@ -1,9 +1,27 @@
 #!/usr/bin/env bash
 # The one test command: installs what the tests need (when missing) and runs them all.
 #   ./scripts/test.sh            # everything
-#   ./scripts/test.sh -p fencelock-core   # extra args go to `cargo test`
+#   ./scripts/test.sh -p fencelock-core   # extra args go to `cargo nextest run`
+#                                         # (and the build); doctests only with none
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Each phase's wall time goes to stdout and, when FENCELOCK_PHASE_LOG names a file
+# (.ci/run sets it), to that file for the run's phase table.
+phase() {
+  local name=$1 start=$SECONDS rc
+  shift
+  # In a subshell with errexit on: a failing step inside a function phase stops it.
+  set +e
+  (set -e; "$@")
+  rc=$?
+  set -e
+  echo "test.sh: phase '$name' took $((SECONDS - start)) s (rc $rc)"
+  [ -z "${FENCELOCK_PHASE_LOG:-}" ] || printf '%s\t%s\t%s\n' "$name" "$((SECONDS - start))" "$rc" >>"$FENCELOCK_PHASE_LOG"
+  return "$rc"
+}
+
+install_all() {
 
 need_apt=()
 command -v cc >/dev/null || need_apt+=(gcc)
@@ -46,10 +64,25 @@ if [ ! -d "$e2e/node_modules" ]; then
   # Exactly the versions in package-lock.json; playwright-core downloads no browser.
   (cd "$e2e" && npm ci --no-audit --no-fund)
 fi
+# The test runner: every test in its own process, several binaries at once
+# (.config/nextest.toml). From crates.io when missing.
+if ! cargo nextest --version >/dev/null 2>&1; then
+  cargo install cargo-nextest --locked
+fi
+}
+phase install install_all
 
-start=$SECONDS
-cargo test --workspace --locked "$@"
-echo "test.sh: cargo test took $((SECONDS - start)) s"
+# Built once here (the same flags as below, so nothing is built twice): the build's
+# minutes and the tests' minutes are separate lines of the phase table.
+phase build cargo test --workspace --locked --no-run "$@"
+# No retries: a test that fails once under load is a defect to fix, not to rerun.
+phase tests cargo nextest run --workspace --locked --no-tests=warn "$@"
+if [ $# -eq 0 ]; then
+  # Doc examples: nextest does not run doctests.
+  phase doctests cargo test --workspace --locked --doc
+fi
+slowest=target/nextest/default/junit.xml
+[ ! -f "$slowest" ] || ./scripts/slowest-tests.py "$slowest" 15
 
 # The benchmark harness against real peers, tiny and short (seconds): proves it works.
 # This and the fuzz run: only with no extra arguments (a filtered `cargo test` run skips it).
@@ -61,16 +94,13 @@ if [ $# -eq 0 ]; then
     cargo build --locked -p fencelock-cli -p fencelock-bench
   fi
   smoke_out="$(mktemp -d)"
-  "$target/debug/fencelock-bench" run --smoke --fencelock-bin "$target/debug/fencelock" --out "$smoke_out" >/dev/null
+  phase bench-smoke "$target/debug/fencelock-bench" run --smoke --fencelock-bin "$target/debug/fencelock" --out "$smoke_out" >/dev/null
   rm -rf "$smoke_out"
-  echo "test.sh: benchmark smoke done at $SECONDS s"
 
   # A short fuzz run of every decoder and of the core (nightly + cargo-fuzz, installed
   # when missing); longer runs: scripts/fuzz.sh 3600. FENCELOCK_FUZZ_SECONDS=0 skips it.
   fuzz_seconds="${FENCELOCK_FUZZ_SECONDS:-10}"
   if [ "$fuzz_seconds" != 0 ]; then
-    start=$SECONDS
-    ./scripts/fuzz.sh "$fuzz_seconds"
-    echo "test.sh: fuzz took $((SECONDS - start)) s"
+    phase fuzz ./scripts/fuzz.sh "$fuzz_seconds"
   fi
 fi
