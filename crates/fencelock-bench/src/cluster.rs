@@ -82,16 +82,12 @@ pub struct Cluster {
     root: tempfile::TempDir,
 }
 
-/// `n` distinct loopback ports that were free a moment ago.
+/// `n` distinct free loopback ports, reserved for this process (see
+/// [`fencelock_testkit::free_port`]: no other process picking the same way, nor an
+/// outgoing connection, can take one before its member binds it).
 fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
-    // Hold every listener until all are chosen, so no port is handed out twice.
-    let listeners: Vec<std::net::TcpListener> = (0..n)
-        .map(|_| std::net::TcpListener::bind(("127.0.0.1", 0)))
-        .collect::<Result<_, _>>()
-        .context("bind 127.0.0.1:0 to find free ports")?;
-    listeners
-        .iter()
-        .map(|l| Ok(l.local_addr()?.port()))
+    (0..n)
+        .map(|_| fencelock_testkit::free_port().context("find a free port"))
         .collect()
 }
 

@@ -8,7 +8,6 @@
 #[allow(dead_code)] // This file starts its members itself (fixed ports); see `Member`.
 mod support;
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -36,11 +35,10 @@ impl Drop for Member {
     }
 }
 
-/// A free loopback port (bound and released: another process may take it in
-/// between, which is unlikely enough for a test).
+/// A free loopback port, this test process's until it exits (see
+/// [`fencelock_testkit::free_port`]).
 fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    listener.local_addr().expect("local addr").port()
+    fencelock_testkit::free_port().expect("a free port")
 }
 
 /// Starts members 1..=n of one cluster on fresh loopback ports.
@@ -173,6 +171,39 @@ async fn renewed_past(guard: &fencelock::LockGuard, deadline_then: Instant) {
             "no renewal confirmed within the lease"
         );
         sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until the server says it has held `name` under `fence` for `more` beyond
+/// what it said at the call: renewals that happened, not a fixed hold. Fails if the
+/// lock changed hands or went free meanwhile.
+async fn held_for_another(
+    backend: &fencelock::FencelockBackend,
+    name: &str,
+    fence: u64,
+    more: Duration,
+) {
+    let held_ms = || async {
+        let info = backend.get_lock(name).await.ok()?;
+        let holder = info.holders.first().expect("the lock is still held");
+        assert_eq!(holder.fence, fence, "{name} changed hands: {info:?}");
+        Some(holder.held_ms)
+    };
+    let give_up = Instant::now() + STEP;
+    let since = loop {
+        if let Some(ms) = held_ms().await {
+            break ms;
+        }
+        assert!(Instant::now() < give_up, "{name} could not be read");
+        sleep(Duration::from_millis(50)).await;
+    };
+    let until = since + more.as_millis() as u64;
+    while held_ms().await.is_none_or(|ms| ms < until) {
+        assert!(
+            Instant::now() < give_up,
+            "{name} was not held {more:?} more within {STEP:?}"
+        );
+        sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -344,8 +375,13 @@ async fn cluster_commands_transfer_the_leadership_and_the_guard_follows() {
     );
     assert_eq!(leader(&all, Some(first)).await, target);
 
-    // The guard renews on the new leader for longer than its 3 s lease.
-    sleep(Duration::from_secs(4)).await;
+    // The guard renews on the new leader for longer than its 3 s lease: the new
+    // leader itself says it has held the lock a lease length more (however long
+    // that takes on a loaded machine), under the same fence.
+    let backend = fencelock::FencelockBackend::connect(ServerConfig::new(&all))
+        .await
+        .expect("connect");
+    held_for_another(&backend, "t:held", guard.fence(), Duration::from_secs(3)).await;
     assert!(
         !guard.is_lost(),
         "the guard lost its lock over a leader transfer"

@@ -8,7 +8,7 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -22,12 +22,11 @@ const HEARTBEAT: Duration = Duration::from_millis(50);
 const MIN_TTL_MS: u64 = 1500;
 const SECRET: &str = "a-cluster-secret-for-tests";
 
-/// A free loopback port (bound, then released: the member binds it next).
+/// A free loopback port, this test process's until it exits (see
+/// [`fencelock_testkit::free_port`]): a restarted member finds its port still free.
 fn free_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    let port = fencelock_testkit::free_port().expect("a free port");
+    SocketAddr::from(([127, 0, 0, 1], port))
 }
 
 struct Member {
@@ -380,13 +379,11 @@ async fn after_the_leader_stops_locks_fences_and_retries_carry_over() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_restart_keeps_every_lock_and_the_fence_counter() {
     let mut cluster = Cluster::start(3).await;
-    let l = cluster.leader().await;
-    let c = cluster.members[l].client();
     let mut last = 0;
     for i in 0..20 {
-        let g = acquire(&c, json!({"name": format!("k:{i}"), "ttl_ms": 30000}))
-            .await
-            .expect_json(200);
+        let body =
+            json!({"name": format!("k:{i}"), "ttl_ms": 30000, "request_id": format!("k-{i}")});
+        let (_, g) = acquire_at_leader(&cluster, body).await;
         last = g["fence"].as_u64().unwrap();
     }
     cluster.stop_all().await;
@@ -410,19 +407,16 @@ async fn a_full_restart_keeps_every_lock_and_the_fence_counter() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_members_lost_audit_log_is_rebuilt_from_the_raft_log() {
     let mut cluster = Cluster::start(3).await;
+    // Through whichever member leads: a loaded machine can see an election between
+    // two requests (the stress pass saw `not_leader` here).
+    for i in 0..10 {
+        let name = format!("au:{i}");
+        let body = json!({"name": name, "ttl_ms": 30000, "request_id": format!("au-{i}")});
+        let (_, g) = acquire_at_leader(&cluster, body).await;
+        release_at_leader(&cluster, &name, &g).await;
+    }
     let l = cluster.leader().await;
     let c = cluster.members[l].client();
-    for i in 0..10 {
-        let g = acquire(&c, json!({"name": format!("au:{i}"), "ttl_ms": 30000}))
-            .await
-            .expect_json(200);
-        c.post(
-            "/v1/release",
-            &json!({"name": format!("au:{i}"), "owner_token": g["owner_token"]}),
-        )
-        .await
-        .expect_json(200);
-    }
     let entries = |v: Value| -> Vec<(u64, String, String, u64)> {
         v["entries"]
             .as_array()
@@ -843,6 +837,39 @@ async fn acquire_at_leader(cluster: &Cluster, body: Value) -> (usize, Value) {
             let r = acquire(&m.client(), body.clone()).await;
             if r.status == 200 {
                 return Some((i, r.json()));
+            }
+        }
+        None
+    })
+    .await
+}
+
+/// Releases `grant` of `name` through whichever member leads, like
+/// [`acquire_at_leader`]. A `not_leader` answer may come after the release was
+/// proposed (the deposed leader's pending writes can still commit), so once a retry
+/// is refused the lock must show that grant gone.
+async fn release_at_leader(cluster: &Cluster, name: &str, grant: &Value) {
+    let body = json!({"name": name, "owner_token": grant["owner_token"]});
+    let body = &body;
+    eventually("a leader releases the lock", || async move {
+        for (_, m) in cluster.running() {
+            let c = m.client();
+            let r = c.post("/v1/release", body).await;
+            match r.status {
+                200 => return Some(()),
+                503 => continue,
+                _ => {
+                    let shown = c.get(&format!("/v1/locks/{name}")).await;
+                    match shown.status {
+                        404 => return Some(()),
+                        200 => {
+                            let held = shown.json()["holders"][0]["fence"] == grant["fence"];
+                            assert!(!held, "release refused while held: {}", r.text());
+                            return Some(());
+                        }
+                        _ => continue,
+                    }
+                }
             }
         }
         None

@@ -14,7 +14,7 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
@@ -463,10 +463,8 @@ fn token(name: &str, role: Role, prefixes: &[&str], secret: &str) -> TokenConfig
 }
 
 fn free_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    let port = fencelock_testkit::free_port().expect("a free port");
+    SocketAddr::from(([127, 0, 0, 1], port))
 }
 
 /// A one-member cluster (it elects itself): the `/v1/cluster` routes' successes.

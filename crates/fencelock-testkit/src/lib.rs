@@ -160,15 +160,76 @@ pub fn running_as_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// A port on 127.0.0.1 that was free a moment ago (bound to port 0, then released).
+/// A port on 127.0.0.1 that is free now and stays this process's to bind, until it
+/// exits, against every other test process on the machine.
+///
+/// A port found by binding port 0 and releasing it can be taken before the server
+/// binds it: by any outgoing connection (the kernel picks their source ports from the
+/// same ephemeral range) or by another test process picking the same way. Under
+/// cargo-nextest, tests run as many processes at once, and the stress pass saw a
+/// cluster member fail with "Address already in use". So ports come from below the
+/// ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`), where neither happens,
+/// and each is reserved with an advisory lock on a file named after it in the temp
+/// dir, held for the life of the process (the kernel drops it when the process dies,
+/// even by `kill -9`). A member restarted on its old port finds it still reserved.
 pub fn free_port() -> Result<u16, Error> {
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .map_err(|e| Error::io("bind 127.0.0.1:0 to find a free port", e))?;
-    let port = listener
-        .local_addr()
-        .map_err(|e| Error::io("read the probe socket's address", e))?
-        .port();
-    Ok(port)
+    use std::sync::Mutex;
+    // The reservations of this process: open files holding their locks.
+    static HELD: Mutex<Vec<File>> = Mutex::new(Vec::new());
+    let (low, high) = reservable_ports();
+    let dir = std::env::temp_dir().join("fencelock-test-ports");
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io("create the port lock dir", e))?;
+    let span = u64::from(high - low) + 1;
+    let mut next = {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        nanos ^ (u64::from(std::process::id()) << 20)
+    };
+    for _ in 0..1000 {
+        // xorshift: a different start in each process, then a walk over the range.
+        next ^= next << 13;
+        next ^= next >> 7;
+        next ^= next << 17;
+        let port = low + (next % span) as u16;
+        let path = dir.join(port.to_string());
+        let file = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::io("open a port lock file", e))?;
+        // SAFETY: flock on a file descriptor this function owns.
+        if unsafe {
+            libc::flock(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                libc::LOCK_EX | libc::LOCK_NB,
+            )
+        } != 0
+        {
+            continue; // another process holds it
+        }
+        let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+        if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
+            held.push(file);
+            return Ok(port);
+        }
+        // In use by something that does not take part in the locks: try another.
+    }
+    Err(Error::new(
+        ErrorKind::Io,
+        format!("no free port in {low}..={high} after 1000 tries"),
+    ))
+}
+
+/// Ports below the kernel's ephemeral range and above the usual services' ones.
+fn reservable_ports() -> (u16, u16) {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let high = ephemeral_low.saturating_sub(1).max(20_001);
+    (20_000.min(high - 1), high)
 }
 
 /// How to start one server process.
