@@ -136,9 +136,17 @@ fn a_reader_with_100_dashboard_streams_is_held_to_its_quota_and_one_render_per_c
     for i in 0..CHANGES {
         acquire(format!("change:{i:02}"));
     }
-    // Long enough for the renderer to show the last change (it renders at most every
-    // 250 ms, and every second).
-    std::thread::sleep(Duration::from_millis(1500));
+    // Until a stream shows the last change (the renderer renders at most every
+    // 250 ms, and every second), however long that takes on a loaded machine.
+    let last = format!("change:{:02}", CHANGES - 1);
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 16384];
+    while !String::from_utf8_lossy(&seen).contains(&last) {
+        match open[0].read(&mut buf) {
+            Ok(n) if n > 0 => seen.extend_from_slice(&buf[..n]),
+            other => panic!("the stream ended before it showed {last}: {other:?}"),
+        }
+    }
     let renders_after = metric(s.addr, ADMIN, "fencelock_dashboard_renders_total");
     let renders = renders_after
         .zip(renders_before)

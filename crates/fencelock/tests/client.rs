@@ -140,7 +140,13 @@ async fn renewal_keeps_the_lock_past_its_ttl() {
     let server = TestServer::start().await;
     let client = client(&server).await;
     let guard = client.lock("long").ttl(SHORT_TTL).acquire().await.unwrap();
-    tokio::time::sleep(SHORT_TTL * 3).await;
+    support::held_for(
+        &server.backend().await,
+        "long",
+        guard.fence(),
+        SHORT_TTL * 3,
+    )
+    .await;
     assert!(guard.valid_for().is_some(), "still held after 3 TTLs");
     let other = client.lock("long").try_acquire().await.unwrap_err();
     assert_eq!(other.kind(), ErrorKind::Held, "renewed lock is still held");
@@ -277,8 +283,13 @@ async fn no_renewals_after_release_or_drop_and_drop_releases() {
 
     // Explicit release.
     let guard = client.lock("r").ttl(SHORT_TTL).acquire().await.unwrap();
-    tokio::time::sleep(SHORT_TTL).await;
-    assert!(renews.load(Ordering::SeqCst) >= 1, "renewed while held");
+    timeout(STEP, async {
+        while renews.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("renewed while held");
     guard.release().await.unwrap();
     let after_release = renews.load(Ordering::SeqCst);
 
@@ -474,8 +485,16 @@ async fn a_guard_survives_a_server_restart_and_the_client_reconnects() {
     let config =
         fencelock_server::ServerConfig::new(addr, fencelock_server::EngineConfig::new(dir.path()));
     let server = fencelock_server::Server::start(config).await.unwrap();
-    // Two renewal periods later the guard is still valid and still the holder.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Renewed past its lease after the restart (the server says it has held it a
+    // lease length since it came back; a restart gives every lease its full TTL
+    // again): still valid and still the holder.
+    support::held_for(
+        &support::TestServer::backend_at(addr).await,
+        "restart",
+        guard.fence(),
+        Duration::from_secs(4),
+    )
+    .await;
     assert!(guard.valid_for().is_some(), "lost across a quick restart");
     let busy = client.lock("restart").try_acquire().await.unwrap_err();
     assert_eq!(busy.kind(), ErrorKind::Held);
@@ -505,8 +524,8 @@ async fn a_waiter_granted_after_more_than_a_ttl_gets_a_valid_guard() {
         .expect("granted after the holder's lease expired");
     assert!(guard.fence() > stale.fence);
     assert!(guard.valid_for().is_some());
-    // And it is renewed like any other guard.
-    tokio::time::sleep(Duration::from_millis(1600)).await;
+    // And it is renewed like any other guard: held past two lease lengths.
+    support::held_for(&backend, "slow", guard.fence(), Duration::from_millis(1600)).await;
     assert!(guard.valid_for().is_some(), "renewed after the late grant");
     assert!(guard.release().await.unwrap());
 }

@@ -50,10 +50,39 @@ impl TestServer {
     }
 
     pub async fn backend(&self) -> FencelockBackend {
-        FencelockBackend::connect(ServerConfig::new(self.url()))
+        TestServer::backend_at(self.addr()).await
+    }
+
+    /// A backend of the server at `addr` (one restarted by the test itself).
+    pub async fn backend_at(addr: SocketAddr) -> FencelockBackend {
+        FencelockBackend::connect(ServerConfig::new(format!("http://{addr}")))
             .await
             .unwrap()
     }
+}
+
+/// Waits until the server says it has held `name` under `fence` for `at_least`: the
+/// renewals a test means by "still held after N lease lengths", observed as they
+/// happen rather than assumed from a fixed hold. Fails if the lock changed hands or
+/// went free meanwhile, or after [`STEP`].
+pub async fn held_for(backend: &FencelockBackend, name: &str, fence: u64, at_least: Duration) {
+    let at_least_ms = at_least.as_millis() as u64;
+    tokio::time::timeout(STEP, async {
+        loop {
+            let info = backend
+                .get_lock(name)
+                .await
+                .expect("the lock is still held");
+            let holder = info.holders.first().expect("the lock is still held");
+            assert_eq!(holder.fence, fence, "{name} changed hands: {info:?}");
+            if holder.held_ms >= at_least_ms {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{name} was not held {at_least:?} within {STEP:?}"));
 }
 
 /// Watches every lock event of the server, from now on.
