@@ -8,6 +8,7 @@
 #   scripts/fuzz.sh 60 log_dir   # only some targets
 #   scripts/fuzz.sh --planted 20 # each target with its planted bug on: every one
 #                                # must be found (a crash) within the time
+#   scripts/fuzz.sh --build-only # only the build (.ci/run starts it beside the tests)
 #
 # Each target starts from fuzz/seeds/<target> (and uses fuzz/dicts/<target>.dict) (committed; written by
 # `FENCELOCK_FUZZ_WRITE_SEEDS=1 cargo test -p fencelock-fuzz --test seeds`) and
@@ -19,8 +20,12 @@
 set -euo pipefail
 
 planted=0
+build_only=0
 if [[ "${1:-}" == "--planted" ]]; then
     planted=1
+    shift
+elif [[ "${1:-}" == "--build-only" ]]; then
+    build_only=1
     shift
 fi
 seconds="${1:-20}"
@@ -47,6 +52,10 @@ build_flags=(-O -a -s none --target-dir "$target_dir")
 start=$(date +%s)
 (cd "$fuzz_dir" && cargo +nightly fuzz build "${build_flags[@]}")
 build_seconds=$(( $(date +%s) - start ))
+if [[ $build_only == 1 ]]; then
+    echo "fuzz: built in ${build_seconds}s ($target_dir)"
+    exit 0
+fi
 
 summary=()
 failed=0
