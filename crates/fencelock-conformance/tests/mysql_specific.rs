@@ -190,6 +190,23 @@ async fn an_expired_holders_release_does_not_touch_the_new_holder() {
     assert!(step(new_holder.release(&new)).await.expect("release"));
 }
 
+/// Connections of the test user the server has open (this one included), once the
+/// count is at most `bound` or has stayed above it for 2 s. A connection the pool
+/// replaced (one dropped after a timeout on a loaded machine) stays in the process
+/// list until the server has torn it down, beside its replacement: the stress pass
+/// saw 4 for a pool of 2 once. One the backend holds outside the pool stays.
+async fn settled_connections(observer: &mut mysql_async::Conn, bound: u64) -> u64 {
+    let mut count = open_connections(observer).await;
+    for _ in 0..10 {
+        if count <= bound {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        count = open_connections(observer).await;
+    }
+    count
+}
+
 /// Connections of the test user the server has open (this one included).
 async fn open_connections(observer: &mut mysql_async::Conn) -> u64 {
     observer
@@ -239,13 +256,13 @@ async fn table_mode_uses_only_the_applications_pool() {
         step(backend.renew(&held, Duration::from_secs(60)))
             .await
             .expect("renew");
-        most = most.max(open_connections(&mut observer).await);
+        most = most.max(settled_connections(&mut observer, 3).await);
     }
     assert!(step(backend.release(&held)).await.expect("release"));
     for waiter in waiters {
         assert!(step(waiter).await.expect("waiter task"));
     }
-    most = most.max(open_connections(&mut observer).await);
+    most = most.max(settled_connections(&mut observer, 3).await);
     assert!(
         most <= 3,
         "{most} connections: the backend opened connections outside the pool"
