@@ -374,6 +374,19 @@ impl AuditWriter {
     }
 }
 
+/// An engine that panicked drops its writer without [`AuditWriter::stop`]: the
+/// thread is joined here too, so the audit directory is released once the engine is
+/// gone. A member restarted in the same process (the cluster simulation) found it
+/// still locked by the old thread ("in use by another fencelock server").
+impl Drop for AuditWriter {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
 impl EngineTask {
     fn replica(&mut self) -> &mut Replicated {
         self.replicated.as_mut().expect("cluster mode")
