@@ -12,16 +12,18 @@ out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
 run() {
   # One test at a time: several attacks measure the server's answers under load.
-  if ! cargo test --locked "$@" -- --nocapture --test-threads=1 >>"$out" 2>&1; then
+  local package=$1
+  shift
+  if ! cargo test --locked -p "$package" --test it -- "$@" --nocapture --test-threads=1 >>"$out" 2>&1; then
     cat "$out" >&2
     echo "an attack test failed (output above)" >&2
     exit 1
   fi
 }
-run -p fencelock-cli --test "attacks_${1:-*}"
+run fencelock-cli "attacks_${1:-}"
 if [ $# -eq 0 ]; then
   # The two attacks that are not against the binary: the audit index's heap, counted
   # by an allocator, and a page on another origin in headless Chromium.
-  run -p fencelock-server --test audit_memory --test e2e_cross_origin
+  run fencelock-server audit_memory:: e2e_cross_origin::
 fi
 grep -ho 'ATTACK [0-9].*' "$out" | sort -V

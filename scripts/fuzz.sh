@@ -11,7 +11,7 @@
 #   scripts/fuzz.sh --build-only # only the build (.ci/run starts it beside the tests)
 #
 # Each target starts from fuzz/seeds/<target> (and uses fuzz/dicts/<target>.dict) (committed; written by
-# `FENCELOCK_FUZZ_WRITE_SEEDS=1 cargo test -p fencelock-fuzz --test seeds`) and
+# `FENCELOCK_FUZZ_WRITE_SEEDS=1 cargo test -p fencelock-fuzz --test it seeds::`) and
 # keeps what it learns in fuzz/corpus/<target> (not committed). A crash leaves its
 # input in fuzz/artifacts/<target>/; replay it with
 #   cargo +nightly fuzz run <target> fuzz/artifacts/<target>/<file>

@@ -11,9 +11,7 @@
 //! The same page-on-another-origin attack in a real browser is
 //! `crates/fencelock-server/tests/e2e_cross_origin.rs`.
 
-mod attack;
-#[allow(dead_code)] // Only `serve_bin` and `BIN`, through `attack`.
-mod support;
+use crate::attack;
 
 use attack::{http, serve, token};
 use serde_json::json;

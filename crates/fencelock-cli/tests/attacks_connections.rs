@@ -2,7 +2,7 @@
 //! seconds: connections that never authenticate (item 1), one address opening
 //! many, idle connections, and a failed `flw/1` re-Hello (item 8). Each attack test
 //! prints one `ATTACK <item>: <what was tried> -> <outcome>` line (collected into
-//! `docs/security.md` with `cargo test -p fencelock-cli --test attacks_connections
+//! `docs/security.md` with `cargo test -p fencelock-cli --test it attacks_connections::
 //! -- --nocapture`).
 
 use std::io::{Read, Write};
@@ -13,9 +13,8 @@ use fencelock::{AcquireSpec, FencelockBackend, LockBackend, ServerConfig};
 use fencelock_proto::wire::{self, Hello, Request, Response};
 use fencelock_proto::AcquireRequest;
 
-mod attack;
-#[allow(dead_code)] // Only `serve_bin` and `BIN`, through `attack`.
-mod support;
+use crate::attack;
+use crate::support;
 
 /// Longest any wait in these tests may take before the test fails instead of hanging.
 const BOUND: Duration = Duration::from_secs(20);

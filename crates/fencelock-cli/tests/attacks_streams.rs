@@ -6,9 +6,7 @@
 //! renderer: `fencelock_dashboard_renders_total` grows with the changes, not with
 //! the viewers. Prints one `ATTACK 4: … -> …` line.
 
-mod attack;
-#[allow(dead_code)] // Only `serve_bin` and `BIN`, through `attack`.
-mod support;
+use crate::attack;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

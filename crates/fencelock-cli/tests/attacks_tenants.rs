@@ -15,7 +15,7 @@ use fencelock::{FencelockBackend, ServerConfig};
 use fencelock_server::auth::hash_token;
 use serde_json::{json, Value};
 
-mod support;
+use crate::support;
 
 /// Per-token quotas of the test config (scaled down from the defaults).
 const MAX_SESSIONS: usize = 50;

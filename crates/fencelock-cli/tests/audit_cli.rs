@@ -2,7 +2,7 @@
 //! entries across `kill -9`, and `fencelock audit` shows them (table and JSON,
 //! filtered by lock and age).
 //!
-//! Run: `cargo test -p fencelock-cli --test audit_cli`
+//! Run: `cargo test -p fencelock-cli --test it audit_cli::`
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};

@@ -3,10 +3,9 @@
 //! `cargo insta review` or `INSTA_UPDATE=always`), shell completions and the man page
 //! naming every command, the exit-code table, and `backup`'s and `audit`'s flags.
 //!
-//! Run: `cargo test -p fencelock-cli --test cli_shapes`
+//! Run: `cargo test -p fencelock-cli --test it cli_shapes::`
 
-#[allow(dead_code)] // `serve` and `BIN`.
-mod support;
+use crate::support;
 
 use std::ffi::OsStr;
 use std::path::Path;

@@ -5,7 +5,7 @@
 //! with Debian's `golang-go` offline (`GOPROXY=off`, caches in a temp dir) and run
 //! the same way; a missing `go` fails the test (scripts/test.sh installs it).
 
-mod support;
+use crate::support;
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};

@@ -5,8 +5,7 @@
 //! keeps its command running, and `fencelock cluster status` still lists 3 members.
 //! A single server's data directory becomes the first member of a cluster.
 
-#[allow(dead_code)] // This file starts its members itself (fixed ports); see `Member`.
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

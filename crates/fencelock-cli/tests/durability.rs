@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-mod support;
+use crate::support;
 
 use support::BIN;
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use fencelock::{AcquireSpec, FencelockBackend, LockBackend, ServerConfig};
 use serde_json::Value;
 
-mod support;
+use crate::support;
 
 use support::BIN;
 

@@ -20,7 +20,7 @@ use fencelock::{AcquireSpec, ErrorKind, FencelockBackend, LockBackend, ServerCon
 use fencelock_chaos::scenario::rss_bytes;
 use serde_json::Value;
 
-mod support;
+use crate::support;
 
 /// The server's resident set must stay under this (it idles at ~15 MiB).
 const RSS_BOUND_BYTES: u64 = 512 << 20;

@@ -2,10 +2,9 @@
 //! (it is the session leader and the terminal's foreground group, as a command typed
 //! at a shell prompt is), against a real `fencelock serve`.
 //!
-//! Run: `cargo test -p fencelock-cli --test run_terminal`
+//! Run: `cargo test -p fencelock-cli --test it run_terminal::`
 
-#[allow(dead_code)] // `serve` and `BIN`.
-mod support;
+use crate::support;
 
 use std::ffi::{CStr, OsStr};
 use std::fs::File;

@@ -17,7 +17,7 @@ use fencelock::{
 };
 use serde_json::Value;
 
-mod support;
+use crate::support;
 
 use support::BIN;
 

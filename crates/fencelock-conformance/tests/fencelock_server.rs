@@ -1,5 +1,5 @@
 //! The conformance suite against the fencelock server itself.
 
-mod support;
+use crate::support;
 
 fencelock_conformance::conformance_suite!(support::start());

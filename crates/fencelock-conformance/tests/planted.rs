@@ -2,9 +2,8 @@
 //! the fencelock server's backend in one planted bug and asserts that the case meant
 //! to catch it fails (panics), while the same case passes on the honest backend.
 
-#[macro_use]
-mod planted_support;
-mod support;
+use crate::planted_support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -4,8 +4,7 @@
 //! while the same case passes on the honest backend. The planted fixture, the runner
 //! and `catches!` are shared with `planted.rs` (`planted_support/`).
 
-#[macro_use]
-mod planted_support;
+use crate::planted_support;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

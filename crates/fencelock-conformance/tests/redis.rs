@@ -5,8 +5,7 @@
 //! connection is `Unavailable` and the next call reconnects, and fences are called
 //! durable only when the server's settings say so.
 
-#[path = "support/raw_redis.rs"]
-mod raw_redis;
+use crate::raw_redis;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

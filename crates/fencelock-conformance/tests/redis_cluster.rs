@@ -5,8 +5,7 @@
 //! Partitions: the fixture's addresses are the nodes'; a client given proxies maps the
 //! nodes' addresses (as `CLUSTER SLOTS` reports them) to its proxies.
 
-#[path = "support/raw_redis.rs"]
-mod raw_redis;
+use crate::raw_redis;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

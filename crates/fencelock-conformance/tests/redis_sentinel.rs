@@ -7,8 +7,7 @@
 //! address through a DNS resolver mapping it to the proxy — so cutting the proxy cuts
 //! the client's commands, as a partition between it and the master would.
 
-#[path = "support/raw_redis.rs"]
-mod raw_redis;
+use crate::raw_redis;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

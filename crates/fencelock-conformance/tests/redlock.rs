@@ -4,8 +4,7 @@
 //! held on two instances blocks the lock, and fences keep increasing when the majority
 //! changes (the write-back).
 
-#[path = "support/raw_redis.rs"]
-mod raw_redis;
+use crate::raw_redis;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

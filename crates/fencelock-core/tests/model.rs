@@ -6,14 +6,14 @@
 //! ends with the no-deadlock check: once every holder releases and time passes
 //! every lease, every queued multi-lock request has been granted or has left.
 //!
-//! More cases: `PROPTEST_CASES=50000 cargo test -p fencelock-core --test model`.
+//! More cases: `PROPTEST_CASES=50000 cargo test -p fencelock-core --test it model::`.
 //! A failure prints the failing step, the script up to it (one `+dt command` per
 //! line), and proptest's shrunk input. The planted bugs this comparison catches
 //! (a multi-lock granted partly, a reader granted past a queued writer, an
 //! election term reused) are in `crates/fencelock-sim/tests/model_planted.rs`,
 //! the one crate that compiles the core's `planted-bugs` switches.
 
-mod common;
+use crate::common;
 
 use std::cell::RefCell;
 

@@ -7,7 +7,7 @@
 //!   original.
 //! - `import` refuses an image that breaks an invariant, instead of loading it.
 
-mod common;
+use crate::common;
 
 use common::{config_strategy, name, owner_of, sid, steps_strategy, tok, Step};
 use fencelock_core::{

@@ -1,7 +1,7 @@
 //! Sessions owned by the principal that opened them, and per-principal quotas
 //! (issue 19 items 2, 3, 7): checked through `Core::apply` like a client would.
 
-mod common;
+use crate::common;
 
 use common::{name, owner_of, sid, tok};
 use fencelock_core::{

@@ -1,7 +1,7 @@
 //! The file gate: stale writes are refused and change nothing, across threads and
 //! across processes; the largest fence's contents win.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 
@@ -102,16 +102,15 @@ fn processes_end_with_the_largest_fence() {
     let shares: Vec<Vec<u64>> = (0..3).map(|_| rng.fences(25, 100)).collect();
     let max = *shares.iter().flatten().max().unwrap();
     let exe = std::env::current_exe().unwrap();
+    // The test's own name in its binary (`file::…` in `tests/it.rs`), for `--exact`.
+    let module = module_path!().split_once("::").map_or("", |(_, m)| m);
+    let this_test = format!("{module}::processes_end_with_the_largest_fence");
     let children: Vec<_> = shares[1..]
         .iter()
         .map(|share| {
             let list: Vec<String> = share.iter().map(u64::to_string).collect();
             Command::new(&exe)
-                .args([
-                    "--exact",
-                    "processes_end_with_the_largest_fence",
-                    "--test-threads=1",
-                ])
+                .args(["--exact", &this_test, "--test-threads=1"])
                 .env(CHILD_DIR, dir.path())
                 .env(CHILD_FENCES, list.join(","))
                 .stdout(std::process::Stdio::null())

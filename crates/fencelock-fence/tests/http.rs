@@ -1,6 +1,6 @@
 //! The HTTP middleware, in front of an axum app whose handler records what it applied.
 
-mod support;
+use crate::support;
 
 use std::sync::{Arc, Mutex};
 

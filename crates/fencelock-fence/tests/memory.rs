@@ -1,7 +1,7 @@
 //! The in-memory gate: stale writes are refused and change nothing; concurrent writers
 //! end with the largest fence's value, and accepted fences only ever increase.
 
-mod support;
+use crate::support;
 
 use std::sync::{Arc, Mutex};
 

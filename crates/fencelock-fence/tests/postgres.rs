@@ -1,6 +1,6 @@
 //! The PostgreSQL gate against a real server started for each test (fencelock-testkit).
 
-mod support;
+use crate::support;
 
 use fencelock_fence::{ErrorKind, FenceGate, GateMetrics, PgFence, PgGate, PgWrite};
 use fencelock_testkit::Postgres;

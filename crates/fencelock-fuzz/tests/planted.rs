@@ -10,7 +10,7 @@
 //!   since `log.durable` refuses a flip in the final synced batch after a process
 //!   crash, it also deletes `log.durable`, as a power loss can lose its last write.)
 
-mod support;
+use crate::support;
 
 use support::{seeds, Harness, TARGETS};
 

@@ -1,9 +1,9 @@
 //! The audit log through the HTTP API: what is recorded, query filters, rebuilding
 //! lost entries from the command log, and the dashboard's pages over it.
 //!
-//! Run: `cargo test -p fencelock-server --test audit`
+//! Run: `cargo test -p fencelock-server --test it audit::`
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 

@@ -5,7 +5,7 @@
 //! and the chaos crate's tests; these check the API contract and the invariants a
 //! graceful stop or a membership change exercises.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};

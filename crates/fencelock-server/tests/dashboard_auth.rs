@@ -3,9 +3,9 @@
 //! prefixes, force-release needs an admin, a reason and a same-origin request, and
 //! the audit log names the admin.
 //!
-//! Run: `cargo test -p fencelock-server --test dashboard_auth`
+//! Run: `cargo test -p fencelock-server --test it dashboard_auth::`
 
-mod support;
+use crate::support;
 
 use fencelock_server::{AuthConfig, Role, TokenConfig};
 use serde_json::{json, Value};

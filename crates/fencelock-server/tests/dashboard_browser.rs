@@ -11,9 +11,9 @@
 //! Needs Debian's `chromium` (`apt-get install -y chromium`, or `$CHROMIUM`); without
 //! it the test fails, saying so. It never skips.
 //!
-//! Run: `cargo test -p fencelock-server --test dashboard_browser -- --nocapture`
+//! Run: `cargo test -p fencelock-server --test it dashboard_browser:: -- --nocapture`
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -4,9 +4,9 @@
 //! live stream's partials and in the force-release answer with its out-of-band
 //! sections; so does a force-release reason with markup.
 //!
-//! Run: `cargo test -p fencelock-server --test dashboard_escaping`
+//! Run: `cargo test -p fencelock-server --test it dashboard_escaping::`
 
-mod support;
+use crate::support;
 
 use serde_json::json;
 use support::{pct, TestServer, IO_TIMEOUT};

@@ -2,9 +2,9 @@
 //! on the lock's page, each waiter's mode and the waiters per mode, and an
 //! election's leader, term and value (escaped like every user string).
 //!
-//! Run: `cargo test -p fencelock-server --test dashboard_kinds`
+//! Run: `cargo test -p fencelock-server --test it dashboard_kinds::`
 
-mod support;
+use crate::support;
 
 use serde_json::json;
 use support::{pct, TestServer, IO_TIMEOUT};

@@ -2,9 +2,9 @@
 //! dashboard queries is exported by a live server (and every exported metric is on
 //! the dashboard), and the systemd unit keeps its hardening and its data directory.
 //!
-//! Run: `cargo test -p fencelock-server --test deploy`
+//! Run: `cargo test -p fencelock-server --test it deploy::`
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;

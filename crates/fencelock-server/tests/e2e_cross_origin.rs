@@ -13,9 +13,9 @@
 //! force-release alone released the lock.
 //!
 //! Needs `node`, `/usr/bin/chromium` (or `$CHROMIUM`) and `npm ci` in `tests/e2e`,
-//! like `e2e_dashboard.rs`. Run: `cargo test -p fencelock-server --test e2e_cross_origin`
+//! like `e2e_dashboard.rs`. Run: `cargo test -p fencelock-server --test it e2e_cross_origin::`
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

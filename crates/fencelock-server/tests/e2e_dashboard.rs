@@ -8,9 +8,9 @@
 //! Needs `node`, `/usr/bin/chromium` (or `$CHROMIUM`) and `npm ci` in `tests/e2e`;
 //! `scripts/test.sh` installs them. Missing tools fail this test, they never skip it.
 //!
-//! Run: `cargo test -p fencelock-server --test e2e_dashboard`
+//! Run: `cargo test -p fencelock-server --test it e2e_dashboard::`
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,9 +1,9 @@
 //! The HTTP/JSON v1 contract (docs/design.md §4), tested through a real server on a random
 //! port with its own data directory, with a raw HTTP/1.1 client (`support`).
 //!
-//! Run: `cargo test -p fencelock-server --test http_api`
+//! Run: `cargo test -p fencelock-server --test it http_api::`
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

@@ -2,9 +2,9 @@
 //! downgrade, multi-locks and elections, and every bad input refused with 400
 //! `invalid_argument` and the state unchanged.
 //!
-//! Run: `cargo test -p fencelock-server --test kinds_http`
+//! Run: `cargo test -p fencelock-server --test it kinds_http::`
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

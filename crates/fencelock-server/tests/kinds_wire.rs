@@ -1,7 +1,7 @@
 //! The lock kinds over `flw/1`: shared acquires, multi-locks, release-all,
 //! downgrade and elections, and their bad inputs refused with `invalid_argument`.
 
-mod support;
+use crate::support;
 
 use fencelock_proto::wire::{self, Request, Response};
 use fencelock_proto::{

@@ -11,7 +11,7 @@
 //!   schema does not list (a field added without its type changing cannot happen, but
 //!   a hand-written body could).
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;

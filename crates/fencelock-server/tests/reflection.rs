@@ -2,7 +2,7 @@
 //! discovers `fencelock.v1.Locks` and its methods from the server itself, with and
 //! without authentication, over v1 and the older v1alpha.
 
-mod support;
+use crate::support;
 
 use fencelock_server::{AuthConfig, Role, TokenConfig};
 use prost::Message;

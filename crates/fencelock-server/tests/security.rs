@@ -4,7 +4,7 @@
 //! The refusal tests take a fingerprint of the whole state with an admin token before
 //! and after the refused requests, so "refused" always also means "changed nothing".
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

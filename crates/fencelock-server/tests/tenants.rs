@@ -2,7 +2,7 @@
 //! within their prefixes, and every mutating request is rate limited (issue 19
 //! items 2, 3): over HTTP and gRPC, against an in-process server.
 
-mod support;
+use crate::support;
 
 use fencelock_proto::wire::{self, Hello, Request, Response as WireResponse};
 use fencelock_proto::AcquireRequest;

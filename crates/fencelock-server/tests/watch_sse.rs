@@ -2,7 +2,7 @@
 //! `Last-Event-ID` (issue 22, item 5), its bad input answered 400, a position the
 //! server cannot resume from answered 410, and tenant isolation as on every read.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! The wire protocol `flw/1` over a real server: a raw test client on a tokio
 //! `TcpStream` sends frames (good and bad) and reads the answers.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -41,7 +41,7 @@
 //!   wall-clock checks. Each run prints a summary line (seeds, operations, faults by
 //!   kind, violations).
 //! - `FENCELOCK_SIM_SEEDS=N` runs N seeds (`FENCELOCK_SIM_FIRST_SEED=S` from S);
-//!   `FENCELOCK_SIM_SEED=S cargo test -p fencelock-sim --test seeds every_seed -- --nocapture`
+//!   `FENCELOCK_SIM_SEED=S cargo test -p fencelock-sim --test it seeds::every_seed -- --nocapture`
 //!   replays seed S with a step trace (`FENCELOCK_SIM_PLANT=NAME` with a planted bug).
 //! - `cargo run -p fencelock-sim --release -- --seeds 100000` for long runs.
 //!
@@ -399,6 +399,6 @@ pub fn replay_command(seed: u64, planted: Option<PlantedBug>) -> String {
         format!("FENCELOCK_SIM_PLANT={} ", b.name())
     });
     format!(
-        "{plant}FENCELOCK_SIM_SEED={seed} cargo test -p fencelock-sim --test seeds every_seed -- --nocapture"
+        "{plant}FENCELOCK_SIM_SEED={seed} cargo test -p fencelock-sim --test it seeds::every_seed -- --nocapture"
     )
 }

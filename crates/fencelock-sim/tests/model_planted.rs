@@ -9,8 +9,7 @@
 //! module by path, so the comparison that runs in the core's CI is the one shown
 //! to catch these bugs.
 
-#[path = "../../fencelock-core/tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 

@@ -1,7 +1,7 @@
 //! Runs the simulation over many seeds; every failure prints its seed and the command
 //! that replays it.
 //!
-//! - `cargo test -p fencelock-sim --test seeds`: 1,000 seeds (0..1000), under a minute
+//! - `cargo test -p fencelock-sim --test it seeds::`: 1,000 seeds (0..1000), under a minute
 //!   in a debug build (long runs: `cargo run -p fencelock-sim --release -- --seeds N`).
 //! - `FENCELOCK_SIM_SEEDS=N`: run N seeds instead; `FENCELOCK_SIM_FIRST_SEED=S` starts
 //!   at S.

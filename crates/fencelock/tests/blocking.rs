@@ -2,7 +2,7 @@
 //! renewal while the caller's thread blocks, release, release on drop, and a clear
 //! error (not a panic) when called from inside an async runtime.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! The client library against a real fencelock server: acquisition, renewal, the
 //! lost-lock signal under a partition, `with_lock`, release on drop, retries.
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

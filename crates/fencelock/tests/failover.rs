@@ -4,7 +4,7 @@
 //! same request id. The "members" that are not the leader are fakes speaking `flw/1`
 //! that answer every request with `not_leader`; the leader is a real server.
 
-mod support;
+use crate::support;
 
 #[allow(unused_imports)] // The proxy is for other test files.
 use support::Proxy as _;

@@ -2,8 +2,7 @@
 //! elections and multi-locks, against a real server.
 
 // Each test binary uses a different part of the support module.
-#[allow(unused_imports)]
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

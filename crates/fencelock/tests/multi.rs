@@ -4,8 +4,7 @@
 //! by one, and a store without multi-locks is refused without a lock being taken.
 
 // Each test binary uses a different part of the support module.
-#[allow(unused_imports)]
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! off by a partition before the server can expire it), close and drop, waiting
 //! forever, and a store without sessions.
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

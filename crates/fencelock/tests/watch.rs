@@ -2,8 +2,7 @@
 //! gap or a repeat, and, when the server can no longer resume, fails with the
 //! distinct `ErrorKind::WatchCompacted` instead of skipping ahead.
 
-#[allow(unused_imports)] // Each test binary uses a different part of it.
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

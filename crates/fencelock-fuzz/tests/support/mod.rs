@@ -1,6 +1,6 @@
 //! Seed inputs for every fuzz target: hand-written, valid encodings made with the
 //! real encoders, and a few known-bad ones. `tests/seeds.rs` runs them on stable;
-//! `FENCELOCK_FUZZ_WRITE_SEEDS=1 cargo test -p fencelock-fuzz --test seeds` writes
+//! `FENCELOCK_FUZZ_WRITE_SEEDS=1 cargo test -p fencelock-fuzz --test it seeds::` writes
 //! them to `fuzz/seeds/<target>/` for `scripts/fuzz.sh` to start from.
 #![allow(dead_code)]
 

@@ -1,0 +1,10 @@
+//! The integration tests of this crate, one module per file, linked into one test
+//! binary: one link and one copy of the shared test support instead of one per file.
+//! Run one file's tests with `cargo nextest run -p fencelock-fuzz -E 'test(/^<file>::/)'`
+//! or `cargo test -p fencelock-fuzz --test it <file>::`.
+
+mod support;
+
+mod planted;
+mod regressions;
+mod seeds;

@@ -1,0 +1,8 @@
+//! The integration tests of this crate, one module per file, linked into one test
+//! binary: one link and one copy of the shared test support instead of one per file.
+//! Run one file's tests with `cargo nextest run -p fencelock-log -E 'test(/^<file>::/)'`
+//! or `cargo test -p fencelock-log --test it <file>::`.
+
+mod corruption;
+mod log;
+mod migration;

@@ -1,0 +1,15 @@
+//! The integration tests of this crate, one module per file, linked into one test
+//! binary: one link and one copy of the shared test support instead of one per file.
+//! Run one file's tests with `cargo nextest run -p fencelock -E 'test(/^<file>::/)'`
+//! or `cargo test -p fencelock --test it <file>::`.
+
+mod support;
+
+mod blocking;
+mod client;
+mod failover;
+mod kinds;
+mod multi;
+mod security;
+mod sessions;
+mod watch;
