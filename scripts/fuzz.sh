@@ -3,7 +3,7 @@
 # any crash, hang or out-of-memory. Needs the nightly toolchain; installs
 # cargo-fuzz if it is missing.
 #
-#   scripts/fuzz.sh              # 20 s per target (CI)
+#   scripts/fuzz.sh              # 20 s per target
 #   scripts/fuzz.sh 3600         # an hour per target (before a release)
 #   scripts/fuzz.sh 60 log_dir   # only some targets
 #   scripts/fuzz.sh --planted 20 # each target with its planted bug on: every one

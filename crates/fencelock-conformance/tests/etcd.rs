@@ -169,6 +169,9 @@ async fn a_mutex_waiter_watches_only_its_predecessor() {
     let gave_up = step(t2).await.expect("w2 task").expect_err("w2 granted");
     assert_eq!(gave_up.kind(), ErrorKind::Timeout, "{gave_up}");
     until("w3 woken by w2 leaving", || async { w3.wakeups() == 1 }).await;
+    // Its next wait (on w1) has begun: a release before that would find w3 first in
+    // line when it looks, granted without a second wakeup.
+    until("w3 waits for w1", || async { w3.waits() == 2 }).await;
     assert_eq!(queue_len(&observer, name).await, 3, "w2's key is gone");
 
     assert!(step(holder.release(&held)).await.expect("release"));

@@ -159,6 +159,7 @@ pub struct EtcdBackend {
     prefix: String,
     request_timeout: Duration,
     wakeups: Arc<AtomicU64>,
+    waits: Arc<AtomicU64>,
     /// With credentials: the current token.
     auth: Option<Arc<Auth>>,
 }
@@ -307,6 +308,7 @@ impl EtcdBackend {
             prefix: config.prefix.trim_end_matches('/').to_owned(),
             request_timeout: config.request_timeout,
             wakeups: Arc::new(AtomicU64::new(0)),
+            waits: Arc::new(AtomicU64::new(0)),
             auth: config.credentials.map(|credentials| {
                 Arc::new(Auth {
                     credentials,
@@ -366,6 +368,13 @@ impl EtcdBackend {
     /// just ahead of it goes, so this counts hand-offs, not every release.
     pub fn wakeups(&self) -> u64 {
         self.wakeups.load(Ordering::Relaxed)
+    }
+
+    /// How many times a waiter of this backend (and its clones) looked at the queue
+    /// and started waiting for a key ahead of it to go: once when it queues, then
+    /// once after each wakeup that did not make it the holder.
+    pub fn waits(&self) -> u64 {
+        self.waits.load(Ordering::Relaxed)
     }
 
     /// How many times this backend (and its clones) authenticated: once at first use,
@@ -635,6 +644,7 @@ impl EtcdBackend {
                     format!("{:?} is held", spec.name),
                 ));
             }
+            self.waits.fetch_add(1, Ordering::Relaxed);
             let keep = KeepAlive {
                 lease_id: pending.lease_id,
                 every: keepalive_every,

@@ -648,22 +648,15 @@ async fn a_replication_stream_answers_pipelined_requests_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn members_are_added_and_removed_and_leadership_moves() {
     let mut cluster = Cluster::start(3).await;
-    let l = cluster.leader().await;
-    let lc = cluster.members[l].client();
-    acquire(&lc, json!({"name": "m:1", "ttl_ms": 30000}))
-        .await
-        .expect_json(200);
+    // Every change goes through whichever member leads: an election may come between
+    // two requests on a loaded machine, and each of these requests may be repeated.
+    let (l, _) = acquire_at_leader(&cluster, json!({"name": "m:1", "ttl_ms": 30000})).await;
 
     // Member 4 starts empty, waiting to be added.
     cluster.start_joining(4).await;
     let (listen, peer) = (cluster.members[3].listen, cluster.members[3].peer);
-    let added = lc
-        .post(
-            "/v1/cluster/members",
-            &json!({"id": 4, "peer_addr": peer.to_string(), "url": format!("http://{listen}")}),
-        )
-        .await
-        .expect_json(200);
+    let add = json!({"id": 4, "peer_addr": peer.to_string(), "url": format!("http://{listen}")});
+    let added = post_at_leader(&cluster, "/v1/cluster/members", &add).await;
     let four = added["members"]
         .as_array()
         .unwrap()
@@ -674,12 +667,13 @@ async fn members_are_added_and_removed_and_leadership_moves() {
     assert_eq!(four["role"], json!("follower"), "{added}");
     // It has the state.
     let c4 = Client::new(listen);
-    eventually("member 4 applies the lock", || async move {
+    eventually("member 4 applies the lock", || async {
         (c4.get("/v1/locks/m:1?stale=true").await.status == 200).then_some(())
     })
     .await;
 
     // Bad requests are refused before anything changes.
+    let lc = cluster.members[cluster.leader().await].client();
     lc.post(
         "/v1/cluster/members",
         &json!({"id": 0, "peer_addr": "x", "url": "y"}),
@@ -691,9 +685,7 @@ async fn members_are_added_and_removed_and_leadership_moves() {
         .expect_error(404, "not_found");
 
     // Leadership moves to member 4, then member 1 (or whoever led) leaves.
-    lc.post("/v1/cluster/transfer-leader", &json!({"id": 4}))
-        .await
-        .expect_json(200);
+    post_at_leader(&cluster, "/v1/cluster/transfer-leader", &json!({"id": 4})).await;
     assert_eq!(cluster.leader().await, 3);
     let old_id = cluster.members[l].id;
     let removed = c4
@@ -701,9 +693,7 @@ async fn members_are_added_and_removed_and_leadership_moves() {
         .await
         .expect_json(200);
     assert_eq!(removed["members"].as_array().unwrap().len(), 3, "{removed}");
-    let g = acquire(&c4, json!({"name": "m:2", "ttl_ms": 30000}))
-        .await
-        .expect_json(200);
+    let (_, g) = acquire_at_leader(&cluster, json!({"name": "m:2", "ttl_ms": 30000})).await;
     assert_eq!(g["fence"], json!(2));
     cluster.stop_all().await;
 }
@@ -837,6 +827,23 @@ async fn acquire_at_leader(cluster: &Cluster, body: Value) -> (usize, Value) {
             let r = acquire(&m.client(), body.clone()).await;
             if r.status == 200 {
                 return Some((i, r.json()));
+            }
+        }
+        None
+    })
+    .await
+}
+
+/// Posts `body` to `path` at whichever member leads, again after a `not_leader`
+/// answer, and returns the leader's 200 answer: for requests that may be repeated.
+async fn post_at_leader(cluster: &Cluster, path: &str, body: &Value) -> Value {
+    eventually("a leader answers", || async {
+        for (_, m) in cluster.running() {
+            let r = m.client().post(path, body).await;
+            match r.status {
+                200 => return Some(r.json()),
+                503 => continue,
+                _ => panic!("{path}: {} {}", r.status, r.text()),
             }
         }
         None
